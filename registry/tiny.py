@@ -1,0 +1,180 @@
+"""Deterministic tiny checkpoints: real Hugging Face folders made locally, no network.
+
+`make_tiny_checkpoint("llama", out_dir)` writes config.json, model.safetensors and a
+tokenizer (byte-level BPE trained on a built-in corpus, with a ChatML chat template)
+for a small random model of that architecture. The same seed gives the same bytes, so
+tests and the default app can rely on it. Model IDs of the form `servax-tiny/<name>`
+are materialised on first use under the servax cache (see `tiny_checkpoint_path`).
+
+    python -m registry.tiny llama ./tiny-llama      # or: --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+TINY_PREFIX = "servax-tiny/"
+VOCAB_SIZE = 512
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Enough text for a byte-level BPE with a few hundred merges; English words, code and
+# punctuation so that tokenization of everyday prompts is not byte-by-byte.
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+Serving large language models means batching many requests, caching keys and values in pages of memory,
+and sampling the next token quickly. The engine schedules prefills and decodes in every step.
+Hello world! How are you today? I am fine, thank you. What is the capital of France? Paris is.
+def generate(prompt, max_tokens=16):
+    return model.generate(prompt, max_tokens=max_tokens)
+for i in range(10): print(i, i * i)
+Once upon a time there was a little model that wanted to talk. It learned words, numbers 0 1 2 3 4 5 6 7 8 9,
+and the names of the days: Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday.
+The weather is nice and the sun is shining. Please write a short poem about the sea and the stars.
+User: tell me a story. Assistant: Once there was a river that ran to the ocean, singing all the way.
+"""
+
+# Small configs per architecture: 2 layers, hidden 64, GQA where the family supports it.
+# initializer_range is large on purpose: random logits must have clear winners so greedy
+# decoding is not decided by float rounding when two implementations are compared.
+_COMMON = dict(vocab_size=VOCAB_SIZE, initializer_range=0.2, tie_word_embeddings=False)
+_LLAMA_LIKE = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, **_COMMON,
+)
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    # name: (transformers config class, kwargs)
+    "llama": ("LlamaConfig", dict(_LLAMA_LIKE, rope_theta=10000.0)),
+    "llama3": ("LlamaConfig", dict(
+        _LLAMA_LIKE, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=256),
+    )),
+    "mistral": ("MistralConfig", dict(_LLAMA_LIKE, sliding_window=24, head_dim=16)),
+    "qwen2": ("Qwen2Config", dict(_LLAMA_LIKE, use_sliding_window=False)),
+    "qwen3": ("Qwen3Config", dict(_LLAMA_LIKE, head_dim=32)),
+    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=1024, **_COMMON)),
+    "gpt_neox": ("GPTNeoXConfig", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=1024, rotary_pct=0.5, **_COMMON,
+    )),
+    "opt": ("OPTConfig", dict(
+        hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=1024, word_embed_proj_dim=64, **_COMMON,
+    )),
+    "phi": ("PhiConfig", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=1024, partial_rotary_factor=0.5, **_COMMON,
+    )),
+    "phi3": ("Phi3Config", dict(_LLAMA_LIKE, pad_token_id=3)),
+    "gemma": ("GemmaConfig", dict(_LLAMA_LIKE, head_dim=16)),
+    "stablelm": ("StableLmConfig", dict(_LLAMA_LIKE, partial_rotary_factor=0.5)),
+    "mixtral": ("MixtralConfig", dict(_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(
+        _LLAMA_LIKE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=128, decoder_sparse_step=1, use_sliding_window=False,
+    )),
+}
+
+
+def cache_root() -> Path:
+    """Where servax keeps generated checkpoints ($SERVAX_CACHE or ~/.cache/servax)."""
+    return Path(os.environ.get("SERVAX_CACHE", Path.home() / ".cache" / "servax"))
+
+
+def make_tokenizer():
+    """A byte-level BPE PreTrainedTokenizerFast with ChatML special tokens, trained in memory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=None, eos_token="<|endoftext|>", pad_token="<pad>",
+        unk_token=None, additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_tiny_checkpoint(
+    name: str, out_dir: str | os.PathLike, *, seed: int = 0, dtype: str = "float32",
+    **config_overrides: Any,
+) -> Path:
+    """Write a tiny random Hugging Face checkpoint of architecture `name` to `out_dir`.
+
+    Raises:
+        KeyError: `name` is not one of TINY_CONFIGS.
+    """
+    import torch
+    import transformers
+
+    if name not in TINY_CONFIGS:
+        raise KeyError(f"no tiny config named {name!r}; known: {sorted(TINY_CONFIGS)}")
+    class_name, kwargs = TINY_CONFIGS[name]
+    tokenizer = make_tokenizer()
+    if len(tokenizer) > VOCAB_SIZE:
+        raise AssertionError(f"tokenizer has {len(tokenizer)} tokens, more than {VOCAB_SIZE}")
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    kwargs = dict(kwargs, bos_token_id=eos, eos_token_id=eos)
+    kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
+    kwargs.update(config_overrides)
+    config = getattr(transformers, class_name)(**kwargs)
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model.to(getattr(torch, dtype)).eval()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "servax_tiny.json").write_text(json.dumps({"name": name, "seed": seed, "dtype": dtype}))
+    return out
+
+
+def tiny_checkpoint_path(model_id: str) -> Path:
+    """Materialise `servax-tiny/<name>` under the cache on first use and return its folder."""
+    name = model_id[len(TINY_PREFIX):]
+    out = cache_root() / "tiny" / name
+    if not (out / "servax_tiny.json").exists():
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        make_tiny_checkpoint(name, tmp)
+        tmp.replace(out) if not out.exists() else None
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", nargs="?", help="architecture, one of --list")
+    parser.add_argument("out_dir", nargs="?")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--list", action="store_true", help="print the known names")
+    args = parser.parse_args(argv)
+    if args.list or not args.name:
+        print("\n".join(sorted(TINY_CONFIGS)))
+        return
+    if not args.out_dir:
+        parser.error("out_dir is required")
+    print(make_tiny_checkpoint(args.name, args.out_dir, seed=args.seed, dtype=args.dtype))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

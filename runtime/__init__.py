@@ -1,0 +1,31 @@
+"""servax runtime: the engine that executes every model's step function.
+
+Public API (imported lazily so that `import runtime.step` stays light):
+
+    from runtime import LLM, SamplingParams, EngineConfig, AsyncLLMEngine
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "EngineConfig": "runtime.config",
+    "StepInput": "runtime.step",
+    "KVCacheSpec": "runtime.step",
+    "LoadedModel": "runtime.step",
+    "SamplingParams": "runtime.sampling_params",
+    "RequestOutput": "runtime.outputs",
+    "CompletionOutput": "runtime.outputs",
+    "LLM": "runtime.llm",
+    "AsyncLLMEngine": "runtime.async_engine",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'runtime' has no attribute {name!r}")

@@ -1,0 +1,154 @@
+"""The step contract: the one seam where both model paths meet the runtime.
+
+Every model servax serves, native JAX or torchax-wrapped transformers, is reduced to
+
+    step_fn(params, kv_cache, batch: StepInput) -> (logits[S, vocab], kv_cache)
+
+a pure function: weights and the paged KV cache go in as arguments and come back out,
+nothing hides in module state. The runtime owns everything around it (scheduling,
+the block pool, sampling, sharding, compilation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Protocol
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+# One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
+KVCache = list[tuple[jax.Array, jax.Array]]
+
+
+@flax.struct.dataclass
+class StepInput:
+    """One ragged, padded batch: T token slots for S sequence slots.
+
+    Tokens of sequence i are input_ids[query_start_loc[i]:query_start_loc[i+1]]: a whole
+    prompt, a chunk of one (chunked prefill, starting mid-sequence) or one decode token.
+    T and S are padded up to precompiled buckets. Padding tokens carry an out-of-range
+    slot (so their K/V is written nowhere) and padding sequences have seq_lens == 0;
+    their outputs are ignored by the caller.
+    """
+
+    input_ids: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32, position of each token in its sequence
+    slot_mapping: jax.Array  # [T] int32, flat cache slot (block * block_size + offset) for the new K/V
+    block_tables: jax.Array  # [S, max_blocks_per_seq] int32, physical block ids per sequence
+    seq_lens: jax.Array  # [S] int32, context length after this step (cached + new tokens)
+    query_start_loc: jax.Array  # [S + 1] int32, offsets of each sequence's tokens in the T axis
+    logits_indices: jax.Array  # [S] int32, the token whose logits each sequence needs
+    num_seqs: jax.Array  # [] int32, real sequences (<= S)
+    num_tokens: jax.Array  # [] int32, real tokens (<= T)
+
+    @property
+    def padded_num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def padded_num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+    """What a model needs from the KV cache; the runtime sizes, allocates and shards it."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: Any  # a jnp dtype
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """Bytes one block takes across all layers, K and V."""
+        itemsize = np.dtype(self.dtype).itemsize
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+class StepFn(Protocol):
+    def __call__(
+        self, params: PyTree, kv_cache: KVCache, batch: StepInput
+    ) -> tuple[jax.Array, KVCache]:  # logits [S, vocab] float32
+        ...
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """What `registry.load` returns, whatever the implementation path.
+
+    Attributes:
+        step_fn: the pure step function (not yet jitted; the runtime jits it).
+        params: the weights as jax.Arrays, placed with `param_shardings` on the mesh.
+        kv_spec: what the KV cache must look like.
+        param_shardings: PartitionSpecs for params (same tree structure as params).
+        kv_partition_spec: PartitionSpec for one [num_blocks, block_size, kv_heads, head_dim]
+            cache array under the mesh the params were placed on.
+        tokenizer: the checkpoint's Hugging Face tokenizer (None if it has none).
+        hf_config: the transformers PretrainedConfig.
+        impl: "jax" (native models_jax) or "torchax" (wrapped transformers model).
+        model_id: the ID or path it was resolved from.
+        max_model_len: the context length the model supports (max_position_embeddings).
+        vocab_size: rows of the logits.
+    """
+
+    step_fn: Callable[..., tuple[jax.Array, KVCache]]
+    params: PyTree
+    kv_spec: KVCacheSpec
+    param_shardings: PyTree
+    kv_partition_spec: Any
+    tokenizer: Any
+    hf_config: Any
+    impl: str
+    model_id: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def allocate_kv_cache(
+    spec: KVCacheSpec, num_blocks: int, block_size: int, sharding: jax.sharding.Sharding | None = None
+) -> KVCache:
+    """Zero-filled paged KV cache: per layer (k, v), each [num_blocks, block_size, kv_heads, head_dim]."""
+    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+
+    def zeros() -> jax.Array:
+        if sharding is None:
+            return jnp.zeros(shape, spec.dtype)
+        return jax.jit(lambda: jnp.zeros(shape, spec.dtype), out_shardings=sharding)()
+
+    return [(zeros(), zeros()) for _ in range(spec.num_layers)]
+
+
+def make_step_input(
+    *,
+    input_ids: np.ndarray,
+    positions: np.ndarray,
+    slot_mapping: np.ndarray,
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    query_start_loc: np.ndarray,
+    logits_indices: np.ndarray,
+    num_seqs: int,
+    num_tokens: int,
+) -> StepInput:
+    """A StepInput from host arrays (int32), checking the shapes agree."""
+    t, s = len(input_ids), len(seq_lens)
+    assert positions.shape == (t,) and slot_mapping.shape == (t,), "token arrays must all be [T]"
+    assert block_tables.shape[0] == s and query_start_loc.shape == (s + 1,), "seq arrays must be [S]"
+    assert logits_indices.shape == (s,)
+    i32 = lambda a: np.asarray(a, dtype=np.int32)  # noqa: E731
+    return StepInput(
+        input_ids=i32(input_ids),
+        positions=i32(positions),
+        slot_mapping=i32(slot_mapping),
+        block_tables=i32(block_tables),
+        seq_lens=i32(seq_lens),
+        query_start_loc=i32(query_start_loc),
+        logits_indices=i32(logits_indices),
+        num_seqs=np.int32(num_seqs),
+        num_tokens=np.int32(num_tokens),
+    )
