@@ -67,6 +67,7 @@ def ragged_paged_attention(
         logit_soft_cap: if set, scores become cap * tanh(scores / cap) (Gemma 2).
         kv_chunk_blocks: blocks processed per loop iteration (default: ~64 tokens).
     """
+    q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     if num_heads % kv_heads:
