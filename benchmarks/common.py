@@ -1,0 +1,87 @@
+"""Shared pieces of the benchmarks: the machine, the reference model, tables, RESULTS.md."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+BENCH_DIR = Path(os.environ.get("SERVAX_BENCH_DIR", Path.home() / ".cache" / "servax" / "bench"))
+
+# ~100M-parameter Llama: 12 layers, hidden 768, MLP 3072, vocab of the tiny tokenizer (512),
+# so nearly all bytes are in the transformer layers, as in a real model.
+BENCH_LLAMA = dict(
+    hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+    num_key_value_heads=12, max_position_embeddings=2048, initializer_range=0.05,
+)
+
+
+def bench_checkpoint(name: str = "llama", **overrides) -> Path:
+    """A ~100M-parameter random Llama checkpoint, made once under BENCH_DIR."""
+    from registry.tiny import make_tiny_checkpoint
+
+    config = dict(BENCH_LLAMA, **overrides)
+    tag = "-".join(f"{k}{v}" for k, v in sorted(overrides.items())) or "default"
+    out = BENCH_DIR / f"{name}-100m-{tag}"
+    if not (out / "servax_tiny.json").exists():
+        make_tiny_checkpoint(name, out, **config)
+    return out
+
+
+def machine() -> str:
+    import jax
+    import torch
+
+    return (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"jax {jax.__version__} on {jax.devices()[0].platform} x{len(jax.devices())}, torch {torch.__version__}"
+    )
+
+
+def memory_read_bandwidth(size_mb: int = 512, repeats: int = 5) -> float:
+    """Bytes per second of streaming reads through XLA (a sum over a large array), best of N."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((size_mb * (1 << 20) // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        total(x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return x.nbytes / best
+
+
+def workload(num_requests: int = 64, seed: int = 0, vocab: int = 512):
+    """64 greedy requests: prompt lengths spread over 16-256 tokens, 64-128 output tokens."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(4, vocab, size=int(n)).tolist() for n in rng.integers(16, 257, num_requests)]
+    max_tokens = [int(m) for m in rng.integers(64, 129, num_requests)]
+    return prompts, max_tokens
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A GitHub-flavoured Markdown table."""
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
+
+
+def record(title: str, body: str) -> None:
+    """Print a result and append it, with the command and the machine, to RESULTS.md."""
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    text = f"\n## {title}\n\n`{command}` ({stamp}; {machine()})\n\n{body}\n"
+    print(text)
+    with RESULTS.open("a") as f:
+        f.write(text)
