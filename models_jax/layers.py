@@ -1,0 +1,137 @@
+"""Layers shared by the native models: RMSNorm, rotary embeddings, gated MLP, attention projections.
+
+Plain functions of einsums on a flat ragged token axis T. They compute in the dtype of
+their weights and follow the Hugging Face reference numerics (norms and rotary angles
+in float32), so that float32 logits match transformers to ~1e-5.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, statistics in float32 (as transformers does). x: [..., D]."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+# ---- rotary embeddings ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding settings read from a HF config (its `rope_parameters` / `rope_scaling`).
+
+    rope_type: default | linear | dynamic | llama3 (transformers' names).
+    inv_freq: [head_dim // 2] inverse frequencies after static scaling (float64 numpy, as a tuple).
+    dynamic_factor / max_position: dynamic NTK only; the base grows with the sequence length.
+    """
+
+    rope_type: str
+    head_dim: int
+    theta: float
+    inv_freq: tuple[float, ...]
+    dynamic_factor: float = 1.0
+    max_position: int = 0
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, head_dim: int) -> "RopeConfig":
+        """Raises ValueError on a rope type or partial rotary factor this module does not implement."""
+        params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported by the native JAX models; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)} (use impl='torchax' for others)"
+            )
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported by the native JAX models")
+        inv_freq = default_inv_freq(theta, head_dim)
+        dynamic_factor, max_position = 1.0, 0
+        if rope_type == "linear":
+            inv_freq = inv_freq / params["factor"]
+        elif rope_type == "llama3":
+            inv_freq = llama3_inv_freq(inv_freq, params)
+        elif rope_type == "dynamic":
+            dynamic_factor, max_position = float(params["factor"]), int(hf_config.max_position_embeddings)
+        return cls(rope_type, head_dim, theta, tuple(inv_freq.tolist()), dynamic_factor, max_position)
+
+
+def default_inv_freq(theta: float, head_dim: int) -> np.ndarray:  # [head_dim // 2] float32
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+    return (1.0 / (theta**exponents)).astype(np.float32)
+
+
+def llama3_inv_freq(inv_freq: np.ndarray, params: dict) -> np.ndarray:
+    """Llama 3.1 frequency-dependent scaling (transformers' `_compute_llama3_parameters`)."""
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(
+    rope: RopeConfig,
+    positions: jax.Array,  # [T] int32
+    seq_len: jax.Array,  # [T] int32, context length of each token's sequence (dynamic NTK only)
+) -> tuple[jax.Array, jax.Array]:  # cos, sin: [T, head_dim] float32
+    inv_freq = jnp.asarray(rope.inv_freq, jnp.float32)[None, :]  # [1, head_dim // 2]
+    if rope.rope_type == "dynamic":
+        # transformers recomputes the base from the current length once it exceeds
+        # max_position_embeddings; per token, that length is its sequence's.
+        d, f, m = rope.head_dim, rope.dynamic_factor, rope.max_position
+        length = jnp.maximum(seq_len, m).astype(jnp.float32)[:, None]
+        base = rope.theta * ((f * length / m) - (f - 1)) ** (d / (d - 2))
+        exponents = jnp.arange(0, d, 2, dtype=jnp.float32) / d
+        inv_freq = 1.0 / base**exponents  # [T, head_dim // 2]
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """HF "rotate half" rotary embedding. x: [T, heads, head_dim]; cos, sin: [T, head_dim]."""
+    cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+# ---- projections -----------------------------------------------------------------------
+
+
+def project_to_heads(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """x: [T, D] @ w: [D, heads, head_dim] (+ b: [heads, head_dim]) -> [T, heads, head_dim]."""
+    y = jnp.einsum("td,dhk->thk", x, w)
+    return y if b is None else y + b
+
+
+def project_from_heads(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """x: [T, heads, head_dim] @ w: [heads, head_dim, D] (+ b: [D]) -> [T, D]."""
+    y = jnp.einsum("thk,hkd->td", x, w)
+    return y if b is None else y + b
+
+
+def gated_mlp(x: jax.Array, p: dict) -> jax.Array:
+    """SwiGLU: down(silu(gate(x)) * up(x)). x: [T, D]; p: gate/up [D, F], down [F, D], optional biases."""
+    gate = jnp.einsum("td,df->tf", x, p["gate"])
+    up = jnp.einsum("td,df->tf", x, p["up"])
+    if "gate_bias" in p:
+        gate, up = gate + p["gate_bias"], up + p["up_bias"]
+    y = jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, p["down"])
+    return y + p["down_bias"] if "down_bias" in p else y

@@ -1,0 +1,180 @@
+"""The Llama family in plain JAX: Llama 2/3, Mistral, Qwen2 and Qwen3.
+
+The families differ only by flags read from the Hugging Face config: q/k/v biases
+(Qwen2), per-head q/k RMSNorm and an explicit head_dim (Qwen3), a sliding window
+(Mistral, or per layer via `layer_types`), the rotary scaling variant (Llama 3).
+
+    forward(params, kv_cache, batch, *, args) -> (logits [S, vocab] float32, kv_cache)
+
+is the servax step contract: a flat ragged token axis T, attention through the runtime's
+paged attention, and only the rows at `batch.logits_indices` go through the final norm
+and the LM head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from models_jax import layers
+from models_jax.weights import WeightSpec, head_bias, linear, linear_from_heads, linear_to_heads, vector
+from runtime.attention import paged_attention
+from runtime.step import KVCache, StepInput
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaArgs:
+    """Static hyperparameters of one model (hashable: it is closed over by the jitted step)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: layers.RopeConfig
+    sliding_windows: tuple[int | None, ...]  # per layer
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> "LlamaArgs":
+        """Raises ValueError on config features these models do not implement."""
+        arch = (cfg.architectures or ["LlamaForCausalLM"])[0]
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        num_layers = cfg.num_hidden_layers
+        window = getattr(cfg, "sliding_window", None)
+        if arch.startswith("Qwen") and not getattr(cfg, "use_sliding_window", False):
+            window = None
+        layer_types = getattr(cfg, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * num_layers
+        windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=num_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope=layers.RopeConfig.from_hf(cfg, head_dim),
+            sliding_windows=windows,
+            qkv_bias=is_qwen2 or bool(getattr(cfg, "attention_bias", False)),
+            o_bias=not is_qwen2 and bool(getattr(cfg, "attention_bias", False)),
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        )
+
+
+def weight_table(a: LlamaArgs) -> dict:
+    """The params tree as WeightSpecs: HF source, shapes and Megatron-style shardings.
+
+    q/k/v and gate/up are split by output (heads, features) on "model"; o_proj and
+    down_proj by input; the embedding and the LM head by vocab; norms are replicated.
+    """
+    d, f, hd = a.hidden_size, a.intermediate_size, a.head_dim
+    heads_out, heads_in = P(None, "model", None), P("model", None, None)
+
+    def layer(i: int) -> dict:
+        pre = f"model.layers.{i}."
+        attn, mlp = pre + "self_attn.", pre + "mlp."
+        w = {
+            "input_norm": vector(pre + "input_layernorm.weight", d),
+            "q": linear_to_heads(attn + "q_proj.weight", d, a.num_heads, hd, heads_out),
+            "k": linear_to_heads(attn + "k_proj.weight", d, a.num_kv_heads, hd, heads_out),
+            "v": linear_to_heads(attn + "v_proj.weight", d, a.num_kv_heads, hd, heads_out),
+            "o": linear_from_heads(attn + "o_proj.weight", a.num_heads, hd, d, heads_in),
+            "post_attn_norm": vector(pre + "post_attention_layernorm.weight", d),
+            "mlp": {
+                "gate": linear(mlp + "gate_proj.weight", d, f, P(None, "model")),
+                "up": linear(mlp + "up_proj.weight", d, f, P(None, "model")),
+                "down": linear(mlp + "down_proj.weight", f, d, P("model", None)),
+            },
+        }
+        if a.qkv_bias:
+            for name, heads in (("q", a.num_heads), ("k", a.num_kv_heads), ("v", a.num_kv_heads)):
+                w[name + "_bias"] = head_bias(attn + f"{name}_proj.bias", heads, hd, P("model", None))
+        if a.o_bias:
+            w["o_bias"] = vector(attn + "o_proj.bias", d)
+        if a.qk_norm:
+            w["q_norm"] = vector(attn + "q_norm.weight", hd)
+            w["k_norm"] = vector(attn + "k_norm.weight", hd)
+        if a.mlp_bias:
+            w["mlp"]["gate_bias"] = vector(mlp + "gate_proj.bias", f, P("model"))
+            w["mlp"]["up_bias"] = vector(mlp + "up_proj.bias", f, P("model"))
+            w["mlp"]["down_bias"] = vector(mlp + "down_proj.bias", d)
+        return w
+
+    table = {
+        "embed": WeightSpec("model.embed_tokens.weight", (a.vocab_size, d), P("model", None)),
+        "layers": [layer(i) for i in range(a.num_layers)],
+        "final_norm": vector("model.norm.weight", d),
+    }
+    if not a.tie_word_embeddings:
+        table["lm_head"] = linear("lm_head.weight", d, a.vocab_size, P(None, "model"))
+    return table
+
+
+def attention_block(
+    x: jax.Array, p: dict, layer_cache: tuple[jax.Array, jax.Array], batch: StepInput,
+    cos: jax.Array, sin: jax.Array, a: LlamaArgs, window: int | None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:  # [T, D], the layer's cache
+    with jax.named_scope("qkv"):
+        q = layers.project_to_heads(x, p["q"], p.get("q_bias"))  # [T, H, hd]
+        k = layers.project_to_heads(x, p["k"], p.get("k_bias"))  # [T, KV, hd]
+        v = layers.project_to_heads(x, p["v"], p.get("v_bias"))
+        if a.qk_norm:
+            q = layers.rms_norm(q, p["q_norm"], a.rms_norm_eps)
+            k = layers.rms_norm(k, p["k_norm"], a.rms_norm_eps)
+        q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
+    with jax.named_scope("paged_attention"):
+        out, layer_cache = paged_attention(
+            q, k, v, layer_cache, batch, scale=a.head_dim**-0.5, sliding_window=window
+        )
+    with jax.named_scope("o"):
+        return layers.project_from_heads(out, p["o"], p.get("o_bias")), layer_cache
+
+
+def forward(params: dict, kv_cache: KVCache, batch: StepInput, *, args: LlamaArgs) -> tuple[jax.Array, KVCache]:
+    """One serving step. Returns (logits [S, vocab] float32, the updated kv_cache)."""
+    a = args
+    with jax.named_scope("embed"):
+        x = params["embed"][batch.input_ids]  # [T, D]
+    with jax.named_scope("rope"):
+        tok = jnp.arange(batch.input_ids.shape[0])
+        seq = jnp.minimum(jnp.searchsorted(batch.query_start_loc[1:], tok, side="right"), batch.seq_lens.shape[0] - 1)
+        cos, sin = layers.rope_cos_sin(a.rope, batch.positions, batch.seq_lens[seq])  # [T, hd]
+    new_cache = []
+    for i, p in enumerate(params["layers"]):
+        with jax.named_scope(f"layer_{i}"):
+            h = layers.rms_norm(x, p["input_norm"], a.rms_norm_eps)
+            h, layer_cache = attention_block(h, p, kv_cache[i], batch, cos, sin, a, a.sliding_windows[i])
+            x = x + h
+            with jax.named_scope("mlp"):
+                x = x + layers.gated_mlp(layers.rms_norm(x, p["post_attn_norm"], a.rms_norm_eps), p["mlp"])
+            new_cache.append(layer_cache)
+    with jax.named_scope("lm_head"):
+        x = layers.rms_norm(x[batch.logits_indices], params["final_norm"], a.rms_norm_eps)  # [S, D]
+        if a.tie_word_embeddings:
+            logits = jnp.einsum("sd,vd->sv", x, params["embed"], preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("sd,dv->sv", x, params["lm_head"], preferred_element_type=jnp.float32)
+    return logits, new_cache
+
+# The interface registry.native expects of every native model module.
+config_from_hf = LlamaArgs.from_hf

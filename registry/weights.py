@@ -1,0 +1,100 @@
+"""Safetensors checkpoints -> sharded jax.Arrays, each device reading only its own slice.
+
+The files are memory-mapped (the safetensors header is a small JSON table of dtype,
+shape and byte offsets), so a tensor is a lazy numpy view; `jax.make_array_from_callback`
+then asks for one index per device and only those bytes are read from disk. bfloat16
+comes through ml_dtypes, which numpy cannot name on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from models_jax.weights import WeightSpec
+from runtime.errors import ModelLoadError
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def open_checkpoint(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of the *.safetensors files in `path`, as read-only memory-mapped arrays.
+
+    Raises:
+        ModelLoadError: no safetensors file, or a tensor of a dtype numpy cannot hold.
+    """
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights (other formats are not read)")
+    tensors: dict[str, np.ndarray] = {}
+    for file in files:
+        with open(file, "rb") as fh:
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(header_len))
+        data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_len)
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if info["dtype"] not in _DTYPES:
+                raise ModelLoadError(f"{file.name}: tensor {name} has unsupported dtype {info['dtype']}")
+            begin, end = info["data_offsets"]
+            tensors[name] = data[begin:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+    return tensors
+
+
+def fit_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """`spec` with each mesh axis dropped where it does not divide its dimension (that dim is replicated)."""
+    fitted = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        size = int(np.prod([mesh.shape[n] for n in names])) if names else 1
+        fitted.append(axes if dim % size == 0 else None)
+    while fitted and fitted[-1] is None:
+        fitted.pop()
+    return P(*fitted)
+
+
+def load_params(path: Path, table, mesh: Mesh, dtype) -> tuple[dict, dict]:
+    """Read every weight that `table` (a pytree of WeightSpec) declares.
+
+    Returns (params, param_shardings): jax.Arrays of `dtype` placed on `mesh`, and their
+    PartitionSpecs (the table's, fitted to what divides evenly).
+
+    Raises:
+        ModelLoadError: a weight is missing or its shape differs from the table's.
+    """
+    tensors = open_checkpoint(path)
+    is_spec = lambda x: isinstance(x, WeightSpec)  # noqa: E731
+    missing = [w.hf_name for w in jax.tree.leaves(table, is_leaf=is_spec) if w.hf_name not in tensors]
+    if missing:
+        raise ModelLoadError(f"{path}: {len(missing)} weights missing from the checkpoint, e.g. {missing[:5]}")
+
+    def place(w: WeightSpec) -> tuple[jax.Array, P]:
+        tensor = tensors[w.hf_name]
+        if tuple(tensor.shape) != tuple(w.hf_shape):
+            raise ModelLoadError(
+                f"{path}: {w.hf_name} has shape {tuple(tensor.shape)}, the config implies {tuple(w.hf_shape)}"
+            )
+        native = tensor.reshape(w.view) if w.view else tensor
+        native = native.transpose(w.perm) if w.perm else native  # still a lazy view
+        spec = fit_spec(w.spec, native.shape, mesh)
+        array = jax.make_array_from_callback(
+            native.shape, NamedSharding(mesh, spec),
+            lambda index: np.ascontiguousarray(native[index]).astype(dtype),
+        )
+        return array, spec
+
+    placed = jax.tree.map(place, table, is_leaf=is_spec)
+    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], P)  # noqa: E731
+    params = jax.tree.map(lambda x: x[0], placed, is_leaf=is_pair)
+    shardings = jax.tree.map(lambda x: x[1], placed, is_leaf=is_pair)
+    return params, shardings
