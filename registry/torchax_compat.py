@@ -3,8 +3,8 @@
 torch 2.13 removed the named-tensor overloads of many aten ops (`aten.prod.dim_Dimname`,
 `aten.index_copy.dimname`, `aten.norm.names_ScalarOpt_dim`, `aten.std.correction_names`,
 ...). torchax 0.0.13 names them at import time, as keys of its autocast policy table and
-in lists handed to `torch._decomp.get_decompositions`, so `import torchax` raises
-AttributeError. (torchax main has since dropped them.)
+in lists handed to `torch._decomp.get_decompositions` (loaded when the first
+`torchax.default_env()` is built), so `import torchax` raises AttributeError. (torchax main has since dropped them.)
 
 `import_torchax()` imports torchax while a lookup of a *missing named-tensor overload* on
 an `OpOverloadPacket` returns a unique inert `MissingOverload` sentinel instead of raising.
@@ -51,7 +51,8 @@ def import_torchax() -> ModuleType:
     """Import torchax (once) tolerating torch 2.13's removed named-tensor overloads.
 
     Returns:
-        the torchax module. Calling again returns the same module.
+        the torchax module, with its default environment (and so its op tables) built.
+        Calling again returns the same module.
 
     Raises:
         ImportError / AttributeError: torchax fails for another reason than the
@@ -85,6 +86,10 @@ def import_torchax() -> ModuleType:
         OpOverloadPacket.__getattr__ = tolerant_getattr
         try:
             import torchax
+
+            # The op tables (decompositions, jaten) load lazily with the first
+            # Environment; build it now, inside the tolerant window.
+            torchax.default_env()
         finally:
             OpOverloadPacket.__getattr__ = original
         _drop_sentinel_keys(sentinels)

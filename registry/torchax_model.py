@@ -1,0 +1,304 @@
+"""The torchax fallback: any Hugging Face causal LM behind servax's step contract.
+
+The transformers model is built on CPU from the checkpoint; its parameters and buffers
+become JAX arrays placed on the mesh and passed to the step function as arguments (never
+closed over, or XLA would bake them into the program as constants). Under jit the model
+runs through torchax with the ragged batch as one row ([1, T] ids and positions, no HF
+cache); every attention layer goes through `registry.torchax_attention`, which writes the
+layer's paged KV cache and attends with `runtime.attention.paged_attention`. Only the
+rows at `logits_indices` reach the LM head (`logits_to_keep` with an index tensor).
+
+    loaded = load_torchax(resolved, dtype="bfloat16")   # -> runtime.step.LoadedModel
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from registry.torchax_attention import (
+    ATTN_IMPLEMENTATION,
+    EXPERTS_IMPLEMENTATION,
+    StepContext,
+    register_implementations,
+    step_context,
+)
+from registry.torchax_compat import import_torchax
+from runtime.errors import ModelLoadError
+from runtime.step import KVCache, KVCacheSpec, LoadedModel, StepInput
+
+DTYPES = ("float32", "bfloat16")
+MODEL_AXIS = "model"
+
+# Megatron-style tensor parallelism over HF module names (the last name component).
+# "column": split the output features on the model axis; "row": split the input features
+# (one all-reduce after it); "vocab": split the vocabulary. Anything else is replicated.
+# A spec is used only when the split dimension divides the axis size.
+PARTITION_RULES: tuple[tuple[str, str], ...] = (
+    (r"(q|k|v|qkv|gate|up|gate_up)_proj|query_key_value|c_attn|c_fc|fc1|fc_in|w1|w3|"
+     r"dense_h_to_4h|query|key|value|Wqkv|in_proj", "column"),
+    (r"o_proj|out_proj|down_proj|fc2|fc_out|c_proj|dense|w2|dense_4h_to_h|wo|Wo", "row"),
+    (r"embed_tokens|wte|embed_in|word_embeddings|lm_head|embed_out", "vocab"),
+)
+_EXPERT_PARAMS = {"gate_up_proj": "column", "up_proj": "column", "down_proj": "row"}
+
+
+def _torch_dtype(dtype: str):
+    import torch
+
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported by the torchax path; use one of {DTYPES}")
+    return getattr(torch, dtype)
+
+
+def _check_servable(resolved: Any, model_cls: Any) -> None:
+    """Refuse, before loading weights, what the torchax path cannot serve."""
+    config = resolved.hf_config
+    arch = resolved.architecture
+    if not getattr(model_cls, "_supports_attention_backend", False) and not model_cls._can_set_attn_implementation():
+        raise ModelLoadError(
+            f"{arch} cannot be served by the torchax fallback: its attention does not go through "
+            f"transformers' AttentionInterface, so it cannot be routed to servax's paged KV cache"
+        )
+    del config
+
+
+def _model_class(resolved: Any, trust_remote_code: bool) -> Any:
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = resolved.hf_config
+    arch = resolved.architecture
+    if getattr(config, "auto_map", None) and "AutoModelForCausalLM" in config.auto_map:
+        if not trust_remote_code:
+            raise ModelLoadError(
+                f"{resolved.model_id} ({arch}) needs custom code from its repository "
+                f"(auto_map); servax does not run remote code unless trust_remote_code is set"
+            )
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        return get_class_from_dynamic_module(config.auto_map["AutoModelForCausalLM"], str(resolved.path))
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ModelLoadError(
+            f"{resolved.model_id} ({arch}, model_type={config.model_type!r}) has no causal-LM head in "
+            f"transformers (AutoModelForCausalLM does not know it); it cannot generate text"
+        )
+    del AutoModelForCausalLM
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def load_torchax(resolved: Any, *, dtype: str = "float32", mesh: jax.sharding.Mesh | None = None) -> LoadedModel:
+    """Wrap a transformers causal LM so it runs as a servax step function.
+
+    Args:
+        resolved: the resolved model; only .model_id, .path, .hf_config and .architecture
+            are read (and .trust_remote_code if present).
+        dtype: "float32" or "bfloat16", for weights and KV cache.
+        mesh: where to place the weights; default a 1-device mesh with a "model" axis.
+            When its "model" axis has more than one device, weights follow PARTITION_RULES.
+
+    Returns:
+        a LoadedModel with impl="torchax".
+
+    Raises:
+        ModelLoadError: the architecture cannot be served (no causal-LM head, attention
+            not routable to the paged cache, custom code not allowed) or loading failed.
+    """
+    import torch
+
+    torchax = import_torchax()
+    from torchax.interop import JittableModule
+
+    register_implementations()
+    torch_dtype = _torch_dtype(dtype)
+    trust_remote_code = bool(getattr(resolved, "trust_remote_code", False))
+    model_cls = _model_class(resolved, trust_remote_code)
+    _check_servable(resolved, model_cls)
+
+    kwargs: dict[str, Any] = dict(dtype=torch_dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    if model_cls._can_set_experts_implementation():
+        kwargs["experts_implementation"] = EXPERTS_IMPLEMENTATION
+    try:
+        model = model_cls.from_pretrained(str(resolved.path), config=resolved.hf_config, **kwargs)
+    except (ValueError, ImportError, OSError) as e:
+        raise ModelLoadError(f"could not load {resolved.model_id} ({resolved.architecture}) with transformers: {e}") from e
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+
+    module = JittableModule(model)  # drops tied duplicates (lm_head.weight == embed weight)
+    param_names, buffer_names = list(module.params), list(module.buffers)
+    env = torchax.default_env()
+    host_params = env.t2j_copy({**module.params, **module.buffers})  # name -> jax.Array
+
+    if mesh is None:
+        mesh = jax.make_mesh((1,), (MODEL_AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+    param_shardings = {name: partition_spec(model, name, host_params[name].shape, mesh) for name in host_params}
+    params = {
+        name: jax.device_put(arr, NamedSharding(mesh, param_shardings[name]))
+        for name, arr in host_params.items()
+    }
+    del host_params
+
+    accepts_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def forward(model, input_ids, position_ids, logits_indices):
+        kw = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False, return_dict=False)
+        if accepts_logits_to_keep:
+            return model(**kw, logits_to_keep=logits_indices)[0][0]  # [S, vocab]
+        return model(**kw)[0][0][logits_indices]
+
+    def step_fn(params: dict[str, jax.Array], kv_cache: KVCache, batch: StepInput):
+        ctx = StepContext(batch, kv_cache)
+        logits = _call(params, batch, ctx)
+        return logits.astype(jnp.float32), ctx.collect()
+
+    def _call(params, batch, ctx):
+        ids = batch.input_ids.astype(jnp.int32)[None]  # [1, T]
+        pos = batch.positions.astype(jnp.int32)[None]  # [1, T]
+        t_params, t_buffers, t_ids, t_pos, t_idx = env.j2t_iso((
+            {k: params[k] for k in param_names}, {k: params[k] for k in buffer_names},
+            ids, pos, batch.logits_indices.astype(jnp.int32),
+        ))
+        with step_context(ctx), env, torch.no_grad():
+            out = module.functional_call(forward, t_params, t_buffers, t_ids, t_pos, t_idx)
+        return env.t2j_iso(out)
+
+    kv_spec = _probe_kv_spec(resolved, params, _call, jnp.dtype(dtype))
+    kv_heads = kv_spec.num_kv_heads
+    axis = dict(zip(mesh.axis_names, mesh.devices.shape)).get(MODEL_AXIS, 1)
+    kv_partition_spec = P(None, None, MODEL_AXIS, None) if axis > 1 and kv_heads % axis == 0 else P()
+    config = resolved.hf_config
+    return LoadedModel(
+        step_fn=step_fn,
+        params=params,
+        kv_spec=kv_spec,
+        param_shardings=param_shardings,
+        kv_partition_spec=kv_partition_spec,
+        tokenizer=_load_tokenizer(resolved.path, trust_remote_code),
+        hf_config=config,
+        impl="torchax",
+        model_id=str(resolved.model_id),
+        max_model_len=_max_model_len(config),
+        vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        eos_token_ids=_eos_token_ids(model, config),
+    )
+
+
+def _probe_kv_spec(resolved: Any, params: Any, call: Any, dtype: Any) -> KVCacheSpec:
+    """Trace the model once abstractly (no compute) and read each layer's K shape.
+
+    Also proves the attention really goes through the registered function: a model
+    whose layers never call it cannot be served.
+    """
+    import numpy as np
+
+    from runtime.step import make_step_input
+
+    batch = make_step_input(
+        input_ids=np.zeros(2), positions=np.arange(2), slot_mapping=np.arange(2),
+        block_tables=np.zeros((1, 1)), seq_lens=np.array([2]), query_start_loc=np.array([0, 2]),
+        logits_indices=np.array([1]), num_seqs=1, num_tokens=2,
+    )
+    ctx = StepContext(batch, None)
+    try:
+        jax.eval_shape(lambda p, b: call(p, b, ctx), params, batch)
+    except Exception as e:  # a model that cannot be traced by torchax
+        raise ModelLoadError(
+            f"{resolved.architecture} could not be traced through torchax: {type(e).__name__}: {e}"
+        ) from e
+    if not ctx.seen:
+        raise ModelLoadError(
+            f"{resolved.architecture} cannot be served by the torchax fallback: its attention does not "
+            f"call transformers' AttentionInterface, so it cannot use servax's paged KV cache"
+        )
+    num_layers = max(ctx.seen) + 1
+    shapes = {ctx.seen[i][:2] for i in ctx.seen}
+    if sorted(ctx.seen) != list(range(num_layers)) or len(shapes) != 1:
+        raise ModelLoadError(
+            f"{resolved.architecture}: layers have differing KV shapes {sorted(shapes)} or gaps in "
+            f"layer_idx ({sorted(ctx.seen)}); servax's KV cache needs one shape for all layers"
+        )
+    (num_kv_heads, head_dim), = shapes
+    return KVCacheSpec(num_layers=num_layers, num_kv_heads=int(num_kv_heads), head_dim=int(head_dim), dtype=dtype)
+
+
+def partition_spec(model: Any, name: str, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:
+    """The PartitionSpec of parameter `name` (HF naming) under `mesh`, per PARTITION_RULES.
+
+    Replicated unless the mesh has a "model" axis of size > 1 and the split dimension
+    divides it. Linear weights are [out, in]; GPT-2's Conv1D weights are [in, out];
+    embeddings are [vocab, hidden]; fused MoE experts are [E, out, in] (or [E, in, out]
+    when the experts module says is_transposed).
+    """
+    size = dict(zip(mesh.axis_names, mesh.devices.shape)).get(MODEL_AXIS, 1)
+    if size <= 1:
+        return P()
+    owner_name, _, leaf = name.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_name)
+    except AttributeError:
+        return P()
+    dim = _split_dim(owner, owner_name.rpartition(".")[2], leaf, len(shape))
+    if dim is None or shape[dim] % size:
+        return P()
+    spec = [None] * len(shape)
+    spec[dim] = MODEL_AXIS
+    return P(*spec)
+
+
+def _split_dim(owner: Any, owner_leaf: str, leaf: str, ndim: int) -> int | None:
+    """Which dimension of parameter `leaf` of module `owner` the model axis splits, or None."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    if ndim == 3 and leaf in _EXPERT_PARAMS:  # fused experts [E, out, in] / [E, in, out]
+        kind = _EXPERT_PARAMS[leaf]
+        out_dim, in_dim = (2, 1) if getattr(owner, "is_transposed", False) else (1, 2)
+        return out_dim if kind == "column" else in_dim
+    kind = next((k for pattern, k in PARTITION_RULES if re.fullmatch(pattern, owner_leaf)), None)
+    if kind is None or leaf not in ("weight", "bias"):
+        return None
+    if isinstance(owner, torch.nn.Embedding):
+        return 0 if kind == "vocab" and leaf == "weight" else None
+    if isinstance(owner, Conv1D):  # weight [in, out], bias [out]
+        out_dim, in_dim = 1, 0
+    elif isinstance(owner, torch.nn.Linear):  # weight [out, in], bias [out]
+        out_dim, in_dim = 0, 1
+    else:
+        return None
+    if leaf == "bias":
+        return 0 if kind in ("column", "vocab") else None
+    return in_dim if kind == "row" else out_dim
+
+
+def _max_model_len(config: Any) -> int:
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def _eos_token_ids(model: Any, config: Any) -> tuple[int, ...]:
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def _load_tokenizer(path: Any, trust_remote_code: bool) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError):
+        return None
