@@ -1,0 +1,118 @@
+"""The block pool: owns the KV-cache blocks, their reference counts and the prefix cache.
+
+Blocks live in a free queue in LRU order while nobody references them. A full block may
+keep its hash after being freed, so that a later request with the same prefix can take it
+back (a prefix-cache hit); it only loses its hash when it is reused for something else
+(eviction, oldest freed first). Block 0 is the null block: never handed out, it pads
+block-table rows.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class KVCacheBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class BlockPool:
+    """Fixed-size blocks with a free list, ref counts and a hash -> block prefix cache.
+
+    Args:
+        num_blocks: blocks in the KV cache, the null block included.
+        enable_caching: keep hashes of full blocks for prefix reuse.
+    """
+
+    NULL_BLOCK_ID = 0
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError(f"the block pool needs at least 2 blocks (one is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[self.NULL_BLOCK_ID]
+        self.null_block.ref_cnt = 1  # never freed, never handed out
+        # block_id -> block, least recently freed first.
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self._cached: dict[int, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (cached-but-unreferenced blocks included)."""
+        return len(self._free)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+        return self._cached.get(block_hash) if self.enable_caching else None
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take a reference on (possibly free) cached blocks a request reuses."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def get_new_blocks(self, num: int) -> list[KVCacheBlock]:
+        """Hand out `num` blocks from the head of the free queue, evicting their cached hashes.
+
+        Raises:
+            ValueError: fewer than `num` blocks are free (callers check first).
+        """
+        if num > len(self._free):
+            raise ValueError(f"cannot allocate {num} blocks, only {len(self._free)} free")
+        out = []
+        for _ in range(num):
+            _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:
+                if self._cached.get(block.block_hash) is block:
+                    del self._cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop one reference from each block; unreferenced ones join the tail of the free queue.
+
+        Pass a sequence's blocks tail-first so that its last blocks are evicted first.
+        """
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt < 0:
+                raise RuntimeError(f"{block} freed more often than allocated")
+            if block.ref_cnt == 0:
+                if block.block_hash is None or not self.enable_caching:
+                    block.block_hash = None
+                self._free[block.block_id] = block
+
+    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+        """Register a full block under its hash (first writer wins for duplicates)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks in use keep their contents)."""
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()

@@ -1,0 +1,122 @@
+"""Compilation: shape buckets, the persistent XLA cache, and a counter of compilations.
+
+Every step is padded to a (tokens, sequences) bucket so that serving only ever runs
+programs compiled at warmup. `CompileCounter` proves it: it counts XLA backend
+compilations (the `/jax/core/compile/backend_compile_duration` event, which fires for
+jitted functions and for eager jnp ops on new shapes alike) made while the engine's own
+thread is inside `counter.track()`, so other threads' work is not blamed on the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import jax
+
+logger = logging.getLogger("servax.engine")
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_local = threading.local()
+_listener_lock = threading.Lock()
+_listener_installed = False
+
+
+def _pow2_range(lo: int, hi: int) -> list[int]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return sorted(set(out))
+
+
+def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
+    """Padded token counts: powers of two from `smallest` up to the budget (which is included)."""
+    return _pow2_range(min(smallest, max_num_batched_tokens), max_num_batched_tokens)
+
+
+def seq_buckets(max_num_seqs: int, smallest: int = 8) -> list[int]:
+    """Padded sequence counts: powers of two from `smallest` (cheap to pad) up to max_num_seqs."""
+    return _pow2_range(min(smallest, max_num_seqs), max_num_seqs)
+
+
+def bucket_for(n: int, buckets: list[int]) -> int:
+    """The smallest bucket >= n. Raises ValueError when n exceeds the largest."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def default_cache_dir() -> str:
+    return str(Path.home() / ".cache" / "servax" / "xla")
+
+
+def enable_persistent_cache(cache_dir: str | None) -> str | None:
+    """Turn on JAX's persistent compilation cache (None: the default dir; '': leave it off).
+
+    Returns the directory in use, or None when disabled.
+    """
+    if cache_dir == "":
+        return None
+    cache_dir = os.path.expanduser(cache_dir or default_cache_dir())
+    os.makedirs(cache_dir, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return cache_dir
+
+
+def _on_event(event: str, duration: float, **_: object) -> None:
+    if event != _COMPILE_EVENT:
+        return
+    counter = getattr(_local, "counter", None)
+    if counter is not None:
+        counter._record(duration)
+
+
+def _install_listener() -> None:
+    global _listener_installed
+    with _listener_lock:
+        if not _listener_installed:
+            jax.monitoring.register_event_duration_secs_listener(_on_event)
+            _listener_installed = True
+
+
+class CompileCounter:
+    """Counts XLA compilations on threads while they are inside `track()`."""
+
+    def __init__(self) -> None:
+        _install_listener()
+        self._lock = threading.Lock()
+        self.count = 0
+        self.seconds = 0.0
+        self._baseline = 0
+
+    def _record(self, duration: float) -> None:
+        with self._lock:
+            self.count += 1
+            self.seconds += duration
+
+    @contextmanager
+    def track(self) -> Iterator[None]:
+        previous = getattr(_local, "counter", None)
+        _local.counter = self
+        try:
+            yield
+        finally:
+            _local.counter = previous
+
+    def mark_warm(self) -> None:
+        """Start counting 'since warmup' from now."""
+        with self._lock:
+            self._baseline = self.count
+
+    @property
+    def since_warmup(self) -> int:
+        return self.count - self._baseline

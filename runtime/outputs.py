@@ -1,0 +1,70 @@
+"""What the engine hands back: RequestOutput snapshots with CompletionOutputs (vLLM shapes).
+
+Each snapshot carries the cumulative state (text, token_ids, logprobs) and, for
+streaming, the delta since the previous snapshot of the same completion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclasses.dataclass
+class Logprob:
+    """The log probability of one token, its rank (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob (the chosen token plus the top-N).
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]  # the first prompt token has none
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One of the n completions of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = dataclasses.field(default_factory=list)
+    delta_logprobs: SampleLogprobs | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Wall-clock times (time.time()) of a request's milestones."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A snapshot of one request: its prompt and its n completions so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

@@ -1,0 +1,139 @@
+"""A request as the scheduler sees it: one sequence, its tokens, and an explicit status.
+
+A user request with n > 1 becomes n of these (children sharing the prompt); the engine
+regroups them into one RequestOutput.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from runtime.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH_CAPPED = "finished_length_capped"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASON.get(self)
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED}
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+# The state machine. Finished states are terminal.
+_TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
+    RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
+    RequestStatus.RUNNING: {RequestStatus.PREEMPTED} | _FINISHED,
+    RequestStatus.PREEMPTED: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
+}
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """The prefix-cache key of a full block: its tokens chained with the previous block's key."""
+    return hash((parent_hash, token_ids))
+
+
+class Request:
+    """One sequence being generated.
+
+    Attributes:
+        request_id: unique id of this sequence (a child id when the user asked for n > 1).
+        parent_id / index: the user's request id and this completion's index in it.
+        num_computed_tokens: tokens whose K/V are in the cache (prefix hits included).
+        block_hashes: prefix-cache keys of every full block of all_token_ids.
+        sample_seed: the seed this sequence's rows are sampled with.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_ids: tuple[int, ...],
+        block_size: int,
+        max_model_len: int,
+        sample_seed: int,
+        parent_id: str | None = None,
+        index: int = 0,
+        arrival_time: float | None = None,
+    ):
+        self.request_id = request_id
+        self.parent_id = parent_id if parent_id is not None else request_id
+        self.index = index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.block_size = block_size
+        self.sample_seed = sample_seed
+        self.arrival_time = arrival_time or time.time()
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[int] = []
+        limit = max_model_len - len(prompt_token_ids)
+        self.max_tokens = min(sampling_params.max_tokens or limit, limit)
+        # Prompt logprobs of prompt tokens 1..P-1, collected while the prompt is prefilled.
+        self.wants_prompt_logprobs = sampling_params.prompt_logprobs is not None
+        self.prompt_logprob_rows: list[Any] = []
+        self._update_block_hashes()
+
+    # -- state machine -------------------------------------------------------------------
+    def set_status(self, status: RequestStatus) -> None:
+        if status not in _TRANSITIONS.get(self.status, set()):
+            raise RuntimeError(f"request {self.request_id}: illegal transition {self.status} -> {status}")
+        self.status = status
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    # -- tokens --------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while some prompt-token logprobs are still to be computed."""
+        return self.wants_prompt_logprobs and len(self.prompt_logprob_rows) < self.num_prompt_tokens - 1
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        bs = self.block_size
+        while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if i else None
+            self.block_hashes.append(hash_block(parent, tuple(self.all_token_ids[i * bs:(i + 1) * bs])))

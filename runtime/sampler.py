@@ -1,0 +1,151 @@
+"""Sampling in JAX: one vectorized function over per-request arrays.
+
+Every row carries its own settings, so greedy and sampled, penalized and plain requests
+share one compiled program per sequence bucket. Order (as vLLM): logit bias (and the
+min_tokens suppression of stop tokens) -> repetition / frequency / presence penalties ->
+greedy argmax, or temperature -> top-k -> top-p -> min-p -> a Gumbel-max draw whose key
+is derived from (row seed, tokens generated so far) only, so a seeded request gets the
+same tokens whatever else shares its batch.
+
+Logprobs are those of the model's raw distribution (log_softmax of the logits).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from runtime.sampling_params import MAX_LOGIT_BIAS
+
+# Width of the per-row bias table: user logit_bias plus the ids suppressed by min_tokens.
+MAX_STOP_TOKEN_IDS = 64
+BIAS_WIDTH = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + 4
+_SUPPRESS = -1e30
+
+
+@flax.struct.dataclass
+class SamplingBatch:
+    """Per-row sampling settings for S rows (padded rows are greedy and ignored)."""
+
+    temperature: jax.Array  # [S] float32, 0 = greedy
+    top_k: jax.Array  # [S] int32, 0 = off
+    top_p: jax.Array  # [S] float32
+    min_p: jax.Array  # [S] float32
+    presence_penalty: jax.Array  # [S] float32
+    frequency_penalty: jax.Array  # [S] float32
+    repetition_penalty: jax.Array  # [S] float32
+    seeds: jax.Array  # [S] uint32
+    steps: jax.Array  # [S] int32, tokens the row's sequence generated so far
+    bias_ids: jax.Array  # [S, BIAS_WIDTH] int32, -1 = unused
+    bias_values: jax.Array  # [S, BIAS_WIDTH] float32
+    token_history: jax.Array  # [S, H] int32 prompt then output tokens, -1 padded (penalties)
+    prompt_lens: jax.Array  # [S] int32, history entries before this index are prompt
+    target_ids: jax.Array  # [S] int32, token whose logprob to report instead of the sample, -1 = none
+
+
+@flax.struct.dataclass
+class SamplerOutput:
+    sampled: jax.Array  # [S] int32
+    chosen_logprob: jax.Array  # [S] float32, logprob of the target (or sampled) token
+    chosen_rank: jax.Array  # [S] int32, 1 = most likely
+    top_ids: jax.Array  # [S, K] int32
+    top_logprobs: jax.Array  # [S, K] float32
+
+
+def empty_sampling_batch(num_rows: int, history_len: int) -> dict[str, np.ndarray]:
+    """Host arrays for `num_rows` greedy rows without penalties; fill in, then SamplingBatch(**d)."""
+    s = num_rows
+    return dict(
+        temperature=np.zeros(s, np.float32),
+        top_k=np.zeros(s, np.int32),
+        top_p=np.ones(s, np.float32),
+        min_p=np.zeros(s, np.float32),
+        presence_penalty=np.zeros(s, np.float32),
+        frequency_penalty=np.zeros(s, np.float32),
+        repetition_penalty=np.ones(s, np.float32),
+        seeds=np.zeros(s, np.uint32),
+        steps=np.zeros(s, np.int32),
+        bias_ids=np.full((s, BIAS_WIDTH), -1, np.int32),
+        bias_values=np.zeros((s, BIAS_WIDTH), np.float32),
+        token_history=np.full((s, history_len), -1, np.int32),
+        prompt_lens=np.zeros(s, np.int32),
+        target_ids=np.full(s, -1, np.int32),
+    )
+
+
+def _apply_bias_and_penalties(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+    num_rows, vocab = logits.shape
+    rows = jnp.arange(num_rows)[:, None]
+    bias_ids = jnp.where(b.bias_ids >= 0, b.bias_ids, vocab)  # out of range -> dropped
+    logits = logits.at[rows, bias_ids].add(b.bias_values, mode="drop")
+
+    hist = b.token_history
+    valid = hist >= 0
+    is_output = valid & (jnp.arange(hist.shape[1])[None, :] >= b.prompt_lens[:, None])
+    hist_ids = jnp.where(valid, hist, vocab)
+    counts = jnp.zeros_like(logits).at[rows, hist_ids].add(is_output.astype(logits.dtype), mode="drop")
+    seen = jnp.zeros(logits.shape, jnp.bool_).at[rows, hist_ids].set(True, mode="drop")
+
+    rep = b.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - b.frequency_penalty[:, None] * counts
+    logits = logits - b.presence_penalty[:, None] * (counts > 0).astype(logits.dtype)
+    return logits
+
+
+def _truncate(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+    """Mask (to -inf) what top-k, top-p and min-p exclude; logits already temperature-scaled."""
+    vocab = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)  # [S, V]
+    k = jnp.where(b.top_k > 0, jnp.minimum(b.top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)  # [S, 1]
+    ranks = jnp.arange(vocab)[None, :]
+    sorted_desc = jnp.where(ranks < k[:, None], sorted_desc, -jnp.inf)
+    logits = jnp.where(logits >= kth, logits, -jnp.inf)
+
+    probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
+    keep = jnp.maximum(jnp.sum(mass_before < b.top_p[:, None], axis=-1), 1)  # [S]
+    pth = jnp.take_along_axis(sorted_desc, (keep - 1)[:, None], axis=-1)
+    logits = jnp.where(logits >= pth, logits, -jnp.inf)
+
+    probs = jax.nn.softmax(logits, axis=-1)
+    floor = b.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    return jnp.where(probs >= floor, logits, -jnp.inf)
+
+
+def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
+    return jax.random.fold_in(jax.random.key(seed), step)
+
+
+def sample(logits: jax.Array, batch: SamplingBatch, *, num_logprobs: int) -> SamplerOutput:
+    """Choose one token per row and report logprobs.
+
+    Args:
+        logits: [S, vocab] model output for each row.
+        batch: per-row settings (see SamplingBatch).
+        num_logprobs: K, how many top logprobs to return per row (static).
+    """
+    logits = logits.astype(jnp.float32)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    processed = _apply_bias_and_penalties(logits, batch)
+    greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+
+    is_greedy = batch.temperature <= 0.0
+    temp = jnp.where(is_greedy, 1.0, batch.temperature)
+    scaled = _truncate(processed / temp[:, None], batch)
+    keys = jax.vmap(_row_key)(batch.seeds, batch.steps)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (logits.shape[-1],), jnp.float32))(keys)
+    drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+    sampled = jnp.where(is_greedy, greedy, drawn)
+
+    chosen = jnp.where(batch.target_ids >= 0, batch.target_ids, sampled)
+    chosen_logprob = jnp.take_along_axis(raw_logprobs, chosen[:, None], axis=-1)[:, 0]
+    chosen_rank = 1 + jnp.sum(raw_logprobs > chosen_logprob[:, None], axis=-1).astype(jnp.int32)
+    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
+    return SamplerOutput(sampled, chosen_logprob, chosen_rank, top_ids.astype(jnp.int32), top_logprobs)
+
+
+sample_jit = jax.jit(sample, static_argnames=("num_logprobs",))

@@ -1,0 +1,161 @@
+"""SamplingParams: how one request wants its tokens chosen and when to stop.
+
+Field names and meanings follow vLLM. Every field is validated when the object is built;
+a bad value raises `InvalidRequestError(message, param=<field>)` that says what is wrong
+and what is allowed, so the app can return it to the user as an HTTP 400 unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from runtime.errors import InvalidRequestError
+
+# OpenAI allows up to 300 logit_bias entries; the sampler gets a fixed-width table.
+MAX_LOGIT_BIAS = 300
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Per-request sampling settings (vLLM names).
+
+    Attributes:
+        n: completions to generate for the prompt (>= 1).
+        temperature: 0 means greedy; otherwise logits are divided by it (0..100).
+        top_p: keep the smallest set of tokens whose probability mass reaches top_p (0, 1].
+        top_k: keep the k most likely tokens; 0 or -1 turns it off.
+        min_p: drop tokens less likely than min_p times the most likely one [0, 1].
+        presence_penalty / frequency_penalty: subtracted from logits of tokens already
+            generated, once / per occurrence [-2, 2].
+        repetition_penalty: divides positive (multiplies negative) logits of tokens seen in
+            the prompt or the output; 1 is off (0, 2].
+        seed: makes sampling reproducible whatever else is in the batch.
+        stop: string(s) that end generation; they are cut from the text unless
+            include_stop_str_in_output.
+        stop_token_ids: token ids that end generation (kept in token_ids, not in text).
+        ignore_eos: keep generating past the end-of-sequence token.
+        max_tokens: most tokens to generate (None: until the context is full).
+        min_tokens: EOS and stop tokens are suppressed until this many were generated.
+        logprobs: return the top-N logprobs of each generated token (and the chosen one).
+        prompt_logprobs: return the top-N logprobs of each prompt token.
+        logit_bias: token id -> value added to its logit [-100, 100].
+        skip_special_tokens: leave special tokens out of the text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._validate()
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+    def _validate(self) -> None:
+        def fail(param: str, allowed: str) -> None:
+            value = getattr(self, param)
+            raise InvalidRequestError(f"{param} must be {allowed}, got {value!r}", param=param)
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        if not is_int(self.n) or self.n < 1:
+            fail("n", "an integer >= 1")
+        if not is_num(self.temperature) or not 0.0 <= self.temperature <= 100.0:
+            fail("temperature", "a number in [0, 100] (0 means greedy)")
+        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "a number in (0, 1]")
+        if not is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
+            fail("top_k", "an integer >= 1, or 0 / -1 to disable it")
+        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", "a number in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not -2.0 <= v <= 2.0:
+                fail(name, "a number in [-2, 2]")
+        if not is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            fail("repetition_penalty", "a number in (0, 2] (1 disables it)")
+        if self.seed is not None and not is_int(self.seed):
+            fail("seed", "an integer or None")
+        if self.stop is not None:
+            stops = [self.stop] if isinstance(self.stop, str) else self.stop
+            if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+                fail("stop", "a non-empty string or a list of non-empty strings")
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                is_int(t) and t >= 0 for t in self.stop_token_ids
+            ):
+                fail("stop_token_ids", "a list of non-negative token ids")
+        if not isinstance(self.ignore_eos, bool):
+            fail("ignore_eos", "a boolean")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            fail("max_tokens", "an integer >= 1 or None")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            fail("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and is_int(self.min_tokens) and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})", param="min_tokens"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or v < 0):
+                fail(name, "an integer >= 0 or None")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                fail("logit_bias", "a mapping of token id to a bias in [-100, 100]")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise InvalidRequestError(
+                    f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}",
+                    param="logit_bias",
+                )
+            for k, v in self.logit_bias.items():
+                try:
+                    token = int(k)
+                except (TypeError, ValueError):
+                    token = -1
+                if token < 0 or not is_num(v) or not -100.0 <= v <= 100.0:
+                    raise InvalidRequestError(
+                        f"logit_bias must map token ids >= 0 to biases in [-100, 100], got {k!r}: {v!r}",
+                        param="logit_bias",
+                    )
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "a boolean")

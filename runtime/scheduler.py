@@ -1,0 +1,206 @@
+"""The scheduler: continuous batching under a token budget, chunked prefill, preemption.
+
+Each step it decides how many new tokens each request computes. There is no separate
+prefill or decode phase (as in vLLM v1): a request computes
+`num_tokens - num_computed_tokens` tokens, capped by the step's budget, so a long prompt
+is spread over several steps (chunked prefill) and a decode is one token.
+
+Order: running requests first (oldest first), then waiting ones (FIFO, preempted ones at
+the front). When the block pool runs dry the newest running request is preempted: its
+blocks are freed and it is recomputed later (its prefix may still be in the cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from runtime.kv_cache_manager import KVCacheManager
+from runtime.request import Request, RequestStatus
+
+
+@dataclasses.dataclass
+class ScheduledRequest:
+    request: Request
+    num_computed_tokens: int  # tokens already in the cache before this step
+    num_new_tokens: int  # tokens computed this step
+    # Prompt-logprob prefill: each token gets its own sequence slot so that every
+    # position yields logits (see ModelRunner).
+    one_slot_per_token: bool = False
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_new_tokens if self.one_slot_per_token else 1
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    preempted_ids: list[str]
+
+    @property
+    def num_slots(self) -> int:
+        return sum(s.num_slots for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides each step's batch; owns the waiting queue and the running list.
+
+    Args:
+        kv: the KV cache manager to allocate from.
+        max_num_seqs: most sequence slots in one step.
+        max_num_batched_tokens: token budget of one step.
+        enable_chunked_prefill: allow a prompt to be split across steps.
+    """
+
+    def __init__(
+        self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+    ):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (stop string, abort...) and free its blocks. Unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.set_status(status)
+        self.kv.free(request)
+        return request
+
+    # -- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        slots_left = self.max_num_seqs
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0 and slots_left > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            per_token = request.needs_prompt_logprobs
+            if per_token:
+                num_new = min(num_new, slots_left)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break  # it preempted itself: nothing younger is left to run
+            entry = ScheduledRequest(request, request.num_computed_tokens, num_new, per_token)
+            scheduled.append(entry)
+            budget -= num_new
+            slots_left -= entry.num_slots
+            i += 1
+
+        # Admit waiting requests unless this step had to preempt (blocks are short).
+        while not preempted and self.waiting and budget > 0 and slots_left > 0 \
+                and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            per_token = request.needs_prompt_logprobs
+            if per_token:
+                num_new = min(num_new, slots_left)
+            if not self.kv.allocate_slots(request, num_new, hit_blocks):
+                break
+            self.waiting.popleft()
+            self.kv.stats.queries += request.num_tokens
+            self.kv.stats.hits += num_hit
+            request.set_status(RequestStatus.RUNNING)
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            self.running.append(request)
+            entry = ScheduledRequest(request, num_hit, num_new, per_token)
+            scheduled.append(entry)
+            budget -= num_new
+            slots_left -= entry.num_slots
+
+        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.set_status(RequestStatus.PREEMPTED)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, output: SchedulerOutput, sampled: list[int]) -> list[Request]:
+        """Advance each scheduled request by its computed tokens and append sampled tokens.
+
+        Args:
+            sampled: one token per scheduled request (ignored for partial prefill chunks).
+
+        Returns:
+            the requests that got a new token this step (finished ones included; their
+            status says why they finished and their blocks are already freed).
+        """
+        advanced = []
+        for entry, token in zip(output.scheduled, sampled):
+            request = entry.request
+            if request.is_finished:
+                continue
+            request.num_computed_tokens += entry.num_new_tokens
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk: its sample is not a real next token
+            request.append_output_token(int(token))
+            advanced.append(request)
+            status = self._check_stop(request, int(token))
+            if status is not None:
+                self.finish_request(request.request_id, status)
+        return advanced
+
+    @staticmethod
+    def _check_stop(request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
