@@ -54,12 +54,10 @@ def open_checkpoint(path: Path) -> dict[str, np.ndarray]:
 def fit_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
     """`spec` with each mesh axis dropped where it does not divide its dimension (that dim is replicated)."""
     fitted = []
-    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    for dim, axes in zip(shape, spec):
         names = (axes,) if isinstance(axes, str) else tuple(axes or ())
         size = int(np.prod([mesh.shape[n] for n in names])) if names else 1
         fitted.append(axes if dim % size == 0 else None)
-    while fitted and fitted[-1] is None:
-        fitted.pop()
     return P(*fitted)
 
 
