@@ -1,0 +1,290 @@
+"""The typed configuration users write: the `args` of `serve run configs/app.yaml`.
+
+    applications:
+    - name: servax
+      route_prefix: /
+      import_path: app.builder:build_app
+      args:
+        ingress_config: {api_key_env: SERVAX_API_KEY, max_ongoing_requests: 1024}
+        llm_configs:
+        - model_loading_config: {model_id: tiny-llama, model_source: servax-tiny/llama}
+          engine_kwargs: {impl: jax, dtype: float32, max_model_len: 512}
+          deployment_config: {num_replicas: 1, ray_actor_options: {num_cpus: 1}}
+        - models/gpt2.yaml      # a block may live in its own file
+
+Each model block follows the shape of Ray Serve LLM's `LLMConfig`; `engine_kwargs` is
+`runtime.config.EngineConfig` without `model` (that comes from `model_source`). Every
+block forbids unknown keys so that a typo fails with the field's name instead of being
+silently ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from runtime.config import EngineConfig, Impl
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelLoadingConfig(_Strict):
+    """Which model to load and the name clients use for it."""
+
+    model_id: str = Field(min_length=1, description="Name clients send as `model`; also names the deployment.")
+    model_source: str | None = Field(
+        None, description="Hub ID, local folder or servax-tiny/<name>; default: model_id."
+    )
+
+    @property
+    def source(self) -> str:
+        return self.model_source or self.model_id
+
+
+class RayActorOptions(_Strict):
+    """The subset of Ray actor options that make sense for a model replica."""
+
+    num_cpus: float | None = Field(None, ge=0)
+    num_gpus: float | None = Field(None, ge=0)
+    memory: float | None = Field(None, ge=0, description="Bytes of memory to reserve.")
+    resources: dict[str, float] = Field(default_factory=dict, description="Custom resources, e.g. {TPU: 4}.")
+    runtime_env: dict[str, Any] | None = None
+    accelerator_type: str | None = None
+
+
+class AutoscalingConfig(_Strict):
+    """Serve autoscaling, by ongoing requests per replica."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)
+    target_ongoing_requests: float = Field(16, gt=0)
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        return self
+
+
+class DeploymentConfig(_Strict):
+    """Serve options of one model's LLMServer deployment."""
+
+    num_replicas: int | None = Field(None, ge=1, description="Fixed replica count (default 1).")
+    autoscaling_config: AutoscalingConfig | None = None
+    # An engine batches itself, so a replica takes many requests at once; Serve's default
+    # of 5 would serialise a continuous-batching engine.
+    max_ongoing_requests: int = Field(256, ge=1)
+    max_queued_requests: int = Field(-1, ge=-1, description="-1: unbounded Serve queue.")
+    ray_actor_options: RayActorOptions = Field(default_factory=RayActorOptions)
+    health_check_period_s: float = Field(10.0, gt=0)
+    health_check_timeout_s: float = Field(30.0, gt=0)
+    graceful_shutdown_timeout_s: float = Field(20.0, ge=0)
+
+    @model_validator(mode="after")
+    def _replicas_xor_autoscaling(self) -> DeploymentConfig:
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError("set either num_replicas or autoscaling_config, not both")
+        return self
+
+    def serve_options(self) -> dict[str, Any]:
+        """Keyword arguments for `Deployment.options(...)`."""
+        opts = self.model_dump(exclude_none=True, exclude={"ray_actor_options", "autoscaling_config"})
+        if self.autoscaling_config is not None:
+            opts["autoscaling_config"] = self.autoscaling_config.model_dump(exclude_none=True)
+        elif self.num_replicas is None:
+            opts["num_replicas"] = 1
+        actor = self.ray_actor_options.model_dump(exclude_none=True)
+        if not actor.get("resources"):
+            actor.pop("resources", None)
+        opts["ray_actor_options"] = actor
+        return opts
+
+
+class LLMConfig(_Strict):
+    """One model behind the endpoint (the shape of Ray Serve LLM's LLMConfig)."""
+
+    model_loading_config: ModelLoadingConfig
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="runtime.config.EngineConfig fields except `model`."
+    )
+    deployment_config: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    impl: Impl | None = Field(None, description="Shortcut for engine_kwargs.impl.")
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _engine_kwargs_valid(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if "model" in kwargs:
+            raise ValueError("`model` is not an engine_kwargs field: set model_loading_config.model_source")
+        # Validate now (with a placeholder model) so YAML errors name engine_kwargs' field.
+        try:
+            EngineConfig(model="_", **kwargs)
+        except ValidationError as e:
+            raise ValueError("; ".join(line.strip() for line in _describe(e, "engine_kwargs").splitlines())) from None
+        return kwargs
+
+    @model_validator(mode="after")
+    def _impl_agrees(self) -> LLMConfig:
+        if self.impl is not None and self.engine_kwargs.get("impl", self.impl) != self.impl:
+            raise ValueError(
+                f"impl ({self.impl!r}) contradicts engine_kwargs.impl ({self.engine_kwargs['impl']!r})"
+            )
+        return self
+
+    @property
+    def model_id(self) -> str:
+        return self.model_loading_config.model_id
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's configuration: engine_kwargs + model_source (+ the impl shortcut)."""
+        kwargs = dict(self.engine_kwargs)
+        if self.impl is not None:
+            kwargs["impl"] = self.impl
+        return EngineConfig(model=self.model_loading_config.source, **kwargs)
+
+    def deployment_name(self) -> str:
+        return "LLMServer:" + sanitize_name(self.model_id)
+
+
+class IngressConfig(_Strict):
+    """The OpenAI-compatible HTTP front (one FastAPI deployment for all models)."""
+
+    api_key: str | None = Field(None, description="Required bearer token; prefer api_key_env.")
+    api_key_env: str | None = Field(None, description="Name of an environment variable holding the key.")
+    num_replicas: int = Field(1, ge=1)
+    max_ongoing_requests: int = Field(1024, ge=1)
+    max_queued_requests: int = Field(-1, ge=-1)
+    ray_actor_options: RayActorOptions = Field(default_factory=lambda: RayActorOptions(num_cpus=0))
+
+    def resolved_api_key(self) -> str | None:
+        """The key to require, or None for an open endpoint.
+
+        Raises:
+            ValueError: api_key_env names a variable that is not set.
+        """
+        if self.api_key is not None:
+            return self.api_key
+        if self.api_key_env is not None:
+            key = os.environ.get(self.api_key_env)
+            if not key:
+                raise ValueError(f"ingress_config.api_key_env: environment variable {self.api_key_env} is not set")
+            return key
+        return None
+
+    def serve_options(self) -> dict[str, Any]:
+        actor = self.ray_actor_options.model_dump(exclude_none=True)
+        if not actor.get("resources"):
+            actor.pop("resources", None)
+        return dict(
+            num_replicas=self.num_replicas,
+            max_ongoing_requests=self.max_ongoing_requests,
+            max_queued_requests=self.max_queued_requests,
+            ray_actor_options=actor,
+        )
+
+
+class AppConfig(_Strict):
+    """All of `args`: the ingress block and one LLMConfig per model."""
+
+    llm_configs: list[LLMConfig] = Field(min_length=1)
+    ingress_config: IngressConfig = Field(default_factory=IngressConfig)
+    name: str = Field("servax", description="Log label; Serve's application name is set in YAML.")
+
+    @model_validator(mode="after")
+    def _unique_models(self) -> AppConfig:
+        seen: dict[str, str] = {}
+        for block in self.llm_configs:
+            for key in (block.model_id, block.deployment_name()):
+                if key in seen:
+                    clash = "" if seen[key] == block.model_id else f" (same deployment name as {seen[key]!r})"
+                    raise ValueError(f"duplicate model_id {block.model_id!r} in llm_configs{clash}")
+                seen[key] = block.model_id
+        return self
+
+
+def sanitize_name(model_id: str) -> str:
+    """A Serve-safe deployment name from a model id: `Qwen/Qwen2.5-0.5B` -> `Qwen--Qwen2.5-0.5B`."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", model_id.replace("/", "--"))
+
+
+def load_app_config(args: dict[str, Any] | str | os.PathLike, base_dir: Path | None = None) -> AppConfig:
+    """Validate `args` (a dict, or a path to a YAML file) into an AppConfig.
+
+    A YAML file may hold the args themselves or a whole Serve config (`applications:`), in
+    which case the first application's args are used. An `llm_configs` entry that is a
+    string is a path to a YAML file holding one model block, relative to the including
+    file, the current directory, or the repository (tried in that order). `config_path`
+    in args names a file whose args are the base that the other keys override.
+
+    Raises:
+        ValueError: with every problem and the path of the field it concerns.
+    """
+    if not isinstance(args, dict):
+        path = _find(str(args), base_dir)
+        return load_app_config(_read_args(path), base_dir=path.parent)
+    args = dict(args)
+    if "config_path" in args:
+        path = _find(str(args.pop("config_path")), base_dir)
+        args = {**_read_args(path), **args}
+        base_dir = path.parent
+    blocks = args.get("llm_configs")
+    if isinstance(blocks, list):
+        args["llm_configs"] = [_include(b, base_dir) if isinstance(b, str) else b for b in blocks]
+    try:
+        return AppConfig.model_validate(args)
+    except ValidationError as e:
+        raise ValueError("invalid servax config:\n" + _describe(e, prefix="args")) from None
+
+
+def _read_args(path: Path) -> dict[str, Any]:
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    if "applications" in data:
+        apps = data["applications"]
+        if not apps:
+            raise ValueError(f"{path}: `applications` is empty")
+        return dict(apps[0].get("args") or {})
+    return data
+
+
+def _include(ref: str, base_dir: Path | None) -> dict[str, Any]:
+    path = _find(ref, base_dir)
+    block = yaml.safe_load(path.read_text())
+    if not isinstance(block, dict):
+        raise ValueError(f"{path}: a model block file must hold one mapping (model_loading_config, ...)")
+    return block
+
+
+def _find(ref: str, base_dir: Path | None) -> Path:
+    candidates = [Path(ref)] if Path(ref).is_absolute() else [
+        *([base_dir / ref] if base_dir else []), Path.cwd() / ref, REPO_ROOT / ref, REPO_ROOT / "configs" / ref,
+    ]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise ValueError(f"config file {ref!r} not found (tried: {', '.join(str(p) for p in candidates)})")
+
+
+def _describe(error: ValidationError, prefix: str) -> str:
+    lines = []
+    for err in error.errors():
+        loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling)"
+        lines.append(f"  {loc}: {msg}" + (f" (got {err['input']!r})" if err["type"] != "extra_forbidden"
+                                            and not isinstance(err.get("input"), dict) else ""))
+    return "\n".join(lines)
+

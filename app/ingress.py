@@ -1,0 +1,210 @@
+"""The OpenAI-compatible HTTP front: one FastAPI app routing by `model` to LLMServer handles.
+
+`build_openai_api(router)` makes the FastAPI app; `OpenAIIngress` is the Serve deployment
+that builds it at replica start from the handles the builder binds. The app does no
+tokenization: it validates the body, picks the model, forwards the request to the model's
+LLMServer as one streaming handle call and relays what comes back (a JSON body, SSE
+chunks, or an OpenAI error with its status).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList
+from app.serving import error_response
+
+logger = logging.getLogger("ray.serve")
+
+
+class APIError(Exception):
+    """Raised inside a route to answer with an OpenAI error body."""
+
+    def __init__(self, response: ErrorResponse):
+        super().__init__(response.error.message)
+        self.response = response
+
+
+def _json_error(err: ErrorResponse) -> JSONResponse:
+    return JSONResponse(err.model_dump(), status_code=err.status_code)
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The original exception behind a Ray task error (RayTaskError keeps it as `.cause`)."""
+    return getattr(exc, "cause", None) or exc
+
+
+class OpenAIRouter:
+    """Picks the model's handle, checks the API key, and relays LLMServer's answers."""
+
+    def __init__(self, handles: dict[str, DeploymentHandle], api_key: str | None = None):
+        self.handles = handles
+        self.api_key = api_key
+        self._cards: dict[str, ModelCard] = {}
+
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+            raise APIError(ErrorResponse.make(
+                401, "missing or incorrect API key (send Authorization: Bearer <key>)", code="invalid_api_key"))
+
+    def handle_for(self, model: str | None) -> DeploymentHandle:
+        if model is None:
+            if len(self.handles) == 1:
+                return next(iter(self.handles.values()))
+            raise APIError(ErrorResponse.make(
+                400, f"`model` is required; available: {sorted(self.handles)}", param="model"))
+        if model not in self.handles:
+            raise APIError(ErrorResponse.make(
+                404, f"The model `{model}` does not exist; available: {sorted(self.handles)}",
+                param="model", code="model_not_found"))
+        return self.handles[model]
+
+    async def models(self) -> ModelList:
+        missing = [m for m in self.handles if m not in self._cards]
+        infos = await asyncio.gather(*(self.handles[m].model_info.remote() for m in missing))
+        for model_id, info in zip(missing, infos):
+            self._cards[model_id] = ModelCard(**info)
+        return ModelList(data=[self._cards[m] for m in self.handles])
+
+    async def health(self) -> dict[str, str]:
+        results = await asyncio.gather(*(h.health.remote() for h in self.handles.values()), return_exceptions=True)
+        return {m: ("ok" if r is True else f"{type(_unwrap(r)).__name__}: {_unwrap(r)}")
+                for m, r in zip(self.handles, results)}
+
+    async def relay(self, method: str, body: CompletionRequest | ChatCompletionRequest) -> Any:
+        """Call LLMServer.<method>(body) and turn what it yields into the HTTP response."""
+        handle = self.handle_for(body.model)
+        gen = getattr(handle.options(stream=True), method).remote(body)
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            raise APIError(ErrorResponse.make(500, "the model server returned nothing", type="server_error"))
+        except Exception as e:
+            raise APIError(_server_error(e)) from e
+        if isinstance(first, ErrorResponse):
+            gen.cancel()
+            return _json_error(first)
+        if not body.stream:
+            return JSONResponse(first)
+        return StreamingResponse(_sse(first, gen), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+
+def _server_error(exc: BaseException) -> ErrorResponse:
+    cause = _unwrap(exc)
+    err = error_response(cause)
+    if err is not None:
+        return err
+    logger.exception("servax: request failed", exc_info=exc)
+    return ErrorResponse.make(500, f"internal error: {type(cause).__name__}: {cause}", type="server_error")
+
+
+async def _sse(first: dict[str, Any], gen: Any) -> AsyncIterator[str]:
+    """Server-sent events: `data: {json}` per chunk, then `data: [DONE]`.
+
+    If the client goes away, Starlette cancels this generator; cancelling the handle call
+    reaches LLMServer, whose engine generator is closed, which aborts the request.
+    """
+    finished = False
+    try:
+        yield f"data: {json.dumps(first)}\n\n"
+        async for item in gen:
+            yield f"data: {json.dumps(item)}\n\n"
+        finished = True
+    except Exception as e:  # mid-stream failure: tell the client in OpenAI's shape
+        yield f"data: {_server_error(e).model_dump_json()}\n\n"
+    finally:
+        if not finished:
+            gen.cancel()
+    yield "data: [DONE]\n\n"
+
+
+def _param_of(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+def build_openai_api(router: OpenAIRouter) -> FastAPI:
+    """The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /health."""
+    api = FastAPI(title="servax", description="OpenAI-compatible LLM serving on JAX")
+
+    @api.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _json_error(exc.response)
+
+    @api.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+        if first.get("type") == "json_invalid":
+            return _json_error(ErrorResponse.make(400, f"request body is not valid JSON: {first.get('msg')}"))
+        param = _param_of(tuple(first.get("loc", ())))
+        if param is None and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
+            return _json_error(ErrorResponse.make(400, "request body must be a JSON object"))
+        msg = "; ".join(f"{_param_of(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg', '').removeprefix('Value error, ')}"
+                        for e in errors)
+        return _json_error(ErrorResponse.make(400, msg, param=param))
+
+    @api.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _json_error(ErrorResponse.make(exc.status_code, str(exc.detail),
+                                              type="invalid_request_error" if exc.status_code < 500 else "server_error"))
+
+    @api.get("/v1/models")
+    async def list_models(request: Request) -> JSONResponse:
+        router.authorize(request)
+        return JSONResponse((await router.models()).model_dump(exclude_none=True))
+
+    @api.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request) -> JSONResponse:
+        router.authorize(request)
+        router.handle_for(model_id)
+        cards = {c.id: c for c in (await router.models()).data}
+        return JSONResponse(cards[model_id].model_dump(exclude_none=True))
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        router.authorize(request)
+        return await router.relay("completion", body)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        router.authorize(request)
+        return await router.relay("chat", body)
+
+    @api.get("/health")
+    async def health() -> JSONResponse:
+        status = await router.health()
+        ok = all(v == "ok" for v in status.values())
+        return JSONResponse({"status": "ok" if ok else "unhealthy", "models": status},
+                            status_code=200 if ok else 503)
+
+    return api
+
+
+@serve.deployment(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class OpenAIIngress:
+    """The HTTP ingress deployment; bound by app.builder to one LLMServer handle per model."""
+
+    def __init__(self, llm_handles: dict[str, DeploymentHandle], api_key: str | None = None):
+        self.router = OpenAIRouter(llm_handles, api_key)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_openai_api(self.router)

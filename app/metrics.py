@@ -1,0 +1,81 @@
+"""Serve metrics of one LLMServer replica (exported by Ray on its metrics port).
+
+Names follow vLLM's where it has one (`servax:time_to_first_token_seconds` ...). Ray adds
+the deployment, replica and application tags; we add `model_id`. Metrics are best-effort:
+outside a Ray worker (local testing mode, plain unit tests) recording is a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger("ray.serve")
+
+_LATENCY_BOUNDARIES = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0]
+
+
+class ServerMetrics:
+    """Counters, histograms and gauges of one model's replica."""
+
+    def __init__(self, model_id: str):
+        self._tags = {"model_id": model_id}
+        self.enabled = False
+        try:
+            from ray.serve import metrics as m
+
+            keys = ("model_id",)
+            self.ttft = m.Histogram("servax_time_to_first_token_seconds", "Time to first token.",
+                                    boundaries=_LATENCY_BOUNDARIES, tag_keys=keys)
+            self.tpot = m.Histogram("servax_time_per_output_token_seconds", "Time per output token after the first.",
+                                    boundaries=_LATENCY_BOUNDARIES, tag_keys=keys)
+            self.e2e = m.Histogram("servax_e2e_request_latency_seconds", "Request latency.",
+                                   boundaries=_LATENCY_BOUNDARIES, tag_keys=keys)
+            self.prompt_tokens = m.Counter("servax_prompt_tokens_total", "Prompt tokens processed.", tag_keys=keys)
+            self.generation_tokens = m.Counter("servax_generation_tokens_total", "Tokens generated.", tag_keys=keys)
+            self.requests = m.Counter("servax_requests_total", "Finished requests by finish reason.",
+                                      tag_keys=("model_id", "finish_reason"))
+            self.num_running = m.Gauge("servax_num_requests_running", "Requests in the running batch.", tag_keys=keys)
+            self.num_waiting = m.Gauge("servax_num_requests_waiting", "Requests waiting.", tag_keys=keys)
+            self.kv_usage = m.Gauge("servax_kv_cache_usage_ratio", "Share of KV blocks in use.", tag_keys=keys)
+            self.prefix_hit_rate = m.Gauge("servax_prefix_cache_hit_rate", "Prefix-cache hit rate.", tag_keys=keys)
+            self.enabled = True
+        except Exception as e:  # no Ray worker, or an older Ray: serve without metrics
+            logger.debug("servax metrics disabled: %s", e)
+
+    def _record(self, fn, *args: Any, **kwargs: Any) -> None:
+        if not self.enabled:
+            return
+        try:
+            fn(*args, **kwargs)
+        except Exception as e:
+            self.enabled = False
+            logger.debug("servax metrics disabled after error: %s", e)
+
+    def observe_request(self, *, ttft_s: float | None, e2e_s: float, prompt_tokens: int,
+                        generation_tokens: int, finish_reason: str | None) -> None:
+        """Record one finished (or aborted) request."""
+        if not self.enabled:
+            return
+        tags = self._tags
+        if ttft_s is not None:
+            self._record(self.ttft.observe, ttft_s, tags)
+            if generation_tokens > 1:
+                self._record(self.tpot.observe, (e2e_s - ttft_s) / (generation_tokens - 1), tags)
+        self._record(self.e2e.observe, e2e_s, tags)
+        if prompt_tokens:
+            self._record(self.prompt_tokens.inc, prompt_tokens, tags)
+        if generation_tokens:
+            self._record(self.generation_tokens.inc, generation_tokens, tags)
+        self._record(self.requests.inc, 1, {**tags, "finish_reason": str(finish_reason)})
+
+    def update_engine_gauges(self, stats: Any) -> None:
+        """Copy the engine's point-in-time stats (runtime EngineStats) into gauges."""
+        if not self.enabled:
+            return
+        tags = self._tags
+        total = getattr(stats, "kv_blocks_total", 0) or 0
+        self._record(self.num_running.set, getattr(stats, "num_running", 0), tags)
+        self._record(self.num_waiting.set, getattr(stats, "num_waiting", 0), tags)
+        self._record(self.kv_usage.set, (getattr(stats, "kv_blocks_used", 0) / total) if total else 0.0, tags)
+        self._record(self.prefix_hit_rate.set, getattr(stats, "prefix_cache_hit_rate", 0.0) or 0.0, tags)

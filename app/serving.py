@@ -1,0 +1,347 @@
+"""The OpenAI protocol on top of one AsyncLLMEngine: requests in, response bodies out.
+
+Runs inside the LLMServer replica, next to the engine and its tokenizer (chat templates,
+token strings for logprobs). Each method is an async generator of plain dicts (JSON-ready
+bodies or stream chunks) so that the ingress only forwards them; a request the engine
+refuses yields a single `ErrorResponse` instead, before any chunk, so that the ingress can
+answer with the right HTTP status even for `stream: true`.
+
+Closing a generator (the client went away) closes the engine's generators, which aborts
+the requests and frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from app.metrics import ServerMetrics
+from app.protocol import (
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    ChatDelta, ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
+    CompletionRequest, CompletionResponse, ErrorResponse, TopLogprob, UsageInfo, new_id,
+)
+from runtime.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, PromptTooLongError
+
+logger = logging.getLogger("ray.serve")
+
+
+def error_response(exc: BaseException, prompt_param: str = "prompt") -> ErrorResponse | None:
+    """The OpenAI error for an engine error, or None if `exc` is not one we answer for."""
+    if isinstance(exc, PromptTooLongError):
+        return ErrorResponse.make(400, str(exc), param=exc.param or prompt_param, code="context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        return ErrorResponse.make(400, str(exc), param=exc.param)
+    if isinstance(exc, EngineOverloadedError):
+        return ErrorResponse.make(429, str(exc) or "engine queue is full, retry later",
+                                  type="rate_limit_error", code="rate_limit_exceeded")
+    if isinstance(exc, EngineDeadError):
+        return ErrorResponse.make(503, str(exc) or "engine is dead", type="server_error", code="engine_dead")
+    return None
+
+
+class OpenAIServing:
+    """Completions and chat completions for one model."""
+
+    def __init__(self, engine: Any, model_id: str, metrics: ServerMetrics):
+        self.engine = engine
+        self.model_id = model_id
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int | None = engine.model_config.get("max_model_len")
+
+    # ---- engine access shared by the OpenAI routes and the Python handle methods -------
+
+    def sampling_params(self, kwargs: dict[str, Any]) -> Any:
+        """runtime.SamplingParams from vLLM-named fields; raises InvalidRequestError."""
+        from runtime import SamplingParams
+
+        try:
+            return SamplingParams(**kwargs)
+        except TypeError as e:  # a field this engine does not know
+            raise InvalidRequestError(str(e)) from None
+
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        """Token ids of `messages` rendered by the model's chat template (generation prompt added)."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
+        template_kwargs.setdefault("add_generation_prompt", True)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
+        except Exception as e:
+            raise InvalidRequestError(f"chat template failed: {e}", param="messages") from None
+        # The template writes BOS etc. itself; tokenizing again must not add them twice.
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    async def submit(self, prompt: str | list[int], sampling: Any, request_id: str) -> AsyncIterator[Any]:
+        """Start a request and wait for its first output, so that a refusal raises here.
+
+        Returns an async iterator over all its RequestOutput snapshots (the first included);
+        closing it aborts the request. Records the request's metrics when it ends.
+        """
+        gen = self.engine.generate(prompt, sampling, request_id)
+        start = time.perf_counter()
+        try:
+            first = await gen.__anext__()
+        except BaseException:
+            await gen.aclose()
+            raise
+        return self._tracked(gen, first, start, request_id)
+
+    async def _tracked(self, gen: AsyncIterator[Any], first: Any, start: float, request_id: str) -> AsyncIterator[Any]:
+        out, ttft = first, None
+        try:
+            while True:
+                if ttft is None and any(c.token_ids for c in out.outputs):
+                    ttft = time.perf_counter() - start
+                yield out
+                if out.finished:
+                    break
+                out = await gen.__anext__()
+        finally:
+            await gen.aclose()
+            e2e = time.perf_counter() - start
+            n_gen = sum(len(c.token_ids) for c in out.outputs)
+            reasons = {c.finish_reason for c in out.outputs}
+            reason = reasons.pop() if len(reasons) == 1 else ("abort" if not out.finished else "mixed")
+            self.metrics.observe_request(ttft_s=ttft, e2e_s=e2e, prompt_tokens=len(out.prompt_token_ids or ()),
+                                         generation_tokens=n_gen, finish_reason=reason)
+            logger.debug("servax request %s model=%s prompt_tokens=%d generated=%d cached=%s finish=%s "
+                         "ttft=%.3fs e2e=%.3fs", request_id, self.model_id, len(out.prompt_token_ids or ()), n_gen,
+                         getattr(out, "num_cached_tokens", None), reason, ttft or -1.0, e2e)
+
+    async def submit_all(self, prompts: list[str | list[int]], sampling: Any, request_id: str
+                         ) -> AsyncIterator[tuple[int, Any]]:
+        """Start one request per prompt; yield (prompt index, RequestOutput) as they come."""
+        streams = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await self.submit(prompt, sampling, f"{request_id}-{i}"))
+        except BaseException:
+            for s in streams:
+                await s.aclose()
+            raise
+        return _merge(streams)
+
+    def _default_max_tokens(self, kwargs: dict[str, Any], prompt_len: int) -> None:
+        if "max_tokens" not in kwargs and self.max_model_len:
+            kwargs["max_tokens"] = max(1, self.max_model_len - prompt_len)
+
+    # ---- /v1/completions ----------------------------------------------------------------
+
+    async def completion(self, request: CompletionRequest) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
+        """Yield the response body (or, with stream, each chunk body); or one ErrorResponse."""
+        request_id = new_id("cmpl")
+        prompts = request.prompts()
+        try:
+            sampling = self.sampling_params(request.sampling_kwargs())
+            outputs = await self.submit_all(prompts, sampling, request_id)
+        except Exception as e:
+            err = error_response(e, "prompt")
+            if err is None:
+                raise
+            yield err
+            return
+        n = request.n
+        chunk = dict(id=request_id, object="text_completion", created=int(time.time()), model=self.model_id)
+        async with aclosing(outputs):
+            if not request.stream:
+                last: dict[int, Any] = {}
+                async for i, out in outputs:
+                    last[i] = out
+                choices = [self._completion_choice(request, i * n + c.index, last[i], c)
+                           for i in range(len(prompts)) for c in last[i].outputs]
+                yield CompletionResponse(id=request_id, created=chunk["created"], model=self.model_id,
+                                         choices=sorted(choices, key=lambda c: c.index),
+                                         usage=_usage(last.values())).model_dump(exclude_none=True)
+                return
+            last = {}
+            sent_prompt: set[int] = set()
+            async for i, out in outputs:
+                last[i] = out
+                choices = []
+                for c in out.outputs:
+                    index = i * n + c.index
+                    text, logprobs = c.delta_text or "", None
+                    if request.logprobs is not None and c.delta_logprobs:
+                        logprobs = self._completion_logprobs(c.delta_token_ids, c.delta_logprobs, request.logprobs)
+                    if request.echo and index not in sent_prompt:
+                        sent_prompt.add(index)
+                        text = self._prompt_text(out) + text
+                    if text or c.finish_reason is not None or logprobs is not None:
+                        choices.append(dict(index=index, text=text, logprobs=logprobs and logprobs.model_dump(),
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                if choices:
+                    yield {**chunk, "choices": choices, **({"usage": None} if request.include_usage else {})}
+            if request.include_usage:
+                yield {**chunk, "choices": [], "usage": _usage(last.values()).model_dump(exclude_none=True)}
+
+    def _prompt_text(self, out: Any) -> str:
+        if isinstance(out.prompt, str):
+            return out.prompt
+        return self.tokenizer.decode(out.prompt_token_ids)
+
+    def _completion_choice(self, request: CompletionRequest, index: int, out: Any, c: Any) -> CompletionChoice:
+        text, logprobs = c.text, None
+        if request.logprobs is not None:
+            logprobs = self._completion_logprobs(c.token_ids, c.logprobs, request.logprobs)
+        if request.echo:
+            prompt_text = self._prompt_text(out)
+            if logprobs is not None:
+                prompt_lp = self._completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, request.logprobs)
+                logprobs = CompletionLogprobs(
+                    tokens=prompt_lp.tokens + logprobs.tokens,
+                    token_logprobs=prompt_lp.token_logprobs + logprobs.token_logprobs,
+                    top_logprobs=prompt_lp.top_logprobs + logprobs.top_logprobs,
+                    text_offset=prompt_lp.text_offset + [o + len(prompt_text) for o in logprobs.text_offset],
+                )
+            text = prompt_text + text
+        return CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+    def _token_str(self, token_id: int, logprob: Any = None) -> str:
+        decoded = getattr(logprob, "decoded_token", None)
+        return decoded if decoded is not None else self.tokenizer.decode([token_id])
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[Any] | None, top_n: int
+                             ) -> CompletionLogprobs:
+        result, offset = CompletionLogprobs(), 0
+        for pos, token_id in enumerate(token_ids):
+            entry = logprobs[pos] if logprobs is not None and pos < len(logprobs) else None
+            token = self._token_str(token_id, entry.get(token_id) if entry else None)
+            result.tokens.append(token)
+            result.text_offset.append(offset)
+            offset += len(token)
+            if entry is None:  # the first prompt token has no logprob
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            result.token_logprobs.append(entry[token_id].logprob if token_id in entry else None)
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+            top = {self._token_str(t, lp): lp.logprob for t, lp in ranked[:max(top_n, 1)]}
+            if token_id in entry:
+                top.setdefault(token, entry[token_id].logprob)
+            result.top_logprobs.append(top)
+        return result
+
+    # ---- /v1/chat/completions -----------------------------------------------------------
+
+    async def chat(self, request: ChatCompletionRequest) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
+        """Yield the response body (or, with stream, each chunk body); or one ErrorResponse."""
+        request_id = new_id("chatcmpl")
+        try:
+            prompt_ids = self.chat_prompt_ids(
+                request.chat_messages(), add_generation_prompt=request.add_generation_prompt,
+                **(request.chat_template_kwargs or {}))
+            kwargs = request.sampling_kwargs()
+            self._default_max_tokens(kwargs, len(prompt_ids))
+            sampling = self.sampling_params(kwargs)
+            outputs = await self.submit(prompt_ids, sampling, request_id)
+        except Exception as e:
+            err = error_response(e, "messages")
+            if err is None:
+                raise
+            yield err
+            return
+        created = int(time.time())
+        async with aclosing(outputs):
+            if not request.stream:
+                out = None
+                async for out in outputs:
+                    pass
+                choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                                      logprobs=self._chat_logprobs(c.token_ids, c.logprobs, request),
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                           for c in out.outputs]
+                yield ChatCompletionResponse(id=request_id, created=created, model=self.model_id,
+                                             choices=choices, usage=_usage([out])).model_dump(exclude_none=True)
+                return
+            usage_field = {"usage": None} if request.include_usage else {}
+            started: set[int] = set()
+            out = None
+            async for out in outputs:
+                choices = []
+                for c in out.outputs:
+                    delta = ChatDelta(content=c.delta_text or "")
+                    if c.index not in started:
+                        started.add(c.index)
+                        delta.role = "assistant"
+                    elif not c.delta_text and c.finish_reason is None:
+                        continue
+                    choices.append(ChatChunkChoice(
+                        index=c.index, delta=delta, finish_reason=c.finish_reason,
+                        logprobs=self._chat_logprobs(c.delta_token_ids, c.delta_logprobs, request)))
+                if choices:
+                    body = ChatCompletionChunk(id=request_id, created=created, model=self.model_id, choices=choices)
+                    yield {**body.model_dump(exclude_none=True), **usage_field}
+            if request.include_usage:
+                yield {**ChatCompletionChunk(id=request_id, created=created, model=self.model_id,
+                                             choices=[]).model_dump(exclude_none=True),
+                       "usage": _usage([out]).model_dump(exclude_none=True)}
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[Any] | None, request: ChatCompletionRequest
+                       ) -> ChatLogprobs | None:
+        if not request.logprobs or logprobs is None:
+            return None
+        content = []
+        for token_id, entry in zip(token_ids, logprobs):
+            entry = entry or {}
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+            token = self._token_str(token_id, entry.get(token_id))
+            top = [TopLogprob(token=(s := self._token_str(t, lp)), logprob=lp.logprob, bytes=list(s.encode()))
+                   for t, lp in ranked[:request.top_logprobs or 0]]
+            lp = entry[token_id].logprob if token_id in entry else float("nan")
+            content.append(ChatTokenLogprob(token=token, logprob=lp, bytes=list(token.encode()), top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+
+def _usage(outs: Any) -> UsageInfo:
+    outs = [o for o in outs if o is not None]
+    prompt = sum(len(o.prompt_token_ids or ()) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details={"cached_tokens": cached})
+
+
+async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several request streams as (stream index, item); closing closes them all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item))
+        except BaseException as e:  # surfaced to the consumer below
+            await queue.put((i, e))
+            raise
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
