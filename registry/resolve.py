@@ -103,7 +103,7 @@ def _download(repo_id: str, revision: str | None) -> Path:
     try:
         return Path(huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
     except Exception as e:  # offline, unknown repo, gated repo, bad revision, ...
-        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+        offline = huggingface_hub.constants.is_offline_mode()
         hint = " (HF_HUB_OFFLINE is set and it is not in the local hub cache)" if offline else ""
         raise ModelLoadError(
             f"{repo_id}: not a local folder and could not be fetched from the Hugging Face hub{hint}: "

@@ -72,16 +72,19 @@ def load_params(path: Path, table, mesh: Mesh, dtype) -> tuple[dict, dict]:
     """
     tensors = open_checkpoint(path)
     is_spec = lambda x: isinstance(x, WeightSpec)  # noqa: E731
-    missing = [w.hf_name for w in jax.tree.leaves(table, is_leaf=is_spec) if w.hf_name not in tensors]
+    specs = jax.tree.leaves(table, is_leaf=is_spec)
+    missing = [w.hf_name for w in specs if w.hf_name not in tensors]
     if missing:
         raise ModelLoadError(f"{path}: {len(missing)} weights missing from the checkpoint, e.g. {missing[:5]}")
+    wrong = [
+        f"{w.hf_name} has shape {tuple(tensors[w.hf_name].shape)}, the config implies {tuple(w.hf_shape)}"
+        for w in specs if tuple(tensors[w.hf_name].shape) != tuple(w.hf_shape)
+    ]
+    if wrong:
+        raise ModelLoadError(f"{path}: {len(wrong)} weights do not fit the config: " + "; ".join(wrong[:4]))
 
     def place(w: WeightSpec) -> tuple[jax.Array, P]:
         tensor = tensors[w.hf_name]
-        if tuple(tensor.shape) != tuple(w.hf_shape):
-            raise ModelLoadError(
-                f"{path}: {w.hf_name} has shape {tuple(tensor.shape)}, the config implies {tuple(w.hf_shape)}"
-            )
         native = tensor.reshape(w.view) if w.view else tensor
         native = native.transpose(w.perm) if w.perm else native  # still a lazy view
         spec = fit_spec(w.spec, native.shape, mesh)

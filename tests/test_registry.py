@@ -1,0 +1,172 @@
+"""registry.resolve / registry.load: sources, implementation choice, errors, sharded loading."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import registry
+from runtime.errors import ModelLoadError
+from runtime.step import KVCacheSpec, LoadedModel
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def edited_copy(src: Path, dst: Path, **config_changes) -> Path:
+    """A copy of a checkpoint folder with some config.json fields changed."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(config_changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_resolve_tiny_id_picks_native_jax(servax_cache):
+    resolved = registry.resolve("servax-tiny/llama")
+    assert resolved.architecture == "LlamaForCausalLM" and resolved.impl == "jax"
+    assert (resolved.path / "config.json").is_file() and resolved.path.is_relative_to(servax_cache)
+
+
+def test_resolve_local_folder(tiny_checkpoint):
+    resolved = registry.resolve(str(tiny_checkpoint("qwen3")))
+    assert resolved.architecture == "Qwen3ForCausalLM" and resolved.impl == "jax"
+    assert resolved.hf_config.head_dim == 32
+
+
+def test_unregistered_architecture_falls_back_to_torchax_on_auto(tiny_checkpoint):
+    resolved = registry.resolve(str(tiny_checkpoint("gpt2")))
+    assert resolved.architecture == "GPT2LMHeadModel" and resolved.impl == "torchax"
+    assert registry.resolve(str(tiny_checkpoint("llama")), impl="torchax").impl == "torchax"
+
+
+def test_unregistered_architecture_with_impl_jax_is_an_error(tiny_checkpoint):
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        registry.load(str(tiny_checkpoint("gpt2")), impl="jax")
+
+
+def test_missing_path_is_an_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="no such folder"):
+        registry.resolve(str(tmp_path / "nope"))
+
+
+def test_folder_without_config_is_an_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        registry.resolve(str(tmp_path))
+
+
+def test_unknown_hub_id_offline_is_an_error(monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError, match="servax-no-such-org/no-such-model.*hub"):
+        registry.resolve("servax-no-such-org/no-such-model")
+
+
+def test_unsupported_dtype_is_an_error(tiny_checkpoint):
+    with pytest.raises(ModelLoadError, match="unsupported dtype 'int8'"):
+        registry.load(str(tiny_checkpoint("llama")), dtype="int8")
+
+
+def test_unknown_impl_is_an_error(tiny_checkpoint):
+    with pytest.raises(ModelLoadError, match="impl must be one of"):
+        registry.resolve(str(tiny_checkpoint("llama")), impl="vllm")
+
+
+def test_unsupported_rope_type_is_an_error(tiny_checkpoint, tmp_path):
+    rope = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 256}
+    path = edited_copy(tiny_checkpoint("llama"), tmp_path / "yarn", rope_parameters=rope)
+    with pytest.raises(ModelLoadError, match="rope_type 'yarn' is not supported"):
+        registry.load(str(path), impl="jax")
+
+
+def test_weight_shape_mismatch_is_an_error(tiny_checkpoint, tmp_path):
+    path = edited_copy(tiny_checkpoint("llama"), tmp_path / "bad", intermediate_size=96)
+    with pytest.raises(ModelLoadError, match=r"gate_proj.weight has shape \(128, 64\).*\(96, 64\)"):
+        registry.load(str(path))
+
+
+def test_missing_weights_are_an_error(tiny_checkpoint, tmp_path):
+    path = edited_copy(tiny_checkpoint("llama"), tmp_path / "deeper", num_hidden_layers=3)
+    with pytest.raises(ModelLoadError, match="weights missing.*model.layers.2"):
+        registry.load(str(path))
+
+
+def test_load_fills_loaded_model(tiny_checkpoint):
+    model = registry.load(str(tiny_checkpoint("llama3")))
+    assert isinstance(model, LoadedModel) and model.impl == "jax"
+    assert model.kv_spec == KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=jax.numpy.float32)
+    assert model.kv_partition_spec == P(None, None, "model", None)
+    assert model.max_model_len == 1024 and model.vocab_size == 512
+    assert model.eos_token_ids == (0,)
+    assert model.tokenizer is not None and model.tokenizer.decode(model.tokenizer.encode("Hello world")) == "Hello world"
+    assert model.hf_config.model_type == "llama"
+    assert jax.tree.structure(model.params) == jax.tree.structure(
+        model.param_shardings, is_leaf=lambda x: isinstance(x, P))
+    assert model.params["layers"][0]["q"].shape == (64, 4, 16)  # [hidden, heads, head_dim]
+
+
+def test_tied_embeddings_load_without_lm_head(tiny_checkpoint, tmp_path):
+    from registry.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("qwen2", tmp_path / "tied", tie_word_embeddings=True)
+    model = registry.load(str(path))
+    assert "lm_head" not in model.params
+    assert model.step_fn is not None
+
+
+_SHARDED_SCRIPT = textwrap.dedent("""
+    import jax, numpy as np
+    import registry
+    from runtime.errors import ModelLoadError
+    from runtime.step import allocate_kv_cache, make_step_input
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    def mesh(n):
+        return jax.make_mesh((n,), ("model",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
+
+    def run(model, m):
+        ids = np.arange(4, 34)
+        t = len(ids)
+        spec = model.kv_partition_spec
+        cache = allocate_kv_cache(model.kv_spec, 16, 4, NamedSharding(m, spec))
+        batch = make_step_input(input_ids=ids, positions=np.arange(t), slot_mapping=np.arange(t),
+            block_tables=np.arange(8)[None], seq_lens=np.array([t]), query_start_loc=np.array([0, t]),
+            logits_indices=np.array([t - 1]), num_seqs=1, num_tokens=t)
+        return np.asarray(jax.jit(model.step_fn)(model.params, cache, batch)[0])
+
+    ref = run(registry.load("servax-tiny/mistral", mesh=mesh(1)), mesh(1))
+    for n in (2, 4):
+        model = registry.load("servax-tiny/mistral", mesh=mesh(n))
+        q = model.params["layers"][0]["q"]
+        assert q.sharding.spec == P(None, "model", None), q.sharding
+        assert q.addressable_shards[0].data.shape == (64, 4 // n, 16)
+        print(n, "kv_spec", model.kv_partition_spec, "max diff", np.abs(run(model, mesh(n)) - ref).max())
+        assert np.abs(run(model, mesh(n)) - ref).max() < 1e-4
+    try:
+        registry.load("servax-tiny/mistral", mesh=mesh(8))
+    except ModelLoadError as e:
+        print("tp8:", e)
+""")
+
+
+def test_load_shards_params_over_a_model_axis(servax_cache):
+    """On 8 fake CPU devices: tp=2 and tp=4 give the 1-device logits; tp=8 does not divide 4 heads."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=str(ROOT),
+               SERVAX_CACHE=str(servax_cache), JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "2 kv_spec P(None, None, 'model', None)" in out.stdout
+    assert "4 kv_spec P()" in out.stdout  # 2 kv heads do not split 4 ways: replicated
+    assert "num_attention_heads=4 is not divisible by the model axis size 8" in out.stdout
