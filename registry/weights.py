@@ -90,7 +90,7 @@ def load_params(path: Path, table, mesh: Mesh, dtype) -> tuple[dict, dict]:
         spec = fit_spec(w.spec, native.shape, mesh)
         array = jax.make_array_from_callback(
             native.shape, NamedSharding(mesh, spec),
-            lambda index: np.ascontiguousarray(native[index]).astype(dtype),
+            lambda index: np.array(native[index], dtype=dtype, order="C"),  # reads this slice only
         )
         return array, spec
 

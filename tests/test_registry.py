@@ -170,3 +170,35 @@ def test_load_shards_params_over_a_model_axis(servax_cache):
     assert "2 kv_spec P(None, None, 'model', None)" in out.stdout
     assert "4 kv_spec P()" in out.stdout  # 2 kv heads do not split 4 ways: replicated
     assert "num_attention_heads=4 is not divisible by the model axis size 8" in out.stdout
+
+
+def test_missing_torchax_fallback_is_a_clear_error(tiny_checkpoint, monkeypatch):
+    monkeypatch.setitem(sys.modules, "registry.torchax_model", None)  # as if nobody had written it
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel needs the torchax fallback.*LlamaForCausalLM"):
+        registry.load(str(tiny_checkpoint("gpt2")))
+
+
+def test_bfloat16_checkpoint_loads_as_float32_and_auto(tmp_path):
+    """bfloat16 safetensors (which numpy cannot name) upcast exactly; dtype='auto' keeps bfloat16."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from registry.tiny import make_tiny_checkpoint
+    from runtime.step import allocate_kv_cache, make_step_input
+
+    path = make_tiny_checkpoint("qwen3", tmp_path / "bf16", dtype="bfloat16")
+    assert registry.load(str(path), dtype="auto").params["embed"].dtype == jax.numpy.bfloat16
+    model = registry.load(str(path), dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    np.testing.assert_array_equal(
+        np.asarray(model.params["embed"]), hf.model.embed_tokens.weight.detach().numpy())
+    ids = np.arange(4, 24)
+    t = len(ids)
+    batch = make_step_input(input_ids=ids, positions=np.arange(t), slot_mapping=np.arange(t),
+                            block_tables=np.arange(8)[None], seq_lens=np.array([t]),
+                            query_start_loc=np.array([0, t]), logits_indices=np.array([t - 1]),
+                            num_seqs=1, num_tokens=t)
+    logits, _ = jax.jit(model.step_fn)(model.params, allocate_kv_cache(model.kv_spec, 8, 4), batch)
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)[None]).logits[0, -1].numpy()
+    assert np.abs(np.asarray(logits[0]) - ref).max() < 1e-4
