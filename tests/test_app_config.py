@@ -1,0 +1,229 @@
+"""The YAML/args schema (app.config) and the OpenAI request models (app.protocol): unit tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from app.config import AppConfig, load_app_config, sanitize_name
+from app.protocol import ChatCompletionRequest, CompletionRequest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _block(model_id: str = "servax-tiny/llama", **extra) -> dict:
+    return {"model_loading_config": {"model_id": model_id}, **extra}
+
+
+def _error(args) -> str:
+    with pytest.raises(ValueError) as info:
+        load_app_config(args)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("name", ["app", "multi-model", "tensor-parallel", "hub-qwen"])
+def test_shipped_configs_validate(name):
+    config = load_app_config(REPO / "configs" / f"{name}.yaml")
+    assert config.llm_configs
+    for block in config.llm_configs:
+        assert block.engine_config().model == block.model_loading_config.source
+
+
+def test_default_app_serves_tiny_llama_with_small_context():
+    (block,) = load_app_config(REPO / "configs" / "app.yaml").llm_configs
+    engine = block.engine_config()
+    assert (block.model_id, engine.model, engine.impl) == ("servax-tiny/llama", "servax-tiny/llama", "jax")
+    assert engine.max_model_len <= 512
+
+
+def test_multi_model_has_native_and_fallback_models():
+    blocks = load_app_config(REPO / "configs" / "multi-model.yaml").llm_configs
+    impls = {b.model_id: b.engine_config().impl for b in blocks}
+    assert impls == {"servax-tiny/llama": "jax", "servax-tiny/gpt2": "auto"}
+
+
+def test_tensor_parallel_config_asks_for_four_chips():
+    (block,) = load_app_config(REPO / "configs" / "tensor-parallel.yaml").llm_configs
+    assert block.engine_config().tensor_parallel_size == 4
+    assert block.deployment_config.serve_options()["ray_actor_options"]["resources"] == {"TPU": 4}
+
+
+def test_model_source_defaults_to_model_id():
+    config = load_app_config({"llm_configs": [_block("servax-tiny/gpt2")]})
+    assert config.llm_configs[0].engine_config().model == "servax-tiny/gpt2"
+
+
+def test_unknown_engine_kwarg_is_named():
+    msg = _error({"llm_configs": [_block(engine_kwargs={"max_modle_len": 512})]})
+    assert "llm_configs.0.engine_kwargs" in msg and "engine_kwargs.max_modle_len" in msg and "unknown field" in msg
+
+
+def test_bad_engine_value_is_named():
+    msg = _error({"llm_configs": [_block(engine_kwargs={"max_model_len": -1, "dtype": "int3"})]})
+    assert "engine_kwargs.max_model_len" in msg and "engine_kwargs.dtype" in msg
+
+
+def test_engine_cross_field_rule_is_reported():
+    msg = _error({"llm_configs": [_block(engine_kwargs={"max_num_seqs": 64, "max_num_batched_tokens": 32})]})
+    assert "max_num_batched_tokens" in msg
+
+
+def test_model_in_engine_kwargs_points_to_model_source():
+    assert "model_source" in _error({"llm_configs": [_block(engine_kwargs={"model": "x"})]})
+
+
+def test_unknown_deployment_field_is_named():
+    msg = _error({"llm_configs": [_block(deployment_config={"num_replica": 2})]})
+    assert "llm_configs.0.deployment_config.num_replica" in msg
+
+
+def test_unknown_top_level_field_is_named():
+    assert "args.llm_config" in _error({"llm_config": [_block()]})
+
+
+def test_unknown_ray_actor_option_is_named():
+    msg = _error({"llm_configs": [_block(deployment_config={"ray_actor_options": {"num_cpu": 1}})]})
+    assert "ray_actor_options.num_cpu" in msg
+
+
+def test_num_replicas_and_autoscaling_are_exclusive():
+    msg = _error({"llm_configs": [_block(deployment_config={
+        "num_replicas": 2, "autoscaling_config": {"min_replicas": 1, "max_replicas": 4}})]})
+    assert "num_replicas or autoscaling_config" in msg
+
+
+def test_autoscaling_options_reach_serve():
+    config = load_app_config({"llm_configs": [_block(deployment_config={
+        "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}})]})
+    opts = config.llm_configs[0].deployment_config.serve_options()
+    assert "num_replicas" not in opts
+    assert opts["autoscaling_config"]["max_replicas"] == 4
+
+
+def test_duplicate_model_ids_rejected():
+    assert "duplicate model_id 'm'" in _error({"llm_configs": [_block("m"), _block("m")]})
+
+
+def test_model_ids_that_sanitize_alike_rejected():
+    assert "same deployment name" in _error({"llm_configs": [_block("a/b"), _block("a--b")]})
+
+
+def test_empty_llm_configs_rejected():
+    assert "llm_configs" in _error({"llm_configs": []})
+
+
+def test_impl_shortcut_sets_engine_impl_and_must_agree():
+    config = load_app_config({"llm_configs": [_block(impl="torchax")]})
+    assert config.llm_configs[0].engine_config().impl == "torchax"
+    assert "contradicts" in _error({"llm_configs": [_block(impl="jax", engine_kwargs={"impl": "torchax"})]})
+
+
+def test_block_file_included_relative_to_including_file(tmp_path, monkeypatch):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "m.yaml").write_text(yaml.safe_dump(_block("from-file", engine_kwargs={"max_model_len": 64})))
+    (tmp_path / "app.yaml").write_text(yaml.safe_dump({"applications": [
+        {"name": "x", "import_path": "app.builder:build_app", "args": {"llm_configs": ["models/m.yaml", _block("inline")]}}
+    ]}))
+    monkeypatch.chdir("/")
+    config = load_app_config(tmp_path / "app.yaml")
+    assert [b.model_id for b in config.llm_configs] == ["from-file", "inline"]
+    assert config.llm_configs[0].engine_config().max_model_len == 64
+
+
+def test_block_file_relative_to_cwd(tmp_path, monkeypatch):
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(_block("cwd-model")))
+    monkeypatch.chdir(tmp_path)
+    assert load_app_config({"llm_configs": ["m.yaml"]}).llm_configs[0].model_id == "cwd-model"
+
+
+def test_missing_block_file_names_the_path():
+    assert "'no/such.yaml' not found" in _error({"llm_configs": ["no/such.yaml"]})
+
+
+def test_bad_block_file_names_field(tmp_path):
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(_block(engine_kwargs={"blok_size": 16})))
+    assert "engine_kwargs.blok_size" in _error({"llm_configs": [str(tmp_path / "m.yaml")]})
+
+
+def test_config_path_arg_with_overrides():
+    config = load_app_config({"config_path": str(REPO / "configs" / "app.yaml"),
+                              "ingress_config": {"api_key": "k"}})
+    assert config.llm_configs[0].model_id == "servax-tiny/llama"
+    assert config.ingress_config.resolved_api_key() == "k"
+
+
+def test_api_key_env_must_be_set(monkeypatch):
+    monkeypatch.delenv("SERVAX_TEST_KEY", raising=False)
+    config = AppConfig.model_validate({"llm_configs": [_block()], "ingress_config": {"api_key_env": "SERVAX_TEST_KEY"}})
+    with pytest.raises(ValueError, match="SERVAX_TEST_KEY"):
+        config.ingress_config.resolved_api_key()
+    monkeypatch.setenv("SERVAX_TEST_KEY", "secret")
+    assert config.ingress_config.resolved_api_key() == "secret"
+
+
+def test_deployment_names_are_sanitized():
+    assert sanitize_name("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen--Qwen2.5-0.5B-Instruct"
+    assert sanitize_name("a b:c#d") == "a-b-c-d"
+    config = load_app_config({"llm_configs": [_block("servax-tiny/llama")]})
+    assert config.llm_configs[0].deployment_name() == "LLMServer:servax-tiny--llama"
+
+
+def test_build_app_binds_one_server_per_model_and_an_ingress():
+    from app.builder import build_app
+
+    app = build_app({"llm_configs": [_block("a"), _block("b/c")]})
+    ingress = app._bound_deployment
+    assert ingress.name == "OpenAIIngress"
+    handles = ingress.init_args[0]
+    assert sorted(handles) == ["a", "b/c"]
+    assert handles["b/c"]._bound_deployment.name == "LLMServer:b--c"
+
+
+# ---- OpenAI request bodies ------------------------------------------------------------
+
+def test_completion_request_maps_to_vllm_sampling_names():
+    req = CompletionRequest(prompt="hi", max_tokens=5, temperature=0, stop="\n", logit_bias={"7": 5},
+                            seed=3, logprobs=2, echo=True, top_k=4, user="ignored")
+    kwargs = req.sampling_kwargs()
+    assert kwargs == {"n": 1, "max_tokens": 5, "temperature": 0, "stop": ["\n"], "logit_bias": {7: 5.0},
+                      "seed": 3, "logprobs": 2, "prompt_logprobs": 2, "top_k": 4}
+
+
+def test_completion_prompt_forms():
+    assert CompletionRequest(prompt="a").prompts() == ["a"]
+    assert CompletionRequest(prompt=[1, 2]).prompts() == [[1, 2]]
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert CompletionRequest(prompt=[[1], [2, 3]]).prompts() == [[1], [2, 3]]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "logit_bias": {"tok": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 1000}}, "logit_bias"),
+    ({"prompt": "x", "temperature": -0.5}, "temperature"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "tempreature": 1}, "tempreature"),
+    ({"prompt": []}, "prompt"),
+])
+def test_completion_request_refusals_name_the_param(body, param):
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate(body)
+    assert info.value.errors()[0]["loc"][0] == param
+
+
+def test_chat_request_max_completion_tokens_and_logprobs():
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                max_completion_tokens=7, logprobs=True, top_logprobs=2)
+    assert req.sampling_kwargs() == {"n": 1, "max_tokens": 7, "logprobs": 2}
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], top_logprobs=2)
+
+
+def test_chat_request_text_parts_are_joined():
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert req.chat_messages() == [{"role": "user", "content": "ab"}]
