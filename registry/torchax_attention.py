@@ -135,7 +135,7 @@ def static_experts_forward(self: Any, hidden_states: Any, top_k_index: Any, top_
         out = out + self.down_proj_bias
     if self.has_post_expert_norm:
         out = self.post_expert_norm(out)
-    one_hot = torch.nn.functional.one_hot(top_k_index.long(), num_classes=self.num_experts)  # [N, k, E]
+    one_hot = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts)  # [N, k, E]
     combine = (one_hot.to(top_k_weights.dtype) * top_k_weights[..., None]).sum(dim=1)  # [N, E]
     out = (out * combine[..., None].to(out.dtype)).sum(dim=1)
     return out.to(hidden_states.dtype)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 from typing import Any
 
 import jax
@@ -32,7 +33,7 @@ from registry.torchax_compat import import_torchax
 from runtime.errors import ModelLoadError
 from runtime.step import KVCache, KVCacheSpec, LoadedModel, StepInput
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float16")
 MODEL_AXIS = "model"
 
 # Megatron-style tensor parallelism over HF module names (the last name component).
@@ -45,31 +46,31 @@ PARTITION_RULES: tuple[tuple[str, str], ...] = (
     (r"o_proj|out_proj|down_proj|fc2|fc_out|c_proj|dense|w2|dense_4h_to_h|wo|Wo", "row"),
     (r"embed_tokens|wte|embed_in|word_embeddings|lm_head|embed_out", "vocab"),
 )
+_NOT_ROUTED = (
+    "{arch} cannot be served by the torchax fallback: its attention does not go through "
+    "transformers' AttentionInterface, so it cannot be routed to servax's paged KV cache"
+)
 _EXPERT_PARAMS = {"gate_up_proj": "column", "up_proj": "column", "down_proj": "row"}
 
 
-def _torch_dtype(dtype: str):
-    import torch
-
-    if dtype not in DTYPES:
+def _dtype_name(dtype: Any) -> str:
+    """"float32" / "bfloat16" / "float16" from a name or any dtype-like (jnp.bfloat16, ...)."""
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = str(dtype)
+    if name not in DTYPES:
         raise ModelLoadError(f"dtype {dtype!r} is not supported by the torchax path; use one of {DTYPES}")
-    return getattr(torch, dtype)
+    return name
 
 
 def _check_servable(resolved: Any, model_cls: Any) -> None:
     """Refuse, before loading weights, what the torchax path cannot serve."""
-    config = resolved.hf_config
-    arch = resolved.architecture
     if not getattr(model_cls, "_supports_attention_backend", False) and not model_cls._can_set_attn_implementation():
-        raise ModelLoadError(
-            f"{arch} cannot be served by the torchax fallback: its attention does not go through "
-            f"transformers' AttentionInterface, so it cannot be routed to servax's paged KV cache"
-        )
-    del config
+        raise ModelLoadError(_NOT_ROUTED.format(arch=resolved.architecture))
 
 
 def _model_class(resolved: Any, trust_remote_code: bool) -> Any:
-    from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = resolved.hf_config
@@ -88,17 +89,16 @@ def _model_class(resolved: Any, trust_remote_code: bool) -> Any:
             f"{resolved.model_id} ({arch}, model_type={config.model_type!r}) has no causal-LM head in "
             f"transformers (AutoModelForCausalLM does not know it); it cannot generate text"
         )
-    del AutoModelForCausalLM
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
-def load_torchax(resolved: Any, *, dtype: str = "float32", mesh: jax.sharding.Mesh | None = None) -> LoadedModel:
+def load_torchax(resolved: Any, *, dtype: Any = "float32", mesh: jax.sharding.Mesh | None = None) -> LoadedModel:
     """Wrap a transformers causal LM so it runs as a servax step function.
 
     Args:
         resolved: the resolved model; only .model_id, .path, .hf_config and .architecture
             are read (and .trust_remote_code if present).
-        dtype: "float32" or "bfloat16", for weights and KV cache.
+        dtype: "float32", "bfloat16" or "float16" (or the jnp dtype), for weights and KV cache.
         mesh: where to place the weights; default a 1-device mesh with a "model" axis.
             When its "model" axis has more than one device, weights follow PARTITION_RULES.
 
@@ -115,7 +115,8 @@ def load_torchax(resolved: Any, *, dtype: str = "float32", mesh: jax.sharding.Me
     from torchax.interop import JittableModule
 
     register_implementations()
-    torch_dtype = _torch_dtype(dtype)
+    dtype = _dtype_name(dtype)
+    torch_dtype = getattr(torch, dtype)
     trust_remote_code = bool(getattr(resolved, "trust_remote_code", False))
     model_cls = _model_class(resolved, trust_remote_code)
     _check_servable(resolved, model_cls)
@@ -165,7 +166,10 @@ def load_torchax(resolved: Any, *, dtype: str = "float32", mesh: jax.sharding.Me
             {k: params[k] for k in param_names}, {k: params[k] for k in buffer_names},
             ids, pos, batch.logits_indices.astype(jnp.int32),
         ))
-        with step_context(ctx), env, torch.no_grad():
+        with step_context(ctx), env, torch.no_grad(), warnings.catch_warnings():
+            # HF code asks for int64 indices (torch.long); with x64 off JAX keeps them int32,
+            # which holds any token id, position or expert index.
+            warnings.filterwarnings("ignore", message="Explicitly requested dtype int64")
             out = module.functional_call(forward, t_params, t_buffers, t_ids, t_pos, t_idx)
         return env.t2j_iso(out)
 
@@ -213,10 +217,7 @@ def _probe_kv_spec(resolved: Any, params: Any, call: Any, dtype: Any) -> KVCache
             f"{resolved.architecture} could not be traced through torchax: {type(e).__name__}: {e}"
         ) from e
     if not ctx.seen:
-        raise ModelLoadError(
-            f"{resolved.architecture} cannot be served by the torchax fallback: its attention does not "
-            f"call transformers' AttentionInterface, so it cannot use servax's paged KV cache"
-        )
+        raise ModelLoadError(_NOT_ROUTED.format(arch=resolved.architecture))
     num_layers = max(ctx.seen) + 1
     shapes = {ctx.seen[i][:2] for i in ctx.seen}
     if sorted(ctx.seen) != list(range(num_layers)) or len(shapes) != 1:
