@@ -48,6 +48,7 @@ class KVCacheManager:
 
         At least one token is always left to compute, so the step yields logits. Requests
         that want prompt logprobs get no hits (every prompt position must be computed).
+        The caller records the lookup in `stats` once the request is admitted.
         """
         if not self.enable_caching or request.needs_prompt_logprobs:
             return [], 0
@@ -58,8 +59,6 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        self.stats.queries += request.num_tokens
-        self.stats.hits += len(blocks) * self.block_size
         return blocks, len(blocks) * self.block_size
 
     def allocate_slots(

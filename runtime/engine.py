@@ -1,0 +1,396 @@
+"""The synchronous engine core: add_request / step / abort_request.
+
+    engine = Engine(EngineConfig(model="servax-tiny/llama", max_model_len=512))
+    engine.add_request("r1", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): ...
+
+Startup loads the model (registry.load) on a ("data", "model") mesh, sizes and allocates
+the paged KV cache, and precompiles every bucket. Not thread-safe: AsyncLLMEngine drives
+it from one thread; `process_inputs` is the only part meant to run elsewhere.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from runtime.compilation import CompileCounter, enable_persistent_cache, seq_buckets, token_buckets
+from runtime.config import EngineConfig
+from runtime.errors import EngineOverloadedError, InvalidRequestError, PromptTooLongError
+from runtime.kv_cache_manager import KVCacheManager
+from runtime.mesh import make_mesh
+from runtime.model_runner import ModelRunner
+from runtime.output_processor import RequestState, TokenTexts
+from runtime.outputs import RequestOutput
+from runtime.request import Request, RequestStatus
+from runtime.sampler import MAX_STOP_TOKEN_IDS
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import Scheduler
+from runtime.step import LoadedModel
+
+logger = logging.getLogger("servax.engine")
+
+CPU_DEFAULT_KV_BYTES = 256 * 1024**2
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """A point-in-time view of the engine (counters are totals since startup)."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_cache_usage: float
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # of which found cached
+    prefix_cache_hit_rate: float
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_requests_finished: int
+    num_preemptions: int
+    compilations_since_warmup: int
+    ttft_seconds: list[float]  # recent time-to-first-token samples
+    tpot_seconds: list[float]  # recent time-per-output-token samples (per finished request)
+    ttft_sum: float
+    ttft_count: int
+    tpot_sum: float
+    tpot_count: int
+    num_steps: int
+
+
+@dataclasses.dataclass
+class ProcessedRequest:
+    """A validated request, ready for Engine.add_processed (built by process_inputs)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Engine:
+    """Owns the scheduler, the KV cache and the model runner of one model.
+
+    Args:
+        config: the engine settings.
+        model: an already loaded model (tests); default registry.load(config.model, ...).
+
+    Raises:
+        runtime.errors.ModelLoadError: the model cannot be loaded.
+        ValueError: the settings cannot work (mesh, KV cache too small for one sequence).
+    """
+
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None):
+        t0 = time.perf_counter()
+        self.config = config
+        self.compilation_cache_dir = enable_persistent_cache(config.compilation_cache_dir)
+        self.mesh = make_mesh(config.tensor_parallel_size, config.data_parallel_size)
+        if model is None:
+            import registry
+
+            model = registry.load(
+                config.model, impl=config.impl, dtype=config.dtype, mesh=self.mesh,
+                revision=config.revision, trust_remote_code=config.trust_remote_code,
+            )
+        self.model = model
+        self.tokenizer = model.tokenizer
+        if config.tokenizer:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, revision=config.revision)
+        self.max_model_len = config.max_model_len or model.max_model_len
+        if self.max_model_len > model.max_model_len:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds what {model.model_id} supports "
+                f"({model.max_model_len}); choose max_model_len <= {model.max_model_len}"
+            )
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
+                f"({config.max_num_batched_tokens} < {self.max_model_len})"
+            )
+        self.block_size = config.block_size
+        self.num_blocks = self._num_kv_blocks()
+        self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.runner = ModelRunner(
+            model, self.mesh, num_blocks=self.num_blocks, block_size=self.block_size,
+            max_model_len=self.max_model_len, token_buckets=token_buckets(config.max_num_batched_tokens),
+            seq_buckets=seq_buckets(config.max_num_seqs), max_logprobs=config.max_logprobs,
+        )
+        self.compile_counter = CompileCounter()
+        with self.compile_counter.track():
+            warmup_s = self.runner.warmup(config.show_progress)
+        self.compile_counter.mark_warm()
+        self.warmup_seconds = warmup_s
+        logger.info(
+            "servax engine ready in %.1fs (warmup %.1fs, %d programs, %d compiled): %s",
+            time.perf_counter() - t0, warmup_s, len(self.runner.bucket_pairs()), self.compile_counter.count,
+            self.model_config,
+        )
+
+        self._texts = TokenTexts(self.tokenizer)
+        self._states: dict[str, RequestState] = {}  # user request id -> state
+        self._rng = np.random.default_rng(config.seed)
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._finished = 0
+        self._steps = 0
+        self._ttft: collections.deque[float] = collections.deque(maxlen=1000)
+        self._tpot: collections.deque[float] = collections.deque(maxlen=1000)
+        self._ttft_sum = self._tpot_sum = 0.0
+        self._ttft_count = self._tpot_count = 0
+
+    # -- sizing --------------------------------------------------------------------------
+    def _num_kv_blocks(self) -> int:
+        cfg, spec = self.config, self.model.kv_spec
+        per_block = spec.bytes_per_block(self.block_size)
+        if cfg.num_kv_blocks is not None:
+            num, source = cfg.num_kv_blocks, "num_kv_blocks"
+        elif cfg.kv_cache_memory_bytes is not None:
+            num, source = cfg.kv_cache_memory_bytes // per_block, f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes}"
+        else:
+            devices = list(self.mesh.devices.flat)
+            stats = devices[0].memory_stats()
+            if stats and "bytes_limit" in stats:
+                free = min(
+                    d.memory_stats()["bytes_limit"] - d.memory_stats().get("bytes_in_use", 0) for d in devices
+                )
+                # The cache is sharded over the model axis: each device holds 1/tp of it.
+                budget = int(free * cfg.kv_cache_memory_fraction) * self.mesh.shape["model"]
+                source = f"{cfg.kv_cache_memory_fraction:.0%} of free device memory"
+            else:
+                budget = CPU_DEFAULT_KV_BYTES
+                source = f"default {CPU_DEFAULT_KV_BYTES // 2**20} MiB (device reports no memory stats)"
+            num = budget // per_block
+        needed = _cdiv(self.max_model_len, self.block_size) + 1  # + the null block
+        if num < needed:
+            raise ValueError(
+                f"the KV cache has {num} blocks of {self.block_size} tokens ({source}), but one "
+                f"max_model_len={self.max_model_len} sequence needs {needed} (null block included); "
+                f"raise the KV budget to >= {needed * per_block} bytes or lower max_model_len"
+            )
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d token slots, %.1f MiB (%s)",
+            num, self.block_size, (num - 1) * self.block_size, num * per_block / 2**20, source,
+        )
+        return int(num)
+
+    @property
+    def model_config(self) -> dict[str, Any]:
+        return dict(
+            model_id=self.model.model_id, impl=self.model.impl, dtype=str(np.dtype(self.model.kv_spec.dtype)),
+            max_model_len=self.max_model_len, vocab_size=self.model.vocab_size,
+            devices=[str(d) for d in self.mesh.devices.flat], mesh=dict(self.mesh.shape),
+            kv_blocks=self.num_blocks, block_size=self.block_size,
+            token_buckets=self.runner.token_buckets, seq_buckets=self.runner.seq_buckets,
+            max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            compilation_cache_dir=self.compilation_cache_dir, warmup_seconds=round(self.warmup_seconds, 2),
+        )
+
+    # -- admission -----------------------------------------------------------------------
+    def process_inputs(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+        *, arrival_time: float | None = None, num_pending: int = 0,
+    ) -> ProcessedRequest:
+        """Validate and tokenize a request without touching the scheduler (any thread).
+
+        Raises:
+            InvalidRequestError: bad prompt or sampling params (.param names the field).
+            PromptTooLongError: prompt + 1 token does not fit max_model_len.
+            EngineOverloadedError: the waiting queue is full.
+        """
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params must be a SamplingParams", param="sampling_params")
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
+        text: str | None = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer; send token ids", param="prompt")
+            text = prompt
+            token_ids = list(self.tokenizer(prompt).input_ids)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            token_ids = [int(t) for t in prompt]
+        else:
+            raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
+        vocab = self.model.vocab_size
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if any(t < 0 or t >= vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if len(token_ids) + 1 > self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(token_ids)} tokens; with at least one generated token it needs "
+                f"{len(token_ids) + 1}, more than max_model_len={self.max_model_len}",
+                param="prompt",
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and v > self.config.max_logprobs:
+                raise InvalidRequestError(
+                    f"{name}={v} exceeds this engine's max_logprobs={self.config.max_logprobs}", param=name
+                )
+        if any(t >= vocab for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
+        if any(t >= vocab for t in params.stop_token_ids) or len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids in [0, {vocab})", param="stop_token_ids"
+            )
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(f"n must be <= max_num_seqs={self.config.max_num_seqs}", param="n")
+        if self.scheduler.num_waiting + num_pending >= self.config.max_queue_size:
+            raise EngineOverloadedError(
+                f"{self.scheduler.num_waiting + num_pending} requests are waiting "
+                f"(max_queue_size={self.config.max_queue_size}); retry later"
+            )
+        return ProcessedRequest(request_id, text, token_ids, params, arrival_time or time.time())
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request (raises as process_inputs, or on a duplicate id)."""
+        self.add_processed(self.process_inputs(request_id, prompt, params, arrival_time=arrival_time))
+
+    def add_processed(self, req: ProcessedRequest) -> None:
+        if req.request_id in self._states:
+            raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
+        params = req.params
+        state = RequestState(req.request_id, req.prompt, req.prompt_token_ids, params, self.tokenizer, req.arrival_time)
+        eos = () if self.model.eos_token_ids is None else tuple(self.model.eos_token_ids)
+        for i in range(params.n):
+            child_id = req.request_id if params.n == 1 else f"{req.request_id}#{i}"
+            if params.seed is not None:
+                seed = (params.seed + i * 0x9E3779B1) % 2**32
+            else:
+                seed = int(self._rng.integers(2**32))
+            child = Request(
+                child_id, req.prompt_token_ids, params, eos_token_ids=eos, block_size=self.block_size,
+                max_model_len=self.max_model_len, sample_seed=seed, parent_id=req.request_id, index=i,
+                arrival_time=req.arrival_time,
+            )
+            child.wants_prompt_logprobs = child.wants_prompt_logprobs and i == 0
+            state.child_ids.append(child_id)
+            self.scheduler.add_request(child)
+        self._states[req.request_id] = state
+        self._prompt_tokens += len(req.prompt_token_ids)
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Stop requests and free their blocks; returns their final snapshots (unknown ids ignored)."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outs = []
+        for rid in request_ids:
+            state = self._states.pop(rid, None)
+            if state is None:
+                continue
+            for i, child_id in enumerate(state.child_ids):
+                if self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED) is not None:
+                    state.finish_child(i, "abort", None)
+            outs.append(state.snapshot())
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._states)
+
+    # -- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, and return snapshots of requests that advanced."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        now = time.time()
+        for entry in sched.scheduled:
+            state = self._states[entry.request.parent_id]
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+        block_ids = {e.request.request_id: self.kv.block_ids(e.request.request_id) for e in sched.scheduled}
+        with self.compile_counter.track():
+            result = self.runner.execute(sched, block_ids)
+        self._steps += 1
+
+        for rid, rows in result.prompt_logprobs.items():
+            request = self.scheduler.requests.get(rid)
+            if request is not None:
+                request.prompt_logprob_rows.extend(r for _, r in rows)
+                self._states[request.parent_id].add_prompt_logprobs(rows, self._texts)
+
+        advanced = self.scheduler.update_from_output(sched, result.sampled)
+        touched: dict[str, RequestState] = {}
+        for request in advanced:
+            state = self._states[request.parent_id]
+            touched[request.parent_id] = state
+            token = request.output_token_ids[-1]
+            self._generation_tokens += 1
+            first = state.metrics.first_token_time is None
+            stop_str = state.add_token(request, token, result.sample_logprobs.get(request.request_id), self._texts)
+            if first:
+                self._record_ttft(state.metrics.first_token_time - state.metrics.arrival_time)
+            if stop_str is not None:
+                if not request.is_finished:
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                state.finish_child(request.index, "stop", stop_str)
+            elif request.is_finished:
+                state.finish_child(request.index, request.status.finish_reason, request.stop_reason)
+        outs = []
+        for parent_id, state in touched.items():
+            outs.append(state.snapshot())
+            if state.finished:
+                self._finish_state(parent_id, state)
+        return outs
+
+    def _finish_state(self, parent_id: str, state: RequestState) -> None:
+        del self._states[parent_id]
+        self._finished += 1
+        m = state.metrics
+        n_tokens = max(len(c.token_ids) for c in state.completions)
+        if n_tokens > 1 and m.first_token_time is not None and m.last_token_time is not None:
+            tpot = (m.last_token_time - m.first_token_time) / (n_tokens - 1)
+            self._tpot.append(tpot)
+            self._tpot_sum += tpot
+            self._tpot_count += 1
+
+    def _record_ttft(self, seconds: float) -> None:
+        self._ttft.append(seconds)
+        self._ttft_sum += seconds
+        self._ttft_count += 1
+
+    # -- introspection -------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        total = self.kv.pool.num_usable_blocks
+        free = self.kv.num_free_blocks
+        ps = self.kv.stats
+        return EngineStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_blocks_total=total, kv_blocks_used=total - free, kv_blocks_free=free,
+            kv_cache_usage=(total - free) / total, prefix_cache_queries=ps.queries, prefix_cache_hits=ps.hits,
+            prefix_cache_hit_rate=ps.hit_rate, prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generation_tokens, num_requests_finished=self._finished,
+            num_preemptions=self.scheduler.num_preemptions,
+            compilations_since_warmup=self.compile_counter.since_warmup,
+            ttft_seconds=list(self._ttft), tpot_seconds=list(self._tpot), ttft_sum=self._ttft_sum,
+            ttft_count=self._ttft_count, tpot_sum=self._tpot_sum, tpot_count=self._tpot_count, num_steps=self._steps,
+        )

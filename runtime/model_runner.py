@@ -1,0 +1,210 @@
+"""The model runner: scheduler output -> padded StepInput -> jitted step + sampler -> host.
+
+All inputs are built in NumPy and padded to a precompiled (tokens, sequences) bucket, so
+serving never compiles (see compilation.CompileCounter). The KV cache is donated to the
+step so that its update is in place.
+
+Rows: normally one sequence slot per scheduled request. A request that still needs prompt
+logprobs has each of its scheduled tokens in a slot of its own (same block table,
+seq_len = position + 1). Because a layer writes all new K/V before it attends, the result
+equals one ragged prefill, and every position yields logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import warnings
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from tqdm.auto import tqdm
+
+from runtime.compilation import bucket_for
+from runtime.sampler import BIAS_WIDTH, SamplingBatch, empty_sampling_batch, sample
+from runtime.scheduler import SchedulerOutput
+from runtime.step import LoadedModel, allocate_kv_cache, make_step_input
+
+logger = logging.getLogger("servax.engine")
+_SUPPRESS = -1e30
+
+# CPU backends cannot donate buffers; the warning is noise there.
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+
+
+@dataclasses.dataclass
+class RowResult:
+    """Sampler results of one row, on the host."""
+
+    chosen_logprob: float
+    chosen_rank: int
+    top_ids: np.ndarray  # [K]
+    top_logprobs: np.ndarray  # [K]
+
+
+@dataclasses.dataclass
+class RunnerOutput:
+    sampled: list[int]  # one per scheduled request (meaningless for partial prefill chunks)
+    sample_logprobs: dict[str, RowResult]  # request id -> its sampled token's logprobs
+    # request id -> (prompt index of the token, result) for newly computed prompt logprobs
+    prompt_logprobs: dict[str, list[tuple[int, RowResult]]]
+
+
+class ModelRunner:
+    """Owns the params, the KV cache and the compiled programs of one engine.
+
+    Args:
+        model: what registry.load returned.
+        mesh: the mesh the params live on (the KV cache is sharded on it too).
+        num_blocks, block_size, max_model_len: the KV cache geometry.
+        token_buckets, seq_buckets: padded sizes to compile.
+        max_logprobs: K of the sampler's top-K logprobs.
+    """
+
+    def __init__(
+        self, model: LoadedModel, mesh: Mesh, *, num_blocks: int, block_size: int, max_model_len: int,
+        token_buckets: list[int], seq_buckets: list[int], max_logprobs: int,
+    ):
+        self.model = model
+        self.mesh = mesh
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.token_buckets = token_buckets
+        self.seq_buckets = seq_buckets
+        self.num_logprobs = max(1, max_logprobs)
+        kv_sharding = NamedSharding(mesh, model.kv_partition_spec)
+        self.kv_cache = allocate_kv_cache(model.kv_spec, num_blocks, block_size, kv_sharding)
+        self._step = jax.jit(model.step_fn, donate_argnums=(1,))
+        self._sample = jax.jit(sample, static_argnames=("num_logprobs",))
+
+    # -- warmup --------------------------------------------------------------------------
+    def bucket_pairs(self) -> list[tuple[int, int]]:
+        """Every (tokens, seqs) bucket a step can use (a sequence has at least one token)."""
+        return [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t]
+
+    def warmup(self, show_progress: bool = True) -> float:
+        """Compile (or load from the persistent cache) every bucket; returns seconds taken."""
+        start = time.perf_counter()
+        pairs = self.bucket_pairs()
+        for t, s in tqdm(pairs, desc="servax: compiling buckets", disable=not show_progress):
+            batch = self._padding_step_input(t, s)
+            logits, self.kv_cache = self._step(self.model.params, self.kv_cache, batch)
+            out = self._sample(logits, self._sampling_batch_padding(s), num_logprobs=self.num_logprobs)
+            jax.block_until_ready(out)
+        return time.perf_counter() - start
+
+    def _padding_step_input(self, t: int, s: int):
+        return make_step_input(
+            input_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
+            slot_mapping=np.full(t, -1, np.int32),
+            block_tables=np.zeros((s, self.max_blocks_per_seq), np.int32),
+            seq_lens=np.zeros(s, np.int32), query_start_loc=np.zeros(s + 1, np.int32),
+            logits_indices=np.zeros(s, np.int32), num_seqs=0, num_tokens=0,
+        )
+
+    def _sampling_batch_padding(self, s: int) -> SamplingBatch:
+        return SamplingBatch(**empty_sampling_batch(s, self.max_model_len))
+
+    # -- one step ------------------------------------------------------------------------
+    def execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> RunnerOutput:
+        """Run one scheduled step. `block_ids`: request id -> its physical blocks."""
+        num_tokens = sched.num_scheduled_tokens
+        num_rows = sched.num_slots
+        t_pad = bucket_for(num_tokens, self.token_buckets)
+        s_pad = bucket_for(num_rows, self.seq_buckets)
+        bs = self.block_size
+
+        input_ids = np.zeros(t_pad, np.int32)
+        positions = np.zeros(t_pad, np.int32)
+        slot_mapping = np.full(t_pad, -1, np.int32)
+        block_tables = np.zeros((s_pad, self.max_blocks_per_seq), np.int32)
+        seq_lens = np.zeros(s_pad, np.int32)
+        query_start_loc = np.zeros(s_pad + 1, np.int32)
+        logits_indices = np.zeros(s_pad, np.int32)
+        sb = empty_sampling_batch(s_pad, self.max_model_len)
+
+        sample_rows: list[int] = []  # per scheduled request, the row whose sample counts
+        prompt_rows: list[tuple[str, int, int]] = []  # (request id, row, prompt token index)
+        t = row = 0
+        for entry in sched.scheduled:
+            req = entry.request
+            c, n = entry.num_computed_tokens, entry.num_new_tokens
+            table = np.asarray(block_ids[req.request_id], np.int32)
+            pos = np.arange(c, c + n, dtype=np.int32)
+            input_ids[t:t + n] = req.all_token_ids[c:c + n]
+            positions[t:t + n] = pos
+            slot_mapping[t:t + n] = table[pos // bs] * bs + pos % bs
+            if entry.one_slot_per_token:
+                rows = np.arange(row, row + n)
+                block_tables[rows, :len(table)] = table
+                seq_lens[rows] = pos + 1
+                query_start_loc[row + 1:row + n + 1] = t + np.arange(1, n + 1)
+                logits_indices[rows] = t + np.arange(n)
+                for j in range(n):
+                    target = c + j + 1  # the prompt token this row's logits predict
+                    if len(req.prompt_logprob_rows) < target < req.num_prompt_tokens:
+                        sb["target_ids"][row + j] = req.prompt_token_ids[target]
+                        prompt_rows.append((req.request_id, row + j, target))
+                last = row + n - 1
+                row += n
+            else:
+                block_tables[row, :len(table)] = table
+                seq_lens[row] = c + n
+                query_start_loc[row + 1] = t + n
+                logits_indices[row] = t + n - 1
+                last = row
+                row += 1
+            self._fill_sampling_row(sb, last, req)
+            sample_rows.append(last)
+            t += n
+        query_start_loc[row + 1:] = t
+
+        batch = make_step_input(
+            input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_tables=block_tables,
+            seq_lens=seq_lens, query_start_loc=query_start_loc, logits_indices=logits_indices,
+            num_seqs=row, num_tokens=t,
+        )
+        logits, self.kv_cache = self._step(self.model.params, self.kv_cache, batch)
+        out = self._sample(logits, SamplingBatch(**sb), num_logprobs=self.num_logprobs)
+        out = jax.device_get(out)
+
+        def result(r: int) -> RowResult:
+            return RowResult(float(out.chosen_logprob[r]), int(out.chosen_rank[r]), out.top_ids[r], out.top_logprobs[r])
+
+        sampled = [int(out.sampled[r]) for r in sample_rows]
+        sample_logprobs = {
+            e.request.request_id: result(r)
+            for e, r in zip(sched.scheduled, sample_rows)
+            if e.request.sampling_params.logprobs is not None
+        }
+        prompt_logprobs: dict[str, list[tuple[int, RowResult]]] = {}
+        for rid, r, target in prompt_rows:
+            prompt_logprobs.setdefault(rid, []).append((target, result(r)))
+        return RunnerOutput(sampled, sample_logprobs, prompt_logprobs)
+
+    def _fill_sampling_row(self, sb: dict[str, np.ndarray], r: int, req) -> None:
+        p = req.sampling_params
+        sb["temperature"][r] = p.temperature
+        sb["top_k"][r] = p.top_k
+        sb["top_p"][r] = p.top_p
+        sb["min_p"][r] = p.min_p
+        sb["seeds"][r] = req.sample_seed
+        sb["steps"][r] = req.num_output_tokens
+        bias = list(p.logit_bias.items())
+        if req.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
+            bias += [(tok, _SUPPRESS) for tok in banned]
+        if bias:
+            bias = bias[:BIAS_WIDTH]
+            sb["bias_ids"][r, :len(bias)] = [b[0] for b in bias]
+            sb["bias_values"][r, :len(bias)] = [b[1] for b in bias]
+        if p.uses_penalties:
+            sb["presence_penalty"][r] = p.presence_penalty
+            sb["frequency_penalty"][r] = p.frequency_penalty
+            sb["repetition_penalty"][r] = p.repetition_penalty
+            hist = req.all_token_ids[: self.max_model_len]
+            sb["token_history"][r, :len(hist)] = hist
+            sb["prompt_lens"][r] = req.num_prompt_tokens

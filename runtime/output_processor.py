@@ -1,0 +1,144 @@
+"""Per-request output state: regroups the n child sequences of a user request, detokenizes,
+keeps logprobs, and builds RequestOutput snapshots with streaming deltas."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.model_runner import RowResult
+from runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from runtime.request import Request
+from runtime.sampling_params import SamplingParams
+
+
+class TokenTexts:
+    """Cached single-token texts for logprob entries."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def logprob_entry(token_id: int, row: RowResult, n: int, texts: TokenTexts) -> dict[int, Logprob]:
+    """{chosen token: its Logprob} plus the top-n tokens (rank 1 = most likely)."""
+    entry = {token_id: Logprob(row.chosen_logprob, row.chosen_rank, texts(token_id))}
+    for rank in range(min(n, len(row.top_ids))):
+        tid = int(row.top_ids[rank])
+        if tid not in entry:
+            entry[tid] = Logprob(float(row.top_logprobs[rank]), rank + 1, texts(tid))
+    return entry
+
+
+class CompletionState:
+    """One child sequence as the user will see it."""
+
+    def __init__(self, index: int, detokenizer: IncrementalDetokenizer, want_logprobs: bool):
+        self.index = index
+        self.detokenizer = detokenizer
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] | None = [] if want_logprobs else None
+        self.cumulative_logprob: float | None = 0.0 if want_logprobs else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self._sent_tokens = 0
+        self._sent_logprobs = 0
+
+    def snapshot(self) -> CompletionOutput:
+        finished = self.finish_reason is not None
+        delta_text = self.detokenizer.delta(finished)
+        delta_ids = self.token_ids[self._sent_tokens:]
+        delta_lps = self.logprobs[self._sent_logprobs:] if self.logprobs is not None else None
+        self._sent_tokens = len(self.token_ids)
+        self._sent_logprobs = len(self.logprobs) if self.logprobs is not None else 0
+        return CompletionOutput(
+            index=self.index, text=self.detokenizer.streamed_text(), token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            delta_text=delta_text, delta_token_ids=delta_ids, delta_logprobs=delta_lps,
+        )
+
+
+class RequestState:
+    """A user request: its prompt, its n completions and its timings."""
+
+    def __init__(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+        tokenizer: Any, arrival_time: float,
+    ):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
+        self.num_cached_tokens = 0
+        self.completions = [
+            CompletionState(
+                i,
+                IncrementalDetokenizer(
+                    tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+                    min_tokens=params.min_tokens,
+                ),
+                params.logprobs is not None,
+            )
+            for i in range(params.n)
+        ]
+        self.child_ids: list[str] = []
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+    def add_token(self, request: Request, token: int, row: RowResult | None, texts: TokenTexts) -> str | None:
+        """Record a child's new token; returns a stop string it completed, if any."""
+        now = time.time()
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.last_token_time = now
+        self.num_cached_tokens = max(self.num_cached_tokens, request.num_cached_tokens)
+        comp = self.completions[request.index]
+        comp.token_ids.append(token)
+        if comp.logprobs is not None and row is not None:
+            comp.logprobs.append(logprob_entry(token, row, self.params.logprobs or 0, texts))
+            comp.cumulative_logprob += row.chosen_logprob
+        if token in self.params.stop_token_ids or token in request.eos_token_ids:
+            return None  # stop tokens stay out of the text (the tokenizer may skip them anyway)
+        return comp.detokenizer.update([token])
+
+    def add_prompt_logprobs(self, rows: list[tuple[int, RowResult]], texts: TokenTexts) -> None:
+        if self.prompt_logprobs is None:
+            return
+        for target, row in rows:
+            if target == len(self.prompt_logprobs):
+                token = self.prompt_token_ids[target]
+                self.prompt_logprobs.append(logprob_entry(token, row, self.params.prompt_logprobs or 0, texts))
+
+    def finish_child(self, index: int, finish_reason: str, stop_reason: int | str | None) -> None:
+        comp = self.completions[index]
+        if comp.finish_reason is None:
+            comp.finish_reason = finish_reason
+            comp.stop_reason = stop_reason
+        if self.finished and self.metrics.finished_time is None:
+            self.metrics.finished_time = time.time()
+
+    def snapshot(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            outputs=[c.snapshot() for c in self.completions], finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens, metrics=self.metrics,
+        )
