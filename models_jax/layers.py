@@ -47,7 +47,9 @@ class RopeConfig:
     @classmethod
     def from_hf(cls, hf_config: Any, head_dim: int) -> "RopeConfig":
         """Raises ValueError on a rope type or partial rotary factor this module does not implement."""
-        params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+        # transformers 5 names it rope_parameters (with rope_theta inside); older configs rope_scaling.
+        params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+        params = dict(params or {})
         rope_type = params.get("rope_type", params.get("type", "default"))
         theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
         if rope_type not in SUPPORTED_ROPE_TYPES:

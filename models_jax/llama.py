@@ -59,7 +59,8 @@ class LlamaArgs:
         window = getattr(cfg, "sliding_window", None)
         if arch.startswith("Qwen") and not getattr(cfg, "use_sliding_window", False):
             window = None
-        layer_types = getattr(cfg, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * num_layers
+        layer_types = getattr(cfg, "layer_types", None)
+        layer_types = layer_types or ["sliding_attention" if window else "full_attention"] * num_layers
         windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
         is_qwen2 = arch == "Qwen2ForCausalLM"
         return cls(
@@ -157,7 +158,8 @@ def forward(params: dict, kv_cache: KVCache, batch: StepInput, *, args: LlamaArg
         x = params["embed"][batch.input_ids]  # [T, D]
     with jax.named_scope("rope"):
         tok = jnp.arange(batch.input_ids.shape[0])
-        seq = jnp.minimum(jnp.searchsorted(batch.query_start_loc[1:], tok, side="right"), batch.seq_lens.shape[0] - 1)
+        seq = jnp.searchsorted(batch.query_start_loc[1:], tok, side="right")
+        seq = jnp.minimum(seq, batch.seq_lens.shape[0] - 1)  # [T], padding tokens -> last slot
         cos, sin = layers.rope_cos_sin(a.rope, batch.positions, batch.seq_lens[seq])  # [T, hd]
     new_cache = []
     for i, p in enumerate(params["layers"]):

@@ -50,7 +50,9 @@ def load(
         mesh = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
     if "model" not in mesh.axis_names:
         raise ModelLoadError(f"the mesh must have a 'model' axis, it has {mesh.axis_names}")
-    logger.info("loading %s (%s) with impl=%s dtype=%s", resolved.model_id, resolved.architecture, resolved.impl, dtype)
+    logger.info(
+        "loading %s (%s) with impl=%s dtype=%s", resolved.model_id, resolved.architecture, resolved.impl, dtype
+    )
 
     if resolved.impl == "torchax":
         try:

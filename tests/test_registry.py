@@ -109,7 +109,8 @@ def test_load_fills_loaded_model(tiny_checkpoint):
     assert model.kv_partition_spec == P(None, None, "model", None)
     assert model.max_model_len == 1024 and model.vocab_size == 512
     assert model.eos_token_ids == (0,)
-    assert model.tokenizer is not None and model.tokenizer.decode(model.tokenizer.encode("Hello world")) == "Hello world"
+    assert model.tokenizer is not None
+    assert model.tokenizer.decode(model.tokenizer.encode("Hello world")) == "Hello world"
     assert model.hf_config.model_type == "llama"
     assert jax.tree.structure(model.params) == jax.tree.structure(
         model.param_shardings, is_leaf=lambda x: isinstance(x, P))
