@@ -117,13 +117,35 @@ def test_load_fills_loaded_model(tiny_checkpoint):
     assert model.params["layers"][0]["q"].shape == (64, 4, 16)  # [hidden, heads, head_dim]
 
 
-def test_tied_embeddings_load_without_lm_head(tiny_checkpoint, tmp_path):
+def prefill_last_logits(model, ids: np.ndarray) -> np.ndarray:  # [V], one sequence in one step
+    from runtime.step import allocate_kv_cache, make_step_input
+
+    t = len(ids)
+    batch = make_step_input(input_ids=ids, positions=np.arange(t), slot_mapping=np.arange(t),
+                            block_tables=np.arange(8)[None], seq_lens=np.array([t]),
+                            query_start_loc=np.array([0, t]), logits_indices=np.array([t - 1]),
+                            num_seqs=1, num_tokens=t)
+    logits, _ = jax.jit(model.step_fn)(model.params, allocate_kv_cache(model.kv_spec, 8, 4), batch)
+    return np.asarray(logits[0])
+
+
+def hf_last_logits(path: Path, ids: np.ndarray) -> np.ndarray:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return hf(torch.tensor(ids)[None]).logits[0, -1].numpy()
+
+
+def test_tied_embeddings_use_the_embedding_as_lm_head(tmp_path):
     from registry.tiny import make_tiny_checkpoint
 
     path = make_tiny_checkpoint("qwen2", tmp_path / "tied", tie_word_embeddings=True)
     model = registry.load(str(path))
     assert "lm_head" not in model.params
-    assert model.step_fn is not None
+    ids = np.arange(4, 24)
+    assert np.abs(prefill_last_logits(model, ids) - hf_last_logits(path, ids)).max() < 1e-4
 
 
 _SHARDED_SCRIPT = textwrap.dedent("""
@@ -181,25 +203,14 @@ def test_missing_torchax_fallback_is_a_clear_error(tiny_checkpoint, monkeypatch)
 
 def test_bfloat16_checkpoint_loads_as_float32_and_auto(tmp_path):
     """bfloat16 safetensors (which numpy cannot name) upcast exactly; dtype='auto' keeps bfloat16."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from safetensors.torch import load_file
 
     from registry.tiny import make_tiny_checkpoint
-    from runtime.step import allocate_kv_cache, make_step_input
 
     path = make_tiny_checkpoint("qwen3", tmp_path / "bf16", dtype="bfloat16")
     assert registry.load(str(path), dtype="auto").params["embed"].dtype == jax.numpy.bfloat16
     model = registry.load(str(path), dtype="float32")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    np.testing.assert_array_equal(
-        np.asarray(model.params["embed"]), hf.model.embed_tokens.weight.detach().numpy())
+    embed = load_file(path / "model.safetensors")["model.embed_tokens.weight"]
+    np.testing.assert_array_equal(np.asarray(model.params["embed"]), embed.float().numpy())
     ids = np.arange(4, 24)
-    t = len(ids)
-    batch = make_step_input(input_ids=ids, positions=np.arange(t), slot_mapping=np.arange(t),
-                            block_tables=np.arange(8)[None], seq_lens=np.array([t]),
-                            query_start_loc=np.array([0, t]), logits_indices=np.array([t - 1]),
-                            num_seqs=1, num_tokens=t)
-    logits, _ = jax.jit(model.step_fn)(model.params, allocate_kv_cache(model.kv_spec, 8, 4), batch)
-    with torch.no_grad():
-        ref = hf(torch.tensor(ids)[None]).logits[0, -1].numpy()
-    assert np.abs(np.asarray(logits[0]) - ref).max() < 1e-4
+    assert np.abs(prefill_last_logits(model, ids) - hf_last_logits(path, ids)).max() < 1e-4
