@@ -1,0 +1,160 @@
+"""The offline LLM API end to end on the tiny Llama: matches transformers, stops, n, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from runtime import LLM, SamplingParams
+from runtime.errors import InvalidRequestError, PromptTooLongError
+
+MODEL = "servax-tiny/llama"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(
+        MODEL, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=128, num_kv_blocks=256,
+        show_progress=False,
+    )
+
+
+def hf_greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from registry.tiny import tiny_checkpoint_path
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint_path(MODEL), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        )
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_greedy_matches_transformers_generate(llm):
+    prompt = "The quick brown fox jumps over the lazy dog. Once upon a time"
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0]
+    ids = llm.tokenizer(prompt).input_ids
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == hf_greedy(ids, 40)
+    assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_token_id_prompts_and_prompt_order(llm):
+    prompts = [[5, 6, 7], [100, 200, 300, 400, 10], [42]]
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+
+
+def test_max_tokens_and_min_tokens(llm):
+    ids = [10, 20, 30, 40]
+    eos = llm.engine.model.eos_token_ids[0]
+    greedy = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    assert len(greedy.token_ids) == 8
+    # Force EOS to be the best token: it ends generation at once, unless min_tokens holds it back.
+    bias = {eos: 100.0}
+    o = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, logit_bias=bias))[0].outputs[0]
+    assert o.token_ids == [eos] and o.finish_reason == "stop" and o.stop_reason is None
+    o = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, min_tokens=3, logit_bias=bias))[0].outputs[0]
+    assert len(o.token_ids) == 4 and eos not in o.token_ids[:3] and o.token_ids[3] == eos
+    o = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias=bias))[0].outputs[0]
+    assert o.token_ids == [eos] * 8 and o.finish_reason == "length"
+
+
+def test_stop_token_ids(llm):
+    ids = [10, 20, 30, 40]
+    ref = llm.generate([ids], GREEDY)[0].outputs[0].token_ids
+    stop_tok = ref[5]
+    sp = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_tok], ignore_eos=True)
+    o = llm.generate([ids], sp)[0].outputs[0]
+    first = ref.index(stop_tok)
+    assert o.token_ids == ref[: first + 1]
+    assert o.finish_reason == "stop" and o.stop_reason == stop_tok
+
+
+def test_stop_strings_cut_text_and_stream_consistently(llm):
+    prompt = "Hello world! How are you"
+    ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    text = ref.text
+    stop = text[8:11]
+    assert stop and stop not in text[:8]
+    o = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop))[0].outputs[0]
+    assert o.text == text[:8] and o.finish_reason == "stop" and o.stop_reason == stop
+    o = llm.generate(prompt, SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True,
+    ))[0].outputs[0]
+    assert o.text == text[:11]
+
+
+def test_n_samples_share_prompt_and_differ(llm):
+    sp = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
+    out = llm.generate("Once upon a time", sp)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    seqs = [tuple(c.token_ids) for c in out.outputs]
+    assert len(set(seqs)) == 3 and all(len(s) == 12 for s in seqs)
+    again = llm.generate("Once upon a time", sp)[0]
+    assert [tuple(c.token_ids) for c in again.outputs] == seqs  # seeded: reproducible
+
+
+def test_logprobs_of_sampled_tokens(llm):
+    sp = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    out = llm.generate([[10, 20, 30]], sp)[0].outputs[0]
+    assert len(out.logprobs) == 6
+    total = 0.0
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        assert tok in entry and entry[tok].rank == 1  # greedy picks the most likely
+        ranks = sorted(lp.rank for lp in entry.values())
+        assert ranks == [1, 2, 3]
+        lps = [entry[t].logprob for t in sorted(entry, key=lambda t: entry[t].rank)]
+        assert lps == sorted(lps, reverse=True) and all(lp <= 0 for lp in lps)
+        total += entry[tok].logprob
+    assert math.isclose(out.cumulative_logprob, total, rel_tol=1e-5)
+
+
+def test_prompt_logprobs_match_teacher_forcing(llm):
+    prompt = [10, 20, 30, 40, 50, 60, 70]
+    sp = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2, ignore_eos=True)
+    out = llm.generate([prompt], sp)[0]
+    plp = out.prompt_logprobs
+    assert len(plp) == len(prompt) and plp[0] is None
+    # Teacher forcing: the logprob of prompt[i] given prompt[:i], via the last-token logprobs
+    # of a greedy request on that prefix.
+    for i in (1, 4, 6):
+        prefix_out = llm.generate([prompt[:i]], SamplingParams(temperature=0, max_tokens=1, logprobs=20,
+                                                               ignore_eos=True))[0].outputs[0]
+        want = prefix_out.logprobs[0]
+        got = plp[i][prompt[i]]
+        if prompt[i] in want:
+            assert got.logprob == pytest.approx(want[prompt[i]].logprob, abs=1e-4)
+        top1 = min(want.values(), key=lambda lp: lp.rank)
+        assert max(v.logprob for v in plp[i].values()) == pytest.approx(top1.logprob, abs=1e-4)
+    assert out.outputs[0].token_ids == llm.generate([prompt], GREEDY)[0].outputs[0].token_ids[:3]
+
+
+def test_bad_requests_raise_before_queueing(llm):
+    with pytest.raises(PromptTooLongError) as e:
+        llm.generate([[1] * 256], GREEDY)
+    assert "256" in str(e.value) and "max_model_len=256" in str(e.value)
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate([[1, 2], [600]], GREEDY)
+    assert e.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(top_p=1.5)
+    assert e.value.param == "top_p" and "(0, 1]" in str(e.value)
+    assert llm.engine.num_unfinished_requests == 0
+
+
+def test_bfloat16_generates(llm):
+    bf = LLM(MODEL, dtype="bfloat16", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
+             num_kv_blocks=64, show_progress=False)
+    out = bf.generate([[10, 20, 30]], GREEDY)[0].outputs[0]
+    assert len(out.token_ids) == 16
+    assert bf.engine.stats().compilations_since_warmup == 0
