@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -127,6 +129,8 @@ async def _sse(first: dict[str, Any], gen: Any) -> AsyncIterator[str]:
         async for item in gen:
             yield f"data: {json.dumps(item)}\n\n"
         finished = True
+    except RequestCancelledError:
+        return
     except Exception as e:  # mid-stream failure: tell the client in OpenAI's shape
         yield f"data: {_server_error(e).model_dump_json()}\n\n"
     finally:
@@ -135,8 +139,13 @@ async def _sse(first: dict[str, Any], gen: Any) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
+# pydantic names union members and validators in an error's location (`prompt.str`,
+# `prompt.list[int]`, `function-after[...]`); the client's parameter is the rest.
+_NOT_A_FIELD = re.compile(r"^(str|int|float|bool|none|dict|list|function-\w+)(\[.*\])?$")
+
+
 def _param_of(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
+    parts = [str(p) for p in loc if p != "body" and not _NOT_A_FIELD.match(str(p))]
     return ".".join(parts) or None
 
 

@@ -89,7 +89,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-Prompt = str | list[int] | list[str] | list[list[int]]
+Prompt = str | list[int] | list[str | list[int]]
 
 
 class CompletionRequest(_Request):

@@ -1,0 +1,415 @@
+"""The OpenAI API over real HTTP, in one process.
+
+Each model's LLMServer runs through `serve.run(..., _local_testing_mode=True)` (real
+deployment class, real engine, real Serve handles, no cluster), and the ingress FastAPI
+app built on those handles is served by uvicorn on a local port. So every request below
+crosses a real socket, goes through FastAPI validation, a streaming Serve handle call and
+the engine; only Ray's proxy and actors are left out (tests/test_app_serve_run.py covers
+them).
+
+Models: `servax-tiny/llama` (the default app's settings) and `small-queue`, the same
+checkpoint with one running sequence and a one-request queue, for 429 and, last in this
+file, 503 (its engine is shut down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MODEL = "servax-tiny/llama"
+SMALL = "small-queue"
+API_KEY = "test-key"
+ENGINE = dict(impl="jax", dtype="float32", max_model_len=512, max_num_seqs=32, max_num_batched_tokens=512,
+              show_progress=False)
+GREEDY = dict(temperature=0, ignore_eos=True)
+# The openai client takes non-OpenAI fields (ignore_eos) through extra_body.
+CLIENT_GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def handles(servax_cache):
+    from ray import serve
+
+    from app.builder import build_llm_deployment
+    from app.config import load_app_config
+
+    config = load_app_config({"llm_configs": [
+        {"model_loading_config": {"model_id": MODEL}, "engine_kwargs": ENGINE},
+        {"model_loading_config": {"model_id": SMALL, "model_source": MODEL},
+         "engine_kwargs": dict(ENGINE, max_model_len=128, max_num_seqs=1, max_queue_size=1)},
+    ]})
+    result = {}
+    for block in config.llm_configs:
+        result[block.model_id] = serve.run(build_llm_deployment(block), name=block.deployment_name(),
+                                           route_prefix=None, _local_testing_mode=True)
+    yield result
+
+
+@pytest.fixture(scope="module")
+def base_url(handles):
+    import uvicorn
+
+    from app.ingress import OpenAIRouter, build_openai_api
+
+    api = build_openai_api(OpenAIRouter(handles, api_key=API_KEY))
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def http(base_url):
+    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture
+def client(base_url):
+    import openai
+
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _sse_events(response: httpx.Response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def _assert_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+def _stats(handles, model=MODEL) -> dict:
+    return handles[model].stats.remote().result()
+
+
+def _wait_idle(handles, model=MODEL, timeout=30.0) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        stats = _stats(handles, model)
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+            return stats
+        assert time.time() < deadline, f"engine still busy: {stats}"
+        time.sleep(0.05)
+
+
+# ---- the happy paths, through the official client -------------------------------------------
+
+def test_models_lists_both_with_metadata(client):
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {MODEL, SMALL}
+    extra = cards[MODEL].model_extra
+    assert extra["impl"] == "jax" and extra["max_model_len"] == 512 and extra["root"] == MODEL
+
+
+def test_completion_greedy_is_deterministic_and_counts_usage(client):
+    a = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=8, **CLIENT_GREEDY)
+    b = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=8, **CLIENT_GREEDY)
+    assert a.choices[0].text == b.choices[0].text and a.choices[0].text
+    assert a.choices[0].finish_reason == "length"
+    assert a.usage.completion_tokens == 8 and a.usage.prompt_tokens > 0
+    assert a.usage.total_tokens == a.usage.prompt_tokens + 8
+
+
+def test_completion_without_model_goes_to_the_only_model_when_one(http, handles):
+    from app.ingress import OpenAIRouter
+
+    router = OpenAIRouter({MODEL: handles[MODEL]})
+    assert router.handle_for(None) is handles[MODEL]
+    # With two models the server must be told which.
+    _assert_error(http.post("/v1/completions", json={"prompt": "hi"}), 400, param="model")
+
+
+def test_completion_token_ids_and_batch(http):
+    one = http.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, **GREEDY}).json()
+    batch = http.post("/v1/completions", json={
+        "model": MODEL, "prompt": [[5, 6, 7], "Hello"], "max_tokens": 4, "n": 2, **GREEDY}).json()
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2, 3]
+    assert batch["choices"][0]["text"] == one["choices"][0]["text"] == batch["choices"][1]["text"]
+    assert batch["usage"]["completion_tokens"] == 16
+
+
+def test_completion_echo_with_logprobs(http):
+    body = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello world", "max_tokens": 3,
+                                              "echo": True, "logprobs": 2, **GREEDY}).json()
+    choice = body["choices"][0]
+    assert choice["text"].startswith("Hello world")
+    lp = choice["logprobs"]
+    n = len(lp["tokens"])
+    assert n == body["usage"]["prompt_tokens"] + 3
+    assert lp["token_logprobs"][0] is None and all(x <= 0 for x in lp["token_logprobs"][1:])
+    assert all(len(t) >= 1 for t in lp["top_logprobs"][1:]) and len(lp["text_offset"]) == n
+    assert "".join(lp["tokens"]) == choice["text"]
+
+
+def test_completion_seeded_sampling_reproduces(http):
+    req = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "top_p": 0.9,
+           "top_k": 50, "min_p": 0.01, "presence_penalty": 0.5, "frequency_penalty": 0.5, "seed": 1234,
+           "logit_bias": {"5": 2}, "user": "ignored"}
+    a, b = (http.post("/v1/completions", json=req).json() for _ in range(2))
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+
+
+def test_completion_stop_string(http):
+    full = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 12, **GREEDY}).json()
+    text = full["choices"][0]["text"]
+    stop = text[3:5]
+    body = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 12,
+                                              "stop": [stop], **GREEDY}).json()
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["text"] == text[:text.index(stop)]
+
+
+def test_chat_completion_with_logprobs(client):
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi there"}],
+                                          max_completion_tokens=5, logprobs=True, top_logprobs=2, **CLIENT_GREEDY)
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert len(choice.logprobs.content) == 5 == resp.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    assert "".join(t.token for t in choice.logprobs.content) == choice.message.content
+
+
+def test_chat_uses_the_chat_template(http, handles):
+    from transformers import AutoTokenizer
+
+    from registry.tiny import tiny_checkpoint_path
+
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint_path(MODEL))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+              add_special_tokens=False)["input_ids"]
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 6,
+                                                   **GREEDY}).json()
+    completion = http.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 6,
+                                                    **GREEDY}).json()
+    assert chat["usage"]["prompt_tokens"] == len(ids)
+    assert chat["choices"][0]["message"]["content"] == completion["choices"][0]["text"]
+
+
+def test_streaming_completion_matches_non_streaming(client):
+    full = client.completions.create(model=MODEL, prompt="The weather", max_tokens=10, **CLIENT_GREEDY)
+    chunks = list(client.completions.create(model=MODEL, prompt="The weather", max_tokens=10, stream=True,
+                                            stream_options={"include_usage": True}, **CLIENT_GREEDY))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_streaming_chat_sse_shape(http):
+    with http.stream("POST", "/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "stream": True,
+            "stream_options": {"include_usage": True}, **GREEDY}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = _sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["object"] == "chat.completion.chunk" and chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_health(base_url):
+    r = httpx.get(base_url + "/health")
+    assert r.status_code == 200 and r.json()["models"] == {MODEL: "ok", SMALL: "ok"}
+
+
+# ---- errors: each over HTTP, and the server keeps serving -----------------------------------
+
+def _still_serving(http) -> None:
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic test-key"}])
+def test_wrong_or_missing_api_key_is_401(base_url, http, headers):
+    r = httpx.post(base_url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers=headers)
+    _assert_error(r, 401, code="invalid_api_key")
+    _assert_error(httpx.get(base_url + "/v1/models", headers=headers), 401)
+    _still_serving(http)
+
+
+def test_unknown_model_is_404(http):
+    _assert_error(http.post("/v1/completions", json={"model": "nope", "prompt": "hi"}), 404, param="model",
+                  code="model_not_found")
+    _assert_error(http.post("/v1/chat/completions", json={"model": "nope", "messages": [
+        {"role": "user", "content": "hi"}]}), 404, param="model")
+    _still_serving(http)
+
+
+def test_bad_json_is_400(http):
+    r = http.post("/v1/completions", content=b'{"model": "x", "prompt": ', headers={"Content-Type": "application/json"})
+    assert "JSON" in _assert_error(r, 400)["message"]
+    _assert_error(http.post("/v1/completions", content=b"[1, 2]", headers={"Content-Type": "application/json"}), 400)
+    _still_serving(http)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"temperature": -1}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 0}, "n"),
+    ({"suffix": "x"}, "suffix"),
+    ({"best_of": 2}, "best_of"),
+    ({"logit_bias": {"not-a-token": 1}}, "logit_bias"),
+    ({"logprobs": 50}, "logprobs"),
+    ({"tempreature": 1}, "tempreature"),
+    ({"prompt": None}, "prompt"),
+])
+def test_bad_completion_params_are_400_naming_the_param(http, body, param):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", **body})
+    _assert_error(r, 400, param=param)
+    _still_serving(http)
+
+
+def test_bad_param_refused_by_the_engine_is_400(http):
+    # Passes the request schema, refused by runtime.SamplingParams (top_p/min_p ranges are
+    # checked there too, but a stop_token_ids entry beyond the vocabulary is the engine's call).
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "top_k": -5})
+    _assert_error(r, 400, param="top_k")
+    _still_serving(http)
+
+
+def test_bad_chat_params_are_400(http):
+    _assert_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": []}), 400, param="messages")
+    _assert_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": [
+        {"role": "wizard", "content": "hi"}]}), 400, param="messages.0.role")
+    _assert_error(http.post("/v1/chat/completions", json={"model": MODEL, "top_logprobs": 2, "messages": [
+        {"role": "user", "content": "hi"}]}), 400)
+    _still_serving(http)
+
+
+def test_prompt_longer_than_context_is_400_context_length_exceeded(http):
+    long_prompt = list(range(10, 10 + 600))
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt, "max_tokens": 4})
+    _assert_error(r, 400, code="context_length_exceeded")
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 4, "messages": [
+        {"role": "user", "content": "word " * 600}]})
+    _assert_error(r, 400, code="context_length_exceeded")
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt, "max_tokens": 4, "stream": True})
+    _assert_error(r, 400, code="context_length_exceeded")
+    _still_serving(http)
+
+
+def test_full_queue_is_429_and_server_recovers(base_url, http, handles):
+    async def scenario():
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120) as c:
+            long = {"model": SMALL, "prompt": "Hello", "max_tokens": 100, "stream": True, **GREEDY}
+            running = c.stream("POST", "/v1/completions", json=long)
+            first = await running.__aenter__()  # headers arrive with the first token: it is running
+            assert first.status_code == 200
+            waiting = asyncio.create_task(c.post("/v1/completions", json=dict(long, stream=False)))
+            for _ in range(200):  # wait until the second request sits in the queue
+                if (await asyncio.to_thread(_stats, handles, SMALL))["num_waiting"] == 1:
+                    break
+                await asyncio.sleep(0.02)
+            overflow = await c.post("/v1/completions", json=dict(long, stream=False))
+            await running.__aexit__(None, None, None)
+            waiting.cancel()
+            return overflow
+
+    overflow = asyncio.run(scenario())
+    _assert_error(overflow, 429, code="rate_limit_exceeded")
+    _wait_idle(handles, SMALL)
+    r = http.post("/v1/completions", json={"model": SMALL, "prompt": "again", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+# ---- load and cancellation --------------------------------------------------------------------
+
+def test_32_concurrent_greedy_streams_match_solo_runs(base_url, http, handles):
+    prompts = ["Tell me a story", "The quick brown fox", "def generate(prompt):", "Monday, Tuesday"]
+    req = {"model": MODEL, "max_tokens": 24, **GREEDY}
+    solo = {p: http.post("/v1/completions", json=dict(req, prompt=p)).json()["choices"][0]["text"] for p in prompts}
+
+    async def one(c: httpx.AsyncClient, prompt: str) -> str:
+        async with c.stream("POST", "/v1/completions", json=dict(req, prompt=prompt, stream=True)) as r:
+            assert r.status_code == 200
+            text = []
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text += [ch["text"] for ch in json.loads(line[6:])["choices"]]
+            return "".join(text)
+
+    async def all_at_once() -> list[str]:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=300, limits=limits) as c:
+            return await asyncio.gather(*(one(c, prompts[i % 4]) for i in range(32)))
+
+    texts = asyncio.run(all_at_once())
+    assert texts == [solo[prompts[i % 4]] for i in range(32)]
+    _wait_idle(handles)
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_blocks(base_url, handles):
+    before = _wait_idle(handles)
+
+    async def read_a_little_then_leave() -> int:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=60) as c:
+            async with c.stream("POST", "/v1/completions", json={
+                    "model": MODEL, "prompt": "A long story:", "max_tokens": 400, "stream": True, **GREEDY}) as r:
+                seen = 0
+                async for line in r.aiter_lines():
+                    seen += line.startswith("data: {")
+                    if seen == 3:
+                        break  # leaving the block closes the connection mid-stream
+        return seen
+
+    assert asyncio.run(read_a_little_then_leave()) == 3
+    after = _wait_idle(handles, timeout=20)
+    assert after["kv_blocks_used"] == before["kv_blocks_used"]
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] < 300  # it stopped early
+
+
+# ---- last: a dead engine --------------------------------------------------------------------
+
+def test_dead_engine_is_503_and_other_models_keep_serving(base_url, http):
+    from app.server import LLMServer
+
+    (server,) = [o for o in gc.get_objects()
+                 if isinstance(o, getattr(LLMServer, "func_or_class", LLMServer)) and o.model_id == SMALL]
+    server.engine.shutdown()
+    r = http.post("/v1/completions", json={"model": SMALL, "prompt": "hi", "max_tokens": 2})
+    _assert_error(r, 503)
+    health = httpx.get(base_url + "/health")
+    assert health.status_code == 503 and health.json()["models"][MODEL] == "ok"
+    _still_serving(http)
