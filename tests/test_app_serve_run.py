@@ -1,0 +1,198 @@
+"""`serve run configs/app.yaml` on a real local Ray cluster, over real HTTP and real handles.
+
+The test process starts a small Ray cluster; `serve run` (the CLI, in a subprocess)
+deploys the shipped configs/app.yaml on it (only the HTTP port is changed, so that
+parallel sessions do not collide on 8000). Clients: the official `openai` package over
+HTTP through Serve's proxy, and Serve handles from this driver (plain and streaming).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "servax-tiny/llama"
+DEPLOYMENT = "LLMServer:servax-tiny--llama"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(servax_cache, tmp_path_factory):
+    """(base_url, seconds from `serve run` to a first answered completion)."""
+    import ray
+    from ray import serve
+
+    port = _free_port()
+    config = yaml.safe_load((REPO / "configs" / "app.yaml").read_text())
+    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    path = tmp_path_factory.mktemp("serve") / "app.yaml"
+    path.write_text(yaml.safe_dump(config))
+
+    # Workers (and the builder task) import app/ from the repository, as after `pip install -e .`.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2)
+    address = ray.get_runtime_context().gcs_address
+    log = open(path.parent / "serve_run.log", "w+")
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", "--address", address, str(path)],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, "serve run exited:\n" + path.parent.joinpath("serve_run.log").read_text()[-5000:]
+            assert time.time() < deadline, "not ready in 300 s:\n" + path.parent.joinpath("serve_run.log").read_text()[-5000:]
+            try:
+                r = httpx.post(base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=10)
+                if r.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        ready_s = time.perf_counter() - start
+        print(f"\nserve run -> first completion: {ready_s:.1f} s")
+        yield base_url, ready_s
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def base_url(served):
+    return served[0]
+
+
+@pytest.fixture
+def client(base_url):
+    import openai
+
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def handle(served):
+    from ray import serve
+
+    return serve.get_deployment_handle(DEPLOYMENT, app_name="servax")
+
+
+def test_openai_client_models_completion_chat_and_streaming(client):
+    (card,) = client.models.list().data
+    assert card.id == MODEL and card.model_extra["impl"] == "jax" and card.model_extra["max_model_len"] == 512
+
+    done = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 8 and done.choices[0].finish_reason == "length"
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
+
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello world", max_tokens=8, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == done.choices[0].text
+
+    chat_chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices) == chat.choices[0].message.content
+    assert chat_chunks[-1].usage.completion_tokens == 6
+
+
+def test_errors_through_the_proxy_and_still_serving(base_url, client):
+    r = httpx.post(base_url + "/v1/completions", json={"model": "nope", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = httpx.post(base_url + "/v1/completions", json={"prompt": "hi", "temperature": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = httpx.post(base_url + "/v1/completions", json={"prompt": list(range(10, 700)), "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert httpx.get(base_url + "/health").status_code == 200
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_handle_generate_and_stream(handle):
+    result = handle.generate.remote("Hello world", {"max_tokens": 8, "temperature": 0, "ignore_eos": True}).result()
+    assert len(result.outputs[0].token_ids) == 8 and result.outputs[0].finish_reason == "length"
+    deltas = list(handle.options(stream=True).stream.remote(
+        "Hello world", {"max_tokens": 8, "temperature": 0, "ignore_eos": True}))
+    assert "".join(d.text for d in deltas) == result.text
+    assert sum(len(d.token_ids) for d in deltas) == 8 and deltas[-1].finish_reason == "length"
+    chat = handle.generate.remote([{"role": "user", "content": "Hi"}], {"max_tokens": 4}).result()
+    assert len(chat.outputs[0].token_ids) <= 4
+
+
+def test_handle_errors_keep_their_type(handle):
+    from runtime.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError):
+        handle.generate.remote("hi", {"temperature": -1}).result()
+
+
+def test_client_disconnect_through_the_proxy_frees_blocks(base_url, handle):
+    def idle() -> dict:
+        deadline = time.time() + 30
+        while True:
+            stats = handle.stats.remote().result()
+            if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+                return stats
+            assert time.time() < deadline, stats
+            time.sleep(0.1)
+
+    before = idle()
+    with httpx.stream("POST", base_url + "/v1/completions", json={
+            "prompt": "A long story:", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True},
+            timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: {")
+            if seen == 3:
+                break
+    after = idle()
+    assert after["kv_blocks_used"] == before["kv_blocks_used"]
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] < 300
+
+
+def test_http_overhead_per_request(base_url, handle, served):
+    """Not a pass/fail bound beyond sanity: prints the proxy+ingress cost per request."""
+    body = {"prompt": "Hi", "max_tokens": 1, "temperature": 0}
+    sampling = {"max_tokens": 1, "temperature": 0}
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        for _ in range(3):  # warm both paths
+            http.post("/v1/completions", json=body)
+            handle.generate.remote("Hi", sampling).result()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            assert http.post("/v1/completions", json=body).status_code == 200
+        t_http = (time.perf_counter() - t0) / 20
+        t0 = time.perf_counter()
+        for _ in range(20):
+            handle.generate.remote("Hi", sampling).result()
+        t_handle = (time.perf_counter() - t0) / 20
+    print(f"\nHTTP completion {t_http * 1e3:.1f} ms, handle.generate {t_handle * 1e3:.1f} ms, "
+          f"overhead {(t_http - t_handle) * 1e3:.1f} ms/request; ready in {served[1]:.1f} s")
+    assert t_http < 10
