@@ -38,6 +38,7 @@ class StepContext:
         kv_cache: the caches going in, one (k, v) per layer, or None to record shapes only.
         updated: layer index -> the (k, v) cache after this call wrote its K/V.
         seen: layer index -> (num_kv_heads, head_dim, dtype) of the K each layer produced.
+        unsupported: why a layer cannot be served (bidirectional, attention sinks), by layer.
     """
 
     def __init__(self, batch: StepInput | None, kv_cache: KVCache | None):
@@ -45,6 +46,7 @@ class StepContext:
         self.kv_cache = kv_cache
         self.updated: dict[int, tuple[jax.Array, jax.Array]] = {}
         self.seen: dict[int, tuple[int, int, Any]] = {}
+        self.unsupported: dict[int, str] = {}
 
     def collect(self) -> KVCache:
         """The updated caches in layer order; every layer must have run exactly once."""
@@ -87,12 +89,16 @@ def paged_attention_interface(
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise RuntimeError(f"{type(module).__name__} has no layer_idx; cannot pick its KV cache")
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("attention sinks (s_aux) are not supported by the paged kernel")
     q, k, v = (jax_view(x)[0].swapaxes(0, 1) for x in (query, key, value))  # [T, heads, D]
     ctx.seen[layer] = (k.shape[1], k.shape[2], k.dtype)
+    if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
+        ctx.unsupported[layer] = "bidirectional (non-causal) attention"
+    if kwargs.get("s_aux") is not None:
+        ctx.unsupported[layer] = "attention sinks (s_aux)"
     if ctx.kv_cache is None:  # shape probe: no cache, no kernel
         return torch_view(jnp.zeros_like(q)[None]), None
+    if layer in ctx.unsupported:
+        raise NotImplementedError(f"layer {layer}: {ctx.unsupported[layer]} is not supported by the paged kernel")
     if layer in ctx.updated:
         raise RuntimeError(f"layer {layer} attended twice in one step (shared layer_idx?)")
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5

@@ -145,6 +145,11 @@ def load_torchax(resolved: Any, *, dtype: Any = "float32", mesh: jax.sharding.Me
         for name, arr in host_params.items()
     }
     del host_params
+    # The step function reparametrizes every parameter and buffer with the JAX arrays, so
+    # the torch copies are dead weight: keep only their shapes (halves host memory).
+    module.params.clear()
+    module.buffers.clear()
+    model.to("meta")
 
     accepts_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
@@ -218,6 +223,11 @@ def _probe_kv_spec(resolved: Any, params: Any, call: Any, dtype: Any) -> KVCache
         ) from e
     if not ctx.seen:
         raise ModelLoadError(_NOT_ROUTED.format(arch=resolved.architecture))
+    if ctx.unsupported:
+        raise ModelLoadError(
+            f"{resolved.architecture} cannot be served by the torchax fallback: its layers use "
+            f"{', '.join(sorted(set(ctx.unsupported.values())))}, which servax's paged attention does not implement"
+        )
     num_layers = max(ctx.seen) + 1
     shapes = {ctx.seen[i][:2] for i in ctx.seen}
     if sorted(ctx.seen) != list(range(num_layers)) or len(shapes) != 1:
