@@ -1,0 +1,161 @@
+"""The engine core: batching invariance, preemption, chunked prefill, prefix cache, no
+recompilation, block accounting, seeded sampling across batch mixes, abort."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from runtime import LLM, SamplingParams
+from runtime.engine import Engine
+
+MODEL = "servax-tiny/llama"
+MAX_LEN = 256
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+SMALL = dict(max_model_len=MAX_LEN, max_num_seqs=16, max_num_batched_tokens=128, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(MODEL, num_kv_blocks=512, **SMALL)
+
+
+def make_engine(llm: LLM, **overrides) -> LLM:
+    """Another engine on the same loaded weights (no reload)."""
+    return LLM(MODEL, loaded_model=llm.engine.model, **dict(SMALL, **overrides))
+
+
+def mixed_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 500) for _ in range(rng.randint(5, 120))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def prompts64() -> list[list[int]]:
+    return mixed_prompts(64)
+
+
+@pytest.fixture(scope="module")
+def alone64(llm, prompts64) -> list[list[int]]:
+    """Each prompt's greedy tokens when it runs by itself."""
+    return [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts64]
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_all_blocks_free(engine: Engine) -> None:
+    s = engine.stats()
+    assert s.kv_blocks_used == 0 and s.kv_blocks_free == s.kv_blocks_total
+    assert s.num_running == 0 and s.num_waiting == 0
+    assert not engine.kv.req_to_blocks
+
+
+def test_batched_greedy_equals_alone(llm, prompts64, alone64):
+    assert tokens(llm.generate(prompts64, GREEDY)) == alone64
+    assert_all_blocks_free(llm.engine)
+
+
+def test_batched_greedy_equals_alone_under_preemption(llm, prompts64, alone64):
+    # 40 blocks of 16 tokens: fewer than 16 running sequences of up to 136 tokens need.
+    small = make_engine(llm, num_kv_blocks=40)
+    assert tokens(small.generate(prompts64, GREEDY)) == alone64
+    assert small.engine.stats().num_preemptions > 0
+    assert_all_blocks_free(small.engine)
+    assert small.engine.stats().compilations_since_warmup == 0
+
+
+def test_batched_greedy_equals_alone_with_chunked_prefill(llm, prompts64, alone64):
+    chunked = make_engine(llm, max_num_batched_tokens=32, max_num_seqs=8, num_kv_blocks=512)
+    outs = chunked.generate(prompts64, GREEDY)
+    assert tokens(outs) == alone64
+    assert_all_blocks_free(chunked.engine)
+
+
+
+def test_prefix_cache_reuses_blocks(llm):
+    engine = llm.engine
+    prefix = list(range(100, 220))
+    a = prefix + [11, 12, 13]
+    b = prefix + [21, 22]
+    alone_b = make_engine(llm, enable_prefix_caching=False, num_kv_blocks=64).generate([b], GREEDY)[0]
+    before = engine.stats()
+    llm.generate([a], GREEDY)
+    mid = engine.stats()
+    out_b = llm.generate([b], GREEDY)[0]
+    after = engine.stats()
+    assert after.prefix_cache_hits - mid.prefix_cache_hits == 112  # 7 full blocks of 16
+    assert out_b.num_cached_tokens == 112
+    assert after.prefix_cache_hit_rate > 0 and mid.prefix_cache_queries > before.prefix_cache_queries
+    assert out_b.outputs[0].token_ids == alone_b.outputs[0].token_ids
+    assert_all_blocks_free(engine)
+
+
+def test_prefix_cache_off_has_no_hits(llm):
+    off = make_engine(llm, enable_prefix_caching=False, num_kv_blocks=64)
+    p = mixed_prompts(1, seed=2)[0]
+    off.generate([p, p], GREEDY)
+    off.generate([p], GREEDY)
+    assert off.engine.stats().prefix_cache_hits == 0
+
+
+def test_no_compilation_after_warmup_under_random_workload(llm):
+    rng = random.Random(3)
+    for _ in range(3):
+        batch = mixed_prompts(rng.randint(1, 40), seed=rng.randrange(1000))
+        params = [
+            SamplingParams(
+                temperature=rng.choice([0.0, 0.7, 1.3]), top_k=rng.choice([0, 5]), top_p=rng.choice([1.0, 0.8]),
+                min_p=rng.choice([0.0, 0.1]), repetition_penalty=rng.choice([1.0, 1.2]),
+                presence_penalty=rng.choice([0.0, 0.5]), frequency_penalty=rng.choice([0.0, 0.3]),
+                max_tokens=rng.randint(1, 24), logprobs=rng.choice([None, 2]), seed=rng.choice([None, 5]),
+                n=rng.choice([1, 1, 2]), prompt_logprobs=rng.choice([None, None, None, 1]),
+                logit_bias=rng.choice([None, {3: 2.0}]), stop=rng.choice([None, ["e"]]),
+            )
+            for _ in batch
+        ]
+        llm.generate(batch, params)
+    assert llm.engine.stats().compilations_since_warmup == 0
+    assert_all_blocks_free(llm.engine)
+
+
+def test_seeded_sampling_is_independent_of_batch_mix(llm):
+    target = [10, 20, 30, 40, 50]
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234, ignore_eos=True)
+    alone = llm.generate([target], sp)[0].outputs[0].token_ids
+    others = mixed_prompts(9, seed=4)
+    mix = [SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)] * 9
+    outs = llm.generate(others[:4] + [target] + others[4:], mix[:4] + [sp] + mix[4:])
+    assert outs[4].outputs[0].token_ids == alone
+    unseeded = llm.generate([target] * 2, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+    assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.engine
+    free0 = engine.stats().kv_blocks_free
+    for i, p in enumerate(mixed_prompts(6, seed=5)):
+        engine.add_request(f"abort-{i}", p, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.stats().kv_blocks_free < free0
+    outs = engine.abort_request([f"abort-{i}" for i in range(6)])
+    assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in outs)
+    assert not engine.has_unfinished_requests()
+    assert engine.stats().kv_blocks_free == free0
+    assert engine.step() == []
+
+
+def test_streaming_deltas_add_up(llm):
+    engine = llm.engine
+    engine.add_request("stream", "Hello world! How are you", SamplingParams(temperature=0, max_tokens=20,
+                                                                             ignore_eos=True, stop=["zzz"]))
+    text, ids, last = "", [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text += out.outputs[0].delta_text
+            ids += out.outputs[0].delta_token_ids
+            last = out
+    assert last.finished and text == last.outputs[0].text and ids == last.outputs[0].token_ids
