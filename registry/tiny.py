@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -153,10 +154,20 @@ def tiny_checkpoint_path(model_id: str) -> Path:
     """Materialise `servax-tiny/<name>` under the cache on first use and return its folder."""
     name = model_id[len(TINY_PREFIX):]
     out = cache_root() / "tiny" / name
+    if (out / "servax_tiny.json").exists():
+        return out
+    # Written to a private folder and renamed, so concurrent processes never see half a
+    # checkpoint; the marker file is written last, so a folder without it is stale.
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    make_tiny_checkpoint(name, tmp)
     if not (out / "servax_tiny.json").exists():
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        make_tiny_checkpoint(name, tmp)
-        tmp.replace(out) if not out.exists() else None
+        shutil.rmtree(out, ignore_errors=True)
+        try:
+            tmp.replace(out)
+        except OSError:  # another process won the race; its copy is identical
+            pass
+    shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
