@@ -77,11 +77,12 @@ class OpenAIServing:
         # The template writes BOS etc. itself; tokenizing again must not add them twice.
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    async def submit(self, prompt: str | list[int], sampling: Any, request_id: str) -> AsyncIterator[Any]:
+    async def submit(self, prompt: str | list[int], sampling: Any, request_id: str) -> RequestStream:
         """Start a request and wait for its first output, so that a refusal raises here.
 
-        Returns an async iterator over all its RequestOutput snapshots (the first included);
-        closing it aborts the request. Records the request's metrics when it ends.
+        Returns:
+            A RequestStream over all its RequestOutput snapshots (the first included);
+            closing it aborts the request if it has not finished.
         """
         gen = self.engine.generate(prompt, sampling, request_id)
         start = time.perf_counter()
@@ -90,29 +91,20 @@ class OpenAIServing:
         except BaseException:
             await gen.aclose()
             raise
-        return self._tracked(gen, first, start, request_id)
+        return RequestStream(gen, first, start, request_id, self)
 
-    async def _tracked(self, gen: AsyncIterator[Any], first: Any, start: float, request_id: str) -> AsyncIterator[Any]:
-        out, ttft = first, None
-        try:
-            while True:
-                if ttft is None and any(c.token_ids for c in out.outputs):
-                    ttft = time.perf_counter() - start
-                yield out
-                if out.finished:
-                    break
-                out = await gen.__anext__()
-        finally:
-            await gen.aclose()
-            e2e = time.perf_counter() - start
-            n_gen = sum(len(c.token_ids) for c in out.outputs)
-            reasons = {c.finish_reason for c in out.outputs}
-            reason = reasons.pop() if len(reasons) == 1 else ("abort" if not out.finished else "mixed")
-            self.metrics.observe_request(ttft_s=ttft, e2e_s=e2e, prompt_tokens=len(out.prompt_token_ids or ()),
-                                         generation_tokens=n_gen, finish_reason=reason)
-            logger.debug("servax request %s model=%s prompt_tokens=%d generated=%d cached=%s finish=%s "
-                         "ttft=%.3fs e2e=%.3fs", request_id, self.model_id, len(out.prompt_token_ids or ()), n_gen,
-                         getattr(out, "num_cached_tokens", None), reason, ttft or -1.0, e2e)
+    def _request_done(self, stream: RequestStream) -> None:
+        out = stream.last
+        e2e = time.perf_counter() - stream.start
+        n_gen = sum(len(c.token_ids) for c in out.outputs)
+        reasons = {c.finish_reason for c in out.outputs}
+        reason = reasons.pop() if len(reasons) == 1 else "mixed"
+        reason = reason if out.finished else "abort"
+        self.metrics.observe_request(ttft_s=stream.ttft, e2e_s=e2e, prompt_tokens=len(out.prompt_token_ids or ()),
+                                     generation_tokens=n_gen, finish_reason=reason)
+        logger.debug("servax request %s model=%s prompt_tokens=%d generated=%d cached=%s finish=%s "
+                     "ttft=%.3fs e2e=%.3fs", stream.request_id, self.model_id, len(out.prompt_token_ids or ()),
+                     n_gen, getattr(out, "num_cached_tokens", None), reason, stream.ttft or -1.0, e2e)
 
     async def submit_all(self, prompts: list[str | list[int]], sampling: Any, request_id: str
                          ) -> AsyncIterator[tuple[int, Any]]:
@@ -122,8 +114,8 @@ class OpenAIServing:
             for i, prompt in enumerate(prompts):
                 streams.append(await self.submit(prompt, sampling, f"{request_id}-{i}"))
         except BaseException:
-            for s in streams:
-                await s.aclose()
+            for stream in streams:
+                await stream.aclose()
             raise
         return _merge(streams)
 
@@ -297,6 +289,45 @@ class OpenAIServing:
             lp = entry[token_id].logprob if token_id in entry else float("nan")
             content.append(ChatTokenLogprob(token=token, logprob=lp, bytes=list(token.encode()), top_logprobs=top))
         return ChatLogprobs(content=content)
+
+
+class RequestStream:
+    """The RequestOutput snapshots of one submitted request (an async iterator).
+
+    `aclose()` closes the engine's generator, which aborts the request if it is still
+    running; the request's metrics and debug log line are recorded then, once.
+    """
+
+    def __init__(self, gen: AsyncIterator[Any], first: Any, start: float, request_id: str, owner: OpenAIServing):
+        self._gen, self._pending, self._owner = gen, first, owner
+        self.start, self.request_id = start, request_id
+        self.last, self.ttft, self._closed = first, None, False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._pending is not None:
+            out, self._pending = self._pending, None
+        elif self.last.finished or self._closed:
+            raise StopAsyncIteration
+        else:
+            out = await self._gen.__anext__()
+        self.last = out
+        if self.ttft is None and any(c.token_ids for c in out.outputs):
+            self.ttft = time.perf_counter() - self.start
+        if out.finished:
+            await self.aclose()
+        return out
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._gen.aclose()
+        finally:
+            self._owner._request_done(self)
 
 
 def _usage(outs: Any) -> UsageInfo:
