@@ -159,3 +159,110 @@ def test_streaming_deltas_add_up(llm):
             ids += out.outputs[0].delta_token_ids
             last = out
     assert last.finished and text == last.outputs[0].text and ids == last.outputs[0].token_ids
+
+
+# -- AsyncLLMEngine ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def async_engine(llm):
+    from runtime import AsyncLLMEngine, EngineConfig
+
+    engine = AsyncLLMEngine(EngineConfig(model=MODEL, num_kv_blocks=512, **SMALL), llm.engine.model)
+    yield engine
+    engine.shutdown()
+
+
+async def collect(engine, prompt, params, request_id):
+    outs = []
+    async for out in engine.generate(prompt, params, request_id):
+        outs.append(out)
+    return outs
+
+
+def test_async_streams_match_offline_greedy(async_engine, prompts64, alone64):
+    import asyncio
+
+    async def main():
+        return await asyncio.gather(*(collect(async_engine, p, GREEDY, f"a{i}") for i, p in enumerate(prompts64[:12])))
+
+    results = asyncio.run(main())
+    for outs, want in zip(results, alone64[:12]):
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert outs[-1].outputs[0].token_ids == want
+        assert sum((o.outputs[0].delta_token_ids for o in outs), []) == want
+        assert "".join(o.outputs[0].delta_text for o in outs) == outs[-1].outputs[0].text
+    s = async_engine.stats()
+    assert s.compilations_since_warmup == 0 and s.kv_blocks_used == 0
+
+
+def wait_idle(engine, timeout=10.0):
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        s = engine.stats()
+        if s.num_running == 0 and s.num_waiting == 0 and s.kv_blocks_used == 0:
+            return s
+        time.sleep(0.02)
+    raise AssertionError(f"engine not idle: {engine.stats()}")
+
+
+def test_async_consumer_cancel_and_abort_free_blocks(async_engine):
+    import asyncio
+
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        agen = async_engine.generate([1, 2, 3, 4, 5], long, "cancel-me")
+        first = await agen.__anext__()
+        assert not first.finished
+        await agen.aclose()  # the client went away
+
+        async def consume():
+            return await collect(async_engine, [6, 7, 8], long, "kill-me")
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        await async_engine.abort("kill-me")
+        outs = await task
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    wait_idle(async_engine)
+
+
+def test_async_errors_raise_before_first_output(async_engine):
+    import asyncio
+
+    from runtime.errors import EngineOverloadedError, InvalidRequestError, PromptTooLongError
+
+    async def first(prompt, params, rid):
+        async for out in async_engine.generate(prompt, params, rid):
+            return out
+
+    with pytest.raises(PromptTooLongError):
+        asyncio.run(first([1] * 300, GREEDY, "too-long"))
+    with pytest.raises(InvalidRequestError) as e:
+        asyncio.run(first([1, 2], SamplingParams(logprobs=1000), "bad"))
+    assert e.value.param == "logprobs"
+    with pytest.raises(EngineOverloadedError):
+        async_engine.engine.process_inputs("x", [1, 2], GREEDY, num_pending=async_engine.config.max_queue_size)
+    async_engine.check_health()
+    assert async_engine.model_config["max_model_len"] == MAX_LEN
+
+
+def test_async_shutdown_marks_engine_dead(llm):
+    from runtime import AsyncLLMEngine, EngineConfig
+    from runtime.errors import EngineDeadError
+
+    engine = AsyncLLMEngine(EngineConfig(model=MODEL, num_kv_blocks=64, **SMALL), llm.engine.model)
+    engine.check_health()
+    engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        engine.check_health()

@@ -1,0 +1,191 @@
+"""AsyncLLMEngine: the engine loop on its own thread, results streamed into asyncio.
+
+    engine = AsyncLLMEngine(EngineConfig(model="servax-tiny/llama", max_model_len=512))
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=32), request_id="r1"):
+        print(out.outputs[0].delta_text, end="")
+
+The loop thread owns the synchronous Engine: it drains a command queue (add / abort),
+runs `Engine.step()` while there is work, and hands each RequestOutput to the asyncio
+loop of the request's consumer with `loop.call_soon_threadsafe`. The event loop never
+runs model code. If the consumer of `generate()` stops (cancelled, generator closed,
+client gone) the request is aborted and its blocks freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from typing import Any, AsyncIterator
+
+from runtime.config import EngineConfig
+from runtime.engine import Engine, EngineStats, ProcessedRequest
+from runtime.errors import EngineDeadError, InvalidRequestError
+from runtime.outputs import RequestOutput
+from runtime.sampling_params import SamplingParams
+from runtime.step import LoadedModel
+
+logger = logging.getLogger("servax.engine")
+
+
+class _Stream:
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed; nobody is listening
+            pass
+
+
+class AsyncLLMEngine:
+    """Loads the model, warms up, and serves requests from a background thread.
+
+    Args:
+        config: engine settings.
+        model: an already loaded model (default: registry.load from config).
+
+    Raises (from the constructor): whatever Engine raises (ModelLoadError, ValueError).
+    """
+
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None):
+        self.config = config
+        self.engine = Engine(config, model)
+        self._commands: collections.deque[tuple[str, Any]] = collections.deque()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._engine_lock = threading.Lock()  # held by the loop while it touches the engine
+        self._num_pending = 0  # adds posted but not yet drained (counts toward max_queue_size)
+        self._pending_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="servax-engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- public API ----------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> dict[str, Any]:
+        return self.engine.model_config
+
+    def stats(self) -> EngineStats:
+        with self._engine_lock:
+            return self.engine.stats()
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError if the loop thread has stopped."""
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop died: {self._error!r}") from self._error
+        if self._stop.is_set() or not self._thread.is_alive():
+            raise EngineDeadError("the engine has been shut down")
+
+    async def generate(
+        self, prompt: str | list[int], sampling_params: SamplingParams | None, request_id: str,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream RequestOutput snapshots of one request; the last has finished=True.
+
+        Raises (before the first output): InvalidRequestError, PromptTooLongError,
+        EngineOverloadedError, EngineDeadError.
+        """
+        self.check_health()
+        processed = self.engine.process_inputs(request_id, prompt, sampling_params, num_pending=self._num_pending)
+        stream = _Stream(asyncio.get_running_loop())
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+            self._streams[request_id] = stream
+        self._post("add", processed)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._streams_lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._post("abort", request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks; its stream ends with finish_reason 'abort'."""
+        self._post("abort", request_id)
+
+    def shutdown(self) -> None:
+        """Stop the loop thread; open streams end with EngineDeadError."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
+        self._fail_streams(EngineDeadError("the engine has been shut down"))
+
+    # -- the loop thread -----------------------------------------------------------------
+    def _post(self, kind: str, payload: Any) -> None:
+        if kind == "add":
+            with self._pending_lock:
+                self._num_pending += 1
+        self._commands.append((kind, payload))
+        self._wake.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                with self._engine_lock:
+                    self._drain_commands()
+                    busy = self.engine.has_unfinished_requests()
+                    if busy:
+                        self._dispatch(self.engine.step())
+                if not busy:
+                    self._wake.wait(timeout=1.0)
+                    self._wake.clear()
+        except BaseException as e:  # noqa: BLE001 - the loop must report any death
+            logger.exception("servax engine loop died")
+            self._error = e
+            self._fail_streams(EngineDeadError(f"the engine loop died: {e!r}"))
+
+    def _drain_commands(self) -> None:
+        while self._commands:
+            kind, payload = self._commands.popleft()
+            if kind == "add":
+                with self._pending_lock:
+                    self._num_pending -= 1
+                self._add(payload)
+            elif kind == "abort":
+                self._dispatch(self.engine.abort_request(payload))
+
+    def _add(self, req: ProcessedRequest) -> None:
+        with self._streams_lock:
+            stream = self._streams.get(req.request_id)
+        if stream is None:
+            return  # the consumer went away before the request reached the loop
+        try:
+            self.engine.add_processed(req)
+        except InvalidRequestError as e:
+            stream.put(e)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            with self._streams_lock:
+                stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+
+    def _fail_streams(self, error: BaseException) -> None:
+        with self._streams_lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.put(error)
