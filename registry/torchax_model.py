@@ -13,6 +13,7 @@ rows at `logits_indices` reach the LM head (`logits_to_keep` with an index tenso
 
 from __future__ import annotations
 
+import copy
 import inspect
 import re
 import warnings
@@ -125,7 +126,9 @@ def load_torchax(resolved: Any, *, dtype: Any = "float32", mesh: jax.sharding.Me
     if model_cls._can_set_experts_implementation():
         kwargs["experts_implementation"] = EXPERTS_IMPLEMENTATION
     try:
-        model = model_cls.from_pretrained(str(resolved.path), config=resolved.hf_config, **kwargs)
+        # A copy: from_pretrained writes the attention/experts choice into the config it gets.
+        config = copy.deepcopy(resolved.hf_config)
+        model = model_cls.from_pretrained(str(resolved.path), config=config, **kwargs)
     except (ValueError, ImportError, OSError) as e:
         raise ModelLoadError(f"could not load {resolved.model_id} ({resolved.architecture}) with transformers: {e}") from e
     model.eval()

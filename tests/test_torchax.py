@@ -38,7 +38,10 @@ NEW_TOKENS = 32
 # Max |ours - transformers| on float32 logits (measured: a few 1e-6 on these models).
 LOGITS_ATOL = 1e-4
 
-# name -> tiny config overrides; "mistral_sw" exercises a sliding window shorter than the context.
+# name -> (tiny checkpoint name, config overrides), or (transformers config class, kwargs)
+# for architectures registry.tiny does not make. "mistral_sw" has a sliding window shorter
+# than the context; "gemma2" adds attention and final logit soft-capping and alternates
+# sliding and global layers.
 ARCHITECTURES = {
     "gpt2": ("gpt2", {}),
     "gpt_neox": ("gpt_neox", {}),
@@ -50,6 +53,12 @@ ARCHITECTURES = {
     "mixtral": ("mixtral", {}),
     "qwen2_moe": ("qwen2_moe", {}),
     "mistral_sw": ("mistral", {"sliding_window": 6}),
+    "gemma2": ("Gemma2Config", dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, sliding_window=6,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0, query_pre_attn_scalar=16,
+        initializer_range=0.2, bos_token_id=0, eos_token_id=0, pad_token_id=3,
+    )),
 }
 
 
@@ -131,7 +140,10 @@ def checkpoints(tmp_path_factory):
     def get(name: str) -> Path:
         if name not in made:
             base, overrides = ARCHITECTURES.get(name, (name, {}))
-            made[name] = make_tiny_checkpoint(base, root / name, **overrides)
+            if base.endswith("Config"):
+                made[name] = _save_random_model(getattr(transformers, base)(**overrides), root / name)
+            else:
+                made[name] = make_tiny_checkpoint(base, root / name, **overrides)
         return made[name]
 
     return get
@@ -208,6 +220,27 @@ def test_mixed_prefill_and_decode_batch_matches_each_alone(served):
     decode_mixed, prefill_mixed = mixed.run([(0, len(first), [42]), (1, 0, second)])
     np.testing.assert_allclose(decode_mixed, decode_alone, atol=1e-5, rtol=0)
     np.testing.assert_allclose(prefill_mixed, prefill_alone, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4])  # N*k below / above the number of experts
+def test_static_moe_experts_match_transformers_eager(num_tokens):
+    from registry.torchax_attention import static_experts_forward
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    config = transformers.MixtralConfig(hidden_size=16, intermediate_size=24, num_local_experts=4)
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    experts = MixtralExperts(config)
+    torch.nn.init.normal_(experts.gate_up_proj)
+    torch.nn.init.normal_(experts.down_proj)
+    x = torch.randn(num_tokens, 16)
+    top_k_index = torch.stack([torch.randperm(4)[:2] for _ in range(num_tokens)])
+    top_k_weights = torch.rand(num_tokens, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            static_experts_forward(experts, x, top_k_index, top_k_weights),
+            experts(x, top_k_index, top_k_weights), atol=1e-4, rtol=1e-5,
+        )
 
 
 def test_loaded_model_fields(served):
