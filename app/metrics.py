@@ -77,5 +77,8 @@ class ServerMetrics:
         total = getattr(stats, "kv_blocks_total", 0) or 0
         self._record(self.num_running.set, getattr(stats, "num_running", 0), tags)
         self._record(self.num_waiting.set, getattr(stats, "num_waiting", 0), tags)
-        self._record(self.kv_usage.set, (getattr(stats, "kv_blocks_used", 0) / total) if total else 0.0, tags)
+        usage = getattr(stats, "kv_cache_usage", None)
+        if usage is None:
+            usage = (getattr(stats, "kv_blocks_used", 0) / total) if total else 0.0
+        self._record(self.kv_usage.set, usage, tags)
         self._record(self.prefix_hit_rate.set, getattr(stats, "prefix_cache_hit_rate", 0.0) or 0.0, tags)

@@ -95,19 +95,13 @@ class LLMServer:
 
     def _startup_summary(self) -> str:
         mc = dict(self.engine.model_config)
-        stats = self.engine.stats()
-        devices = mc.get("devices") or mc.get("num_devices")
-        if devices is None:
-            try:
-                import jax
-
-                devices = f"{len(jax.devices())}x{jax.devices()[0].platform}"
-            except Exception:
-                devices = "?"
+        devices = mc.get("devices") or []
+        device_text = f"{len(devices)}x{devices[0]}" if devices else "?"
+        buckets = f"tokens={mc.get('token_buckets')} seqs={mc.get('seq_buckets')}"
         return (f"model={self.model_id} source={self.llm_config.model_loading_config.source} "
                 f"impl={mc.get('impl')} dtype={mc.get('dtype')} max_model_len={mc.get('max_model_len')} "
-                f"devices={devices} kv_blocks={getattr(stats, 'kv_blocks_total', '?')} "
-                f"buckets={mc.get('num_buckets', mc.get('buckets', '?'))} startup={self.startup_s:.1f}s")
+                f"devices={device_text} mesh={mc.get('mesh')} kv_blocks={mc.get('kv_blocks')}x{mc.get('block_size')} "
+                f"buckets[{buckets}] warmup={mc.get('warmup_seconds')}s startup={self.startup_s:.1f}s")
 
     # ---- Python handle API ---------------------------------------------------------------
 
@@ -194,7 +188,7 @@ class LLMServer:
         mc = dict(self.engine.model_config)
         return dict(id=self.model_id, root=self.llm_config.model_loading_config.source,
                     impl=mc.get("impl"), dtype=mc.get("dtype"), max_model_len=mc.get("max_model_len"),
-                    tensor_parallel_size=mc.get("tensor_parallel_size"))
+                    tensor_parallel_size=self.llm_config.engine_config().tensor_parallel_size)
 
     def stats(self) -> dict[str, Any]:
         """The engine's current EngineStats as a dict (running/waiting, KV blocks, ...)."""
