@@ -1,0 +1,135 @@
+"""The jitted sampler on small vocabularies: each knob does what it says, and only that."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.errors import InvalidRequestError
+from runtime.sampler import BIAS_WIDTH, SamplingBatch, empty_sampling_batch, sample_jit
+from runtime.sampling_params import SamplingParams
+
+ROWS = 2048
+PROBS = np.array([0.5, 0.3, 0.15, 0.05], np.float32)
+
+
+def run(logits, history_len=8, num_logprobs=4, **rows):
+    """Sample every row of `logits` [S, V]; `rows` fills SamplingBatch fields (scalars broadcast)."""
+    logits = np.asarray(logits, np.float32)
+    b = empty_sampling_batch(logits.shape[0], history_len)
+    for k, v in rows.items():
+        b[k][...] = v
+    out = sample_jit(logits, SamplingBatch(**b), num_logprobs=num_logprobs)
+    return {k: np.asarray(getattr(out, k)) for k in ("sampled", "chosen_logprob", "chosen_rank", "top_ids", "top_logprobs")}
+
+
+def many(probs, **rows):
+    """ROWS independent draws from the same distribution (one seed per row)."""
+    logits = np.tile(np.log(probs), (ROWS, 1))
+    return run(logits, temperature=rows.pop("temperature", 1.0), seeds=np.arange(ROWS, dtype=np.uint32), **rows)["sampled"]
+
+
+def test_temperature_one_follows_the_distribution():
+    freq = np.bincount(many(PROBS), minlength=4) / ROWS
+    np.testing.assert_allclose(freq, PROBS, atol=0.04)
+
+
+def test_greedy_and_tiny_temperature_take_the_argmax():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(16, 50)).astype(np.float32)
+    assert (run(logits)["sampled"] == logits.argmax(-1)).all()
+    assert (run(logits, temperature=1e-4, seeds=np.arange(16, dtype=np.uint32))["sampled"] == logits.argmax(-1)).all()
+
+
+def test_top_k_never_leaves_the_top_k():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(ROWS, 32)).astype(np.float32)
+    out = run(logits, temperature=2.0, top_k=3, seeds=np.arange(ROWS, dtype=np.uint32))["sampled"]
+    top3 = np.argsort(-logits, axis=-1)[:, :3]
+    assert all(out[i] in top3[i] for i in range(ROWS))
+    assert len({(i, out[i]) for i in range(ROWS)}) == ROWS and len(set((out == top3[:, 1]).tolist())) == 2
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    freq = np.bincount(many(PROBS, top_p=0.7), minlength=4) / ROWS
+    assert freq[2] == 0 and freq[3] == 0  # 0.5 + 0.3 already reach 0.7
+    np.testing.assert_allclose(freq[:2], [0.5 / 0.8, 0.3 / 0.8], atol=0.04)
+
+
+def test_min_p_drops_unlikely_tokens():
+    freq = np.bincount(many(PROBS, min_p=0.2), minlength=4) / ROWS  # floor 0.1
+    assert freq[3] == 0 and freq[2] > 0.1
+
+
+def test_logit_bias_moves_the_choice():
+    logits = np.log(PROBS)[None]
+    ids = np.full((1, BIAS_WIDTH), -1, np.int32)
+    ids[0, 0] = 3
+    vals = np.zeros((1, BIAS_WIDTH), np.float32)
+    vals[0, 0] = 5.0
+    assert run(logits, bias_ids=ids, bias_values=vals)["sampled"][0] == 3
+
+
+def penalty_case(history, prompt_len, **rows):
+    logits = np.array([[2.0, 1.9, 0.0, -1.0]], np.float32)
+    hist = np.full((1, 8), -1, np.int32)
+    hist[0, :len(history)] = history
+    return int(run(logits, token_history=hist, prompt_lens=prompt_len, **rows)["sampled"][0])
+
+
+def test_penalties_change_what_they_should():
+    assert penalty_case([0, 0, 0], 0) == 0  # no penalty: argmax
+    assert penalty_case([0, 0, 0], 0, frequency_penalty=0.1) == 1  # 2.0 - 0.3 < 1.9
+    assert penalty_case([0], 0, frequency_penalty=0.05) == 0  # 2.0 - 0.05 > 1.9
+    assert penalty_case([0], 0, presence_penalty=0.2) == 1
+    assert penalty_case([0], 1, presence_penalty=0.2) == 0  # prompt tokens are not "generated"
+    assert penalty_case([0], 1, repetition_penalty=1.5) == 1  # but repetition counts the prompt
+    # Repetition multiplies negative logits: a seen negative token gets less likely.
+    logits = np.array([[-0.5, -0.6, -5.0, -5.0]], np.float32)
+    hist = np.array([[0, -1, -1, -1, -1, -1, -1, -1]], np.int32)
+    assert run(logits, token_history=hist, prompt_lens=1, repetition_penalty=1.5)["sampled"][0] == 1
+
+
+def test_seed_and_step_fix_the_draw_whatever_the_batch():
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(8, 64)).astype(np.float32)
+    seeds = np.array([7] * 8, np.uint32)
+    steps = np.arange(8, dtype=np.int32)
+    a = run(logits, temperature=1.0, seeds=seeds, steps=steps)["sampled"]
+    # Same rows in another order and with different neighbours.
+    perm = np.array([3, 0, 7, 1])
+    other = rng.normal(size=(4, 64)).astype(np.float32)
+    mixed = np.concatenate([logits[perm], other])
+    b = run(mixed, temperature=1.0, seeds=np.concatenate([seeds[perm], [1, 2, 3, 4]]).astype(np.uint32),
+            steps=np.concatenate([steps[perm], [0, 0, 0, 0]]).astype(np.int32))["sampled"]
+    assert (b[:4] == a[perm]).all()
+
+
+def test_logprobs_are_the_raw_distribution():
+    logits = np.log(PROBS)[None]
+    out = run(logits, temperature=0.0, num_logprobs=3)
+    np.testing.assert_allclose(out["top_logprobs"][0], np.log(PROBS[:3]), atol=1e-5)
+    assert out["top_ids"][0].tolist() == [0, 1, 2] and out["chosen_rank"][0] == 1
+    target = run(logits, target_ids=2)
+    assert target["chosen_rank"][0] == 3
+    np.testing.assert_allclose(target["chosen_logprob"][0], np.log(0.15), atol=1e-5)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -1.0), ("top_p", 0.0), ("top_k", -2), ("min_p", 1.5), ("presence_penalty", 3.0),
+    ("frequency_penalty", -2.5), ("repetition_penalty", 0.0), ("n", 0), ("max_tokens", 0),
+    ("min_tokens", -1), ("logprobs", -1), ("prompt_logprobs", -3), ("stop", [""]), ("stop_token_ids", [-1]),
+    ("logit_bias", {5: 200.0}), ("seed", "x"), ("ignore_eos", "yes"),
+])
+def test_sampling_params_name_the_bad_field(field, value):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**{field: value})
+    assert e.value.param == field and field in str(e.value)
+
+
+def test_sampling_params_normalise():
+    sp = SamplingParams(stop="x", top_k=-1, logit_bias={"3": 1})
+    assert sp.stop == ["x"] and sp.top_k == 0 and sp.logit_bias == {3: 1.0}
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(min_tokens=5, max_tokens=3)
+    assert e.value.param == "min_tokens"
