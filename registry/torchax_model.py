@@ -138,7 +138,8 @@ def load_torchax(resolved: Any, *, dtype: Any = "float32", mesh: jax.sharding.Me
     module = JittableModule(model)  # drops tied duplicates (lm_head.weight == embed weight)
     param_names, buffer_names = list(module.params), list(module.buffers)
     env = torchax.default_env()
-    host_params = env.t2j_copy({**module.params, **module.buffers})  # name -> jax.Array
+    # Host views (no copy); device_put then sends each device only its own slice.
+    host_params = {name: _host_array(t) for name, t in {**module.params, **module.buffers}.items()}
 
     if mesh is None:
         mesh = jax.make_mesh((1,), (MODEL_AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
@@ -289,6 +290,16 @@ def _split_dim(owner: Any, owner_leaf: str, leaf: str, ndim: int) -> int | None:
     if leaf == "bias":
         return 0 if kind in ("column", "vocab") else None
     return in_dim if kind == "row" else out_dim
+
+
+def _host_array(tensor: Any) -> Any:
+    """A CPU torch tensor as a NumPy array sharing its memory (bfloat16 via ml_dtypes)."""
+    import torch
+
+    tensor = tensor.detach().contiguous()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(jnp.bfloat16)
+    return tensor.numpy()
 
 
 def _max_model_len(config: Any) -> int:
