@@ -30,7 +30,7 @@ MODEL = "servax-tiny/llama"
 SMALL = "small-queue"
 API_KEY = "test-key"
 ENGINE = dict(impl="jax", dtype="float32", max_model_len=512, max_num_seqs=32, max_num_batched_tokens=512,
-              show_progress=False)
+              num_kv_blocks=1024, show_progress=False)  # as configs/app.yaml
 GREEDY = dict(temperature=0, ignore_eos=True)
 # The openai client takes non-OpenAI fields (ignore_eos) through extra_body.
 CLIENT_GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
@@ -52,7 +52,7 @@ def handles(servax_cache):
     config = load_app_config({"llm_configs": [
         {"model_loading_config": {"model_id": MODEL}, "engine_kwargs": ENGINE},
         {"model_loading_config": {"model_id": SMALL, "model_source": MODEL},
-         "engine_kwargs": dict(ENGINE, max_model_len=128, max_num_seqs=1, max_queue_size=1)},
+         "engine_kwargs": dict(ENGINE, max_model_len=128, max_num_seqs=1, max_queue_size=1, num_kv_blocks=64)},
     ]})
     result = {}
     for block in config.llm_configs:
