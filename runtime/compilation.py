@@ -5,7 +5,8 @@ programs compiled at warmup. `CompileCounter` proves it: it counts XLA backend
 compilations (the `/jax/core/compile/backend_compile_duration` event, which fires for
 jitted functions and for eager jnp ops on new shapes alike) made while the engine's own
 thread is inside `counter.track()`, so other threads' work is not blamed on the engine.
-Programs loaded from the persistent cache count as well.
+The event wraps `compile_or_get_cached`, so programs loaded from the persistent cache
+count as well: the guard does not depend on the state of the on-disk cache.
 """
 
 from __future__ import annotations
@@ -22,10 +23,6 @@ import jax
 logger = logging.getLogger("servax.engine")
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-# A program loaded from the persistent cache skips the backend compile but still had to be
-# traced and lowered: it counts as a compilation too, so the guard does not depend on the
-# state of the on-disk cache.
-_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _local = threading.local()
 _listener_lock = threading.Lock()
 _listener_installed = False
@@ -85,19 +82,11 @@ def _on_event(event: str, duration: float, **_: object) -> None:
         counter._record(duration)
 
 
-def _on_plain_event(event: str, **_: object) -> None:
-    if event == _CACHE_HIT_EVENT:
-        counter = getattr(_local, "counter", None)
-        if counter is not None:
-            counter._record(0.0)
-
-
 def _install_listener() -> None:
     global _listener_installed
     with _listener_lock:
         if not _listener_installed:
             jax.monitoring.register_event_duration_secs_listener(_on_event)
-            jax.monitoring.register_event_listener(_on_plain_event)
             _listener_installed = True
 
 
