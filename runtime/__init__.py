@@ -18,6 +18,10 @@ _EXPORTS = {
     "SamplingParams": "runtime.sampling_params",
     "RequestOutput": "runtime.outputs",
     "CompletionOutput": "runtime.outputs",
+    "Logprob": "runtime.outputs",
+    "RequestMetrics": "runtime.outputs",
+    "Engine": "runtime.engine",
+    "EngineStats": "runtime.engine",
     "LLM": "runtime.llm",
     "AsyncLLMEngine": "runtime.async_engine",
 }

@@ -208,7 +208,7 @@ class Engine:
     # -- admission -----------------------------------------------------------------------
     def process_inputs(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-        *, arrival_time: float | None = None, num_pending: int = 0,
+        *, arrival_time: float | None = None, num_pending: int = 0, enforce_queue_limit: bool = True,
     ) -> ProcessedRequest:
         """Validate and tokenize a request without touching the scheduler (any thread).
 
@@ -257,7 +257,7 @@ class Engine:
             )
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n must be <= max_num_seqs={self.config.max_num_seqs}", param="n")
-        if self.scheduler.num_waiting + num_pending >= self.config.max_queue_size:
+        if enforce_queue_limit and self.scheduler.num_waiting + num_pending >= self.config.max_queue_size:
             raise EngineOverloadedError(
                 f"{self.scheduler.num_waiting + num_pending} requests are waiting "
                 f"(max_queue_size={self.config.max_queue_size}); retry later"

@@ -60,10 +60,11 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"{len(prompt_list)} prompts but {len(params_list)} sampling params")
-        # Validate everything first so that a bad prompt queues nothing.
+        # Validate everything first so that a bad prompt queues nothing. Offline batches may
+        # be larger than the serving queue limit.
         processed = [
-            self.engine.process_inputs(f"llm-{next(self._ids)}", p, sp, num_pending=i)
-            for i, (p, sp) in enumerate(zip(prompt_list, params_list))
+            self.engine.process_inputs(f"llm-{next(self._ids)}", p, sp, enforce_queue_limit=False)
+            for p, sp in zip(prompt_list, params_list)
         ]
         for req in processed:
             self.engine.add_processed(req)
