@@ -321,7 +321,7 @@ def test_model_without_causal_lm_head_fails_readably(tmp_path):
         load_torchax(resolved_for(tmp_path))
 
 
-def test_custom_code_is_refused_without_trust_remote_code(checkpoints, tmp_path):
+def test_custom_code_is_refused_without_trust_remote_code(checkpoints):
     resolved = resolved_for(checkpoints("llama"))
     resolved.hf_config.auto_map = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
     with pytest.raises(ModelLoadError, match="custom code"):
@@ -330,6 +330,7 @@ def test_custom_code_is_refused_without_trust_remote_code(checkpoints, tmp_path)
 
 _SHARDED_SCRIPT = textwrap.dedent("""
     import json, sys
+    from pathlib import Path
     import jax, numpy as np
     sys.path[:0] = [{root!r}, {tests!r}]
     from test_torchax import PagedRunner, make_prompt, resolved_for
@@ -340,7 +341,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
         for size in (1, 2):
             mesh = jax.make_mesh((size,), ("model",), axis_types=(jax.sharding.AxisType.Auto,),
                                  devices=jax.devices()[:size])
-            loaded = load_torchax(resolved_for(__import__("pathlib").Path(path)), mesh=mesh)
+            loaded = load_torchax(resolved_for(Path(path)), mesh=mesh)
             cache_sharding = jax.sharding.NamedSharding(mesh, loaded.kv_partition_spec)
             runner = PagedRunner(loaded, jax.jit(loaded.step_fn, donate_argnums=1))
             runner.cache = jax.device_put(runner.cache, cache_sharding)
