@@ -28,6 +28,7 @@ class ResolvedModel:
         hf_config: the transformers PretrainedConfig.
         architecture: config.architectures[0], e.g. "LlamaForCausalLM".
         impl: "jax" (a native models_jax model) or "torchax" (wrapped transformers model).
+        trust_remote_code: whether the checkpoint's own modelling code may run (torchax path).
     """
 
     model_id: str
@@ -35,6 +36,7 @@ class ResolvedModel:
     hf_config: Any
     architecture: str
     impl: str
+    trust_remote_code: bool = False
 
 
 def resolve(
@@ -75,7 +77,7 @@ def resolve(
             f"native: {', '.join(sorted(NATIVE_MODELS))}. Use impl='auto' or 'torchax'."
         )
     chosen = "jax" if impl == "jax" or (impl == "auto" and native) else "torchax"
-    return ResolvedModel(model_id, path, hf_config, architecture, chosen)
+    return ResolvedModel(model_id, path, hf_config, architecture, chosen, trust_remote_code)
 
 
 def _find_files(model_id: str, revision: str | None) -> Path:
