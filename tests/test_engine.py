@@ -80,7 +80,7 @@ def test_prefix_cache_reuses_blocks(llm):
     prefix = list(range(100, 220))
     a = prefix + [11, 12, 13]
     b = prefix + [21, 22]
-    alone_b = make_engine(llm, enable_prefix_caching=False, num_kv_blocks=64).generate([b], GREEDY)[0]
+    alone_b = make_engine(llm, enable_prefix_caching=False, num_kv_blocks=512).generate([b], GREEDY)[0]
     before = engine.stats()
     llm.generate([a], GREEDY)
     mid = engine.stats()
@@ -94,7 +94,7 @@ def test_prefix_cache_reuses_blocks(llm):
 
 
 def test_prefix_cache_off_has_no_hits(llm):
-    off = make_engine(llm, enable_prefix_caching=False, num_kv_blocks=64)
+    off = make_engine(llm, enable_prefix_caching=False, num_kv_blocks=512)
     p = mixed_prompts(1, seed=2)[0]
     off.generate([p, p], GREEDY)
     off.generate([p], GREEDY)
@@ -261,8 +261,27 @@ def test_async_shutdown_marks_engine_dead(llm):
     from runtime import AsyncLLMEngine, EngineConfig
     from runtime.errors import EngineDeadError
 
-    engine = AsyncLLMEngine(EngineConfig(model=MODEL, num_kv_blocks=64, **SMALL), llm.engine.model)
+    engine = AsyncLLMEngine(EngineConfig(model=MODEL, num_kv_blocks=512, **SMALL), llm.engine.model)
     engine.check_health()
     engine.shutdown()
     with pytest.raises(EngineDeadError):
         engine.check_health()
+
+
+def test_async_loop_death_is_reported(llm):
+    import asyncio
+
+    from runtime import AsyncLLMEngine, EngineConfig
+    from runtime.errors import EngineDeadError
+
+    engine = AsyncLLMEngine(EngineConfig(model=MODEL, num_kv_blocks=512, **SMALL), llm.engine.model)
+
+    def broken_step():
+        raise RuntimeError("device fell over")
+
+    engine.engine.step = broken_step
+    with pytest.raises(EngineDeadError):
+        asyncio.run(collect(engine, [1, 2, 3], GREEDY, "doomed"))
+    with pytest.raises(EngineDeadError, match="device fell over"):
+        engine.check_health()
+    engine.shutdown()

@@ -158,3 +158,38 @@ def test_bfloat16_generates(llm):
     out = bf.generate([[10, 20, 30]], GREEDY)[0].outputs[0]
     assert len(out.token_ids) == 16
     assert bf.engine.stats().compilations_since_warmup == 0
+
+
+def stream_tokens(tokenizer, ids, **kw):
+    from runtime.detokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(tokenizer, [], **kw)
+    deltas, stop = [], None
+    for i, t in enumerate(ids):
+        stop = detok.update([t])
+        deltas.append(detok.delta(finished=stop is not None or i == len(ids) - 1))
+        if stop:
+            break
+    return deltas, detok, stop
+
+
+def test_detokenizer_streams_whole_multibyte_characters(llm):
+    text = "héllo wörld ☃ snow ✓ done"
+    ids = llm.tokenizer(text, add_special_tokens=False).input_ids
+    assert any("\ufffd" in llm.tokenizer.decode([t]) for t in ids)  # some tokens split a character
+    deltas, detok, _ = stream_tokens(llm.tokenizer, ids)
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text == detok.output_text
+
+
+def test_detokenizer_holds_back_a_possible_stop_string(llm):
+    text = "héllo wörld ☃ snow"
+    ids = llm.tokenizer(text, add_special_tokens=False).input_ids
+    deltas, detok, stop = stream_tokens(llm.tokenizer, ids, stop=["wörld"])
+    assert stop == "wörld" and "".join(deltas) == "héllo " == detok.output_text
+    streamed = ""
+    for d in deltas:
+        streamed += d
+        assert "w" not in streamed  # never a prefix of the stop string that is later cut
+    deltas, detok, _ = stream_tokens(llm.tokenizer, ids, stop=["wörld"], include_stop_str_in_output=True)
+    assert "".join(deltas) == "héllo wörld"
