@@ -21,7 +21,7 @@ from registry.resolve import ResolvedModel, resolve
 from runtime.errors import ModelLoadError
 from runtime.step import LoadedModel
 
-__all__ = ["NATIVE_MODELS", "ResolvedModel", "load", "resolve"]
+__all__ = ["NATIVE_MODELS", "ResolvedModel", "check_tensor_parallel", "load", "resolve"]
 
 logger = logging.getLogger("servax.registry")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -40,7 +40,8 @@ def load(
         mesh: a Mesh with a "model" axis; default a 1-device mesh.
 
     Raises:
-        ModelLoadError: anything that stops the model from loading, with what to change.
+        ModelLoadError: anything that stops the model from loading, with what to change
+            (among them a model axis that does not divide num_attention_heads).
     """
     resolved = model if isinstance(model, ResolvedModel) else resolve(
         model, impl=impl, revision=revision, trust_remote_code=trust_remote_code
@@ -50,6 +51,7 @@ def load(
         mesh = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
     if "model" not in mesh.axis_names:
         raise ModelLoadError(f"the mesh must have a 'model' axis, it has {mesh.axis_names}")
+    check_tensor_parallel(resolved, mesh.shape["model"])
     logger.info(
         "loading %s (%s) with impl=%s dtype=%s", resolved.model_id, resolved.architecture, resolved.impl, dtype
     )
@@ -75,6 +77,26 @@ def load(
         max_model_len=int(cfg.max_position_embeddings),
         vocab_size=int(cfg.vocab_size),
         eos_token_ids=eos_token_ids(resolved),
+    )
+
+
+def check_tensor_parallel(resolved: ResolvedModel, tp: int) -> None:
+    """Refuse a model axis that does not split the attention heads evenly (both model paths).
+
+    Each device must hold whole query heads; KV heads that do not divide `tp` are
+    replicated instead (the models declare that), so only the query heads are checked.
+
+    Raises:
+        ModelLoadError: num_attention_heads % tp != 0, naming the sizes that would work.
+    """
+    heads = getattr(resolved.hf_config, "num_attention_heads", None)
+    if tp <= 1 or not isinstance(heads, int) or heads % tp == 0:
+        return
+    divisors = [n for n in range(1, heads + 1) if heads % n == 0]
+    raise ModelLoadError(
+        f"{resolved.model_id}: num_attention_heads={heads} is not divisible by the model axis size {tp} "
+        f"(tensor_parallel_size={tp}), so the heads cannot be split evenly over the devices; "
+        f"pick a tensor_parallel_size that divides {heads}: {', '.join(map(str, divisors))}"
     )
 
 

@@ -26,20 +26,14 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh) -> dic
     """Build the native model: the LoadedModel fields that depend on the implementation.
 
     Raises:
-        ModelLoadError: unsupported config features, heads not divisible by the model
-            axis, missing or misshapen weights.
+        ModelLoadError: unsupported config features, missing or misshapen weights.
     """
     module = importlib.import_module(NATIVE_MODELS[resolved.architecture])
     try:
         args = module.config_from_hf(resolved.hf_config)
     except (ValueError, KeyError) as e:
         raise ModelLoadError(f"{resolved.model_id} ({resolved.architecture}): {e}") from e
-    tp = mesh.shape["model"]
-    if args.num_heads % tp:
-        raise ModelLoadError(
-            f"{resolved.model_id}: num_attention_heads={args.num_heads} is not divisible by the "
-            f"model axis size {tp}; pick a tensor_parallel_size that divides it"
-        )
+    tp = mesh.shape["model"]  # registry.load has checked that it divides the query heads
     params, shardings = load_params(resolved.path, module.weight_table(args), mesh, dtype)
     return dict(
         step_fn=functools.partial(module.forward, args=args),
