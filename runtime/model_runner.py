@@ -78,7 +78,7 @@ class ModelRunner:
         kv_sharding = NamedSharding(mesh, model.kv_partition_spec)
         self.kv_cache = allocate_kv_cache(model.kv_spec, num_blocks, block_size, kv_sharding)
         self._step = jax.jit(model.step_fn, donate_argnums=(1,))
-        self._sample = jax.jit(sample, static_argnames=("num_logprobs",))
+        self._sample = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties"))
 
     # -- warmup --------------------------------------------------------------------------
     def bucket_pairs(self) -> list[tuple[int, int]]:
@@ -92,7 +92,11 @@ class ModelRunner:
         for t, s in tqdm(pairs, desc="servax: compiling buckets", disable=not show_progress):
             batch = self._padding_step_input(t, s)
             logits, self.kv_cache = self._step(self.model.params, self.kv_cache, batch)
-            out = self._sample(logits, self._sampling_batch_padding(s), num_logprobs=self.num_logprobs)
+            for penalties in (False, True):
+                out = self._sample(
+                    logits, self._sampling_batch_padding(s, penalties), num_logprobs=self.num_logprobs,
+                    use_penalties=penalties,
+                )
             jax.block_until_ready(out)
         return time.perf_counter() - start
 
@@ -105,8 +109,8 @@ class ModelRunner:
             logits_indices=np.zeros(s, np.int32), num_seqs=0, num_tokens=0,
         )
 
-    def _sampling_batch_padding(self, s: int) -> SamplingBatch:
-        return SamplingBatch(**empty_sampling_batch(s, self.max_model_len))
+    def _sampling_batch_padding(self, s: int, penalties: bool) -> SamplingBatch:
+        return SamplingBatch(**empty_sampling_batch(s, self.max_model_len if penalties else 1))
 
     # -- one step ------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> RunnerOutput:
@@ -124,7 +128,8 @@ class ModelRunner:
         seq_lens = np.zeros(s_pad, np.int32)
         query_start_loc = np.zeros(s_pad + 1, np.int32)
         logits_indices = np.zeros(s_pad, np.int32)
-        sb = empty_sampling_batch(s_pad, self.max_model_len)
+        use_penalties = any(e.request.sampling_params.uses_penalties for e in sched.scheduled)
+        sb = empty_sampling_batch(s_pad, self.max_model_len if use_penalties else 1)
 
         sample_rows: list[int] = []  # per scheduled request, the row whose sample counts
         prompt_rows: list[tuple[str, int, int]] = []  # (request id, row, prompt token index)
@@ -168,7 +173,9 @@ class ModelRunner:
             num_seqs=row, num_tokens=t,
         )
         logits, self.kv_cache = self._step(self.model.params, self.kv_cache, batch)
-        out = self._sample(logits, SamplingBatch(**sb), num_logprobs=self.num_logprobs)
+        out = self._sample(
+            logits, SamplingBatch(**sb), num_logprobs=self.num_logprobs, use_penalties=use_penalties
+        )
         out = jax.device_get(out)
 
         def result(r: int) -> RowResult:

@@ -75,11 +75,16 @@ def empty_sampling_batch(num_rows: int, history_len: int) -> dict[str, np.ndarra
     )
 
 
-def _apply_bias_and_penalties(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+def _apply_bias(logits: jax.Array, b: SamplingBatch) -> jax.Array:
     num_rows, vocab = logits.shape
     rows = jnp.arange(num_rows)[:, None]
     bias_ids = jnp.where(b.bias_ids >= 0, b.bias_ids, vocab)  # out of range -> dropped
-    logits = logits.at[rows, bias_ids].add(b.bias_values, mode="drop")
+    return logits.at[rows, bias_ids].add(b.bias_values, mode="drop")
+
+
+def _apply_penalties(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+    num_rows, vocab = logits.shape
+    rows = jnp.arange(num_rows)[:, None]
 
     hist = b.token_history
     valid = hist >= 0
@@ -120,17 +125,24 @@ def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), step)
 
 
-def sample(logits: jax.Array, batch: SamplingBatch, *, num_logprobs: int) -> SamplerOutput:
+def sample(
+    logits: jax.Array, batch: SamplingBatch, *, num_logprobs: int, use_penalties: bool = True
+) -> SamplerOutput:
     """Choose one token per row and report logprobs.
 
     Args:
         logits: [S, vocab] model output for each row.
         batch: per-row settings (see SamplingBatch).
         num_logprobs: K, how many top logprobs to return per row (static).
+        use_penalties: apply repetition / frequency / presence penalties (static). Without
+            them `token_history` may be a [S, 1] placeholder, so batches that need no
+            penalties neither ship nor scan a [S, max_model_len] history.
     """
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    processed = _apply_bias_and_penalties(logits, batch)
+    processed = _apply_bias(logits, batch)
+    if use_penalties:
+        processed = _apply_penalties(processed, batch)
     greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
 
     is_greedy = batch.temperature <= 0.0
@@ -148,4 +160,4 @@ def sample(logits: jax.Array, batch: SamplingBatch, *, num_logprobs: int) -> Sam
     return SamplerOutput(sampled, chosen_logprob, chosen_rank, top_ids.astype(jnp.int32), top_logprobs)
 
 
-sample_jit = jax.jit(sample, static_argnames=("num_logprobs",))
+sample_jit = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties"))
