@@ -48,7 +48,9 @@ def served(servax_cache, tmp_path_factory):
 
     # Workers (and the builder task) import app/ from the repository, as after `pip install -e .`.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2)
+    metrics_port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2,
+             _metrics_export_port=metrics_port)
     address = ray.get_runtime_context().gcs_address
     log = open(path.parent / "serve_run.log", "w+")
     start = time.perf_counter()
@@ -69,7 +71,7 @@ def served(servax_cache, tmp_path_factory):
             time.sleep(0.5)
         ready_s = time.perf_counter() - start
         print(f"\nserve run -> first completion: {ready_s:.1f} s")
-        yield base_url, ready_s
+        yield base_url, ready_s, f"http://127.0.0.1:{metrics_port}/metrics"
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -196,3 +198,18 @@ def test_http_overhead_per_request(base_url, handle, served):
     print(f"\nHTTP completion {t_http * 1e3:.1f} ms, handle.generate {t_handle * 1e3:.1f} ms, "
           f"overhead {(t_http - t_handle) * 1e3:.1f} ms/request; ready in {served[1]:.1f} s")
     assert t_http < 10
+
+
+def test_servax_metrics_are_exported_by_ray(served, client):
+    client.completions.create(model=MODEL, prompt="metrics", max_tokens=4)
+    wanted = ["ray_servax_time_to_first_token_seconds_count", "ray_servax_time_per_output_token_seconds_count",
+              "ray_servax_prompt_tokens_total", "ray_servax_generation_tokens_total",
+              "ray_servax_num_requests_running", "ray_servax_kv_cache_usage_ratio", "ray_servax_prefix_cache_hit_rate"]
+    deadline = time.time() + 60
+    while True:  # Ray's metrics agent exports every few seconds
+        names = {line.split("{")[0] for line in httpx.get(served[2], timeout=10).text.splitlines()
+                 if 'model_id="servax-tiny/llama"' in line}
+        if all(w in names for w in wanted):
+            break
+        assert time.time() < deadline, f"missing: {[w for w in wanted if w not in names]}"
+        time.sleep(2)
