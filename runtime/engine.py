@@ -25,7 +25,7 @@ from runtime.config import EngineConfig
 from runtime.errors import EngineOverloadedError, InvalidRequestError, PromptTooLongError
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.mesh import make_mesh
-from runtime.model_runner import ModelRunner
+from runtime.model_runner import InFlightStep, ModelRunner
 from runtime.output_processor import RequestState, TokenTexts
 from runtime.outputs import RequestOutput
 from runtime.request import Request, RequestStatus
@@ -146,6 +146,7 @@ class Engine:
         )
 
         self._texts = TokenTexts(self.tokenizer)
+        self._inflight: InFlightStep | None = None  # a step enqueued on the device, not yet collected
         self._states: dict[str, RequestState] = {}  # user request id -> state
         self._rng = np.random.default_rng(config.seed)
         self._prompt_tokens = 0
@@ -318,27 +319,35 @@ class Engine:
 
     # -- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, sample, and return snapshots of requests that advanced."""
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
-        now = time.time()
-        for entry in sched.scheduled:
-            state = self._states[entry.request.parent_id]
-            if state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = now
-        block_ids = {e.request.request_id: self.kv.block_ids(e.request.request_id) for e in sched.scheduled}
-        with self.compile_counter.track():
-            result = self.runner.execute(sched, block_ids)
-        self._steps += 1
+        """Advance every scheduled request by one model step; returns snapshots of those that moved.
 
+        Pipelined: as soon as a step's tokens are on the host and the scheduler has them,
+        the next step is scheduled and enqueued on the device, and only then is this
+        step's output processed (detokenization, stop strings, snapshots), so that host
+        work overlaps device work. A request that a stop string ends was already part of
+        the next step; that step's token for it is dropped.
+        """
+        if self._inflight is None:
+            self._inflight = self._dispatch_next()
+            if self._inflight is None:
+                return []
+        inflight, self._inflight = self._inflight, None
+        with self.compile_counter.track():
+            result = self.runner.collect(inflight)
+        self._steps += 1
+        prompt_rows = []
         for rid, rows in result.prompt_logprobs.items():
             request = self.scheduler.requests.get(rid)
             if request is not None:
                 request.prompt_logprob_rows.extend(r for _, r in rows)
-                self._states[request.parent_id].add_prompt_logprobs(rows, self._texts)
+                prompt_rows.append((request, rows))
+        advanced = self.scheduler.update_from_output(inflight.sched, result.sampled)
+        self._inflight = self._dispatch_next()
 
-        advanced = self.scheduler.update_from_output(sched, result.sampled)
+        for request, rows in prompt_rows:
+            state = self._states.get(request.parent_id)
+            if state is not None:
+                state.add_prompt_logprobs(rows, self._texts)
         touched: dict[str, RequestState] = {}
         for request in advanced:
             state = self._states[request.parent_id]
@@ -361,6 +370,19 @@ class Engine:
             if state.finished:
                 self._finish_state(parent_id, state)
         return outs
+
+    def _dispatch_next(self) -> InFlightStep | None:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return None
+        now = time.time()
+        for entry in sched.scheduled:
+            metrics = self._states[entry.request.parent_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        block_ids = {e.request.request_id: self.kv.block_ids(e.request.request_id) for e in sched.scheduled}
+        with self.compile_counter.track():
+            return self.runner.dispatch(sched, block_ids)
 
     def _finish_state(self, parent_id: str, state: RequestState) -> None:
         del self._states[parent_id]

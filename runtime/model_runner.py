@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import time
 import warnings
+from typing import Any
 
 import jax
 import numpy as np
@@ -50,6 +51,16 @@ class RunnerOutput:
     sample_logprobs: dict[str, RowResult]  # request id -> its sampled token's logprobs
     # request id -> (prompt index of the token, result) for newly computed prompt logprobs
     prompt_logprobs: dict[str, list[tuple[int, RowResult]]]
+
+
+@dataclasses.dataclass
+class InFlightStep:
+    """A step enqueued on the device whose results have not been fetched yet."""
+
+    sched: SchedulerOutput
+    out: Any  # SamplerOutput of device arrays
+    sample_rows: list[int]
+    prompt_rows: list[tuple[str, int, int]]
 
 
 class ModelRunner:
@@ -114,7 +125,11 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> RunnerOutput:
-        """Run one scheduled step. `block_ids`: request id -> its physical blocks."""
+        """Run one scheduled step and wait for it. `block_ids`: request id -> its physical blocks."""
+        return self.collect(self.dispatch(sched, block_ids))
+
+    def dispatch(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> "InFlightStep":
+        """Build the inputs and enqueue step + sampler on the device without waiting."""
         num_tokens = sched.num_scheduled_tokens
         num_rows = sched.num_slots
         t_pad = bucket_for(num_tokens, self.token_buckets)
@@ -176,7 +191,12 @@ class ModelRunner:
         out = self._sample(
             logits, SamplingBatch(**sb), num_logprobs=self.num_logprobs, use_penalties=use_penalties
         )
-        out = jax.device_get(out)
+        return InFlightStep(sched, out, sample_rows, prompt_rows)
+
+    def collect(self, step: "InFlightStep") -> RunnerOutput:
+        """Wait for a dispatched step and bring its results to the host."""
+        sched, sample_rows, prompt_rows = step.sched, step.sample_rows, step.prompt_rows
+        out = jax.device_get(step.out)
 
         def result(r: int) -> RowResult:
             return RowResult(float(out.chosen_logprob[r]), int(out.chosen_rank[r]), out.top_ids[r], out.top_logprobs[r])
