@@ -1,0 +1,93 @@
+"""Run servax engines on fake CPU devices and print what test_spmd.py asserts on, as JSON.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/spmd_worker.py SPEC_JSON
+
+XLA_FLAGS must be set before jax is imported, which is why this runs in its own process
+(the test process has one device). SPEC_JSON:
+
+    {"impl": "jax", "prompts": [[ids...], ...], "max_tokens": 24,
+     "engine": {EngineConfig fields},
+     "runs": [{"model": "servax-tiny/llama", "tp": [1, 2, 4], "params": {"q": "layers.0.q", ...}},
+              {"model": "servax-tiny/llama", "tp": [8], "expect_error": true}]}
+
+For every (model, tp) the output holds the greedy tokens of all prompts batched, of each
+prompt alone and of a batch of two, the compilations counted after warmup, the KV cache's
+sharding and per-device shard shape, and, for each named param, its spec, global shape,
+shard shape and device count; or, with expect_error, the startup error's type and message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _find(params, path: str):
+    """A leaf of a params tree by dotted path ("layers.0.q"), or by its full key (torchax dicts)."""
+    if isinstance(params, dict) and path in params:
+        return params[path]
+    node = params
+    for part in path.split("."):
+        node = node[int(part)] if isinstance(node, (list, tuple)) else node[part]
+    return node
+
+
+def _describe(arr) -> dict:
+    return dict(
+        spec=str(arr.sharding.spec), shape=list(arr.shape),
+        shard_shape=list(arr.addressable_shards[0].data.shape), num_devices=len(arr.sharding.device_set),
+    )
+
+
+def run_one(spec: dict, run: dict, tp: int) -> dict:
+    from runtime import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(run["model"], impl=run.get("impl", spec["impl"]), tensor_parallel_size=tp, **spec["engine"])
+    except Exception as e:  # noqa: BLE001 - reported to the test, which judges it
+        if run.get("expect_error"):
+            return dict(error_type=type(e).__name__, error=str(e))
+        raise
+    startup = time.perf_counter() - t0
+    prompts = spec["prompts"]
+    tokens = lambda outs: [o.outputs[0].token_ids for o in outs]  # noqa: E731
+    batched = tokens(llm.generate(prompts, greedy))
+    alone = [tokens(llm.generate([p], greedy))[0] for p in prompts]
+    short = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"] // 2, ignore_eos=True)
+    pair = tokens(llm.generate(prompts[-2:], [greedy, short]))
+    engine = llm.engine
+    k_cache = engine.runner.kv_cache[0][0]
+    return dict(
+        batched=batched, alone=alone, pair=pair,
+        compilations_since_warmup=engine.stats().compilations_since_warmup,
+        mesh=dict(engine.mesh.shape),
+        kv=dict(_describe(k_cache), partition_spec=str(engine.model.kv_partition_spec)),
+        kv_heads=engine.model.kv_spec.num_kv_heads,
+        params={name: _describe(_find(engine.model.params, path)) for name, path in run.get("params", {}).items()},
+        startup_seconds=round(startup, 2), warmup_seconds=round(engine.warmup_seconds, 2),
+    )
+
+
+def main() -> None:
+    import jax
+
+    spec = json.loads(sys.argv[1])
+    out = dict(num_devices=len(jax.devices()), results=[])
+    for run in spec["runs"]:
+        for tp in run["tp"]:
+            result = run_one(spec, run, tp)
+            out["results"].append(dict(name=run.get("name", run["model"]), tp=tp, **result))
+            print(f"{run.get('name', run['model'])} tp={tp}: done", file=sys.stderr, flush=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    assert "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""), "set XLA_FLAGS first"
+    main()
