@@ -199,7 +199,6 @@ class AppConfig(_Strict):
 
     llm_configs: list[LLMConfig] = Field(min_length=1)
     ingress_config: IngressConfig = Field(default_factory=IngressConfig)
-    name: str = Field("servax", description="Log label; Serve's application name is set in YAML.")
 
     @model_validator(mode="after")
     def _unique_models(self) -> AppConfig:

@@ -95,6 +95,9 @@ class OpenAIRouter:
         gen = getattr(handle.options(stream=True), method).remote(body)
         try:
             first = await gen.__anext__()
+        except asyncio.CancelledError:  # the client left before the first token
+            gen.cancel()
+            raise
         except StopAsyncIteration:
             raise APIError(ErrorResponse.make(500, "the model server returned nothing", type="server_error"))
         except Exception as e:

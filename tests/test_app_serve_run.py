@@ -155,16 +155,18 @@ def test_handle_errors_keep_their_type(handle):
         handle.generate.remote("hi", {"temperature": -1}).result()
 
 
-def test_client_disconnect_through_the_proxy_frees_blocks(base_url, handle):
-    def idle() -> dict:
-        deadline = time.time() + 30
-        while True:
-            stats = handle.stats.remote().result()
-            if stats["num_running"] == 0 and stats["num_waiting"] == 0:
-                return stats
-            assert time.time() < deadline, stats
-            time.sleep(0.1)
+def _idle(handle) -> dict:
+    deadline = time.time() + 30
+    while True:
+        stats = handle.stats.remote().result()
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+            return stats
+        assert time.time() < deadline, stats
+        time.sleep(0.1)
 
+
+def test_client_disconnect_through_the_proxy_frees_blocks(base_url, handle):
+    idle = lambda: _idle(handle)  # noqa: E731
     before = idle()
     with httpx.stream("POST", base_url + "/v1/completions", json={
             "prompt": "A long story:", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True},
@@ -177,6 +179,16 @@ def test_client_disconnect_through_the_proxy_frees_blocks(base_url, handle):
     after = idle()
     assert after["kv_blocks_used"] == before["kv_blocks_used"]
     assert after["generation_tokens_total"] - before["generation_tokens_total"] < 300
+
+
+def test_non_streaming_client_timeout_aborts_the_request(base_url, handle):
+    before = _idle(handle)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(base_url + "/v1/completions", json={
+            "prompt": "A long story:", "max_tokens": 480, "temperature": 0, "ignore_eos": True}, timeout=0.3)
+    after = _idle(handle)
+    assert after["kv_blocks_used"] == before["kv_blocks_used"]
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] < 480
 
 
 def test_http_overhead_per_request(base_url, handle, served):
