@@ -193,3 +193,44 @@ def test_detokenizer_holds_back_a_possible_stop_string(llm):
         assert "w" not in streamed  # never a prefix of the stop string that is later cut
     deltas, detok, _ = stream_tokens(llm.tokenizer, ids, stop=["wörld"], include_stop_str_in_output=True)
     assert "".join(deltas) == "héllo wörld"
+
+
+_TP_SCRIPT = """
+import json, os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+from runtime import LLM, SamplingParams
+sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+prompts = [[10, 20, 30, 40], list(range(100, 160))]
+res = {}
+for tp in (1, 2):
+    llm = LLM("servax-tiny/llama", tensor_parallel_size=tp, max_model_len=128, max_num_seqs=8,
+              max_num_batched_tokens=64, num_kv_blocks=64, show_progress=False)
+    res[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    res[f"devices{tp}"] = len(llm.engine.model_config["devices"])
+    res[f"compiles{tp}"] = llm.engine.stats().compilations_since_warmup
+print("RESULT" + json.dumps(res))
+"""
+
+
+def test_tensor_parallel_gives_the_same_tokens():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT], cwd=root, capture_output=True, text=True,
+                          timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert res["devices1"] == 1 and res["devices2"] == 2
+    assert res["1"] == res["2"] and res["compiles1"] == res["compiles2"] == 0
+
+
+def test_mesh_refuses_sizes_the_devices_cannot_hold():
+    from runtime.mesh import make_mesh
+
+    import jax
+
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 x data_parallel_size=1 = 3 devices"):
+        make_mesh(3, devices=jax.devices() * 2)
