@@ -1,0 +1,73 @@
+"""Decode step time against the memory-bandwidth floor.
+
+A decode step must read every weight once and each sequence's KV cache once, so
+    floor = (weight bytes + batch x context x KV bytes per token) / read bandwidth.
+This measures the machine's read bandwidth in the same run, then the engine's time per
+output token (median over requests, from the engine's own timestamps) at batch 1 and 32.
+
+    python benchmarks/decode_floor.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import bench_checkpoint, memory_read_bandwidth, record, table  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--impl", default="jax")
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+
+    import numpy as np
+
+    from runtime import LLM, SamplingParams
+
+    path = bench_checkpoint()
+    batches = [int(b) for b in args.batches.split(",")]
+    llm = LLM(
+        model=str(path), impl=args.impl, dtype="float32", max_model_len=512,
+        max_num_seqs=max(batches), max_num_batched_tokens=512, show_progress=False,
+        enable_prefix_caching=False,
+    )
+    weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    spec = llm.engine.model.kv_spec
+    kv_bytes_per_token = spec.bytes_per_block(1)
+    bandwidth = memory_read_bandwidth()
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch in batches:
+        prompts = [rng.integers(4, 500, args.prompt_len).tolist() for _ in range(batch)]
+        sp = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # settle
+        outs = llm.generate(prompts, sp)
+        tpot = statistics.median(
+            (o.metrics.last_token_time - o.metrics.first_token_time) / (args.new_tokens - 1) for o in outs
+        )
+        context = args.prompt_len + args.new_tokens / 2  # mean context during decode
+        floor = (weight_bytes + batch * context * kv_bytes_per_token) / bandwidth
+        rows.append([
+            batch, f"{weight_bytes / 1e6:.0f}", f"{batch * context * kv_bytes_per_token / 1e6:.1f}",
+            f"{floor * 1e3:.1f}", f"{tpot * 1e3:.1f}", f"{tpot / floor:.2f}", f"{batch / tpot:.0f}",
+        ])
+    assert llm.engine.stats().compilations_since_warmup == 0
+    body = (
+        f"read bandwidth measured: {bandwidth / 1e9:.1f} GB/s; impl={args.impl}; prompt {args.prompt_len}, "
+        f"{args.new_tokens} new tokens\n\n"
+        + table(["batch", "weights MB", "KV read MB", "floor ms", "step ms", "step/floor", "tokens/s"], rows)
+    )
+    record("Decode step against the bandwidth floor (~100M Llama float32)", body)
+
+
+if __name__ == "__main__":
+    main()
