@@ -89,7 +89,7 @@ class ModelRunner:
         kv_sharding = NamedSharding(mesh, model.kv_partition_spec)
         self.kv_cache = allocate_kv_cache(model.kv_spec, num_blocks, block_size, kv_sharding)
         self._step = jax.jit(model.step_fn, donate_argnums=(1,))
-        self._sample = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties"))
+        self._sample = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "all_greedy"))
 
     # -- warmup --------------------------------------------------------------------------
     def bucket_pairs(self) -> list[tuple[int, int]]:
@@ -104,10 +104,11 @@ class ModelRunner:
             batch = self._padding_step_input(t, s)
             logits, self.kv_cache = self._step(self.model.params, self.kv_cache, batch)
             for penalties in (False, True):
-                out = self._sample(
-                    logits, self._sampling_batch_padding(s, penalties), num_logprobs=self.num_logprobs,
-                    use_penalties=penalties,
-                )
+                for greedy in (False, True):
+                    out = self._sample(
+                        logits, self._sampling_batch_padding(s, penalties), num_logprobs=self.num_logprobs,
+                        use_penalties=penalties, all_greedy=greedy,
+                    )
             jax.block_until_ready(out)
         return time.perf_counter() - start
 
@@ -144,6 +145,7 @@ class ModelRunner:
         query_start_loc = np.zeros(s_pad + 1, np.int32)
         logits_indices = np.zeros(s_pad, np.int32)
         use_penalties = any(e.request.sampling_params.uses_penalties for e in sched.scheduled)
+        all_greedy = all(e.request.sampling_params.is_greedy for e in sched.scheduled)
         sb = empty_sampling_batch(s_pad, self.max_model_len if use_penalties else 1)
 
         sample_rows: list[int] = []  # per scheduled request, the row whose sample counts
@@ -189,7 +191,8 @@ class ModelRunner:
         )
         logits, self.kv_cache = self._step(self.model.params, self.kv_cache, batch)
         out = self._sample(
-            logits, SamplingBatch(**sb), num_logprobs=self.num_logprobs, use_penalties=use_penalties
+            logits, SamplingBatch(**sb), num_logprobs=self.num_logprobs, use_penalties=use_penalties,
+            all_greedy=all_greedy,
         )
         return InFlightStep(sched, out, sample_rows, prompt_rows)
 

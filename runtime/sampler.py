@@ -126,7 +126,8 @@ def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
 
 
 def sample(
-    logits: jax.Array, batch: SamplingBatch, *, num_logprobs: int, use_penalties: bool = True
+    logits: jax.Array, batch: SamplingBatch, *, num_logprobs: int, use_penalties: bool = True,
+    all_greedy: bool = False,
 ) -> SamplerOutput:
     """Choose one token per row and report logprobs.
 
@@ -137,6 +138,8 @@ def sample(
         use_penalties: apply repetition / frequency / presence penalties (static). Without
             them `token_history` may be a [S, 1] placeholder, so batches that need no
             penalties neither ship nor scan a [S, max_model_len] history.
+        all_greedy: every row is greedy (static): skip the sort over the vocabulary and
+            the random draw.
     """
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
@@ -144,6 +147,8 @@ def sample(
     if use_penalties:
         processed = _apply_penalties(processed, batch)
     greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    if all_greedy:
+        return _report(raw_logprobs, greedy, batch, num_logprobs)
 
     is_greedy = batch.temperature <= 0.0
     temp = jnp.where(is_greedy, 1.0, batch.temperature)
@@ -152,7 +157,10 @@ def sample(
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (logits.shape[-1],), jnp.float32))(keys)
     drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
     sampled = jnp.where(is_greedy, greedy, drawn)
+    return _report(raw_logprobs, sampled, batch, num_logprobs)
 
+
+def _report(raw_logprobs: jax.Array, sampled: jax.Array, batch: SamplingBatch, num_logprobs: int) -> SamplerOutput:
     chosen = jnp.where(batch.target_ids >= 0, batch.target_ids, sampled)
     chosen_logprob = jnp.take_along_axis(raw_logprobs, chosen[:, None], axis=-1)[:, 0]
     chosen_rank = 1 + jnp.sum(raw_logprobs > chosen_logprob[:, None], axis=-1).astype(jnp.int32)
@@ -160,4 +168,4 @@ def sample(
     return SamplerOutput(sampled, chosen_logprob, chosen_rank, top_ids.astype(jnp.int32), top_logprobs)
 
 
-sample_jit = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties"))
+sample_jit = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "all_greedy"))

@@ -41,6 +41,16 @@ def test_greedy_and_tiny_temperature_take_the_argmax():
     assert (run(logits, temperature=1e-4, seeds=np.arange(16, dtype=np.uint32))["sampled"] == logits.argmax(-1)).all()
 
 
+def test_all_greedy_fast_path_matches_the_general_path():
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(8, 40)).astype(np.float32)
+    b = SamplingBatch(**empty_sampling_batch(8, 1))
+    fast = sample_jit(logits, b, num_logprobs=3, use_penalties=False, all_greedy=True)
+    slow = sample_jit(logits, b, num_logprobs=3, use_penalties=False, all_greedy=False)
+    for name in ("sampled", "chosen_logprob", "chosen_rank", "top_ids"):
+        np.testing.assert_array_equal(np.asarray(getattr(fast, name)), np.asarray(getattr(slow, name)))
+
+
 def test_top_k_never_leaves_the_top_k():
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(ROWS, 32)).astype(np.float32)
