@@ -85,7 +85,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.token_buckets = token_buckets
         self.seq_buckets = seq_buckets
-        self.num_logprobs = max(1, max_logprobs)
+        self.num_logprobs = max(1, min(max_logprobs, model.vocab_size))
         kv_sharding = NamedSharding(mesh, model.kv_partition_spec)
         self.kv_cache = allocate_kv_cache(model.kv_spec, num_blocks, block_size, kv_sharding)
         self._step = jax.jit(model.step_fn, donate_argnums=(1,))
