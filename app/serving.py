@@ -108,16 +108,21 @@ class OpenAIServing:
 
     async def submit_all(self, prompts: list[str | list[int]], sampling: Any, request_id: str
                          ) -> AsyncIterator[tuple[int, Any]]:
-        """Start one request per prompt; yield (prompt index, RequestOutput) as they come."""
-        streams = []
-        try:
-            for i, prompt in enumerate(prompts):
-                streams.append(await self.submit(prompt, sampling, f"{request_id}-{i}"))
-        except BaseException:
-            for stream in streams:
-                await stream.aclose()
-            raise
-        return _merge(streams)
+        """Start one request per prompt (all at once); yield (prompt index, RequestOutput) as they come.
+
+        If any prompt is refused, the others are aborted and the first refusal is raised.
+        """
+        if len(prompts) == 1:
+            return _merge([await self.submit(prompts[0], sampling, f"{request_id}-0")])
+        results = await asyncio.gather(*(self.submit(p, sampling, f"{request_id}-{i}") for i, p in enumerate(prompts)),
+                                       return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for r in results:
+                if isinstance(r, RequestStream):
+                    await r.aclose()
+            raise errors[0]
+        return _merge(results)
 
     def _default_max_tokens(self, kwargs: dict[str, Any], prompt_len: int) -> None:
         if "max_tokens" not in kwargs and self.max_model_len:

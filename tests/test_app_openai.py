@@ -52,7 +52,7 @@ def handles(servax_cache):
     config = load_app_config({"llm_configs": [
         {"model_loading_config": {"model_id": MODEL}, "engine_kwargs": ENGINE},
         {"model_loading_config": {"model_id": SMALL, "model_source": MODEL},
-         "engine_kwargs": dict(ENGINE, max_model_len=128, max_num_seqs=1, max_queue_size=1, num_kv_blocks=64)},
+         "engine_kwargs": dict(ENGINE, max_num_seqs=1, max_queue_size=1, num_kv_blocks=64)},
     ]})
     result = {}
     for block in config.llm_configs:
@@ -331,15 +331,17 @@ def test_full_queue_is_429_and_server_recovers(base_url, http, handles):
     async def scenario():
         headers = {"Authorization": f"Bearer {API_KEY}"}
         async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120) as c:
-            long = {"model": SMALL, "prompt": "Hello", "max_tokens": 100, "stream": True, **GREEDY}
+            long = {"model": SMALL, "prompt": "Hello", "max_tokens": 500, "stream": True, **GREEDY}
             running = c.stream("POST", "/v1/completions", json=long)
             first = await running.__aenter__()  # headers arrive with the first token: it is running
             assert first.status_code == 200
             waiting = asyncio.create_task(c.post("/v1/completions", json=dict(long, stream=False)))
             for _ in range(200):  # wait until the second request sits in the queue
-                if (await asyncio.to_thread(_stats, handles, SMALL))["num_waiting"] == 1:
+                stats = await asyncio.to_thread(_stats, handles, SMALL)
+                if stats["num_waiting"] == 1:
                     break
                 await asyncio.sleep(0.02)
+            assert stats["num_running"] == 1 and stats["num_waiting"] == 1, stats
             overflow = await c.post("/v1/completions", json=dict(long, stream=False))
             await running.__aexit__(None, None, None)
             waiting.cancel()
