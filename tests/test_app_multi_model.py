@@ -7,6 +7,7 @@ httpx's ASGI transport, so routing by `model` is exercised end to end without a 
 from __future__ import annotations
 
 import asyncio
+import gc
 from pathlib import Path
 
 import httpx
@@ -28,7 +29,12 @@ def api(servax_cache):
     config = load_app_config(REPO / "configs" / "multi-model.yaml")
     handles = {b.model_id: serve.run(build_llm_deployment(b), name=b.deployment_name(), route_prefix=None,
                                      _local_testing_mode=True) for b in config.llm_configs}
-    return build_openai_api(OpenAIRouter(handles))
+    yield build_openai_api(OpenAIRouter(handles))
+    from app.server import LLMServer  # stop the in-process engines' threads
+
+    for obj in gc.get_objects():
+        if isinstance(obj, getattr(LLMServer, "func_or_class", LLMServer)) and obj.model_id in handles:
+            obj.engine.shutdown()
 
 
 def _call(api, method: str, path: str, **kwargs) -> httpx.Response:

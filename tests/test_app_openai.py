@@ -59,6 +59,17 @@ def handles(servax_cache):
         result[block.model_id] = serve.run(build_llm_deployment(block), name=block.deployment_name(),
                                            route_prefix=None, _local_testing_mode=True)
     yield result
+    _shutdown_local_engines(set(result))
+
+
+def _shutdown_local_engines(model_ids: set[str]) -> None:
+    """Stop the engine threads of in-process (local testing mode) replicas."""
+    from app.server import LLMServer
+
+    cls = getattr(LLMServer, "func_or_class", LLMServer)
+    for obj in gc.get_objects():
+        if isinstance(obj, cls) and obj.model_id in model_ids:
+            obj.engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -409,6 +420,7 @@ def test_dead_engine_is_503_and_other_models_keep_serving(base_url, http):
 
     (server,) = [o for o in gc.get_objects()
                  if isinstance(o, getattr(LLMServer, "func_or_class", LLMServer)) and o.model_id == SMALL]
+    # Engine.shutdown stops the loop thread as a crash would; requests and /health must see it.
     server.engine.shutdown()
     r = http.post("/v1/completions", json={"model": SMALL, "prompt": "hi", "max_tokens": 2})
     _assert_error(r, 503)

@@ -47,7 +47,11 @@ def served(servax_cache, tmp_path_factory):
     path.write_text(yaml.safe_dump(config))
 
     # Workers (and the builder task) import app/ from the repository, as after `pip install -e .`.
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    old_pythonpath = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), old_pythonpath) if p)
+    if ray.is_initialized():  # a cluster left by another module: this test needs its own settings
+        serve.shutdown()
+        ray.shutdown()
     metrics_port = _free_port()
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2,
              _metrics_export_port=metrics_port)
@@ -82,6 +86,10 @@ def served(servax_cache, tmp_path_factory):
             serve.shutdown()
             ray.shutdown()
         log.close()
+        if old_pythonpath is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_pythonpath
 
 
 @pytest.fixture(scope="module")
