@@ -169,14 +169,14 @@ def build_openai_api(router: OpenAIRouter) -> FastAPI:
         param = _param_of(tuple(first.get("loc", ())))
         if param is None and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
             return _json_error(ErrorResponse.make(400, "request body must be a JSON object"))
-        msg = "; ".join(f"{_param_of(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg', '').removeprefix('Value error, ')}"
-                        for e in errors)
+        msg = "; ".join(f"{_param_of(tuple(e.get('loc', ()))) or 'body'}: "
+                        f"{e.get('msg', '').removeprefix('Value error, ')}" for e in errors)
         return _json_error(ErrorResponse.make(400, msg, param=param))
 
     @api.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _json_error(ErrorResponse.make(exc.status_code, str(exc.detail),
-                                              type="invalid_request_error" if exc.status_code < 500 else "server_error"))
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _json_error(ErrorResponse.make(exc.status_code, str(exc.detail), type=kind))
 
     @api.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:

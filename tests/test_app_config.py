@@ -123,10 +123,11 @@ def test_impl_shortcut_sets_engine_impl_and_must_agree():
 
 def test_block_file_included_relative_to_including_file(tmp_path, monkeypatch):
     (tmp_path / "models").mkdir()
-    (tmp_path / "models" / "m.yaml").write_text(yaml.safe_dump(_block("from-file", engine_kwargs={"max_model_len": 64})))
+    block = _block("from-file", engine_kwargs={"max_model_len": 64})
+    (tmp_path / "models" / "m.yaml").write_text(yaml.safe_dump(block))
+    args = {"llm_configs": ["models/m.yaml", _block("inline")]}
     (tmp_path / "app.yaml").write_text(yaml.safe_dump({"applications": [
-        {"name": "x", "import_path": "app.builder:build_app", "args": {"llm_configs": ["models/m.yaml", _block("inline")]}}
-    ]}))
+        {"name": "x", "import_path": "app.builder:build_app", "args": args}]}))
     monkeypatch.chdir("/")
     config = load_app_config(tmp_path / "app.yaml")
     assert [b.model_id for b in config.llm_configs] == ["from-file", "inline"]

@@ -61,11 +61,15 @@ def served(servax_cache, tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", "--address", address, str(path)],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     base_url = f"http://127.0.0.1:{port}"
+
+    def log_tail() -> str:
+        return path.parent.joinpath("serve_run.log").read_text()[-5000:]
+
     try:
         deadline = time.time() + 300
         while True:
-            assert proc.poll() is None, "serve run exited:\n" + path.parent.joinpath("serve_run.log").read_text()[-5000:]
-            assert time.time() < deadline, "not ready in 300 s:\n" + path.parent.joinpath("serve_run.log").read_text()[-5000:]
+            assert proc.poll() is None, "serve run exited:\n" + log_tail()
+            assert time.time() < deadline, "not ready in 300 s:\n" + log_tail()
             try:
                 r = httpx.post(base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=10)
                 if r.status_code == 200:
@@ -130,7 +134,8 @@ def test_openai_client_models_completion_chat_and_streaming(client):
     chat_chunks = list(client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
-    assert "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices) == chat.choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices)
+    assert streamed == chat.choices[0].message.content
     assert chat_chunks[-1].usage.completion_tokens == 6
 
 
