@@ -233,3 +233,13 @@ def test_mesh_refuses_sizes_the_devices_cannot_hold():
 
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 x data_parallel_size=1 = 3 devices"):
         make_mesh(3, devices=jax.devices() * 2)
+
+
+def test_torchax_fallback_serves_the_same_tokens(llm):
+    prompts = [[10, 20, 30], list(range(100, 140))]
+    native = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    fallback = LLM(MODEL, impl="torchax", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
+                   num_kv_blocks=64, show_progress=False)
+    assert fallback.engine.model_config["impl"] == "torchax"
+    assert [o.outputs[0].token_ids for o in fallback.generate(prompts, GREEDY)] == native
+    assert fallback.engine.stats().compilations_since_warmup == 0
