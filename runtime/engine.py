@@ -13,6 +13,7 @@ it from one thread; `process_inputs` is the only part meant to run elsewhere.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import logging
 import time
@@ -145,7 +146,10 @@ class Engine:
             self.model_config,
         )
 
-        self._texts = TokenTexts(self.tokenizer)
+        # Detokenization runs on the engine thread while process_inputs may tokenize on the
+        # server's thread; a private copy keeps the two off one (Rust-borrowed) tokenizer.
+        self._detok_tokenizer = copy.deepcopy(self.tokenizer) if self.tokenizer is not None else None
+        self._texts = TokenTexts(self._detok_tokenizer)
         self._inflight: InFlightStep | None = None  # a step enqueued on the device, not yet collected
         self._states: dict[str, RequestState] = {}  # user request id -> state
         self._rng = np.random.default_rng(config.seed)
@@ -276,7 +280,9 @@ class Engine:
         if req.request_id in self._states:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
         params = req.params
-        state = RequestState(req.request_id, req.prompt, req.prompt_token_ids, params, self.tokenizer, req.arrival_time)
+        state = RequestState(
+            req.request_id, req.prompt, req.prompt_token_ids, params, self._detok_tokenizer, req.arrival_time
+        )
         eos = () if self.model.eos_token_ids is None else tuple(self.model.eos_token_ids)
         for i in range(params.n):
             child_id = req.request_id if params.n == 1 else f"{req.request_id}#{i}"
