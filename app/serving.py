@@ -157,7 +157,7 @@ class OpenAIServing:
                                          usage=_usage(last.values())).model_dump(exclude_none=True)
                 return
             last = {}
-            sent_prompt: set[int] = set()
+            text_offsets: dict[int, int] = {}  # choice index -> text offset of its next token
             async for i, out in outputs:
                 last[i] = out
                 choices = []
@@ -166,9 +166,16 @@ class OpenAIServing:
                     text, logprobs = c.delta_text or "", None
                     if request.logprobs is not None and c.delta_logprobs:
                         logprobs = self._completion_logprobs(c.delta_token_ids, c.delta_logprobs, request.logprobs)
-                    if request.echo and index not in sent_prompt:
-                        sent_prompt.add(index)
-                        text = self._prompt_text(out) + text
+                    if request.echo and index not in text_offsets:
+                        text, logprobs = self._echo(request, out, text, logprobs)
+                    offset = text_offsets.get(index, 0)
+                    if logprobs is not None and logprobs.tokens:
+                        # Offsets count token strings, as in the non-streamed response.
+                        logprobs = _join_logprobs(CompletionLogprobs(), logprobs, offset)
+                        offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                    else:
+                        offset += len(text)
+                    text_offsets[index] = offset
                     if text or c.finish_reason is not None or logprobs is not None:
                         choices.append(dict(index=index, text=text, logprobs=logprobs and logprobs.model_dump(),
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
@@ -187,18 +194,18 @@ class OpenAIServing:
         if request.logprobs is not None:
             logprobs = self._completion_logprobs(c.token_ids, c.logprobs, request.logprobs)
         if request.echo:
-            prompt_text = self._prompt_text(out)
-            if logprobs is not None:
-                prompt_lp = self._completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, request.logprobs)
-                logprobs = CompletionLogprobs(
-                    tokens=prompt_lp.tokens + logprobs.tokens,
-                    token_logprobs=prompt_lp.token_logprobs + logprobs.token_logprobs,
-                    top_logprobs=prompt_lp.top_logprobs + logprobs.top_logprobs,
-                    text_offset=prompt_lp.text_offset + [o + len(prompt_text) for o in logprobs.text_offset],
-                )
-            text = prompt_text + text
+            text, logprobs = self._echo(request, out, text, logprobs)
         return CompletionChoice(index=index, text=text, logprobs=logprobs,
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+    def _echo(self, request: CompletionRequest, out: Any, text: str, logprobs: CompletionLogprobs | None
+              ) -> tuple[str, CompletionLogprobs | None]:
+        """Prefix the prompt (and, with logprobs, the prompt's logprobs) to a completion."""
+        prompt_text = self._prompt_text(out)
+        if logprobs is not None or request.logprobs is not None:
+            prompt_lp = self._completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, request.logprobs)
+            logprobs = _join_logprobs(prompt_lp, logprobs or CompletionLogprobs(), len(prompt_text))
+        return prompt_text + text, logprobs
 
     def _token_str(self, token_id: int, logprob: Any = None) -> str:
         decoded = getattr(logprob, "decoded_token", None)
@@ -333,6 +340,15 @@ class RequestStream:
             await self._gen.aclose()
         finally:
             self._owner._request_done(self)
+
+
+def _join_logprobs(head: CompletionLogprobs, tail: CompletionLogprobs, shift: int) -> CompletionLogprobs:
+    """`head` followed by `tail`, whose text offsets start `shift` characters later."""
+    return CompletionLogprobs(
+        tokens=head.tokens + tail.tokens, token_logprobs=head.token_logprobs + tail.token_logprobs,
+        top_logprobs=head.top_logprobs + tail.top_logprobs,
+        text_offset=head.text_offset + [o + shift for o in tail.text_offset],
+    )
 
 
 def _usage(outs: Any) -> UsageInfo:

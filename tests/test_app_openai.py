@@ -188,6 +188,16 @@ def test_completion_echo_with_logprobs(http):
     assert "".join(lp["tokens"]) == choice["text"]
 
 
+def test_streaming_echo_with_logprobs_matches_non_streaming(http):
+    req = {"model": MODEL, "prompt": "Hello world", "max_tokens": 4, "echo": True, "logprobs": 1, **GREEDY}
+    full = http.post("/v1/completions", json=req).json()["choices"][0]
+    with http.stream("POST", "/v1/completions", json=dict(req, stream=True)) as r:
+        chunks = [e["choices"][0] for e in _sse_events(r)[:-1]]
+    assert "".join(c["text"] for c in chunks) == full["text"]
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        assert sum((c["logprobs"][key] for c in chunks if c["logprobs"]), []) == full["logprobs"][key]
+
+
 def test_completion_seeded_sampling_reproduces(http):
     req = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "top_p": 0.9,
            "top_k": 50, "min_p": 0.01, "presence_penalty": 0.5, "frequency_penalty": 0.5, "seed": 1234,
