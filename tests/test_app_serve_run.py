@@ -160,6 +160,13 @@ def test_handle_generate_and_stream(handle):
     chat = handle.generate.remote([{"role": "user", "content": "Hi"}], {"max_tokens": 4}).result()
     assert len(chat.outputs[0].token_ids) <= 4
 
+    from runtime import SamplingParams
+
+    typed = handle.generate.remote("Hello world", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert typed.result().text == result.text
+    two = handle.generate.remote([5, 6, 7], {"n": 2, "max_tokens": 3, "temperature": 0.8, "seed": 1}).result()
+    assert [g.index for g in two.outputs] == [0, 1] and two.prompt_token_ids == [5, 6, 7]
+
 
 def test_handle_errors_keep_their_type(handle):
     from runtime.errors import InvalidRequestError
