@@ -2,8 +2,16 @@
 
 Each model module exposes the same small interface, which `registry.native` relies on:
 
-    config_from_hf(hf_config) -> args      # frozen, hashable; has num_layers, num_heads,
-                                           # num_kv_heads, head_dim
+    config_from_hf(hf_config) -> args      # frozen dataclass, hashable; has num_layers,
+                                           # num_heads, num_kv_heads, head_dim, kv_repeat
     weight_table(args) -> pytree of models_jax.weights.WeightSpec (same structure as params)
     forward(params, kv_cache, batch, *, args) -> (logits [S, vocab] float32, kv_cache)
+
+`kv_repeat` (default 1) is set by registry.native from the mesh: with a model axis of
+size tp, each KV head is stored kv_repeat = tp // gcd(num_kv_heads, tp) times (in the k/v
+weights and so in the KV cache), so the cache always splits evenly on its head axis.
+Query head h then reads stored KV head h // (num_heads // (num_kv_heads * kv_repeat)),
+which is a copy of its original KV head h // (num_heads // num_kv_heads). This is vLLM's
+KV-head replication: without it, a cache with fewer KV heads than devices would be
+replicated whole on every device (and XLA re-gathers it each step).
 """

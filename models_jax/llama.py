@@ -47,6 +47,7 @@ class LlamaArgs:
     mlp_bias: bool = False
     qk_norm: bool = False
     tie_word_embeddings: bool = False
+    kv_repeat: int = 1  # each KV head stored this many times (set by registry.native for the mesh)
 
     @classmethod
     def from_hf(cls, cfg: Any) -> "LlamaArgs":
@@ -87,6 +88,8 @@ def weight_table(a: LlamaArgs) -> dict:
 
     q/k/v and gate/up are split by output (heads, features) on "model"; o_proj and
     down_proj by input; the embedding and the LM head by vocab; norms are replicated.
+    k/v (and their biases) hold each KV head `a.kv_repeat` times, so that the KV heads
+    split evenly even when the model axis is larger than num_kv_heads.
     """
     d, f, hd = a.hidden_size, a.intermediate_size, a.head_dim
     heads_out, heads_in = P(None, "model", None), P("model", None, None)
@@ -97,8 +100,8 @@ def weight_table(a: LlamaArgs) -> dict:
         w = {
             "input_norm": vector(pre + "input_layernorm.weight", d),
             "q": linear_to_heads(attn + "q_proj.weight", d, a.num_heads, hd, heads_out),
-            "k": linear_to_heads(attn + "k_proj.weight", d, a.num_kv_heads, hd, heads_out),
-            "v": linear_to_heads(attn + "v_proj.weight", d, a.num_kv_heads, hd, heads_out),
+            "k": linear_to_heads(attn + "k_proj.weight", d, a.num_kv_heads, hd, heads_out, a.kv_repeat),
+            "v": linear_to_heads(attn + "v_proj.weight", d, a.num_kv_heads, hd, heads_out, a.kv_repeat),
             "o": linear_from_heads(attn + "o_proj.weight", a.num_heads, hd, d, heads_in),
             "post_attn_norm": vector(pre + "post_attention_layernorm.weight", d),
             "mlp": {
@@ -108,8 +111,10 @@ def weight_table(a: LlamaArgs) -> dict:
             },
         }
         if a.qkv_bias:
-            for name, heads in (("q", a.num_heads), ("k", a.num_kv_heads), ("v", a.num_kv_heads)):
-                w[name + "_bias"] = head_bias(attn + f"{name}_proj.bias", heads, hd, P("model", None))
+            for name, heads, repeat in (
+                ("q", a.num_heads, 1), ("k", a.num_kv_heads, a.kv_repeat), ("v", a.num_kv_heads, a.kv_repeat)
+            ):
+                w[name + "_bias"] = head_bias(attn + f"{name}_proj.bias", heads, hd, P("model", None), repeat)
         if a.o_bias:
             w["o_bias"] = vector(attn + "o_proj.bias", d)
         if a.qk_norm:

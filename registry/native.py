@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
+import math
 
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
@@ -33,12 +35,24 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh) -> dic
         args = module.config_from_hf(resolved.hf_config)
     except (ValueError, KeyError) as e:
         raise ModelLoadError(f"{resolved.model_id} ({resolved.architecture}): {e}") from e
-    tp = mesh.shape["model"]  # registry.load has checked that it divides the query heads
+    args = dataclasses.replace(args, kv_repeat=kv_repeat(args.num_kv_heads, mesh.shape["model"]))
     params, shardings = load_params(resolved.path, module.weight_table(args), mesh, dtype)
     return dict(
         step_fn=functools.partial(module.forward, args=args),
         params=params,
         param_shardings=shardings,
-        kv_spec=KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, dtype),
-        kv_partition_spec=P(None, None, "model", None) if args.num_kv_heads % tp == 0 else P(),
+        kv_spec=KVCacheSpec(args.num_layers, args.num_kv_heads * args.kv_repeat, args.head_dim, dtype),
+        kv_partition_spec=P(None, None, "model", None),
     )
+
+
+def kv_repeat(num_kv_heads: int, tp: int) -> int:
+    """How many times to store each KV head so that the stored heads split evenly over tp devices.
+
+    lcm(num_kv_heads, tp) stored heads: 1 when tp divides the KV heads; tp // num_kv_heads
+    when there are fewer KV heads than devices (each device then holds the one KV head
+    its query heads read). Because registry.load checked that tp divides num_heads, and
+    num_kv_heads divides num_heads, lcm(num_kv_heads, tp) divides num_heads too, so the
+    grouped-query mapping stays exact (see models_jax/__init__.py).
+    """
+    return tp // math.gcd(num_kv_heads, tp)

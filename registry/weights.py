@@ -87,6 +87,8 @@ def load_params(path: Path, table, mesh: Mesh, dtype) -> tuple[dict, dict]:
         tensor = tensors[w.hf_name]
         native = tensor.reshape(w.view) if w.view else tensor
         native = native.transpose(w.perm) if w.perm else native  # still a lazy view
+        if w.repeat:  # KV heads repeated for the mesh: materialised, but only k/v are
+            native = np.repeat(native, w.repeat[1], axis=w.repeat[0])
         spec = fit_spec(w.spec, native.shape, mesh)
         array = jax.make_array_from_callback(
             native.shape, NamedSharding(mesh, spec),
