@@ -11,15 +11,18 @@ XLA_FLAGS must be set before jax is imported, which is why this runs in its own 
               {"model": "servax-tiny/llama", "tp": [8], "expect_error": true}]}
 
 For every (model, tp) the output holds the greedy tokens of all prompts batched, of each
-prompt alone and of a batch of two, the compilations counted after warmup, the KV cache's
+prompt alone and of a batch of two, the compilations counted after warmup (counted before
+the step program is compiled once more to list its collective ops), the KV cache's
 sharding and per-device shard shape, and, for each named param, its spec, global shape,
 shard shape and device count; or, with expect_error, the startup error's type and message.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -42,6 +45,17 @@ def _describe(arr) -> dict:
         spec=str(arr.sharding.spec), shape=list(arr.shape),
         shard_shape=list(arr.addressable_shards[0].data.shape), num_devices=len(arr.sharding.device_set),
     )
+
+
+_COLLECTIVE = re.compile(r"=.*\s(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+
+
+def step_collectives(runner) -> dict[str, int]:
+    """Collective ops in the compiled step program of the smallest bucket."""
+    batch = runner._padding_step_input(runner.token_buckets[0], runner.seq_buckets[0])
+    text = runner._step.lower(runner.model.params, runner.kv_cache, batch).compile().as_text()
+    found = [m.group(1) for line in text.splitlines() if (m := _COLLECTIVE.search(line))]
+    return dict(collections.Counter(found))
 
 
 def run_one(spec: dict, run: dict, tp: int) -> dict:
@@ -71,6 +85,7 @@ def run_one(spec: dict, run: dict, tp: int) -> dict:
         kv=dict(_describe(k_cache), partition_spec=str(engine.model.kv_partition_spec)),
         kv_heads=engine.model.kv_spec.num_kv_heads,
         params={name: _describe(_find(engine.model.params, path)) for name, path in run.get("params", {}).items()},
+        collectives=step_collectives(engine.runner),
         startup_seconds=round(startup, 2), warmup_seconds=round(engine.warmup_seconds, 2),
     )
 

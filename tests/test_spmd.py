@@ -30,6 +30,7 @@ ENGINE = dict(
     show_progress=False, compilation_cache_dir="",
 )
 MHA8 = "llama-8-heads"  # 8 query and 8 KV heads: the one model here that splits 8 ways
+GQA3 = "llama-12-heads-3-kv"  # 3 KV heads on 4 devices: stored 4 times each, 3 per device
 
 NATIVE_PARAMS = {
     "q": "layers.0.q", "k": "layers.0.k", "v": "layers.0.v", "o": "layers.0.o",
@@ -72,11 +73,14 @@ def run_worker(spec: dict, servax_cache: Path) -> dict[tuple[str, int], dict]:
 def native(servax_cache, tmp_path_factory) -> dict[tuple[str, int], dict]:
     from registry.tiny import make_tiny_checkpoint
 
-    mha8 = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("mha8"), num_attention_heads=8, num_key_value_heads=8)
+    root = tmp_path_factory.mktemp("checkpoints")
+    mha8 = make_tiny_checkpoint("llama", root / "mha8", num_attention_heads=8, num_key_value_heads=8)
+    gqa3 = make_tiny_checkpoint("llama", root / "gqa3", num_attention_heads=12, num_key_value_heads=3, hidden_size=96)
     return run_worker(dict(impl="jax", runs=[
         dict(model="servax-tiny/llama", tp=[1, 2, 4], params=NATIVE_PARAMS),  # 4 heads, 2 KV heads
         dict(model="servax-tiny/llama", name="llama-tp8", tp=[8], expect_error=True),
         dict(model=str(mha8), name=MHA8, tp=[1, 8], params=NATIVE_PARAMS),
+        dict(model=str(gqa3), name=GQA3, tp=[1, 4], params=NATIVE_PARAMS),
     ]), servax_cache)
 
 
@@ -106,6 +110,11 @@ def test_native_eight_way_split_matches_single_device(native):
     assert_same_tokens(native, MHA8, 8)
 
 
+def test_native_kv_heads_not_dividing_tp_match_single_device(native):
+    """3 KV heads, tp=4: each KV head is stored 4 times (12 stored heads, 3 per device)."""
+    assert_same_tokens(native, GQA3, 4)
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_fallback_greedy_tokens_match_single_device(fallback, tp):
     assert_same_tokens(fallback, "servax-tiny/gpt_neox", tp)
@@ -127,8 +136,9 @@ def test_native_params_are_sharded_at_tp4(native):
     # tiny llama: hidden 64, 4 heads x 16, 2 KV heads, intermediate 128, vocab 512.
     check_params(native[("servax-tiny/llama", 4)]["params"], {
         "q": ("P(None, 'model', None)", (64, 1, 16)),  # [in, heads, head_dim], one head per device
-        "k": ("P(None, None, None)", (64, 2, 16)),  # 2 KV heads do not split 4 ways: replicated
-        "v": ("P(None, None, None)", (64, 2, 16)),
+        # 2 KV heads stored twice each ([64, 4, 16]): each device holds the KV head its query head reads
+        "k": ("P(None, 'model', None)", (64, 1, 16)),
+        "v": ("P(None, 'model', None)", (64, 1, 16)),
         "o": ("P('model', None, None)", (1, 16, 64)),  # [heads, head_dim, out]
         "gate": ("P(None, 'model')", (64, 32)),
         "up": ("P(None, 'model')", (64, 32)),
@@ -169,11 +179,14 @@ def test_fallback_params_are_sharded_at_tp4(fallback):
 
 @pytest.mark.parametrize("path,name,tp,kv_heads_per_device", [
     ("native", "servax-tiny/llama", 2, 1),
+    ("native", "servax-tiny/llama", 4, 1),  # 2 KV heads, each stored twice
     ("native", MHA8, 8, 1),
+    ("native", GQA3, 4, 3),  # 3 KV heads, each stored 4 times
     ("fallback", "servax-tiny/gpt_neox", 2, 2),
     ("fallback", "servax-tiny/gpt_neox", 4, 1),
 ])
-def test_kv_cache_is_sharded_on_kv_heads_when_they_divide_tp(request, path, name, tp, kv_heads_per_device):
+def test_kv_cache_is_sharded_on_kv_heads(request, path, name, tp, kv_heads_per_device):
+    """Native models always split the cache (repeating KV heads where tp does not divide them)."""
     run = request.getfixturevalue(path)[(name, tp)]
     kv = run["kv"]
     assert run["kv_heads"] == kv_heads_per_device * tp
@@ -183,15 +196,32 @@ def test_kv_cache_is_sharded_on_kv_heads_when_they_divide_tp(request, path, name
     assert kv["num_devices"] == tp
 
 
-@pytest.mark.parametrize("path,name", [("native", "servax-tiny/llama"), ("fallback", "llama-torchax")])
-def test_kv_cache_is_replicated_when_kv_heads_do_not_divide_tp(request, path, name):
-    runs = request.getfixturevalue(path)
-    run = runs[(name, 4)]
+def test_native_kv_heads_are_repeated_when_fewer_than_devices(native):
+    """2 KV heads on 4 devices: stored 4 times in all, one per device, tokens unchanged."""
+    assert native[("servax-tiny/llama", 1)]["kv_heads"] == 2
+    run = native[("servax-tiny/llama", 4)]
+    assert run["kv_heads"] == 4 and run["kv"]["shape"][2] == 4 and run["kv"]["shard_shape"][2] == 1
+    assert native[(GQA3, 1)]["kv_heads"] == 3 and native[(GQA3, 4)]["kv_heads"] == 12
+
+
+def test_fallback_kv_cache_is_replicated_when_kv_heads_do_not_divide_tp(fallback):
+    run = fallback[("llama-torchax", 4)]
     kv = run["kv"]
     assert run["kv_heads"] == 2
     assert kv["partition_spec"] == "P()"
     assert kv["shard_shape"] == kv["shape"] and kv["num_devices"] == 4  # a full copy on each device
-    assert run["batched"] == runs[(name, 1)]["batched"]
+    assert run["batched"] == fallback[("llama-torchax", 1)]["batched"]
+
+
+@pytest.mark.parametrize("path,name,tp,all_reduces", [
+    ("native", "servax-tiny/llama", 2, 5),  # embedding + (attention out, MLP down) x 2 layers
+    ("native", "servax-tiny/llama", 4, 5),
+    ("native", GQA3, 4, 5),
+    ("fallback", "servax-tiny/gpt_neox", 4, 3),  # parallel residual: one per layer, + embedding
+])
+def test_step_communicates_only_megatron_all_reduces(request, path, name, tp, all_reduces):
+    """No all-gather: in particular the KV cache is never gathered (it was, when replicated)."""
+    assert request.getfixturevalue(path)[(name, tp)]["collectives"] == {"all-reduce": all_reduces}
 
 
 @pytest.mark.parametrize("path,name", [("native", "llama-tp8"), ("fallback", "gpt_neox-tp8")])
@@ -217,7 +247,7 @@ def test_no_compilations_after_warmup_with_tp(native, fallback):
     """Three generate calls per engine (batch 3, batch 1 per prompt, batch 2 of mixed lengths)."""
     runs = {**native, **fallback}
     served = {key: r for key, r in runs.items() if "error" not in r}
-    assert len(served) == 10
+    assert len(served) == 12
     assert {key: r["compilations_since_warmup"] for key, r in served.items()} == {key: 0 for key in served}
 
 
@@ -229,3 +259,10 @@ def test_registry_refuses_tp_that_does_not_divide_heads_before_loading(servax_ca
     with pytest.raises(ModelLoadError, match="num_attention_heads=4 is not divisible by the model axis size 3"):
         registry.check_tensor_parallel(resolved, 3)
     registry.check_tensor_parallel(resolved, 4)  # divides: no error
+
+
+def test_kv_repeat_stores_lcm_of_kv_heads_and_tp():
+    from registry.native import kv_repeat
+
+    cases = [(2, 1), (2, 2), (2, 4), (8, 4), (3, 4), (6, 4), (1, 8)]  # (num_kv_heads, tp)
+    assert [kv_repeat(kv, tp) for kv, tp in cases] == [1, 1, 2, 1, 4, 2, 8]
