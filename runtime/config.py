@@ -40,7 +40,10 @@ class EngineConfig(BaseModel):
     )
     num_kv_blocks: int | None = Field(None, gt=0, description="Exact KV block count (overrides budgets).")
     tensor_parallel_size: int = Field(1, gt=0)
-    data_parallel_size: int = Field(1, gt=0)
+    data_parallel_size: int = Field(
+        1, gt=0,
+        description="Reserved: only 1 today. Scale out with Serve replicas (deployment_config.num_replicas).",
+    )
     compilation_cache_dir: str | None = Field(
         None, description="Persistent XLA cache; default ~/.cache/servax/xla, '' disables it."
     )
@@ -54,6 +57,16 @@ class EngineConfig(BaseModel):
     def _block_size_power_of_two(cls, v: int) -> int:
         if v & (v - 1):
             raise ValueError(f"block_size must be a power of two, got {v}")
+        return v
+
+    @field_validator("data_parallel_size")
+    @classmethod
+    def _no_data_parallel_yet(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(
+                f"data_parallel_size={v} is not supported yet (only 1); for data parallelism run more "
+                "Serve replicas (deployment_config.num_replicas or autoscaling_config)"
+            )
         return v
 
     @model_validator(mode="after")

@@ -19,6 +19,7 @@ import logging
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
 from runtime.compilation import CompileCounter, enable_persistent_cache, seq_buckets, token_buckets
@@ -106,6 +107,13 @@ class Engine:
                 config.model, impl=config.impl, dtype=config.dtype, mesh=self.mesh,
                 revision=config.revision, trust_remote_code=config.trust_remote_code,
             )
+        placed_on = {d for x in jax.tree.leaves(model.params) for d in x.sharding.device_set}
+        if placed_on != set(self.mesh.devices.flat):
+            raise ValueError(
+                f"the model's params live on {len(placed_on)} device(s) but the engine's mesh has "
+                f"{self.mesh.devices.size} (tensor_parallel_size={config.tensor_parallel_size}); load it with "
+                "registry.load(..., mesh=runtime.mesh.make_mesh(tensor_parallel_size))"
+            )
         self.model = model
         self.tokenizer = model.tokenizer
         if config.tokenizer:
@@ -177,8 +185,11 @@ class Engine:
                 free = min(
                     d.memory_stats()["bytes_limit"] - d.memory_stats().get("bytes_in_use", 0) for d in devices
                 )
-                # The cache is sharded over the model axis: each device holds 1/tp of it.
-                budget = int(free * cfg.kv_cache_memory_fraction) * self.mesh.shape["model"]
+                # A cache sharded over the model axis puts 1/tp of it on each device; a
+                # replicated one (P()) puts all of it on every device.
+                sharded = "model" in tuple(self.model.kv_partition_spec)
+                shards = self.mesh.shape["model"] if sharded else 1
+                budget = int(free * cfg.kv_cache_memory_fraction) * shards
                 source = f"{cfg.kv_cache_memory_fraction:.0%} of free device memory"
             else:
                 budget = CPU_DEFAULT_KV_BYTES

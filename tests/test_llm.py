@@ -235,6 +235,13 @@ def test_mesh_refuses_sizes_the_devices_cannot_hold():
         make_mesh(3, devices=jax.devices() * 2)
 
 
+def test_data_parallel_is_refused_with_the_alternative():
+    from runtime import EngineConfig
+
+    with pytest.raises(ValueError, match=r"data_parallel_size=2 is not supported.*Serve replicas"):
+        EngineConfig(model="servax-tiny/llama", data_parallel_size=2)
+
+
 def test_torchax_fallback_serves_the_same_tokens(llm):
     prompts = [[10, 20, 30], list(range(100, 140))]
     native = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
