@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
-from runtime.compilation import bucket_for
+from runtime.compilation import step_bucket, step_buckets
 from runtime.sampler import BIAS_WIDTH, SamplingBatch, empty_sampling_batch, sample
 from runtime.scheduler import SchedulerOutput
 from runtime.step import LoadedModel, allocate_kv_cache, make_step_input
@@ -94,7 +94,7 @@ class ModelRunner:
     # -- warmup --------------------------------------------------------------------------
     def bucket_pairs(self) -> list[tuple[int, int]]:
         """Every (tokens, seqs) bucket a step can use (a sequence has at least one token)."""
-        return [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t]
+        return step_buckets(self.token_buckets, self.seq_buckets)
 
     def warmup(self, show_progress: bool = True) -> float:
         """Compile (or load from the persistent cache) every bucket; returns seconds taken."""
@@ -133,8 +133,7 @@ class ModelRunner:
         """Build the inputs and enqueue step + sampler on the device without waiting."""
         num_tokens = sched.num_scheduled_tokens
         num_rows = sched.num_slots
-        t_pad = bucket_for(num_tokens, self.token_buckets)
-        s_pad = bucket_for(num_rows, self.seq_buckets)
+        t_pad, s_pad = step_bucket(num_tokens, num_rows, self.token_buckets, self.seq_buckets)
         bs = self.block_size
 
         input_ids = np.zeros(t_pad, np.int32)
