@@ -36,16 +36,27 @@ class StepContext:
     Attributes:
         batch: the StepInput of this call.
         kv_cache: the caches going in, one (k, v) per layer, or None to record shapes only.
+        kv_repeat: how many times each KV head is stored in the cache (registry.native.kv_repeat):
+            > 1 when the model axis has more devices than a multiple of the KV heads, so that
+            each device holds the KV heads its query heads read.
+        qkv_sharding: if set, q, k and v are constrained to it as they arrive (replicated, for
+            models whose fused q|k|v projection is replicated: see registry.torchax_model).
         updated: layer index -> the (k, v) cache after this call wrote its K/V.
-        seen: layer index -> (num_kv_heads, head_dim, dtype) of the K each layer produced.
+        seen: layer index -> (num_heads, num_kv_heads, head_dim, dtype) of the Q and K each layer
+            produced (the model's own KV heads, before any repeat).
         unsupported: why a layer cannot be served (bidirectional, attention sinks), by layer.
     """
 
-    def __init__(self, batch: StepInput | None, kv_cache: KVCache | None):
+    def __init__(
+        self, batch: StepInput | None, kv_cache: KVCache | None, kv_repeat: int = 1,
+        qkv_sharding: jax.sharding.NamedSharding | None = None,
+    ):
         self.batch = batch
         self.kv_cache = kv_cache
+        self.kv_repeat = kv_repeat
+        self.qkv_sharding = qkv_sharding
         self.updated: dict[int, tuple[jax.Array, jax.Array]] = {}
-        self.seen: dict[int, tuple[int, int, Any]] = {}
+        self.seen: dict[int, tuple[int, int, int, Any]] = {}
         self.unsupported: dict[int, str] = {}
 
     def collect(self) -> KVCache:
@@ -90,7 +101,7 @@ def paged_attention_interface(
     if layer is None:
         raise RuntimeError(f"{type(module).__name__} has no layer_idx; cannot pick its KV cache")
     q, k, v = (jax_view(x)[0].swapaxes(0, 1) for x in (query, key, value))  # [T, heads, D]
-    ctx.seen[layer] = (k.shape[1], k.shape[2], k.dtype)
+    ctx.seen[layer] = (q.shape[1], k.shape[1], k.shape[2], k.dtype)
     if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
         ctx.unsupported[layer] = "bidirectional (non-causal) attention"
     if kwargs.get("s_aux") is not None:
@@ -101,6 +112,12 @@ def paged_attention_interface(
         raise NotImplementedError(f"layer {layer}: {ctx.unsupported[layer]} is not supported by the paged kernel")
     if layer in ctx.updated:
         raise RuntimeError(f"layer {layer} attended twice in one step (shared layer_idx?)")
+    if ctx.qkv_sharding is not None:
+        q, k, v = (jax.lax.with_sharding_constraint(x, ctx.qkv_sharding) for x in (q, k, v))
+    if ctx.kv_repeat > 1:
+        # Copies of a head stay adjacent: cache head j holds KV head j // kv_repeat, and query
+        # head h, reading cache head h // (H / (kv * r)), reads KV head h // (H / kv) as in GQA.
+        k, v = (jnp.repeat(x, ctx.kv_repeat, axis=1) for x in (k, v))  # [T, kv * r, D]
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
     out, cache = paged_attention(
         q, k, v, ctx.kv_cache[layer], ctx.batch,

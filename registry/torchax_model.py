@@ -14,6 +14,7 @@ rows at `logits_indices` reach the LM head (`logits_to_keep` with an index tenso
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import re
 import warnings
@@ -30,6 +31,7 @@ from registry.torchax_attention import (
     register_implementations,
     step_context,
 )
+from registry.native import kv_repeat
 from registry.torchax_compat import import_torchax
 from runtime.errors import ModelLoadError
 from runtime.step import KVCache, KVCacheSpec, LoadedModel, StepInput
@@ -39,11 +41,20 @@ MODEL_AXIS = "model"
 
 # Megatron-style tensor parallelism over HF module names (the last name component).
 # "column": split the output features on the model axis; "row": split the input features
-# (one all-reduce after it); "vocab": split the vocabulary. Anything else is replicated.
+# (one all-reduce after it); "vocab": split the vocabulary. "kv_column": "column" when the
+# model's KV heads divide the axis, else replicated (the attention then repeats the KV
+# heads, see StepContext.kv_repeat). Anything else is replicated.
 # A spec is used only when the split dimension divides the axis size.
 PARTITION_RULES: tuple[tuple[str, str], ...] = (
-    (r"(q|k|v|qkv|gate|up|gate_up)_proj|query_key_value|c_attn|c_fc|fc1|fc_in|w1|w3|"
-     r"dense_h_to_4h|query|key|value|Wqkv|in_proj", "column"),
+    (r"(q|gate|up|gate_up)_proj|c_fc|fc1|fc_in|w1|w3|dense_h_to_4h|query|in_proj", "column"),
+    # K/V, and fused q|k|v laid out by KV-head group: [heads, 3, head_dim] (GPT-NeoX, Bloom,
+    # Persimmon) or [kv_heads, group + 2, head_dim] (Falcon). A split that cuts a KV head
+    # would make every step gather K/V; Falcon's multi-query [q heads | k | v] has 1 KV head.
+    (r"(k|v)_proj|key|value|query_key_value", "kv_column"),
+    # Fused block-major [q | k | v] (GPT-2, GPT-BigCode, MPT, DBRX, Phi-3): a column split
+    # cuts across the blocks, not between heads, so the model's own split would reshard
+    # them every layer (q, k and v are also kept whole: StepContext.qkv_sharding).
+    (r"qkv_proj|c_attn|Wqkv", "replicated"),
     (r"o_proj|out_proj|down_proj|fc2|fc_out|c_proj|dense|w2|dense_4h_to_h|wo|Wo", "row"),
     (r"embed_tokens|wte|embed_in|word_embeddings|lm_head|embed_out", "vocab"),
 )
@@ -141,20 +152,6 @@ def load_torchax(resolved: Any, *, dtype: Any = "float32", mesh: jax.sharding.Me
     # Host views (no copy); device_put then sends each device only its own slice.
     host_params = {name: _host_array(t) for name, t in {**module.params, **module.buffers}.items()}
 
-    if mesh is None:
-        mesh = jax.make_mesh((1,), (MODEL_AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
-    param_shardings = {name: partition_spec(model, name, host_params[name].shape, mesh) for name in host_params}
-    params = {
-        name: jax.device_put(arr, NamedSharding(mesh, param_shardings[name]))
-        for name, arr in host_params.items()
-    }
-    del host_params
-    # The step function reparametrizes every parameter and buffer with the JAX arrays, so
-    # the torch copies are dead weight: keep only their shapes (halves host memory).
-    module.params.clear()
-    module.buffers.clear()
-    model.to("meta")
-
     accepts_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def forward(model, input_ids, position_ids, logits_indices):
@@ -162,11 +159,6 @@ def load_torchax(resolved: Any, *, dtype: Any = "float32", mesh: jax.sharding.Me
         if accepts_logits_to_keep:
             return model(**kw, logits_to_keep=logits_indices)[0][0]  # [S, vocab]
         return model(**kw)[0][0][logits_indices]
-
-    def step_fn(params: dict[str, jax.Array], kv_cache: KVCache, batch: StepInput):
-        ctx = StepContext(batch, kv_cache)
-        logits = _call(params, batch, ctx)
-        return logits.astype(jnp.float32), ctx.collect()
 
     def _call(params, batch, ctx):
         ids = batch.input_ids.astype(jnp.int32)[None]  # [1, T]
@@ -182,10 +174,46 @@ def load_torchax(resolved: Any, *, dtype: Any = "float32", mesh: jax.sharding.Me
             out = module.functional_call(forward, t_params, t_buffers, t_ids, t_pos, t_idx)
         return env.t2j_iso(out)
 
-    kv_spec = _probe_kv_spec(resolved, params, _call, jnp.dtype(dtype))
-    kv_heads = kv_spec.num_kv_heads
+    abstract = {name: jax.ShapeDtypeStruct(arr.shape, arr.dtype) for name, arr in host_params.items()}
+    num_heads, kv_spec = _probe_kv_spec(resolved, abstract, _call, jnp.dtype(dtype))
+    if mesh is None:
+        mesh = jax.make_mesh((1,), (MODEL_AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
     axis = dict(zip(mesh.axis_names, mesh.devices.shape)).get(MODEL_AXIS, 1)
-    kv_partition_spec = P(None, None, MODEL_AXIS, None) if axis > 1 and kv_heads % axis == 0 else P()
+    # Store each KV head r times so the cache splits by head over the model axis, as the
+    # native path does; kept at 1 where grouped-query attention could not map the copies
+    # (the axis does not divide the query heads; registry.load refuses that anyway).
+    repeat = kv_repeat(kv_spec.num_kv_heads, axis)
+    if num_heads % (kv_spec.num_kv_heads * repeat):
+        repeat = 1
+    # Fused block-major q|k|v weights are replicated ("replicated" rule), yet sharding
+    # propagation would still compute their product split by columns (following the
+    # head-split attention after it), and the model's slicing into q, k and v would then move
+    # blocks between devices in every layer. Whole q, k, v slice locally.
+    fused = any(_rule_kind(n.rpartition(".")[2]) == "replicated" for n, _ in model.named_modules())
+    qkv_sharding = NamedSharding(mesh, P()) if fused and axis > 1 else None
+    param_shardings = {
+        name: partition_spec(model, name, host_params[name].shape, mesh, num_kv_heads=kv_spec.num_kv_heads)
+        for name in host_params
+    }
+    params = {
+        name: jax.device_put(arr, NamedSharding(mesh, param_shardings[name]))
+        for name, arr in host_params.items()
+    }
+    del host_params, abstract
+    # The step function reparametrizes every parameter and buffer with the JAX arrays, so
+    # the torch copies are dead weight: keep only their shapes (halves host memory).
+    module.params.clear()
+    module.buffers.clear()
+    model.to("meta")
+
+    def step_fn(params: dict[str, jax.Array], kv_cache: KVCache, batch: StepInput):
+        ctx = StepContext(batch, kv_cache, kv_repeat=repeat, qkv_sharding=qkv_sharding)
+        logits = _call(params, batch, ctx)
+        return logits.astype(jnp.float32), ctx.collect()
+
+    kv_spec = dataclasses.replace(kv_spec, num_kv_heads=kv_spec.num_kv_heads * repeat)
+    split_kv = axis > 1 and kv_spec.num_kv_heads % axis == 0
+    kv_partition_spec = P(None, None, MODEL_AXIS, None) if split_kv else P()
     config = resolved.hf_config
     return LoadedModel(
         step_fn=step_fn,
@@ -203,11 +231,13 @@ def load_torchax(resolved: Any, *, dtype: Any = "float32", mesh: jax.sharding.Me
     )
 
 
-def _probe_kv_spec(resolved: Any, params: Any, call: Any, dtype: Any) -> KVCacheSpec:
-    """Trace the model once abstractly (no compute) and read each layer's K shape.
+def _probe_kv_spec(resolved: Any, params: Any, call: Any, dtype: Any) -> tuple[int, KVCacheSpec]:
+    """Trace the model once abstractly (no compute) and read each layer's Q and K shapes.
 
-    Also proves the attention really goes through the registered function: a model
-    whose layers never call it cannot be served.
+    params may be abstract (jax.ShapeDtypeStruct). Returns the number of query heads and
+    the cache spec with the model's own KV heads (no repeat). Also proves the attention
+    really goes through the registered function: a model whose layers never call it cannot
+    be served.
     """
     import numpy as np
 
@@ -233,23 +263,28 @@ def _probe_kv_spec(resolved: Any, params: Any, call: Any, dtype: Any) -> KVCache
             f"{', '.join(sorted(set(ctx.unsupported.values())))}, which servax's paged attention does not implement"
         )
     num_layers = max(ctx.seen) + 1
-    shapes = {ctx.seen[i][:2] for i in ctx.seen}
+    shapes = {ctx.seen[i][:3] for i in ctx.seen}
     if sorted(ctx.seen) != list(range(num_layers)) or len(shapes) != 1:
         raise ModelLoadError(
             f"{resolved.architecture}: layers have differing KV shapes {sorted(shapes)} or gaps in "
             f"layer_idx ({sorted(ctx.seen)}); servax's KV cache needs one shape for all layers"
         )
-    (num_kv_heads, head_dim), = shapes
-    return KVCacheSpec(num_layers=num_layers, num_kv_heads=int(num_kv_heads), head_dim=int(head_dim), dtype=dtype)
+    (num_heads, num_kv_heads, head_dim), = shapes
+    return int(num_heads), KVCacheSpec(
+        num_layers=num_layers, num_kv_heads=int(num_kv_heads), head_dim=int(head_dim), dtype=dtype
+    )
 
 
-def partition_spec(model: Any, name: str, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:
+def partition_spec(
+    model: Any, name: str, shape: tuple[int, ...], mesh: jax.sharding.Mesh, *, num_kv_heads: int
+) -> P:
     """The PartitionSpec of parameter `name` (HF naming) under `mesh`, per PARTITION_RULES.
 
     Replicated unless the mesh has a "model" axis of size > 1 and the split dimension
-    divides it. Linear weights are [out, in]; GPT-2's Conv1D weights are [in, out];
-    embeddings are [vocab, hidden]; fused MoE experts are [E, out, in] (or [E, in, out]
-    when the experts module says is_transposed).
+    divides it; K/V projections ("kv_column") also need `num_kv_heads`, the model's own
+    KV heads, to divide it. Linear weights are [out, in]; GPT-2's Conv1D weights are
+    [in, out]; embeddings are [vocab, hidden]; fused MoE experts are [E, out, in] (or
+    [E, in, out] when the experts module says is_transposed).
     """
     size = dict(zip(mesh.axis_names, mesh.devices.shape)).get(MODEL_AXIS, 1)
     if size <= 1:
@@ -259,7 +294,7 @@ def partition_spec(model: Any, name: str, shape: tuple[int, ...], mesh: jax.shar
         owner = model.get_submodule(owner_name)
     except AttributeError:
         return P()
-    dim = _split_dim(owner, owner_name.rpartition(".")[2], leaf, len(shape))
+    dim = _split_dim(owner, owner_name.rpartition(".")[2], leaf, len(shape), split_kv=num_kv_heads % size == 0)
     if dim is None or shape[dim] % size:
         return P()
     spec = [None] * len(shape)
@@ -267,8 +302,16 @@ def partition_spec(model: Any, name: str, shape: tuple[int, ...], mesh: jax.shar
     return P(*spec)
 
 
-def _split_dim(owner: Any, owner_leaf: str, leaf: str, ndim: int) -> int | None:
-    """Which dimension of parameter `leaf` of module `owner` the model axis splits, or None."""
+def _rule_kind(module_leaf: str) -> str | None:
+    """The PARTITION_RULES kind of a module by the last component of its name, or None."""
+    return next((k for pattern, k in PARTITION_RULES if re.fullmatch(pattern, module_leaf)), None)
+
+
+def _split_dim(owner: Any, owner_leaf: str, leaf: str, ndim: int, *, split_kv: bool) -> int | None:
+    """Which dimension of parameter `leaf` of module `owner` the model axis splits, or None.
+
+    split_kv: whether "kv_column" modules split like "column" ones (the KV heads divide the axis).
+    """
     import torch
     from transformers.pytorch_utils import Conv1D
 
@@ -276,8 +319,10 @@ def _split_dim(owner: Any, owner_leaf: str, leaf: str, ndim: int) -> int | None:
         kind = _EXPERT_PARAMS[leaf]
         out_dim, in_dim = (2, 1) if getattr(owner, "is_transposed", False) else (1, 2)
         return out_dim if kind == "column" else in_dim
-    kind = next((k for pattern, k in PARTITION_RULES if re.fullmatch(pattern, owner_leaf)), None)
-    if kind is None or leaf not in ("weight", "bias"):
+    kind = _rule_kind(owner_leaf)
+    if kind == "kv_column":
+        kind = "column" if split_kv else None
+    if kind in (None, "replicated") or leaf not in ("weight", "bias"):
         return None
     if isinstance(owner, torch.nn.Embedding):
         return 0 if kind == "vocab" and leaf == "weight" else None

@@ -29,6 +29,7 @@ ENGINE = dict(
     max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64,
     show_progress=False, compilation_cache_dir="",
 )
+GPT2 = "servax-tiny/gpt2"  # fused block-major q|k|v (c_attn, Conv1D [in, 3 * hidden])
 MHA8 = "llama-8-heads"  # 8 query and 8 KV heads: the one model here that splits 8 ways
 GQA3 = "llama-12-heads-3-kv"  # 3 KV heads on 4 devices: stored 4 times each, 3 per device
 
@@ -49,6 +50,11 @@ NEOX_PARAMS = {
     "qkv": _NEOX + "attention.query_key_value.weight", "o": _NEOX + "attention.dense.weight",
     "up": _NEOX + "mlp.dense_h_to_4h.weight", "down": _NEOX + "mlp.dense_4h_to_h.weight",
     "embed": "gpt_neox.embed_in.weight", "lm_head": "lm_head.weight",
+}
+_GPT2 = "transformer.h.0."
+GPT2_PARAMS = {
+    "qkv": _GPT2 + "attn.c_attn.weight", "qkv_bias": _GPT2 + "attn.c_attn.bias", "o": _GPT2 + "attn.c_proj.weight",
+    "up": _GPT2 + "mlp.c_fc.weight", "down": _GPT2 + "mlp.c_proj.weight",
 }
 
 
@@ -90,6 +96,7 @@ def fallback(servax_cache) -> dict[tuple[str, int], dict]:
         dict(model="servax-tiny/gpt_neox", tp=[1, 2, 4], params=NEOX_PARAMS),  # 4 heads = 4 KV heads
         dict(model="servax-tiny/gpt_neox", name="gpt_neox-tp8", tp=[8], expect_error=True),
         dict(model="servax-tiny/llama", name="llama-torchax", tp=[1, 4], params=TORCHAX_LLAMA_PARAMS),
+        dict(model=GPT2, tp=[1, 4], params=GPT2_PARAMS),
     ]), servax_cache)
 
 
@@ -121,7 +128,12 @@ def test_fallback_greedy_tokens_match_single_device(fallback, tp):
 
 
 def test_fallback_gqa_llama_matches_single_device_at_tp4(fallback):
+    """2 KV heads on 4 devices: the attention stores each KV head twice, one per device."""
     assert_same_tokens(fallback, "llama-torchax", 4)
+
+
+def test_fallback_fused_qkv_gpt2_matches_single_device_at_tp4(fallback):
+    assert_same_tokens(fallback, GPT2, 4)
 
 
 def check_params(params: dict, expected: dict, tp: int) -> None:
@@ -157,6 +169,10 @@ def test_fallback_params_are_sharded_at_tp4(fallback):
     llama = fallback[("llama-torchax", 4)]["params"]
     check_params(llama, {
         "q": ("P('model', None)", (16, 64)),
+        # 2 KV heads do not split 4 ways: k/v are whole on every device, and the attention
+        # repeats their heads so that the cache splits by head (see the KV cache tests)
+        "k": ("P()", (32, 64)),
+        "v": ("P()", (32, 64)),
         "o": ("P(None, 'model')", (64, 16)),
         "gate": ("P('model', None)", (32, 64)),
         "up": ("P('model', None)", (32, 64)),
@@ -164,9 +180,6 @@ def test_fallback_params_are_sharded_at_tp4(fallback):
         "embed": ("P('model', None)", (128, 64)),
         "lm_head": ("P('model', None)", (128, 64)),
     }, 4)
-    # k/v ([2 KV heads x 16, 64]) are placed on all 4 devices too; the name rules split
-    # features, not heads, so the exact layout is theirs to choose (tokens are checked above).
-    assert llama["k"]["num_devices"] == llama["v"]["num_devices"] == 4
     check_params(fallback[("servax-tiny/gpt_neox", 4)]["params"], {
         "qkv": ("P('model', None)", (48, 64)),  # fused [heads * 3 * head_dim, in], head-major
         "o": ("P(None, 'model')", (64, 16)),
@@ -174,6 +187,14 @@ def test_fallback_params_are_sharded_at_tp4(fallback):
         "down": ("P(None, 'model')", (64, 32)),
         "embed": ("P('model', None)", (128, 64)),
         "lm_head": ("P('model', None)", (128, 64)),
+    }, 4)
+    # GPT-2's c_attn is [in, q | k | v]: a column split would cut blocks, not heads
+    check_params(fallback[(GPT2, 4)]["params"], {
+        "qkv": ("P()", (64, 192)),
+        "qkv_bias": ("P()", (192,)),
+        "o": ("P('model', None)", (16, 64)),  # Conv1D [in, out]: row-parallel splits dim 0
+        "up": ("P(None, 'model')", (64, 64)),
+        "down": ("P('model', None)", (64, 64)),
     }, 4)
 
 
@@ -184,9 +205,11 @@ def test_fallback_params_are_sharded_at_tp4(fallback):
     ("native", GQA3, 4, 3),  # 3 KV heads, each stored 4 times
     ("fallback", "servax-tiny/gpt_neox", 2, 2),
     ("fallback", "servax-tiny/gpt_neox", 4, 1),
+    ("fallback", "llama-torchax", 4, 1),  # 2 KV heads, each stored twice
+    ("fallback", GPT2, 4, 1),
 ])
 def test_kv_cache_is_sharded_on_kv_heads(request, path, name, tp, kv_heads_per_device):
-    """Native models always split the cache (repeating KV heads where tp does not divide them)."""
+    """Both paths always split the cache (repeating KV heads where tp does not divide them)."""
     run = request.getfixturevalue(path)[(name, tp)]
     kv = run["kv"]
     assert run["kv_heads"] == kv_heads_per_device * tp
@@ -204,12 +227,11 @@ def test_native_kv_heads_are_repeated_when_fewer_than_devices(native):
     assert native[(GQA3, 1)]["kv_heads"] == 3 and native[(GQA3, 4)]["kv_heads"] == 12
 
 
-def test_fallback_kv_cache_is_replicated_when_kv_heads_do_not_divide_tp(fallback):
+def test_fallback_kv_heads_are_repeated_when_fewer_than_devices(fallback):
+    """As on the native path: 2 KV heads on 4 devices are stored 4 times in all, one per device."""
+    assert fallback[("llama-torchax", 1)]["kv_heads"] == 2
     run = fallback[("llama-torchax", 4)]
-    kv = run["kv"]
-    assert run["kv_heads"] == 2
-    assert kv["partition_spec"] == "P()"
-    assert kv["shard_shape"] == kv["shape"] and kv["num_devices"] == 4  # a full copy on each device
+    assert run["kv_heads"] == 4 and run["kv"]["shape"][2] == 4 and run["kv"]["shard_shape"][2] == 1
     assert run["batched"] == fallback[("llama-torchax", 1)]["batched"]
 
 
@@ -218,9 +240,16 @@ def test_fallback_kv_cache_is_replicated_when_kv_heads_do_not_divide_tp(fallback
     ("native", "servax-tiny/llama", 4, 5),
     ("native", GQA3, 4, 5),
     ("fallback", "servax-tiny/gpt_neox", 4, 3),  # parallel residual: one per layer, + embedding
+    # before KV heads were repeated: + 20 all-gathers (each layer's K/V cache), 10 all-to-alls
+    # and 4 collective-permutes (k/v split mid-head)
+    ("fallback", "llama-torchax", 4, 5),
+    ("fallback", GPT2, 4, 5),  # before c_attn was kept whole: + 14 collective-permutes
 ])
 def test_step_communicates_only_megatron_all_reduces(request, path, name, tp, all_reduces):
-    """No all-gather: in particular the KV cache is never gathered (it was, when replicated)."""
+    """No all-gather: in particular the KV cache is never gathered (it was, when replicated).
+
+    Nor any collective-permute: q, k and v never move between devices.
+    """
     assert request.getfixturevalue(path)[(name, tp)]["collectives"] == {"all-reduce": all_reduces}
 
 
@@ -247,7 +276,7 @@ def test_no_compilations_after_warmup_with_tp(native, fallback):
     """Three generate calls per engine (batch 3, batch 1 per prompt, batch 2 of mixed lengths)."""
     runs = {**native, **fallback}
     served = {key: r for key, r in runs.items() if "error" not in r}
-    assert len(served) == 12
+    assert len(served) == 14
     assert {key: r["compilations_since_warmup"] for key, r in served.items()} == {key: 0 for key in served}
 
 

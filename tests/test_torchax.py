@@ -222,6 +222,48 @@ def test_mixed_prefill_and_decode_batch_matches_each_alone(served):
     np.testing.assert_allclose(prefill_mixed, prefill_alone, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("kv_repeat", [2, 4])
+def test_repeated_kv_heads_attend_like_grouped_query_attention(kv_repeat):
+    """Each KV head stored kv_repeat times (as under tensor parallelism) changes no output.
+
+    8 query heads on 2 KV heads: query head h must still read a copy of KV head h // 4.
+    """
+    from registry.torchax_attention import StepContext, paged_attention_interface, step_context
+    from registry.torchax_compat import import_torchax
+
+    import_torchax()
+    from torchax.interop import jax_view, torch_view
+
+    from runtime.step import KVCacheSpec
+
+    num_tokens, heads, kv_heads, head_dim = 5, 8, 2, 16
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (  # [1, heads, T, head_dim], as transformers passes them
+        jax.random.normal(key, (1, n, num_tokens, head_dim)) for key, n in zip(keys, (heads, kv_heads, kv_heads))
+    )
+    batch = make_step_input(
+        input_ids=np.zeros(num_tokens), positions=np.arange(num_tokens), slot_mapping=np.arange(num_tokens),
+        block_tables=np.arange(2)[None], seq_lens=np.array([num_tokens]), query_start_loc=np.array([0, num_tokens]),
+        logits_indices=np.array([num_tokens - 1]), num_seqs=1, num_tokens=num_tokens,
+    )
+    layer = types.SimpleNamespace(layer_idx=0)
+
+    def attend(repeat: int) -> tuple[np.ndarray, np.ndarray]:
+        spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads * repeat, head_dim=head_dim, dtype=jnp.float32)
+        ctx = StepContext(batch, allocate_kv_cache(spec, 4, 4), kv_repeat=repeat)
+        with step_context(ctx):
+            out, _ = paged_attention_interface(layer, *(torch_view(x) for x in (q, k, v)), None)
+        return np.asarray(jax_view(out)), np.asarray(ctx.updated[0][0])
+
+    out, _ = attend(1)
+    out_repeated, k_cache = attend(kv_repeat)
+    np.testing.assert_allclose(out_repeated, out, rtol=1e-6, atol=1e-6)
+    # cache head j holds KV head j // kv_repeat: a head's copies are adjacent
+    stored = k_cache.reshape(-1, kv_heads * kv_repeat, head_dim)[:num_tokens]  # [T, kv * r, D]
+    expected = np.repeat(np.asarray(k)[0].swapaxes(0, 1), kv_repeat, axis=1)
+    np.testing.assert_array_equal(stored, expected)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 4])  # N*k below / above the number of experts
 def test_static_moe_experts_match_transformers_eager(num_tokens):
     from registry.torchax_attention import static_experts_forward
@@ -363,8 +405,10 @@ def test_tensor_parallel_rules_shard_weights_and_keep_logits(checkpoints, tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     gpt2, mixtral = result[paths[0]], result[paths[1]]
-    assert {"transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_proj.weight",
-            "transformer.wte.weight", "transformer.h.0.mlp.c_fc.bias"} <= set(gpt2["split"])
+    assert {"transformer.h.0.attn.c_proj.weight", "transformer.wte.weight",
+            "transformer.h.0.mlp.c_fc.bias"} <= set(gpt2["split"])
+    # c_attn is [in, q | k | v]: a column split would cut blocks, not heads, so it stays whole
+    assert not {"transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias"} & set(gpt2["split"])
     assert {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
             "model.layers.0.self_attn.o_proj.weight", "lm_head.weight"} <= set(mixtral["split"])
     assert mixtral["kv"] == str(jax.sharding.PartitionSpec(None, None, "model", None))
