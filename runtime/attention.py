@@ -5,9 +5,18 @@ mid-sequence, and single-token decodes. Keys and values live in a paged cache
 ([num_blocks, block_size, kv_heads, head_dim] per layer); each sequence reaches its
 blocks through its row of `block_tables`.
 
-The kernel walks the KV axis in chunks of whole blocks with an online softmax
-(flash-attention style), so the live memory is tokens x chunk, and the work is real
-tokens x the longest context in the batch, never padded batch x max_model_len.
+`paged_attention` (what the models call) splits each token's context in two and merges
+the halves with an online softmax (flash-attention style):
+
+- the *cached* context, written by earlier steps: a loop over the paged cache in chunks
+  of whole blocks, gathering each token's blocks through its sequence's table. Only
+  decodes and continued prefill chunks have any; a fresh prompt skips this part.
+- the step's *own new tokens*: dense, tiled attention on the K/V just computed, masked to
+  the same sequence, causal by position and by the sliding window. Prefills cost
+  matmuls here instead of one gather per query token.
+
+The live memory is bounded by tokens x chunk (cache part) and tile x tile (new part),
+and the work by real tokens x the longest context, never padded batch x max_model_len.
 It is jittable on every backend; on CPU it is what runs.
 """
 
@@ -20,6 +29,12 @@ from runtime.step import StepInput
 
 # A finite stand-in for -inf keeps exp() and max() free of NaNs on fully masked rows.
 _MASK_VALUE = -1e30
+
+# Query/key tile of the dense new-token part: scores live as tile x tile per head.
+NEW_TOKEN_TILE = 256
+
+# (running max, running denominator, running numerator) per query token and head.
+_State = tuple[jax.Array, jax.Array, jax.Array]
 
 
 def write_kv(
@@ -43,6 +58,151 @@ def write_kv(
     return scatter(k_cache, k), scatter(v_cache, v)
 
 
+def _empty_state(num_tokens: int, kv_heads: int, group: int, head_dim: int) -> _State:
+    return (
+        jnp.full((num_tokens, kv_heads, group), _MASK_VALUE, jnp.float32),
+        jnp.zeros((num_tokens, kv_heads, group), jnp.float32),
+        jnp.zeros((num_tokens, kv_heads, group, head_dim), jnp.float32),
+    )
+
+
+def _online_update(state: _State, s: jax.Array, mask: jax.Array, pv) -> _State:
+    """Fold one block of scores s [t, kvh, g, c] (mask broadcastable) into the state.
+
+    `pv(p)` contracts probabilities p [t, kvh, g, c] with the block's values.
+    """
+    m, l, acc = state
+    s = jnp.where(mask, s, _MASK_VALUE)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.exp(s - m_new[..., None]) * mask
+    correction = jnp.exp(m - m_new)
+    l = l * correction + p.sum(axis=-1)
+    acc = acc * correction[..., None] + pv(p)
+    return m_new, l, acc
+
+
+def _finish(state: _State, num_heads: int, dtype) -> jax.Array:
+    _, l, acc = state
+    out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # tokens with no context -> zeros
+    return out.reshape(out.shape[0], num_heads, out.shape[-1]).astype(dtype)
+
+
+def _token_layout(batch: StepInput, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """(sequence slot of each token [T], whether the token is real [T])."""
+    num_seqs = batch.block_tables.shape[0]
+    tok = jnp.arange(num_tokens)
+    seq_of_token = jnp.searchsorted(batch.query_start_loc[1:], tok, side="right")
+    return jnp.minimum(seq_of_token, num_seqs - 1), tok < batch.num_tokens
+
+
+def _paged_context(
+    qg: jax.Array,  # [T, kvh, g, d], float32, scaled
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    tables: jax.Array,  # [T, max_blocks], each token's sequence's block table
+    q_pos: jax.Array,  # [T]
+    ctx_len: jax.Array,  # [T], attend to cache positions < ctx_len (0 for none)
+    state: _State,
+    *,
+    chunk: int,
+    sliding_window: int | None,
+    logit_soft_cap: float | None,
+) -> _State:
+    """Fold each token's context from the paged cache into its softmax state."""
+    num_tokens, kv_heads, _, head_dim = qg.shape
+    block_size = k_cache.shape[1]
+    max_blocks = tables.shape[1]
+    chunk = min(chunk, max_blocks)
+    num_chunks_max = -(-max_blocks // chunk)
+    chunk_tokens = chunk * block_size
+    # Pad the tables to whole chunks; the padded entries are masked by ctx_len.
+    tables = jnp.pad(tables, ((0, 0), (0, num_chunks_max * chunk - max_blocks)))
+
+    # Only visit the chunks some token needs.
+    last_chunk = (jnp.max(ctx_len) + chunk_tokens - 1) // chunk_tokens
+    if sliding_window is None:
+        first_chunk = jnp.int32(0)
+    else:
+        lowest = jnp.where(ctx_len > 0, q_pos - sliding_window + 1, jnp.iinfo(jnp.int32).max)
+        first_chunk = jnp.maximum(jnp.min(lowest), 0) // chunk_tokens
+        first_chunk = jnp.minimum(first_chunk, last_chunk)
+
+    def body(j, state):
+        blocks = jax.lax.dynamic_slice_in_dim(tables, j * chunk, chunk, axis=1)  # [T, chunk]
+        k = k_cache[blocks].reshape(num_tokens, chunk_tokens, kv_heads, head_dim)
+        v = v_cache[blocks].reshape(num_tokens, chunk_tokens, kv_heads, head_dim)
+        s = jnp.einsum("tkgd,tckd->tkgc", qg, k.astype(jnp.float32))
+        if logit_soft_cap is not None:
+            s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
+        k_pos = j * chunk_tokens + jnp.arange(chunk_tokens)  # [C]
+        mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx_len[:, None])
+        if sliding_window is not None:
+            mask &= q_pos[:, None] - k_pos[None, :] < sliding_window
+        pv = lambda p: jnp.einsum("tkgc,tckd->tkgd", p, v.astype(jnp.float32))
+        return _online_update(state, s, mask[:, None, None, :], pv)
+
+    return jax.lax.fori_loop(first_chunk, last_chunk, body, state)
+
+
+def _new_token_context(
+    qg: jax.Array,  # [T, kvh, g, d], float32, scaled
+    k: jax.Array,  # [T, kvh, d], this step's keys
+    v: jax.Array,  # [T, kvh, d]
+    seq_of_token: jax.Array,  # [T]
+    q_pos: jax.Array,  # [T]
+    is_real: jax.Array,  # [T]
+    seq_start: jax.Array,  # [T], index of the first token of each token's sequence
+    state: _State,
+    *,
+    tile: int,
+    sliding_window: int | None,
+    logit_soft_cap: float | None,
+) -> _State:
+    """Fold attention over the step's own tokens (same sequence, causal) into the state.
+
+    Tokens are tiled by `tile`; a query tile only visits the key tiles from its first
+    token's sequence start up to itself, so long ragged batches stay near-causal in cost.
+    """
+    num_tokens, kv_heads, group, head_dim = qg.shape
+    k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+
+    def fold(state, q_idx, k_idx):
+        """Fold keys k_idx (static-size index range) into the state of queries q_idx."""
+        qt = qg[q_idx] if q_idx is not None else qg
+        s = jnp.einsum("tkgd,ukd->tkgu", qt, k[k_idx])
+        if logit_soft_cap is not None:
+            s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
+        qs, qp, qr = (x[q_idx] if q_idx is not None else x for x in (seq_of_token, q_pos, is_real))
+        ks, kp, kr = seq_of_token[k_idx], q_pos[k_idx], is_real[k_idx]
+        mask = (qs[:, None] == ks[None, :]) & (kp[None, :] <= qp[:, None])
+        mask &= qr[:, None] & kr[None, :]
+        if sliding_window is not None:
+            mask &= qp[:, None] - kp[None, :] < sliding_window
+        pv = lambda p: jnp.einsum("tkgu,ukd->tkgd", p, v[k_idx])
+        return _online_update(state, s, mask[:, None, None, :], pv)
+
+    if num_tokens <= tile:
+        return fold(state, None, jnp.arange(num_tokens))
+    if num_tokens % tile:
+        raise ValueError(f"padded token count {num_tokens} is not a multiple of the tile {tile}")
+
+    num_tiles = num_tokens // tile
+    tiled_state = jax.tree.map(lambda x: x.reshape(num_tiles, tile, *x.shape[1:]), state)
+
+    def one_query_tile(args):
+        i, st = args
+        q_idx = i * tile + jnp.arange(tile)
+        lo = seq_start[i * tile] // tile
+
+        def body(j, st):
+            return fold(st, q_idx, j * tile + jnp.arange(tile))
+
+        return jax.lax.fori_loop(lo, i + 1, body, st)
+
+    out = jax.lax.map(one_query_tile, (jnp.arange(num_tiles), tiled_state))
+    return jax.tree.map(lambda x: x.reshape(num_tokens, *x.shape[2:]), out)
+
+
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
     k_cache: jax.Array,  # [num_blocks, block_size, kv_heads, head_dim]
@@ -54,12 +214,15 @@ def ragged_paged_attention(
     logit_soft_cap: float | None = None,
     kv_chunk_blocks: int | None = None,
 ) -> jax.Array:  # [T, num_heads, head_dim], dtype of q
-    """Causal attention of each token over its own sequence's cached context.
+    """Causal attention of each token over its own sequence's context, all read from the cache.
 
     The cache must already hold this step's K/V (see `write_kv`). Token t of sequence s
     attends to positions p with p <= positions[t], p < seq_lens[s] and, with a sliding
     window W, positions[t] - p < W (transformers' convention). Grouped-query attention:
     num_heads must be a multiple of kv_heads; query head h reads kv head h // group.
+
+    `paged_attention` computes the same with the step's own tokens taken densely; this
+    all-cache form is its reference and suits steps that are nearly all decodes.
 
     Args:
         scale: multiplier of q.k (usually head_dim ** -0.5).
@@ -69,66 +232,22 @@ def ragged_paged_attention(
             fastest on XLA:CPU, where the per-token batched dots favour short chunks).
     """
     q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
+    batch = jax.tree.map(jnp.asarray, batch)
     num_tokens, num_heads, head_dim = q.shape
-    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    _, block_size, kv_heads, _ = k_cache.shape
     if num_heads % kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of kv_heads={kv_heads}")
     group = num_heads // kv_heads
-    num_seqs, max_blocks = batch.block_tables.shape
-    chunk = kv_chunk_blocks or max(1, 16 // block_size)
-    chunk = min(chunk, max_blocks)
-    num_chunks_max = -(-max_blocks // chunk)
-    chunk_tokens = chunk * block_size
-
-    tok = jnp.arange(num_tokens)
-    seq_of_token = jnp.searchsorted(batch.query_start_loc[1:], tok, side="right")
-    seq_of_token = jnp.minimum(seq_of_token, num_seqs - 1)  # [T]
-    is_real = tok < batch.num_tokens
-    q_pos = batch.positions  # [T]
-    ctx_len = jnp.where(is_real, batch.seq_lens[seq_of_token], 0)  # [T]
-    # Pad the tables to whole chunks; the padded entries are masked by ctx_len.
-    tables = jnp.pad(batch.block_tables, ((0, 0), (0, num_chunks_max * chunk - max_blocks)))
-    tables = tables[seq_of_token]  # [T, num_chunks_max * chunk]
-
+    seq_of_token, is_real = _token_layout(batch, num_tokens)
+    ctx_len = jnp.where(is_real, batch.seq_lens[seq_of_token], 0)
     qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, kv_heads, group, head_dim)
-
-    # Only visit the chunks some real token needs.
-    last_chunk = (jnp.max(ctx_len) + chunk_tokens - 1) // chunk_tokens
-    if sliding_window is None:
-        first_chunk = jnp.int32(0)
-    else:
-        lowest = jnp.where(is_real, q_pos - sliding_window + 1, jnp.iinfo(jnp.int32).max)
-        first_chunk = jnp.maximum(jnp.min(lowest), 0) // chunk_tokens
-        first_chunk = jnp.minimum(first_chunk, last_chunk)
-
-    def body(j, carry):
-        m, l, acc = carry
-        blocks = jax.lax.dynamic_slice_in_dim(tables, j * chunk, chunk, axis=1)  # [T, chunk]
-        k = k_cache[blocks].reshape(num_tokens, chunk_tokens, kv_heads, head_dim)
-        v = v_cache[blocks].reshape(num_tokens, chunk_tokens, kv_heads, head_dim)
-        s = jnp.einsum("tkgd,tckd->tkgc", qg, k.astype(jnp.float32))
-        if logit_soft_cap is not None:
-            s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
-        k_pos = j * chunk_tokens + jnp.arange(chunk_tokens)  # [C]
-        mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx_len[:, None])
-        if sliding_window is not None:
-            mask &= q_pos[:, None] - k_pos[None, :] < sliding_window
-        s = jnp.where(mask[:, None, None, :], s, _MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.exp(s - m_new[..., None]) * mask[:, None, None, :]
-        correction = jnp.exp(m - m_new)
-        l = l * correction + p.sum(axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("tkgc,tckd->tkgd", p, v.astype(jnp.float32))
-        return m_new, l, acc
-
-    init = (
-        jnp.full((num_tokens, kv_heads, group), _MASK_VALUE, jnp.float32),
-        jnp.zeros((num_tokens, kv_heads, group), jnp.float32),
-        jnp.zeros((num_tokens, kv_heads, group, head_dim), jnp.float32),
+    state = _paged_context(
+        qg, k_cache, v_cache, batch.block_tables[seq_of_token], batch.positions, ctx_len,
+        _empty_state(num_tokens, kv_heads, group, head_dim),
+        chunk=kv_chunk_blocks or max(1, 16 // block_size),
+        sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
     )
-    _, l, acc = jax.lax.fori_loop(first_chunk, last_chunk, body, init)
-    out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # padding tokens have l == 0 -> zeros
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    return _finish(state, num_heads, q.dtype)
 
 
 def paged_attention(
@@ -141,11 +260,57 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_soft_cap: float | None = None,
+    kv_chunk_blocks: int | None = None,
+    new_token_tile: int = NEW_TOKEN_TILE,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Write this step's K/V into the layer's cache, then attend. Returns (out [T, H, D], cache)."""
+    """Write this step's K/V into the layer's cache and attend. Returns (out [T, H, D], cache).
+
+    Same masks and conventions as `ragged_paged_attention`; the step's own tokens are
+    attended densely from k/v and only the context cached by earlier steps is read
+    through the block tables.
+
+    The paged part runs per query token, so when every token with cached context lies
+    among the first S tokens (S = padded sequence slots; the scheduler puts running
+    decodes first), it runs on those S tokens only. That makes a step that mixes
+    decodes with a long prefill cost about as much as the decodes plus the prefill alone.
+    """
+    batch = jax.tree.map(jnp.asarray, batch)
     k_cache, v_cache = write_kv(*layer_cache, k, v, batch.slot_mapping)
-    out = ragged_paged_attention(
-        q, k_cache, v_cache, batch,
-        scale=scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of kv_heads={kv_heads}")
+    group = num_heads // kv_heads
+    num_seqs = batch.block_tables.shape[0]
+
+    seq_of_token, is_real = _token_layout(batch, num_tokens)
+    query_len = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
+    cached_len = jnp.where(is_real, (batch.seq_lens - query_len)[seq_of_token], 0)
+    seq_start = batch.query_start_loc[seq_of_token]
+    q_pos = batch.positions
+    qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, kv_heads, group, head_dim)
+    empty = _empty_state(num_tokens, kv_heads, group, head_dim)
+    chunk = kv_chunk_blocks or max(1, 16 // block_size)
+
+    def cached(n: int) -> _State:
+        """The paged part for the first n tokens; the rest keep an empty state."""
+        st = _paged_context(
+            qg[:n], k_cache, v_cache, batch.block_tables[seq_of_token[:n]], q_pos[:n],
+            cached_len[:n], jax.tree.map(lambda x: x[:n], empty),
+            chunk=chunk, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+        )
+        return jax.tree.map(lambda a, e: jnp.concatenate([a, e[n:]]), st, empty)
+
+    head = min(num_seqs, num_tokens)
+    if head < num_tokens:
+        state = jax.lax.cond(
+            jnp.max(cached_len[head:]) == 0, lambda: cached(head), lambda: cached(num_tokens)
+        )
+    else:
+        state = cached(num_tokens)
+    state = _new_token_context(
+        qg, k, v, seq_of_token, q_pos, is_real, seq_start, state,
+        tile=new_token_tile, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
     )
-    return out, (k_cache, v_cache)
+    return _finish(state, num_heads, q.dtype), (k_cache, v_cache)
