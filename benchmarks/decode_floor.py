@@ -2,8 +2,9 @@
 
 A decode step must read every weight once and each sequence's KV cache once, so
     floor = (weight bytes + batch x context x KV bytes per token) / read bandwidth.
-This measures the machine's read bandwidth in the same run, then the engine's time per
-output token (median over requests, from the engine's own timestamps) at batch 1 and 32.
+This measures the machine's read bandwidth in the same run, then the engine's own step
+time (`LLMEngine.step()`, host work included) at batch 1 and 32, timed over steps in which
+every request is decoding (after all prompts were prefilled).
 
     python benchmarks/decode_floor.py
 """
@@ -11,8 +12,8 @@ output token (median over requests, from the engine's own timestamps) at batch 1
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -45,20 +46,31 @@ def main() -> None:
     bandwidth = memory_read_bandwidth()
 
     rng = np.random.default_rng(0)
+    engine = llm.engine
     rows = []
     for batch in batches:
         prompts = [rng.integers(4, 500, args.prompt_len).tolist() for _ in range(batch)]
         sp = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # settle
-        outs = llm.generate(prompts, sp)
-        tpot = statistics.median(
-            (o.metrics.last_token_time - o.metrics.first_token_time) / (args.new_tokens - 1) for o in outs
-        )
-        context = args.prompt_len + args.new_tokens / 2  # mean context during decode
-        floor = (weight_bytes + batch * context * kv_bytes_per_token) / bandwidth
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"b{batch}-{i}", prompt, sp)
+        # Step until every request has its first token: from then on each step is pure decode.
+        started: set[str] = set()
+        while len(started) < batch:
+            started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+        steps = args.new_tokens // 2
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        step_s = (time.perf_counter() - t0) / steps
+        while engine.has_unfinished_requests():
+            engine.step()
+        context = args.prompt_len + steps  # mean context over the timed steps (about)
+        kv_read = batch * context * kv_bytes_per_token
+        floor = (weight_bytes + kv_read) / bandwidth
         rows.append([
-            batch, f"{weight_bytes / 1e6:.0f}", f"{batch * context * kv_bytes_per_token / 1e6:.1f}",
-            f"{floor * 1e3:.1f}", f"{tpot * 1e3:.1f}", f"{tpot / floor:.2f}", f"{batch / tpot:.0f}",
+            batch, f"{weight_bytes / 1e6:.0f}", f"{kv_read / 1e6:.1f}",
+            f"{floor * 1e3:.1f}", f"{step_s * 1e3:.1f}", f"{step_s / floor:.2f}", f"{batch / step_s:.0f}",
         ])
     assert llm.engine.stats().compilations_since_warmup == 0
     body = (

@@ -32,6 +32,9 @@ _MASK_VALUE = -1e30
 
 # Query/key tile of the dense new-token part: scores live as tile x tile per head.
 NEW_TOKEN_TILE = 256
+# Query tile and context chunk (tokens) of the per-sequence read of cached context.
+CACHED_TILE = 64
+CACHED_CHUNK_TOKENS = 128
 
 # (running max, running denominator, running numerator) per query token and head.
 _State = tuple[jax.Array, jax.Array, jax.Array]
@@ -85,6 +88,14 @@ def _finish(state: _State, num_heads: int, dtype) -> jax.Array:
     _, l, acc = state
     out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # tokens with no context -> zeros
     return out.reshape(out.shape[0], num_heads, out.shape[-1]).astype(dtype)
+
+
+def _pad_to_tile(x: jax.Array, tile: int, value=0) -> jax.Array:
+    """Pad axis 0 up to a multiple of `tile` (buckets need not be powers of two)."""
+    extra = -x.shape[0] % tile
+    if extra == 0:
+        return x
+    return jnp.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1), constant_values=value)
 
 
 def _token_layout(batch: StepInput, num_tokens: int) -> tuple[jax.Array, jax.Array]:
@@ -144,6 +155,78 @@ def _paged_context(
     return jax.lax.fori_loop(first_chunk, last_chunk, body, state)
 
 
+def _paged_context_by_sequence(
+    qg: jax.Array,  # [T, kvh, g, d], float32, scaled
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,  # [S, max_blocks]
+    seq_of_token: jax.Array,  # [T]
+    q_pos: jax.Array,  # [T]
+    ctx_len: jax.Array,  # [T], attend to cache positions < ctx_len (0 for none)
+    seq_ctx_len: jax.Array,  # [S], the same per sequence
+    first_token: int,  # tokens before this one are left alone
+    state: _State,
+    *,
+    tile: int,
+    chunk: int,
+    sliding_window: int | None,
+    logit_soft_cap: float | None,
+) -> _State:
+    """The paged context of multi-token sequences, read once per sequence, not per token.
+
+    Query tokens go in tiles; for each sequence a tile touches, its cached context is
+    gathered a chunk of blocks at a time and attended by the whole tile as one matmul
+    (masked to that sequence's tokens). For a continued prefill chunk or a prompt with a
+    prefix-cache hit this reads the context once per tile instead of once per token.
+    """
+    num_tokens, kv_heads, group, head_dim = qg.shape
+    block_size = k_cache.shape[1]
+    max_blocks = block_tables.shape[1]
+    chunk = min(chunk, max_blocks)
+    chunk_tokens = chunk * block_size
+    num_chunks_max = -(-max_blocks // chunk)
+    tables = jnp.pad(block_tables, ((0, 0), (0, num_chunks_max * chunk - max_blocks)))
+    wanted = (jnp.arange(num_tokens) >= first_token) & (ctx_len > 0)
+    t_seq = jnp.where(wanted, seq_of_token, -1)
+    num_tiles = -(-num_tokens // tile)
+    tiled = lambda x, value=0: _pad_to_tile(x, tile, value).reshape(num_tiles, tile, *x.shape[1:])
+    xs = (tiled(qg), tiled(t_seq, -1), tiled(q_pos), tiled(ctx_len), jax.tree.map(tiled, state))
+
+    def one_tile(args):
+        q, seqs, pos, ctx, st = args
+        lo = jnp.min(jnp.where(seqs >= 0, seqs, jnp.iinfo(jnp.int32).max))
+        hi = jnp.max(seqs) + 1  # no wanted token: lo = max int, hi = 0 -> no trips
+
+        def per_sequence(s, st):
+            last = (seq_ctx_len[s] + chunk_tokens - 1) // chunk_tokens
+            if sliding_window is None:
+                first = jnp.int32(0)
+            else:
+                lowest = jnp.where(seqs == s, pos - sliding_window + 1, jnp.iinfo(jnp.int32).max)
+                first = jnp.minimum(jnp.maximum(jnp.min(lowest), 0) // chunk_tokens, last)
+
+            def per_chunk(j, st):
+                blocks = jax.lax.dynamic_slice_in_dim(tables[s], j * chunk, chunk)
+                k = k_cache[blocks].reshape(chunk_tokens, kv_heads, head_dim).astype(jnp.float32)
+                v = v_cache[blocks].reshape(chunk_tokens, kv_heads, head_dim).astype(jnp.float32)
+                sc = jnp.einsum("tkgd,ckd->tkgc", q, k)
+                if logit_soft_cap is not None:
+                    sc = logit_soft_cap * jnp.tanh(sc / logit_soft_cap)
+                k_pos = j * chunk_tokens + jnp.arange(chunk_tokens)
+                mask = (seqs[:, None] == s) & (k_pos[None, :] < ctx[:, None])
+                if sliding_window is not None:
+                    mask &= pos[:, None] - k_pos[None, :] < sliding_window
+                pv = lambda p: jnp.einsum("tkgc,ckd->tkgd", p, v)
+                return _online_update(st, sc, mask[:, None, None, :], pv)
+
+            return jax.lax.fori_loop(first, last, per_chunk, st)
+
+        return jax.lax.fori_loop(lo, jnp.maximum(lo, hi), per_sequence, st)
+
+    out = jax.lax.map(one_tile, xs)
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[:num_tokens], out)
+
+
 def _new_token_context(
     qg: jax.Array,  # [T, kvh, g, d], float32, scaled
     k: jax.Array,  # [T, kvh, d], this step's keys
@@ -166,41 +249,46 @@ def _new_token_context(
     num_tokens, kv_heads, group, head_dim = qg.shape
     k, v = k.astype(jnp.float32), v.astype(jnp.float32)
 
-    def fold(state, q_idx, k_idx):
-        """Fold keys k_idx (static-size index range) into the state of queries q_idx."""
-        qt = qg[q_idx] if q_idx is not None else qg
-        s = jnp.einsum("tkgd,ukd->tkgu", qt, k[k_idx])
+    def fold(state, q, qs, qp, qr, kk, vv, ks, kp, kr):
+        """Fold keys kk/vv (sequence ks, position kp, real kr) into the queries' state."""
+        sc = jnp.einsum("tkgd,ukd->tkgu", q, kk)
         if logit_soft_cap is not None:
-            s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
-        qs, qp, qr = (x[q_idx] if q_idx is not None else x for x in (seq_of_token, q_pos, is_real))
-        ks, kp, kr = seq_of_token[k_idx], q_pos[k_idx], is_real[k_idx]
+            sc = logit_soft_cap * jnp.tanh(sc / logit_soft_cap)
         mask = (qs[:, None] == ks[None, :]) & (kp[None, :] <= qp[:, None])
         mask &= qr[:, None] & kr[None, :]
         if sliding_window is not None:
             mask &= qp[:, None] - kp[None, :] < sliding_window
-        pv = lambda p: jnp.einsum("tkgu,ukd->tkgd", p, v[k_idx])
-        return _online_update(state, s, mask[:, None, None, :], pv)
+        pv = lambda p: jnp.einsum("tkgu,ukd->tkgd", p, vv)
+        return _online_update(state, sc, mask[:, None, None, :], pv)
 
     if num_tokens <= tile:
-        return fold(state, None, jnp.arange(num_tokens))
-    if num_tokens % tile:
-        raise ValueError(f"padded token count {num_tokens} is not a multiple of the tile {tile}")
-
-    num_tiles = num_tokens // tile
-    tiled_state = jax.tree.map(lambda x: x.reshape(num_tiles, tile, *x.shape[1:]), state)
+        tokens = (seq_of_token, q_pos, is_real)
+        return fold(state, qg, *tokens, k, v, *tokens)
+    # Pad to whole tiles with tokens that are not real (they attend to and feed nothing).
+    num_tiles = -(-num_tokens // tile)
+    qg, k, v, q_pos, seq_start = (_pad_to_tile(x, tile) for x in (qg, k, v, q_pos, seq_start))
+    seq_of_token = _pad_to_tile(seq_of_token, tile, -1)
+    is_real = _pad_to_tile(is_real, tile, False)
+    tiled_state = jax.tree.map(
+        lambda x: _pad_to_tile(x, tile).reshape(num_tiles, tile, *x.shape[1:]), state
+    )
+    window = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * tile, tile)
 
     def one_query_tile(args):
         i, st = args
-        q_idx = i * tile + jnp.arange(tile)
+        q, qs, qp, qr = (window(x, i) for x in (qg, seq_of_token, q_pos, is_real))
+        # Key tiles from the start of the tile's first sequence up to the tile itself.
         lo = seq_start[i * tile] // tile
+        hi = jnp.where(is_real[i * tile], i + 1, lo)  # a tile of padding attends to nothing
 
         def body(j, st):
-            return fold(st, q_idx, j * tile + jnp.arange(tile))
+            keys = (window(x, j) for x in (k, v, seq_of_token, q_pos, is_real))
+            return fold(st, q, qs, qp, qr, *keys)
 
-        return jax.lax.fori_loop(lo, i + 1, body, st)
+        return jax.lax.fori_loop(lo, hi, body, st)
 
     out = jax.lax.map(one_query_tile, (jnp.arange(num_tiles), tiled_state))
-    return jax.tree.map(lambda x: x.reshape(num_tokens, *x.shape[2:]), out)
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[:num_tokens], out)
 
 
 def ragged_paged_attention(
@@ -262,6 +350,8 @@ def paged_attention(
     logit_soft_cap: float | None = None,
     kv_chunk_blocks: int | None = None,
     new_token_tile: int = NEW_TOKEN_TILE,
+    cached_tile: int = CACHED_TILE,
+    cached_chunk_tokens: int = CACHED_CHUNK_TOKENS,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Write this step's K/V into the layer's cache and attend. Returns (out [T, H, D], cache).
 
@@ -269,10 +359,16 @@ def paged_attention(
     attended densely from k/v and only the context cached by earlier steps is read
     through the block tables.
 
-    The paged part runs per query token, so when every token with cached context lies
-    among the first S tokens (S = padded sequence slots; the scheduler puts running
-    decodes first), it runs on those S tokens only. That makes a step that mixes
-    decodes with a long prefill cost about as much as the decodes plus the prefill alone.
+    The cached context is read two ways. The first S tokens (S = padded sequence slots;
+    the scheduler puts running decodes first) read it per token, as decodes must. Tokens
+    after them (continued prefill chunks, prompts with a prefix-cache hit) read it per
+    sequence and query tile, so a long chunk gathers its context once per tile rather
+    than once per token. Fresh prompts have no cached context and skip both.
+
+    Args:
+        new_token_tile / cached_tile: query tiles of the dense new-token part and of the
+            per-sequence cached part.
+        cached_chunk_tokens: context tokens gathered per iteration of the per-sequence part.
     """
     batch = jax.tree.map(jnp.asarray, batch)
     k_cache, v_cache = write_kv(*layer_cache, k, v, batch.slot_mapping)
@@ -293,22 +389,22 @@ def paged_attention(
     empty = _empty_state(num_tokens, kv_heads, group, head_dim)
     chunk = kv_chunk_blocks or max(1, 16 // block_size)
 
-    def cached(n: int) -> _State:
-        """The paged part for the first n tokens; the rest keep an empty state."""
-        st = _paged_context(
-            qg[:n], k_cache, v_cache, batch.block_tables[seq_of_token[:n]], q_pos[:n],
-            cached_len[:n], jax.tree.map(lambda x: x[:n], empty),
-            chunk=chunk, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-        )
-        return jax.tree.map(lambda a, e: jnp.concatenate([a, e[n:]]), st, empty)
-
+    # Decodes (and whatever else is among the first S tokens): per token.
     head = min(num_seqs, num_tokens)
+    state = _paged_context(
+        qg[:head], k_cache, v_cache, batch.block_tables[seq_of_token[:head]], q_pos[:head],
+        cached_len[:head], jax.tree.map(lambda x: x[:head], empty),
+        chunk=chunk, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+    )
+    state = jax.tree.map(lambda a, e: jnp.concatenate([a, e[head:]]), state, empty)
+    # Multi-token sequences with cached context beyond them: per sequence and query tile.
     if head < num_tokens:
-        state = jax.lax.cond(
-            jnp.max(cached_len[head:]) == 0, lambda: cached(head), lambda: cached(num_tokens)
+        state = _paged_context_by_sequence(
+            qg, k_cache, v_cache, batch.block_tables, seq_of_token, q_pos, cached_len,
+            batch.seq_lens - query_len, head, state,
+            tile=min(cached_tile, num_tokens), chunk=max(1, cached_chunk_tokens // block_size),
+            sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
         )
-    else:
-        state = cached(num_tokens)
     state = _new_token_context(
         qg, k, v, seq_of_token, q_pos, is_real, seq_start, state,
         tile=new_token_tile, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,

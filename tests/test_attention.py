@@ -108,7 +108,7 @@ def test_mixed_batch_matches_numpy_oracle(block_size, heads, kv_heads, window, s
 
 
 def _paged_attention_case(rng, specs, *, heads, kv_heads, block_size, window, soft_cap,
-                          pad_tokens, pad_seqs, tile):
+                          pad_tokens, pad_seqs, tile, **tiles):
     """Run paged_attention (new K/V passed in, cached K/V pre-filled) against the oracle."""
     head_dim, num_blocks, max_blocks = 8, 96, 24
     batch, seqs, n = build_batch(
@@ -132,11 +132,11 @@ def _paged_attention_case(rng, specs, *, heads, kv_heads, block_size, window, so
     attend = jax.jit(
         paged_attention,
         static_argnames=("scale", "sliding_window", "logit_soft_cap", "kv_chunk_blocks",
-                         "new_token_tile"),
+                         "new_token_tile", "cached_tile", "cached_chunk_tokens"),
     )
     got, (k_out, v_out) = attend(
         q, k_new, v_new, (k_stale.reshape(shape), v_stale.reshape(shape)), batch,
-        scale=scale, sliding_window=window, logit_soft_cap=soft_cap, new_token_tile=tile,
+        scale=scale, sliding_window=window, logit_soft_cap=soft_cap, new_token_tile=tile, **tiles,
     )
     want = oracle(q, k_full, v_full, seqs, scale=scale, sliding_window=window, soft_cap=soft_cap)
     np.testing.assert_allclose(np.asarray(got)[:n], want[:n], atol=TOL, rtol=0)
@@ -164,17 +164,21 @@ def test_paged_attention_mixed_batch_matches_oracle(heads, kv_heads, block_size,
 @pytest.mark.parametrize(
     "specs",
     [
-        [(40, 1), (17, 1), (0, 50), (0, 7)],  # decodes first, then fresh prompts: short paged part
-        [(0, 50), (40, 1), (0, 7), (17, 1)],  # a decode after a prefill: the whole paged part
-        [(5, 1), (60, 33), (0, 20)],  # a continued chunk with cached context beyond the head
+        [(40, 1), (17, 1), (0, 50), (0, 7)],  # decodes first, then fresh prompts
+        [(0, 50), (40, 1), (0, 7), (17, 1)],  # decodes after a prefill: read per sequence
+        [(5, 1), (60, 33), (0, 20)],  # a continued chunk crossing from the head into the tiles
+        [(3, 1), (32, 10), (48, 20), (0, 4), (16, 5), (8, 1)],  # several prefix-cache hits
     ],
-    ids=["decodes-first", "decode-late", "long-chunk"],
+    ids=["decodes-first", "decode-late", "long-chunk", "prefix-hits"],
 )
-def test_paged_attention_head_and_full_paths(specs):
-    """Both branches of the paged part (first S tokens only / all tokens) are exact."""
+@pytest.mark.parametrize("window", [None, 12])
+@pytest.mark.parametrize("pad_tokens", [64, 100], ids=["pow2", "odd-bucket"])
+def test_paged_attention_cached_context_paths(specs, window, pad_tokens):
+    """Per-token (first S tokens) and per-sequence (the rest) reads of cached context are exact."""
     _paged_attention_case(
-        np.random.default_rng(3), specs, heads=4, kv_heads=2, block_size=4, window=None,
-        soft_cap=None, pad_tokens=64, pad_seqs=4, tile=16,
+        np.random.default_rng(3), specs, heads=4, kv_heads=2, block_size=4, window=window,
+        soft_cap=None, pad_tokens=pad_tokens, pad_seqs=8, tile=16, cached_tile=8,
+        cached_chunk_tokens=8,
     )
 
 
