@@ -52,7 +52,10 @@ def handles(servax_cache):
     config = load_app_config({"llm_configs": [
         {"model_loading_config": {"model_id": MODEL}, "engine_kwargs": ENGINE},
         {"model_loading_config": {"model_id": SMALL, "model_source": MODEL},
-         "engine_kwargs": dict(ENGINE, max_num_seqs=1, max_queue_size=1, num_kv_blocks=64)},
+         # A longer context than MODEL's so that one request runs long enough (>1 s) to be
+         # seen queued behind; the tiny model decodes 500 tokens in a fraction of a second.
+         "engine_kwargs": dict(ENGINE, max_num_seqs=1, max_queue_size=1, max_model_len=1024,
+                               num_kv_blocks=80)},
     ]})
     result = {}
     for block in config.llm_configs:
@@ -352,7 +355,8 @@ def test_full_queue_is_429_and_server_recovers(base_url, http, handles):
     async def scenario():
         headers = {"Authorization": f"Bearer {API_KEY}"}
         async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120) as c:
-            long = {"model": SMALL, "prompt": "Hello", "max_tokens": 500, "stream": True, **GREEDY}
+            long = {"model": SMALL, "prompt": "Hello", "max_tokens": 1000, "n": 1, "stream": True,
+                    "ignore_eos": True, **GREEDY}
             running = c.stream("POST", "/v1/completions", json=long)
             first = await running.__aenter__()  # headers arrive with the first token: it is running
             assert first.status_code == 200
