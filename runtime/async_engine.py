@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import threading
 from typing import Any, AsyncIterator
@@ -27,6 +28,28 @@ from runtime.sampling_params import SamplingParams
 from runtime.step import LoadedModel
 
 logger = logging.getLogger("servax.engine")
+
+
+def merge_snapshots(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """`newer`, with the deltas of `older` prepended: one snapshot as if both came at once.
+
+    Snapshots are cumulative (text, token_ids, logprobs); only the per-snapshot deltas
+    need joining.
+    """
+    before = {c.index: c for c in older.outputs}
+    outputs = []
+    for c in newer.outputs:
+        o = before.get(c.index)
+        if o is not None and (o.delta_token_ids or o.delta_text):
+            logprobs = None
+            if o.delta_logprobs is not None or c.delta_logprobs is not None:
+                logprobs = list(o.delta_logprobs or []) + list(c.delta_logprobs or [])
+            c = dataclasses.replace(
+                c, delta_text=o.delta_text + c.delta_text,
+                delta_token_ids=list(o.delta_token_ids) + list(c.delta_token_ids), delta_logprobs=logprobs,
+            )
+        outputs.append(c)
+    return dataclasses.replace(newer, outputs=outputs)
 
 
 class _Stream:
@@ -105,12 +128,22 @@ class AsyncLLMEngine:
             self._streams[request_id] = stream
         self._post("add", processed)
         finished = False
+        held: BaseException | None = None
         try:
             while True:
-                item = await stream.queue.get()
+                item = held if held is not None else await stream.queue.get()
+                held = None
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                # A consumer that fell behind gets one snapshot with the deltas it missed
+                # merged in, not a backlog of one message per token.
+                while not item.finished and not stream.queue.empty():
+                    newer = stream.queue.get_nowait()
+                    if isinstance(newer, BaseException):
+                        held = newer
+                        break
+                    item = merge_snapshots(item, newer)
                 finished = item.finished
                 yield item
                 if finished:

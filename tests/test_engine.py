@@ -195,6 +195,31 @@ def test_async_streams_match_offline_greedy(async_engine, prompts64, alone64):
     assert s.compilations_since_warmup == 0 and s.kv_blocks_used == 0
 
 
+def test_async_slow_consumer_gets_merged_deltas(async_engine):
+    """A consumer that falls behind gets fewer snapshots whose deltas still add up exactly."""
+    import asyncio
+    import time
+
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2, logprobs=2)
+
+    async def slow():
+        outs = []
+        async for out in async_engine.generate("a slow reader", params, "slow"):
+            outs.append(out)
+            time.sleep(0.05)  # block the loop: several engine steps land meanwhile
+        return outs
+
+    outs = asyncio.run(slow())
+    final = outs[-1]
+    assert final.finished and len(outs) < 40, "a lagging consumer must see merged snapshots"
+    for c in final.outputs:
+        mine = [o.outputs[c.index] for o in outs]
+        assert sum((m.delta_token_ids for m in mine), []) == c.token_ids and len(c.token_ids) == 40
+        assert "".join(m.delta_text for m in mine) == c.text
+        assert sum((m.delta_logprobs for m in mine), []) == c.logprobs
+    wait_idle(async_engine)
+
+
 def wait_idle(engine, timeout=10.0):
     import time
 
