@@ -90,6 +90,28 @@ def _finish(state: _State, num_heads: int, dtype) -> jax.Array:
     return out.reshape(out.shape[0], num_heads, out.shape[-1]).astype(dtype)
 
 
+def _soft_cap(s: jax.Array, cap: float | None) -> jax.Array:
+    return s if cap is None else cap * jnp.tanh(s / cap)
+
+
+def _chunked_tables(tables: jax.Array, chunk: int, block_size: int) -> tuple[jax.Array, int, int]:
+    """Tables padded to whole chunks of blocks (padded entries are masked by the context
+    length); returns (tables, blocks per chunk, tokens per chunk)."""
+    max_blocks = tables.shape[1]
+    chunk = min(chunk, max_blocks)
+    padded = -(-max_blocks // chunk) * chunk
+    return jnp.pad(tables, ((0, 0), (0, padded - max_blocks))), chunk, chunk * block_size
+
+
+def _first_chunk(q_pos: jax.Array, active: jax.Array, sliding_window: int | None,
+                 chunk_tokens: int, last: jax.Array) -> jax.Array:
+    """The first context chunk any active query can see through its sliding window."""
+    if sliding_window is None:
+        return jnp.int32(0)
+    lowest = jnp.where(active, q_pos - sliding_window + 1, jnp.iinfo(jnp.int32).max)
+    return jnp.minimum(jnp.maximum(jnp.min(lowest), 0) // chunk_tokens, last)
+
+
 def _pad_to_tile(x: jax.Array, tile: int, value=0) -> jax.Array:
     """Pad axis 0 up to a multiple of `tile` (buckets need not be powers of two)."""
     extra = -x.shape[0] % tile
@@ -121,30 +143,16 @@ def _paged_context(
 ) -> _State:
     """Fold each token's context from the paged cache into its softmax state."""
     num_tokens, kv_heads, _, head_dim = qg.shape
-    block_size = k_cache.shape[1]
-    max_blocks = tables.shape[1]
-    chunk = min(chunk, max_blocks)
-    num_chunks_max = -(-max_blocks // chunk)
-    chunk_tokens = chunk * block_size
-    # Pad the tables to whole chunks; the padded entries are masked by ctx_len.
-    tables = jnp.pad(tables, ((0, 0), (0, num_chunks_max * chunk - max_blocks)))
-
+    tables, chunk, chunk_tokens = _chunked_tables(tables, chunk, k_cache.shape[1])
     # Only visit the chunks some token needs.
     last_chunk = (jnp.max(ctx_len) + chunk_tokens - 1) // chunk_tokens
-    if sliding_window is None:
-        first_chunk = jnp.int32(0)
-    else:
-        lowest = jnp.where(ctx_len > 0, q_pos - sliding_window + 1, jnp.iinfo(jnp.int32).max)
-        first_chunk = jnp.maximum(jnp.min(lowest), 0) // chunk_tokens
-        first_chunk = jnp.minimum(first_chunk, last_chunk)
+    first_chunk = _first_chunk(q_pos, ctx_len > 0, sliding_window, chunk_tokens, last_chunk)
 
     def body(j, state):
         blocks = jax.lax.dynamic_slice_in_dim(tables, j * chunk, chunk, axis=1)  # [T, chunk]
         k = k_cache[blocks].reshape(num_tokens, chunk_tokens, kv_heads, head_dim)
         v = v_cache[blocks].reshape(num_tokens, chunk_tokens, kv_heads, head_dim)
-        s = jnp.einsum("tkgd,tckd->tkgc", qg, k.astype(jnp.float32))
-        if logit_soft_cap is not None:
-            s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
+        s = _soft_cap(jnp.einsum("tkgd,tckd->tkgc", qg, k.astype(jnp.float32)), logit_soft_cap)
         k_pos = j * chunk_tokens + jnp.arange(chunk_tokens)  # [C]
         mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx_len[:, None])
         if sliding_window is not None:
@@ -180,12 +188,7 @@ def _paged_context_by_sequence(
     prefix-cache hit this reads the context once per tile instead of once per token.
     """
     num_tokens, kv_heads, group, head_dim = qg.shape
-    block_size = k_cache.shape[1]
-    max_blocks = block_tables.shape[1]
-    chunk = min(chunk, max_blocks)
-    chunk_tokens = chunk * block_size
-    num_chunks_max = -(-max_blocks // chunk)
-    tables = jnp.pad(block_tables, ((0, 0), (0, num_chunks_max * chunk - max_blocks)))
+    tables, chunk, chunk_tokens = _chunked_tables(block_tables, chunk, k_cache.shape[1])
     wanted = (jnp.arange(num_tokens) >= first_token) & (ctx_len > 0)
     t_seq = jnp.where(wanted, seq_of_token, -1)
     num_tiles = -(-num_tokens // tile)
@@ -199,19 +202,13 @@ def _paged_context_by_sequence(
 
         def per_sequence(s, st):
             last = (seq_ctx_len[s] + chunk_tokens - 1) // chunk_tokens
-            if sliding_window is None:
-                first = jnp.int32(0)
-            else:
-                lowest = jnp.where(seqs == s, pos - sliding_window + 1, jnp.iinfo(jnp.int32).max)
-                first = jnp.minimum(jnp.maximum(jnp.min(lowest), 0) // chunk_tokens, last)
+            first = _first_chunk(pos, seqs == s, sliding_window, chunk_tokens, last)
 
             def per_chunk(j, st):
                 blocks = jax.lax.dynamic_slice_in_dim(tables[s], j * chunk, chunk)
                 k = k_cache[blocks].reshape(chunk_tokens, kv_heads, head_dim).astype(jnp.float32)
                 v = v_cache[blocks].reshape(chunk_tokens, kv_heads, head_dim).astype(jnp.float32)
-                sc = jnp.einsum("tkgd,ckd->tkgc", q, k)
-                if logit_soft_cap is not None:
-                    sc = logit_soft_cap * jnp.tanh(sc / logit_soft_cap)
+                sc = _soft_cap(jnp.einsum("tkgd,ckd->tkgc", q, k), logit_soft_cap)
                 k_pos = j * chunk_tokens + jnp.arange(chunk_tokens)
                 mask = (seqs[:, None] == s) & (k_pos[None, :] < ctx[:, None])
                 if sliding_window is not None:
@@ -251,9 +248,7 @@ def _new_token_context(
 
     def fold(state, q, qs, qp, qr, kk, vv, ks, kp, kr):
         """Fold keys kk/vv (sequence ks, position kp, real kr) into the queries' state."""
-        sc = jnp.einsum("tkgd,ukd->tkgu", q, kk)
-        if logit_soft_cap is not None:
-            sc = logit_soft_cap * jnp.tanh(sc / logit_soft_cap)
+        sc = _soft_cap(jnp.einsum("tkgd,ukd->tkgu", q, kk), logit_soft_cap)
         mask = (qs[:, None] == ks[None, :]) & (kp[None, :] <= qp[:, None])
         mask &= qr[:, None] & kr[None, :]
         if sliding_window is not None:
@@ -382,7 +377,8 @@ def paged_attention(
 
     seq_of_token, is_real = _token_layout(batch, num_tokens)
     query_len = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
-    cached_len = jnp.where(is_real, (batch.seq_lens - query_len)[seq_of_token], 0)
+    seq_cached_len = batch.seq_lens - query_len  # [S], context written by earlier steps
+    cached_len = jnp.where(is_real, seq_cached_len[seq_of_token], 0)  # [T]
     seq_start = batch.query_start_loc[seq_of_token]
     q_pos = batch.positions
     qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, kv_heads, group, head_dim)
@@ -401,7 +397,7 @@ def paged_attention(
     if head < num_tokens:
         state = _paged_context_by_sequence(
             qg, k_cache, v_cache, batch.block_tables, seq_of_token, q_pos, cached_len,
-            batch.seq_lens - query_len, head, state,
+            seq_cached_len, head, state,
             tile=min(cached_tile, num_tokens), chunk=max(1, cached_chunk_tokens // block_size),
             sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
         )
