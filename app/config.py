@@ -8,7 +8,7 @@
         ingress_config: {api_key_env: SERVAX_API_KEY, max_ongoing_requests: 1024}
         llm_configs:
         - model_loading_config: {model_id: tiny-llama, model_source: servax-tiny/llama}
-          engine_kwargs: {impl: jax, dtype: float32, max_model_len: 512}
+          engine_kwargs: {model_impl: jax, dtype: float32, max_model_len: 512}
           deployment_config: {num_replicas: 1, ray_actor_options: {num_cpus: 1}}
         - models/gpt2.yaml      # a block may live in its own file
 
@@ -28,7 +28,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from runtime.config import EngineConfig, Impl
+import warnings
+
+from runtime.config import EngineConfig, ModelImpl
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,7 +122,16 @@ class LLMConfig(_Strict):
         default_factory=dict, description="runtime.config.EngineConfig fields except `model`."
     )
     deployment_config: DeploymentConfig = Field(default_factory=DeploymentConfig)
-    impl: Impl | None = Field(None, description="Shortcut for engine_kwargs.impl.")
+    model_impl: ModelImpl | None = Field(None, description="Shortcut for engine_kwargs.model_impl.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _impl_is_model_impl(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "impl" in data and "model_impl" not in data:
+            data = {**data, "model_impl": data["impl"]}
+            del data["impl"]
+            warnings.warn("the model block setting `impl` is deprecated; use `model_impl`", FutureWarning, stacklevel=2)
+        return data
 
     @field_validator("engine_kwargs")
     @classmethod
@@ -136,10 +147,9 @@ class LLMConfig(_Strict):
 
     @model_validator(mode="after")
     def _impl_agrees(self) -> LLMConfig:
-        if self.impl is not None and self.engine_kwargs.get("impl", self.impl) != self.impl:
-            raise ValueError(
-                f"impl ({self.impl!r}) contradicts engine_kwargs.impl ({self.engine_kwargs['impl']!r})"
-            )
+        inner = self.engine_kwargs.get("model_impl", self.engine_kwargs.get("impl", self.model_impl))
+        if self.model_impl is not None and inner != self.model_impl:
+            raise ValueError(f"model_impl ({self.model_impl!r}) contradicts engine_kwargs.model_impl ({inner!r})")
         return self
 
     @property
@@ -147,10 +157,11 @@ class LLMConfig(_Strict):
         return self.model_loading_config.model_id
 
     def engine_config(self) -> EngineConfig:
-        """The engine's configuration: engine_kwargs + model_source (+ the impl shortcut)."""
+        """The engine's configuration: engine_kwargs + model_source (+ the model_impl shortcut)."""
         kwargs = dict(self.engine_kwargs)
-        if self.impl is not None:
-            kwargs["impl"] = self.impl
+        if self.model_impl is not None:
+            kwargs.pop("impl", None)
+            kwargs["model_impl"] = self.model_impl
         return EngineConfig(model=self.model_loading_config.source, **kwargs)
 
     def deployment_name(self) -> str:

@@ -85,8 +85,9 @@ class OpenAIRouter:
         return ModelList(data=[self._cards[m] for m in self.handles])
 
     async def health(self) -> dict[str, str]:
-        results = await asyncio.gather(*(h.health.remote() for h in self.handles.values()), return_exceptions=True)
-        return {m: ("ok" if r is True else f"{type(_unwrap(r)).__name__}: {_unwrap(r)}")
+        results = await asyncio.gather(*(h.check_health.remote() for h in self.handles.values()),
+                                       return_exceptions=True)
+        return {m: ("ok" if not isinstance(r, BaseException) else f"{type(_unwrap(r)).__name__}: {_unwrap(r)}")
                 for m, r in zip(self.handles, results)}
 
     async def relay(self, method: str, body: CompletionRequest | ChatCompletionRequest) -> Any:

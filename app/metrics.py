@@ -1,8 +1,22 @@
 """Serve metrics of one LLMServer replica (exported by Ray on its metrics port).
 
-Names follow vLLM's where it has one (`servax:time_to_first_token_seconds` ...). Ray adds
-the deployment, replica and application tags; we add `model_id`. Metrics are best-effort:
-outside a Ray worker (local testing mode, plain unit tests) recording is a no-op.
+Names are vLLM's with servax's prefix (Ray adds `ray_` on export, and the deployment,
+replica and application tags; we add `model_id`):
+
+| metric | kind | what |
+|---|---|---|
+| servax_time_to_first_token_seconds | histogram | arrival to first token |
+| servax_time_per_output_token_seconds | histogram | mean gap between later tokens, per request |
+| servax_e2e_request_latency_seconds | histogram | arrival to finish |
+| servax_prompt_tokens_total / servax_generation_tokens_total | counter | tokens in / out |
+| servax_request_success_total{finished_reason} | counter | finished requests: stop, length, abort |
+| servax_num_requests_running / servax_num_requests_waiting | gauge | the engine's batch and queue |
+| servax_kv_cache_usage_perc | gauge | share of KV blocks in use (0..1) |
+| servax_prefix_cache_queries_total / servax_prefix_cache_hits_total | counter | prompt tokens looked up / found |
+| servax_num_preemptions_total | counter | sequences preempted for lack of KV blocks |
+
+Metrics are best-effort: outside a Ray worker (local testing mode, plain unit tests)
+recording is a no-op.
 """
 
 from __future__ import annotations
@@ -13,6 +27,9 @@ from typing import Any
 logger = logging.getLogger("ray.serve")
 
 _LATENCY_BOUNDARIES = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0]
+# Engine counters mirrored into Serve counters: EngineStats field -> metric attribute.
+_ENGINE_COUNTERS = {"prefix_cache_queries": "prefix_queries", "prefix_cache_hits": "prefix_hits",
+                    "num_preemptions": "preemptions"}
 
 
 class ServerMetrics:
@@ -20,6 +37,7 @@ class ServerMetrics:
 
     def __init__(self, model_id: str):
         self._tags = {"model_id": model_id}
+        self._engine_totals = dict.fromkeys(_ENGINE_COUNTERS, 0)
         self.enabled = False
         try:
             from ray.serve import metrics as m
@@ -33,12 +51,16 @@ class ServerMetrics:
                                    boundaries=_LATENCY_BOUNDARIES, tag_keys=keys)
             self.prompt_tokens = m.Counter("servax_prompt_tokens_total", "Prompt tokens processed.", tag_keys=keys)
             self.generation_tokens = m.Counter("servax_generation_tokens_total", "Tokens generated.", tag_keys=keys)
-            self.requests = m.Counter("servax_requests_total", "Finished requests by finish reason.",
-                                      tag_keys=("model_id", "finish_reason"))
+            self.request_success = m.Counter("servax_request_success_total", "Finished requests by finish reason.",
+                                             tag_keys=("model_id", "finished_reason"))
             self.num_running = m.Gauge("servax_num_requests_running", "Requests in the running batch.", tag_keys=keys)
             self.num_waiting = m.Gauge("servax_num_requests_waiting", "Requests waiting.", tag_keys=keys)
-            self.kv_usage = m.Gauge("servax_kv_cache_usage_ratio", "Share of KV blocks in use.", tag_keys=keys)
-            self.prefix_hit_rate = m.Gauge("servax_prefix_cache_hit_rate", "Prefix-cache hit rate.", tag_keys=keys)
+            self.kv_usage = m.Gauge("servax_kv_cache_usage_perc", "Share of KV blocks in use (0..1).", tag_keys=keys)
+            self.prefix_queries = m.Counter("servax_prefix_cache_queries_total",
+                                            "Prompt tokens looked up in the prefix cache.", tag_keys=keys)
+            self.prefix_hits = m.Counter("servax_prefix_cache_hits_total",
+                                         "Prompt tokens found in the prefix cache.", tag_keys=keys)
+            self.preemptions = m.Counter("servax_num_preemptions_total", "Sequences preempted.", tag_keys=keys)
             self.enabled = True
         except Exception as e:  # no Ray worker, or an older Ray: serve without metrics
             logger.debug("servax metrics disabled: %s", e)
@@ -67,18 +89,18 @@ class ServerMetrics:
             self._record(self.prompt_tokens.inc, prompt_tokens, tags)
         if generation_tokens:
             self._record(self.generation_tokens.inc, generation_tokens, tags)
-        self._record(self.requests.inc, 1, {**tags, "finish_reason": str(finish_reason)})
+        self._record(self.request_success.inc, 1, {**tags, "finished_reason": str(finish_reason)})
 
     def update_engine_gauges(self, stats: Any) -> None:
-        """Copy the engine's point-in-time stats (runtime EngineStats) into gauges."""
+        """Copy the engine's point-in-time stats (runtime EngineStats) into gauges and counters."""
         if not self.enabled:
             return
         tags = self._tags
-        total = getattr(stats, "kv_blocks_total", 0) or 0
-        self._record(self.num_running.set, getattr(stats, "num_running", 0), tags)
-        self._record(self.num_waiting.set, getattr(stats, "num_waiting", 0), tags)
-        usage = getattr(stats, "kv_cache_usage", None)
-        if usage is None:
-            usage = (getattr(stats, "kv_blocks_used", 0) / total) if total else 0.0
-        self._record(self.kv_usage.set, usage, tags)
-        self._record(self.prefix_hit_rate.set, getattr(stats, "prefix_cache_hit_rate", 0.0) or 0.0, tags)
+        self._record(self.num_running.set, stats.num_running, tags)
+        self._record(self.num_waiting.set, stats.num_waiting, tags)
+        self._record(self.kv_usage.set, stats.kv_cache_usage, tags)
+        for field, attr in _ENGINE_COUNTERS.items():
+            total = getattr(stats, field)
+            delta, self._engine_totals[field] = total - self._engine_totals[field], total
+            if delta > 0:
+                self._record(getattr(self, attr).inc, delta, tags)

@@ -15,23 +15,30 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 
 class _Request(BaseModel):
+    """Fields shared by completions and chat completions.
+
+    Types are checked here; value ranges are not: runtime.SamplingParams and the engine's
+    InputProcessor own them (one set of limits for HTTP, handles and the offline LLM), and
+    their errors reach the client as 400s naming the parameter.
+    """
+
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     top_k: int | None = None
-    min_p: float | None = Field(None, ge=0, le=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -42,16 +49,6 @@ class _Request(BaseModel):
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     store: bool | None = None
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias_token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        for key, value in (bias or {}).items():
-            if not key.lstrip("-").isdigit() or int(key) < 0:
-                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
-            if not -100 <= value <= 100:
-                raise ValueError(f"values must be in [-100, 100], got {value} for token {key}")
-        return bias
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _Request:
@@ -75,7 +72,7 @@ class _Request(BaseModel):
         if self.stop is not None:
             kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.logit_bias:
-            kwargs["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
+            kwargs["logit_bias"] = dict(self.logit_bias)  # SamplingParams checks the ids and values
         return kwargs
 
     @property
@@ -97,9 +94,9 @@ class CompletionRequest(_Request):
 
     prompt: Prompt
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = None
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -143,30 +140,21 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
+    """One chat message; extra keys (tool_calls, tool_call_id, ...) reach the chat template."""
+
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-
-    def text(self) -> str:
-        """Content as plain text (text parts of a multi-part message joined)."""
-        if isinstance(self.content, list):
-            parts = []
-            for part in self.content:
-                if part.get("type") != "text":
-                    raise ValueError(f"only text content parts are supported, got {part.get('type')!r}")
-                parts.append(part.get("text", ""))
-            return "".join(parts)
-        return self.content or ""
 
 
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -176,8 +164,9 @@ class ChatCompletionRequest(_Request):
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages as dicts for the engine's InputProcessor (which renders the template)."""
+        return [m.model_dump(exclude_none=True) for m in self.messages]
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kwargs = super().sampling_kwargs()

@@ -32,7 +32,7 @@ from app.serving import OpenAIServing
 
 logger = logging.getLogger("ray.serve")
 
-PromptOrMessages = str | list[int] | list[dict[str, Any]]
+PromptOrMessages = str | list[int] | dict[str, Any] | list[dict[str, Any]]
 
 
 @dataclass
@@ -76,18 +76,19 @@ class LLMServer:
     """A replica serving one model: engine start-up in `__init__`, then requests."""
 
     def __init__(self, llm_config: LLMConfig | dict[str, Any]):
-        """Build and warm up the engine (this is the replica's startup; Serve waits for it).
+        """Load the model, build and warm up the engine (the replica's startup; Serve waits for it).
 
         Raises:
-            runtime.errors.ModelLoadError / ValueError: the model or its settings are wrong.
+            registry.errors.ModelLoadError / ValueError: the model or its settings are wrong.
         """
+        from app.llm import load_model
         from runtime import AsyncLLMEngine
 
         self.llm_config = LLMConfig.model_validate(llm_config)
         self.model_id = self.llm_config.model_id
         engine_config = self.llm_config.engine_config()
         start = time.perf_counter()
-        self.engine = AsyncLLMEngine(engine_config)
+        self.engine = AsyncLLMEngine(engine_config, load_model(engine_config))
         self.startup_s = time.perf_counter() - start
         self.metrics = ServerMetrics(self.model_id)
         self.serving = OpenAIServing(self.engine, self.model_id, self.metrics)
@@ -106,26 +107,14 @@ class LLMServer:
 
     # ---- Python handle API ---------------------------------------------------------------
 
-    def _prompt(self, prompt_or_messages: PromptOrMessages) -> str | list[int]:
-        p = prompt_or_messages
-        if isinstance(p, list) and p and isinstance(p[0], dict):
-            return self.serving.chat_prompt_ids(p)
-        return p  # type: ignore[return-value]
-
-    def _sampling(self, sampling: Any, prompt: str | list[int]) -> Any:
-        from runtime import SamplingParams
-
-        if isinstance(sampling, SamplingParams):
-            return sampling
-        return self.serving.sampling_params(dict(sampling or {}))
-
     async def generate(self, prompt_or_messages: PromptOrMessages,
                        sampling: dict[str, Any] | Any | None = None) -> GenerateResult:
         """Generate to completion.
 
         Args:
-            prompt_or_messages: prompt text, prompt token ids, or chat messages
-                ([{"role": ..., "content": ...}], rendered with the model's chat template).
+            prompt_or_messages: prompt text, prompt token ids, a prompt dict ({"prompt": ...} or
+                {"prompt_token_ids": [...]}), or chat messages ([{"role": ..., "content": ...}],
+                rendered with the model's chat template).
             sampling: a runtime.SamplingParams, or a dict of its fields (vLLM's names:
                 max_tokens, temperature, top_p, n, seed, stop, logprobs, ...).
 
@@ -138,8 +127,7 @@ class LLMServer:
             also an instance of the original class.
         """
         request_id = f"gen-{uuid.uuid4().hex}"
-        prompt = self._prompt(prompt_or_messages)
-        stream = await self.serving.submit(prompt, self._sampling(sampling, prompt), request_id)
+        stream = await self.serving.submit(prompt_or_messages, sampling, request_id)
         out = None
         async with aclosing(stream):
             async for out in stream:
@@ -159,8 +147,7 @@ class LLMServer:
         generator) aborts the request in the engine.
         """
         request_id = f"gen-{uuid.uuid4().hex}"
-        prompt = self._prompt(prompt_or_messages)
-        stream = await self.serving.submit(prompt, self._sampling(sampling, prompt), request_id)
+        stream = await self.serving.submit(prompt_or_messages, sampling, request_id)
         async with aclosing(stream):
             async for out in stream:
                 for c in out.outputs:
@@ -202,13 +189,12 @@ class LLMServer:
         except Exception:  # stats are advisory; never fail a request over them
             pass
 
-    def health(self) -> bool:
-        """True when the engine loop is alive; raises EngineDeadError otherwise (for GET /health)."""
-        self.engine.check_health()
-        return True
-
     def check_health(self) -> None:
-        """Called by Serve every health_check_period_s; raising makes Serve replace the replica."""
+        """Raises EngineDeadError when the engine loop has died.
+
+        Serve calls it every health_check_period_s (raising makes Serve replace the replica);
+        the ingress calls it for GET /health.
+        """
         self.engine.check_health()
         self._update_gauges()
 

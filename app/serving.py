@@ -56,29 +56,11 @@ class OpenAIServing:
 
     # ---- engine access shared by the OpenAI routes and the Python handle methods -------
 
-    def sampling_params(self, kwargs: dict[str, Any]) -> Any:
-        """runtime.SamplingParams from vLLM-named fields; raises InvalidRequestError."""
-        from runtime import SamplingParams
-
-        try:
-            return SamplingParams(**kwargs)
-        except TypeError as e:  # a field this engine does not know
-            raise InvalidRequestError(str(e)) from None
-
-    def chat_prompt_ids(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
-        """Token ids of `messages` rendered by the model's chat template (generation prompt added)."""
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
-        template_kwargs.setdefault("add_generation_prompt", True)
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
-        except Exception as e:
-            raise InvalidRequestError(f"chat template failed: {e}", param="messages") from None
-        # The template writes BOS etc. itself; tokenizing again must not add them twice.
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    async def submit(self, prompt: str | list[int], sampling: Any, request_id: str) -> RequestStream:
+    async def submit(self, prompt: Any, sampling: Any, request_id: str) -> RequestStream:
         """Start a request and wait for its first output, so that a refusal raises here.
+
+        `prompt` and `sampling` take every form the engine's InputProcessor accepts (text,
+        token ids, prompt dicts, chat messages; SamplingParams or a dict of its fields).
 
         Returns:
             A RequestStream over all its RequestOutput snapshots (the first included);
@@ -135,7 +117,7 @@ class OpenAIServing:
         request_id = new_id("cmpl")
         prompts = request.prompts()
         try:
-            sampling = self.sampling_params(request.sampling_kwargs())
+            sampling = self.engine.processor.sampling_params(request.sampling_kwargs())
             outputs = await self.submit_all(prompts, sampling, request_id)
         except Exception as e:
             err = error_response(e, "prompt")
@@ -238,13 +220,13 @@ class OpenAIServing:
         """Yield the response body (or, with stream, each chunk body); or one ErrorResponse."""
         request_id = new_id("chatcmpl")
         try:
-            prompt_ids = self.chat_prompt_ids(
+            processor = self.engine.processor
+            _, prompt_ids = processor.render_chat(
                 request.chat_messages(), add_generation_prompt=request.add_generation_prompt,
-                **(request.chat_template_kwargs or {}))
+                chat_template_kwargs=request.chat_template_kwargs)
             kwargs = request.sampling_kwargs()
             self._default_max_tokens(kwargs, len(prompt_ids))
-            sampling = self.sampling_params(kwargs)
-            outputs = await self.submit(prompt_ids, sampling, request_id)
+            outputs = await self.submit(prompt_ids, processor.sampling_params(kwargs), request_id)
         except Exception as e:
             err = error_response(e, "messages")
             if err is None:

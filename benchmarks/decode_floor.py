@@ -31,12 +31,12 @@ def main() -> None:
 
     import numpy as np
 
-    from runtime import LLM, SamplingParams
+    from app import LLM, SamplingParams
 
     path = bench_checkpoint()
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(
-        model=str(path), impl=args.impl, dtype="float32", max_model_len=512,
+        model=str(path), model_impl=args.impl, dtype="float32", max_model_len=512,
         max_num_seqs=max(batches), max_num_batched_tokens=512, show_progress=False,
         enable_prefix_caching=False,
     )

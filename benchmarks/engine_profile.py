@@ -28,11 +28,11 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     args = parser.parse_args()
 
-    from runtime import LLM, SamplingParams
+    from app import LLM, SamplingParams
     from runtime.compilation import step_bucket
 
     llm = LLM(
-        model=str(bench_checkpoint()), impl=args.impl, dtype="float32", max_model_len=512,
+        model=str(bench_checkpoint()), model_impl=args.impl, dtype="float32", max_model_len=512,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         show_progress=False,
     )

@@ -36,7 +36,7 @@ PORT = 8123
 
 def engine_kwargs(args) -> dict:
     return dict(
-        impl=args.impl, dtype="float32", max_model_len=512, max_num_seqs=32,
+        model_impl=args.impl, dtype="float32", max_model_len=512, max_num_seqs=32,
         max_num_batched_tokens=512, show_progress=False,
     )
 
@@ -171,10 +171,12 @@ def main() -> None:
                 os.killpg(proc.pid, signal.SIGKILL)
             subprocess.run(["ray", "stop", "--force"], capture_output=True)
 
+    from app.llm import load_model
     from runtime import AsyncLLMEngine, EngineConfig
 
     async def direct_all():
-        engine = AsyncLLMEngine(EngineConfig(model=model, **engine_kwargs(args)))
+        config = EngineConfig(model=model, **engine_kwargs(args))
+        engine = AsyncLLMEngine(config, load_model(config))
         try:
             await run_direct(engine, *requests_for(1), 1)
             for c in levels:

@@ -25,8 +25,8 @@ from benchmarks.common import bench_checkpoint, record, table  # noqa: E402
 _CHILD = """
 import json, sys, time
 t0 = time.perf_counter()
-from runtime import LLM, SamplingParams
-llm = LLM(model=sys.argv[1], impl=sys.argv[2], max_model_len=512, compilation_cache_dir=sys.argv[3],
+from app import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], model_impl=sys.argv[2], max_model_len=512, compilation_cache_dir=sys.argv[3],
           show_progress=False)
 ready = time.perf_counter() - t0
 llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))

@@ -21,11 +21,11 @@ from benchmarks.common import bench_checkpoint, record, table, workload  # noqa:
 
 
 def run_servax(path: Path, impl: str, prompts, max_tokens, args) -> tuple[float, list[list[int]], float]:
-    from runtime import LLM, SamplingParams
+    from app import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(
-        model=str(path), impl=impl, dtype="float32", max_model_len=512,
+        model=str(path), model_impl=impl, dtype="float32", max_model_len=512,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         show_progress=False,
     )

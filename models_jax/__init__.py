@@ -1,6 +1,9 @@
 """Native JAX model definitions.
 
-Each model module exposes the same small interface, which `registry.native` relies on:
+Each model module ends with an `ENTRY = ModelEntry(...)` declaring the Hugging Face
+architectures it serves (as sglang-jax's `EntryClass`); `registry.native` builds its
+table from these declarations, so a new model is one new file here. The entry names the
+module's three functions:
 
     config_from_hf(hf_config) -> args      # frozen dataclass, hashable; has num_layers,
                                            # num_heads, num_kv_heads, head_dim, kv_repeat
@@ -14,4 +17,28 @@ Query head h then reads stored KV head h // (num_heads // (num_kv_heads * kv_rep
 which is a copy of its original KV head h // (num_heads // num_kv_heads). This is vLLM's
 KV-head replication: without it, a cache with fewer KV heads than devices would be
 replicated whole on every device (and XLA re-gathers it each step).
+
+models_jax imports runtime (the step contract, attention, the sharding rules), never registry.
 """
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelEntry:
+    """What a native model module serves and how (see the module docstring for the signatures).
+
+    Attributes:
+        architectures: Hugging Face `config.architectures` names, e.g. "LlamaForCausalLM".
+        config_from_hf: HF config -> static args; raises ValueError on features it lacks.
+        weight_table: args -> pytree of WeightSpec.
+        forward: the step function, (params, kv_cache, batch, *, args) -> (logits, kv_cache).
+    """
+
+    architectures: tuple[str, ...]
+    config_from_hf: Callable[[Any], Any]
+    weight_table: Callable[[Any], Any]
+    forward: Callable[..., Any]

@@ -55,7 +55,7 @@ class RopeConfig:
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"rope_type {rope_type!r} is not supported by the native JAX models; "
-                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)} (use impl='torchax' for others)"
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)} (use model_impl='torchax' for others)"
             )
         if params.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("partial_rotary_factor != 1 is not supported by the native JAX models")

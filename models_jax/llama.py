@@ -18,14 +18,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
-from models_jax import layers
-from models_jax.weights import WeightSpec, head_bias, linear, linear_from_heads, linear_to_heads, vector
+from models_jax import ModelEntry, layers
+from models_jax.weights import embedding, head_bias, linear, linear_from_heads, linear_to_heads, vector, zeros
 from runtime.attention import paged_attention
 from runtime.step import KVCache, StepInput
-
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +44,7 @@ class LlamaArgs:
     mlp_bias: bool = False
     qk_norm: bool = False
     tie_word_embeddings: bool = False
+    initializer_range: float = 0.02  # std of random weights (init_params), as transformers draws them
     kv_repeat: int = 1  # each KV head stored this many times (set by registry.native for the mesh)
 
     @classmethod
@@ -80,59 +78,63 @@ class LlamaArgs:
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            initializer_range=float(getattr(cfg, "initializer_range", 0.02)),
         )
 
 
 def weight_table(a: LlamaArgs) -> dict:
-    """The params tree as WeightSpecs: HF source, shapes and Megatron-style shardings.
+    """The params tree as WeightSpecs: HF source, shapes, logical axes and initializers.
 
-    q/k/v and gate/up are split by output (heads, features) on "model"; o_proj and
-    down_proj by input; the embedding and the LM head by vocab; norms are replicated.
-    k/v (and their biases) hold each KV head `a.kv_repeat` times, so that the KV heads
-    split evenly even when the model axis is larger than num_kv_heads.
+    Under runtime.mesh's rules this is Megatron-style: q/k/v and gate/up are split by
+    output (heads, features), o_proj and down_proj by input, the embedding and the LM head
+    by vocab; norms are whole. k/v (and their biases) hold each KV head `a.kv_repeat`
+    times, so that the KV heads split evenly even when the model axis is larger than
+    num_kv_heads.
     """
     d, f, hd = a.hidden_size, a.intermediate_size, a.head_dim
-    heads_out, heads_in = P(None, "model", None), P("model", None, None)
+    normal = jax.nn.initializers.normal(a.initializer_range)
 
     def layer(i: int) -> dict:
         pre = f"model.layers.{i}."
         attn, mlp = pre + "self_attn.", pre + "mlp."
         w = {
-            "input_norm": vector(pre + "input_layernorm.weight", d),
-            "q": linear_to_heads(attn + "q_proj.weight", d, a.num_heads, hd, heads_out),
-            "k": linear_to_heads(attn + "k_proj.weight", d, a.num_kv_heads, hd, heads_out, a.kv_repeat),
-            "v": linear_to_heads(attn + "v_proj.weight", d, a.num_kv_heads, hd, heads_out, a.kv_repeat),
-            "o": linear_from_heads(attn + "o_proj.weight", a.num_heads, hd, d, heads_in),
-            "post_attn_norm": vector(pre + "post_attention_layernorm.weight", d),
+            "input_norm": vector(pre + "input_layernorm.weight", d, ("embed",)),
+            "q": linear_to_heads(attn + "q_proj.weight", d, a.num_heads, hd, "q_heads", normal),
+            "k": linear_to_heads(attn + "k_proj.weight", d, a.num_kv_heads, hd, "kv_heads", normal, a.kv_repeat),
+            "v": linear_to_heads(attn + "v_proj.weight", d, a.num_kv_heads, hd, "kv_heads", normal, a.kv_repeat),
+            "o": linear_from_heads(attn + "o_proj.weight", a.num_heads, hd, d, normal),
+            "post_attn_norm": vector(pre + "post_attention_layernorm.weight", d, ("embed",)),
             "mlp": {
-                "gate": linear(mlp + "gate_proj.weight", d, f, P(None, "model")),
-                "up": linear(mlp + "up_proj.weight", d, f, P(None, "model")),
-                "down": linear(mlp + "down_proj.weight", f, d, P("model", None)),
+                "gate": linear(mlp + "gate_proj.weight", d, f, ("embed", "mlp"), normal),
+                "up": linear(mlp + "up_proj.weight", d, f, ("embed", "mlp"), normal),
+                "down": linear(mlp + "down_proj.weight", f, d, ("mlp", "embed"), normal),
             },
         }
         if a.qkv_bias:
-            for name, heads, repeat in (
-                ("q", a.num_heads, 1), ("k", a.num_kv_heads, a.kv_repeat), ("v", a.num_kv_heads, a.kv_repeat)
+            for name, heads, axis, repeat in (
+                ("q", a.num_heads, "q_heads", 1),
+                ("k", a.num_kv_heads, "kv_heads", a.kv_repeat),
+                ("v", a.num_kv_heads, "kv_heads", a.kv_repeat),
             ):
-                w[name + "_bias"] = head_bias(attn + f"{name}_proj.bias", heads, hd, P("model", None), repeat)
+                w[name + "_bias"] = head_bias(attn + f"{name}_proj.bias", heads, hd, axis, repeat)
         if a.o_bias:
-            w["o_bias"] = vector(attn + "o_proj.bias", d)
+            w["o_bias"] = vector(attn + "o_proj.bias", d, ("embed",), zeros)
         if a.qk_norm:
-            w["q_norm"] = vector(attn + "q_norm.weight", hd)
-            w["k_norm"] = vector(attn + "k_norm.weight", hd)
+            w["q_norm"] = vector(attn + "q_norm.weight", hd, ("head_dim",))
+            w["k_norm"] = vector(attn + "k_norm.weight", hd, ("head_dim",))
         if a.mlp_bias:
-            w["mlp"]["gate_bias"] = vector(mlp + "gate_proj.bias", f, P("model"))
-            w["mlp"]["up_bias"] = vector(mlp + "up_proj.bias", f, P("model"))
-            w["mlp"]["down_bias"] = vector(mlp + "down_proj.bias", d)
+            w["mlp"]["gate_bias"] = vector(mlp + "gate_proj.bias", f, ("mlp",), zeros)
+            w["mlp"]["up_bias"] = vector(mlp + "up_proj.bias", f, ("mlp",), zeros)
+            w["mlp"]["down_bias"] = vector(mlp + "down_proj.bias", d, ("embed",), zeros)
         return w
 
     table = {
-        "embed": WeightSpec("model.embed_tokens.weight", (a.vocab_size, d), P("model", None)),
+        "embed": embedding("model.embed_tokens.weight", a.vocab_size, d, normal),
         "layers": [layer(i) for i in range(a.num_layers)],
-        "final_norm": vector("model.norm.weight", d),
+        "final_norm": vector("model.norm.weight", d, ("embed",)),
     }
     if not a.tie_word_embeddings:
-        table["lm_head"] = linear("lm_head.weight", d, a.vocab_size, P(None, "model"))
+        table["lm_head"] = linear("lm_head.weight", d, a.vocab_size, ("embed", "vocab"), normal)
     return table
 
 
@@ -183,5 +185,11 @@ def forward(params: dict, kv_cache: KVCache, batch: StepInput, *, args: LlamaArg
             logits = jnp.einsum("sd,dv->sv", x, params["lm_head"], preferred_element_type=jnp.float32)
     return logits, new_cache
 
-# The interface registry.native expects of every native model module.
-config_from_hf = LlamaArgs.from_hf
+
+# The Hugging Face architectures this module serves (registry.native builds its table from these).
+ENTRY = ModelEntry(
+    architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
+    config_from_hf=LlamaArgs.from_hf,
+    weight_table=weight_table,
+    forward=forward,
+)

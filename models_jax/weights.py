@@ -1,17 +1,29 @@
 """The abstract description of one parameter, shared by every native model.
 
-A model declares a pytree of `WeightSpec`s with the same structure as its params. That one
-tree drives loading (which tensor of the Hugging Face checkpoint, how to lay it out) and
-sharding (the PartitionSpec under a mesh with a "model" axis), so a layout or sharding
-change is a one-line edit in the model's table.
+A model declares a pytree of `WeightSpec`s with the same structure as its params (as
+jax-llm-examples' ArrayInfo). That one tree drives loading (which tensor of the Hugging
+Face checkpoint, how to lay it out), sharding (logical axes, which runtime.mesh's rules
+turn into a PartitionSpec) and random initialisation (`init_params`, no checkpoint
+needed), so a layout or sharding change is a one-line edit in the model's table.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, Callable
 
-from jax.sharding import PartitionSpec as P
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from runtime.mesh import logical_to_spec
+
+# (key, shape, dtype) -> array, as jax.nn.initializers.
+Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
+ones: Initializer = jax.nn.initializers.ones
+zeros: Initializer = jax.nn.initializers.zeros
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,19 +33,25 @@ class WeightSpec:
     The checkpoint tensor `hf_name` (shape `hf_shape`) is reshaped to `view`, transposed
     by `perm`, and, with `repeat=(axis, times)`, each slice along `axis` is repeated
     `times` times in place (KV heads stored once per device group, see
-    models_jax/__init__.py), giving the native layout `shape`.
+    models_jax/__init__.py), giving the native layout `shape`, whose dimensions have the
+    `logical_axes`. `init` draws a random tensor in the checkpoint's layout (so repeated
+    heads stay copies); `dtype` None means the dtype the model is loaded in.
     """
 
     hf_name: str
     hf_shape: tuple[int, ...]
-    spec: P
+    logical_axes: tuple[str | None, ...]
+    init: Initializer
     view: tuple[int, ...] | None = None
     perm: tuple[int, ...] | None = None
     repeat: tuple[int, int] | None = None  # (axis of the native layout, times)
+    dtype: Any = None
 
     def __post_init__(self):
         if self.view is not None and math.prod(self.view) != math.prod(self.hf_shape):
             raise ValueError(f"{self.hf_name}: view {self.view} does not fit {self.hf_shape}")
+        if len(self.logical_axes) != len(self.shape):
+            raise ValueError(f"{self.hf_name}: logical axes {self.logical_axes} do not fit shape {self.shape}")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -44,15 +62,66 @@ class WeightSpec:
             shape[axis] *= times
         return tuple(shape)
 
+    def to_native(self, tensor: Any) -> Any:
+        """A checkpoint-layout tensor (numpy, a lazy view of a memmap, or jax) in the native layout.
 
-def vector(hf_name: str, size: int, spec: P = P()) -> WeightSpec:
-    """A 1-D tensor kept as is (norm scales, biases)."""
-    return WeightSpec(hf_name, (size,), spec)
+        Reshape and transpose stay views for numpy input; only a repeat copies.
+        """
+        xp = jnp if isinstance(tensor, jax.Array) else np
+        native = tensor.reshape(self.view) if self.view else tensor
+        native = native.transpose(self.perm) if self.perm else native
+        if self.repeat:
+            native = xp.repeat(native, self.repeat[1], axis=self.repeat[0])
+        return native
+
+    def partition_spec(self, mesh: Mesh) -> P:
+        """The logical axes through runtime.mesh's rules, fitted to what divides evenly on `mesh`."""
+        return logical_to_spec(self.logical_axes, self.shape, mesh)
 
 
-def linear(hf_name: str, d_in: int, d_out: int, spec: P) -> WeightSpec:
-    """An nn.Linear weight: HF [out, in] -> native [in, out]."""
-    return WeightSpec(hf_name, (d_out, d_in), spec, perm=(1, 0))
+def is_weight_spec(x: Any) -> bool:
+    return isinstance(x, WeightSpec)
+
+
+def init_params(table: Any, mesh: Mesh, dtype: Any, key: jax.Array) -> tuple[Any, Any]:
+    """Random params for a weight table, placed on `mesh`, without a checkpoint.
+
+    Each weight is drawn by its own initializer (one key per weight, in table order) in
+    the checkpoint layout and then laid out as `to_native` does for a loaded tensor, so
+    init and load give the same layout. One compiled program makes them all, each
+    device computing only its own shards.
+
+    Returns:
+        (params, param_shardings): jax.Arrays of `dtype` (or a weight's own dtype) and
+        their PartitionSpecs, both with the table's tree structure.
+    """
+    specs, treedef = jax.tree.flatten(table, is_leaf=is_weight_spec)
+    pspecs = [w.partition_spec(mesh) for w in specs]
+
+    def make(key: jax.Array) -> list[jax.Array]:
+        keys = jax.random.split(key, len(specs))
+        return [w.to_native(w.init(k, w.hf_shape, w.dtype or dtype)) for w, k in zip(specs, keys)]
+
+    out = jax.jit(make, out_shardings=[NamedSharding(mesh, s) for s in pspecs])(key)
+    return jax.tree.unflatten(treedef, out), jax.tree.unflatten(treedef, pspecs)
+
+
+# ---- table helpers: the Hugging Face layouts the native models read --------------------
+
+
+def vector(hf_name: str, size: int, axes: tuple[str | None] = (None,), init: Initializer = ones) -> WeightSpec:
+    """A 1-D tensor kept as is (norm scales: ones; biases: pass init=zeros)."""
+    return WeightSpec(hf_name, (size,), axes, init)
+
+
+def embedding(hf_name: str, vocab: int, d: int, init: Initializer) -> WeightSpec:
+    """An nn.Embedding weight [vocab, d], split by vocabulary."""
+    return WeightSpec(hf_name, (vocab, d), ("vocab", "embed"), init)
+
+
+def linear(hf_name: str, d_in: int, d_out: int, axes: tuple[str | None, str | None], init: Initializer) -> WeightSpec:
+    """An nn.Linear weight: HF [out, in] -> native [in, out] with logical `axes` (in, out)."""
+    return WeightSpec(hf_name, (d_out, d_in), axes, init, perm=(1, 0))
 
 
 def _repeat(axis: int, times: int) -> tuple[int, int] | None:
@@ -60,19 +129,25 @@ def _repeat(axis: int, times: int) -> tuple[int, int] | None:
 
 
 def linear_to_heads(
-    hf_name: str, d_in: int, heads: int, head_dim: int, spec: P, repeat: int = 1
+    hf_name: str, d_in: int, heads: int, head_dim: int, heads_axis: str, init: Initializer, repeat: int = 1
 ) -> WeightSpec:
     """A projection into heads (q/k/v): HF [heads * head_dim, in] -> native [in, heads * repeat, head_dim]."""
     return WeightSpec(
-        hf_name, (heads * head_dim, d_in), spec, view=(heads, head_dim, d_in), perm=(2, 0, 1), repeat=_repeat(1, repeat)
+        hf_name, (heads * head_dim, d_in), ("embed", heads_axis, "head_dim"), init,
+        view=(heads, head_dim, d_in), perm=(2, 0, 1), repeat=_repeat(1, repeat),
     )
 
 
-def linear_from_heads(hf_name: str, heads: int, head_dim: int, d_out: int, spec: P) -> WeightSpec:
-    """A projection out of heads (o_proj): HF [out, heads * head_dim] -> native [heads, head_dim, out]."""
-    return WeightSpec(hf_name, (d_out, heads * head_dim), spec, view=(d_out, heads, head_dim), perm=(1, 2, 0))
+def linear_from_heads(hf_name: str, heads: int, head_dim: int, d_out: int, init: Initializer) -> WeightSpec:
+    """A projection out of the query heads (o_proj): HF [out, heads * head_dim] -> native [heads, head_dim, out]."""
+    return WeightSpec(
+        hf_name, (d_out, heads * head_dim), ("q_heads", "head_dim", "embed"), init,
+        view=(d_out, heads, head_dim), perm=(1, 2, 0),
+    )
 
 
-def head_bias(hf_name: str, heads: int, head_dim: int, spec: P, repeat: int = 1) -> WeightSpec:
-    """A q/k/v bias: HF [heads * head_dim] -> native [heads * repeat, head_dim]."""
-    return WeightSpec(hf_name, (heads * head_dim,), spec, view=(heads, head_dim), repeat=_repeat(0, repeat))
+def head_bias(hf_name: str, heads: int, head_dim: int, heads_axis: str, repeat: int = 1) -> WeightSpec:
+    """A q/k/v bias: HF [heads * head_dim] -> native [heads * repeat, head_dim], initialised to zeros."""
+    return WeightSpec(
+        hf_name, (heads * head_dim,), (heads_axis, "head_dim"), zeros, view=(heads, head_dim), repeat=_repeat(0, repeat)
+    )

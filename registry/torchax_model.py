@@ -22,8 +22,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from registry.errors import ModelLoadError
+from registry.model_info import ModelInfo, jax_dtype, read_model_info
+from registry.native import kv_repeat
 from registry.torchax_attention import (
     ATTN_IMPLEMENTATION,
     EXPERTS_IMPLEMENTATION,
@@ -31,20 +35,17 @@ from registry.torchax_attention import (
     register_implementations,
     step_context,
 )
-from registry.native import kv_repeat
 from registry.torchax_compat import import_torchax
-from runtime.errors import ModelLoadError
-from runtime.step import KVCache, KVCacheSpec, LoadedModel, StepInput
-
-DTYPES = ("float32", "bfloat16", "float16")
-MODEL_AXIS = "model"
+from runtime.mesh import logical_axis_size, logical_to_spec, make_mesh
+from runtime.step import KVCache, KVCacheSpec, LoadedModel, StepInput, make_step_input
 
 # Megatron-style tensor parallelism over HF module names (the last name component).
-# "column": split the output features on the model axis; "row": split the input features
-# (one all-reduce after it); "vocab": split the vocabulary. "kv_column": "column" when the
-# model's KV heads divide the axis, else replicated (the attention then repeats the KV
-# heads, see StepContext.kv_repeat). Anything else is replicated.
-# A spec is used only when the split dimension divides the axis size.
+# "column": split the output features; "row": split the input features (one all-reduce
+# after it); "vocab": split the vocabulary. "kv_column": split the output features by KV
+# head when the model's KV heads divide the axis, else replicated (the attention then
+# repeats the KV heads, see StepContext.kv_repeat). Anything else is replicated.
+# Each kind names the logical axis of its split dimension (_KIND_AXIS); runtime.mesh's
+# rules map it to a mesh axis, and a split is used only where it divides the dimension.
 PARTITION_RULES: tuple[tuple[str, str], ...] = (
     (r"(q|gate|up|gate_up)_proj|c_fc|fc1|fc_in|w1|w3|dense_h_to_4h|query|in_proj", "column"),
     # K/V, and fused q|k|v laid out by KV-head group: [heads, 3, head_dim] (GPT-NeoX, Bloom,
@@ -63,17 +64,7 @@ _NOT_ROUTED = (
     "transformers' AttentionInterface, so it cannot be routed to servax's paged KV cache"
 )
 _EXPERT_PARAMS = {"gate_up_proj": "column", "up_proj": "column", "down_proj": "row"}
-
-
-def _dtype_name(dtype: Any) -> str:
-    """"float32" / "bfloat16" / "float16" from a name or any dtype-like (jnp.bfloat16, ...)."""
-    try:
-        name = jnp.dtype(dtype).name
-    except TypeError:
-        name = str(dtype)
-    if name not in DTYPES:
-        raise ModelLoadError(f"dtype {dtype!r} is not supported by the torchax path; use one of {DTYPES}")
-    return name
+_KIND_AXIS = {"column": "column", "row": "row", "vocab": "vocab", "kv_column": "kv_heads"}
 
 
 def _check_servable(resolved: Any, model_cls: Any) -> None:
@@ -104,15 +95,19 @@ def _model_class(resolved: Any, trust_remote_code: bool) -> Any:
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
-def load_torchax(resolved: Any, *, dtype: Any = "float32", mesh: jax.sharding.Mesh | None = None) -> LoadedModel:
+def load_torchax(
+    resolved: Any, *, dtype: Any = "float32", mesh: jax.sharding.Mesh | None = None, info: ModelInfo | None = None,
+) -> LoadedModel:
     """Wrap a transformers causal LM so it runs as a servax step function.
 
     Args:
         resolved: the resolved model; only .model_id, .path, .hf_config and .architecture
             are read (and .trust_remote_code if present).
         dtype: "float32", "bfloat16" or "float16" (or the jnp dtype), for weights and KV cache.
-        mesh: where to place the weights; default a 1-device mesh with a "model" axis.
-            When its "model" axis has more than one device, weights follow PARTITION_RULES.
+        mesh: where to place the weights (runtime.mesh.make_mesh); default one device.
+            Weights follow PARTITION_RULES.
+        info: tokenizer, EOS ids and context length (registry.load reads them); default
+            read from `resolved`.
 
     Returns:
         a LoadedModel with impl="torchax".
@@ -127,8 +122,8 @@ def load_torchax(resolved: Any, *, dtype: Any = "float32", mesh: jax.sharding.Me
     from torchax.interop import JittableModule
 
     register_implementations()
-    dtype = _dtype_name(dtype)
-    torch_dtype = getattr(torch, dtype)
+    dtype = jnp.dtype(jax_dtype(dtype, resolved.hf_config))
+    torch_dtype = getattr(torch, dtype.name)
     trust_remote_code = bool(getattr(resolved, "trust_remote_code", False))
     model_cls = _model_class(resolved, trust_remote_code)
     _check_servable(resolved, model_cls)
@@ -175,10 +170,9 @@ def load_torchax(resolved: Any, *, dtype: Any = "float32", mesh: jax.sharding.Me
         return env.t2j_iso(out)
 
     abstract = {name: jax.ShapeDtypeStruct(arr.shape, arr.dtype) for name, arr in host_params.items()}
-    num_heads, kv_spec = _probe_kv_spec(resolved, abstract, _call, jnp.dtype(dtype))
-    if mesh is None:
-        mesh = jax.make_mesh((1,), (MODEL_AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
-    axis = dict(zip(mesh.axis_names, mesh.devices.shape)).get(MODEL_AXIS, 1)
+    num_heads, kv_spec = _probe_kv_spec(resolved, abstract, _call, dtype)
+    mesh = make_mesh() if mesh is None else mesh
+    axis = logical_axis_size("kv_heads", mesh)
     # Store each KV head r times so the cache splits by head over the model axis, as the
     # native path does; kept at 1 where grouped-query attention could not map the copies
     # (the axis does not divide the query heads; registry.load refuses that anyway).
@@ -212,22 +206,15 @@ def load_torchax(resolved: Any, *, dtype: Any = "float32", mesh: jax.sharding.Me
         return logits.astype(jnp.float32), ctx.collect()
 
     kv_spec = dataclasses.replace(kv_spec, num_kv_heads=kv_spec.num_kv_heads * repeat)
-    split_kv = axis > 1 and kv_spec.num_kv_heads % axis == 0
-    kv_partition_spec = P(None, None, MODEL_AXIS, None) if split_kv else P()
-    config = resolved.hf_config
     return LoadedModel(
         step_fn=step_fn,
         params=params,
         kv_spec=kv_spec,
         param_shardings=param_shardings,
-        kv_partition_spec=kv_partition_spec,
-        tokenizer=_load_tokenizer(resolved.path, trust_remote_code),
-        hf_config=config,
+        kv_partition_spec=kv_spec.partition_spec(mesh),
         impl="torchax",
-        model_id=str(resolved.model_id),
-        max_model_len=_max_model_len(config),
         vocab_size=int(model.get_output_embeddings().weight.shape[0]),
-        eos_token_ids=_eos_token_ids(model, config),
+        **vars(info or read_model_info(resolved)),
     )
 
 
@@ -239,10 +226,6 @@ def _probe_kv_spec(resolved: Any, params: Any, call: Any, dtype: Any) -> tuple[i
     really goes through the registered function: a model whose layers never call it cannot
     be served.
     """
-    import numpy as np
-
-    from runtime.step import make_step_input
-
     batch = make_step_input(
         input_ids=np.zeros(2), positions=np.arange(2), slot_mapping=np.arange(2),
         block_tables=np.zeros((1, 1)), seq_lens=np.array([2]), query_start_loc=np.array([0, 2]),
@@ -280,26 +263,27 @@ def partition_spec(
 ) -> P:
     """The PartitionSpec of parameter `name` (HF naming) under `mesh`, per PARTITION_RULES.
 
-    Replicated unless the mesh has a "model" axis of size > 1 and the split dimension
-    divides it; K/V projections ("kv_column") also need `num_kv_heads`, the model's own
-    KV heads, to divide it. Linear weights are [out, in]; GPT-2's Conv1D weights are
-    [in, out]; embeddings are [vocab, hidden]; fused MoE experts are [E, out, in] (or
-    [E, in, out] when the experts module says is_transposed).
+    The split dimension gets its kind's logical axis (_KIND_AXIS), which runtime.mesh's
+    rules map to a mesh axis where it divides the dimension; K/V projections
+    ("kv_column") also need `num_kv_heads`, the model's own KV heads, to divide that
+    axis. Linear weights are [out, in]; GPT-2's Conv1D weights are [in, out]; embeddings
+    are [vocab, hidden]; fused MoE experts are [E, out, in] (or [E, in, out] when the
+    experts module says is_transposed).
     """
-    size = dict(zip(mesh.axis_names, mesh.devices.shape)).get(MODEL_AXIS, 1)
-    if size <= 1:
-        return P()
     owner_name, _, leaf = name.rpartition(".")
     try:
         owner = model.get_submodule(owner_name)
     except AttributeError:
         return P()
-    dim = _split_dim(owner, owner_name.rpartition(".")[2], leaf, len(shape), split_kv=num_kv_heads % size == 0)
-    if dim is None or shape[dim] % size:
+    split = _split_dim(owner, owner_name.rpartition(".")[2], leaf, len(shape))
+    if split is None:
         return P()
-    spec = [None] * len(shape)
-    spec[dim] = MODEL_AXIS
-    return P(*spec)
+    dim, kind = split
+    if kind == "kv_column" and num_kv_heads % logical_axis_size("kv_heads", mesh):
+        return P()
+    axes: list[str | None] = [None] * len(shape)
+    axes[dim] = _KIND_AXIS[kind]
+    return logical_to_spec(axes, shape, mesh)
 
 
 def _rule_kind(module_leaf: str) -> str | None:
@@ -307,25 +291,20 @@ def _rule_kind(module_leaf: str) -> str | None:
     return next((k for pattern, k in PARTITION_RULES if re.fullmatch(pattern, module_leaf)), None)
 
 
-def _split_dim(owner: Any, owner_leaf: str, leaf: str, ndim: int, *, split_kv: bool) -> int | None:
-    """Which dimension of parameter `leaf` of module `owner` the model axis splits, or None.
-
-    split_kv: whether "kv_column" modules split like "column" ones (the KV heads divide the axis).
-    """
+def _split_dim(owner: Any, owner_leaf: str, leaf: str, ndim: int) -> tuple[int, str] | None:
+    """(dimension, rule kind) of parameter `leaf` of module `owner` that tensor parallelism splits, or None."""
     import torch
     from transformers.pytorch_utils import Conv1D
 
     if ndim == 3 and leaf in _EXPERT_PARAMS:  # fused experts [E, out, in] / [E, in, out]
         kind = _EXPERT_PARAMS[leaf]
         out_dim, in_dim = (2, 1) if getattr(owner, "is_transposed", False) else (1, 2)
-        return out_dim if kind == "column" else in_dim
+        return (out_dim if kind == "column" else in_dim), kind
     kind = _rule_kind(owner_leaf)
-    if kind == "kv_column":
-        kind = "column" if split_kv else None
     if kind in (None, "replicated") or leaf not in ("weight", "bias"):
         return None
     if isinstance(owner, torch.nn.Embedding):
-        return 0 if kind == "vocab" and leaf == "weight" else None
+        return (0, kind) if kind == "vocab" and leaf == "weight" else None
     if isinstance(owner, Conv1D):  # weight [in, out], bias [out]
         out_dim, in_dim = 1, 0
     elif isinstance(owner, torch.nn.Linear):  # weight [out, in], bias [out]
@@ -333,8 +312,8 @@ def _split_dim(owner: Any, owner_leaf: str, leaf: str, ndim: int, *, split_kv: b
     else:
         return None
     if leaf == "bias":
-        return 0 if kind in ("column", "vocab") else None
-    return in_dim if kind == "row" else out_dim
+        return (0, kind) if kind != "row" else None
+    return (in_dim if kind == "row" else out_dim), kind
 
 
 def _host_array(tensor: Any) -> Any:
@@ -345,30 +324,3 @@ def _host_array(tensor: Any) -> Any:
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(jnp.bfloat16)
     return tensor.numpy()
-
-
-def _max_model_len(config: Any) -> int:
-    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 2048
-
-
-def _eos_token_ids(model: Any, config: Any) -> tuple[int, ...]:
-    gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-
-
-def _load_tokenizer(path: Any, trust_remote_code: bool) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError):
-        return None

@@ -17,8 +17,8 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models_jax.weights import WeightSpec
-from runtime.errors import ModelLoadError
+from models_jax.weights import WeightSpec, is_weight_spec
+from registry.errors import ModelLoadError
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -51,28 +51,18 @@ def open_checkpoint(path: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def fit_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
-    """`spec` with each mesh axis dropped where it does not divide its dimension (that dim is replicated)."""
-    fitted = []
-    for dim, axes in zip(shape, spec):
-        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        size = int(np.prod([mesh.shape[n] for n in names])) if names else 1
-        fitted.append(axes if dim % size == 0 else None)
-    return P(*fitted)
-
-
 def load_params(path: Path, table, mesh: Mesh, dtype) -> tuple[dict, dict]:
     """Read every weight that `table` (a pytree of WeightSpec) declares.
 
-    Returns (params, param_shardings): jax.Arrays of `dtype` placed on `mesh`, and their
-    PartitionSpecs (the table's, fitted to what divides evenly).
+    Returns (params, param_shardings): jax.Arrays of `dtype` (or a weight's own dtype)
+    placed on `mesh`, and their PartitionSpecs (WeightSpec.partition_spec: the logical
+    axes through runtime.mesh's rules, fitted to what divides evenly).
 
     Raises:
         ModelLoadError: a weight is missing or its shape differs from the table's.
     """
     tensors = open_checkpoint(path)
-    is_spec = lambda x: isinstance(x, WeightSpec)  # noqa: E731
-    specs = jax.tree.leaves(table, is_leaf=is_spec)
+    specs = jax.tree.leaves(table, is_leaf=is_weight_spec)
     missing = [w.hf_name for w in specs if w.hf_name not in tensors]
     if missing:
         raise ModelLoadError(f"{path}: {len(missing)} weights missing from the checkpoint, e.g. {missing[:5]}")
@@ -84,19 +74,15 @@ def load_params(path: Path, table, mesh: Mesh, dtype) -> tuple[dict, dict]:
         raise ModelLoadError(f"{path}: {len(wrong)} weights do not fit the config: " + "; ".join(wrong[:4]))
 
     def place(w: WeightSpec) -> tuple[jax.Array, P]:
-        tensor = tensors[w.hf_name]
-        native = tensor.reshape(w.view) if w.view else tensor
-        native = native.transpose(w.perm) if w.perm else native  # still a lazy view
-        if w.repeat:  # KV heads repeated for the mesh: materialised, but only k/v are
-            native = np.repeat(native, w.repeat[1], axis=w.repeat[0])
-        spec = fit_spec(w.spec, native.shape, mesh)
+        native = w.to_native(tensors[w.hf_name])  # a lazy view (only repeated KV heads are copied)
+        spec = w.partition_spec(mesh)
         array = jax.make_array_from_callback(
             native.shape, NamedSharding(mesh, spec),
-            lambda index: np.array(native[index], dtype=dtype, order="C"),  # reads this slice only
+            lambda index: np.array(native[index], dtype=w.dtype or dtype, order="C"),  # reads this slice only
         )
         return array, spec
 
-    placed = jax.tree.map(place, table, is_leaf=is_spec)
+    placed = jax.tree.map(place, table, is_leaf=is_weight_spec)
     is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], P)  # noqa: E731
     params = jax.tree.map(lambda x: x[0], placed, is_leaf=is_pair)
     shardings = jax.tree.map(lambda x: x[1], placed, is_leaf=is_pair)

@@ -2,7 +2,10 @@
 
 Public API (imported lazily so that `import runtime.step` stays light):
 
-    from runtime import LLM, SamplingParams, EngineConfig, AsyncLLMEngine
+    from runtime import Engine, AsyncLLMEngine, EngineConfig, SamplingParams
+
+The runtime is handed a loaded model and never imports registry/; the offline `LLM`,
+which loads one, is `app.LLM`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ _EXPORTS = {
     "RequestMetrics": "runtime.outputs",
     "Engine": "runtime.engine",
     "EngineStats": "runtime.engine",
-    "LLM": "runtime.llm",
+    "InputProcessor": "runtime.processor",
     "AsyncLLMEngine": "runtime.async_engine",
 }
 

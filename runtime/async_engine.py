@@ -1,6 +1,6 @@
 """AsyncLLMEngine: the engine loop on its own thread, results streamed into asyncio.
 
-    engine = AsyncLLMEngine(EngineConfig(model="servax-tiny/llama", max_model_len=512))
+    engine = AsyncLLMEngine(EngineConfig(model="servax-tiny/llama", max_model_len=512), loaded_model)
     async for out in engine.generate("Hello", SamplingParams(max_tokens=32), request_id="r1"):
         print(out.outputs[0].delta_text, end="")
 
@@ -24,6 +24,7 @@ from runtime.config import EngineConfig
 from runtime.engine import Engine, EngineStats, ProcessedRequest
 from runtime.errors import EngineDeadError, InvalidRequestError
 from runtime.outputs import RequestOutput
+from runtime.processor import PromptType
 from runtime.sampling_params import SamplingParams
 from runtime.step import LoadedModel
 
@@ -67,16 +68,16 @@ class _Stream:
 
 
 class AsyncLLMEngine:
-    """Loads the model, warms up, and serves requests from a background thread.
+    """Warms up an engine for a loaded model and serves requests from a background thread.
 
     Args:
         config: engine settings.
-        model: an already loaded model (default: registry.load from config).
+        model: the loaded model (registry.load).
 
-    Raises (from the constructor): whatever Engine raises (ModelLoadError, ValueError).
+    Raises (from the constructor): whatever Engine raises (ValueError).
     """
 
-    def __init__(self, config: EngineConfig, model: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, model: LoadedModel):
         self.config = config
         self.engine = Engine(config, model)
         self._commands: collections.deque[tuple[str, Any]] = collections.deque()
@@ -97,6 +98,11 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     @property
+    def processor(self):
+        """The engine's InputProcessor (chat templates, sampling params, validation); thread-safe to use."""
+        return self.engine.processor
+
+    @property
     def model_config(self) -> dict[str, Any]:
         return self.engine.model_config
 
@@ -112,7 +118,7 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine has been shut down")
 
     async def generate(
-        self, prompt: str | list[int], sampling_params: SamplingParams | None, request_id: str,
+        self, prompt: PromptType, sampling_params: SamplingParams | dict[str, Any] | None, request_id: str,
     ) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutput snapshots of one request; the last has finished=True.
 

@@ -6,11 +6,12 @@ this object, with vLLM's names where vLLM has one.
 
 from __future__ import annotations
 
-from typing import Literal
+import warnings
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Impl = Literal["auto", "jax", "torchax"]
+ModelImpl = Literal["auto", "jax", "torchax"]
 DType = Literal["float32", "bfloat16", "float16", "auto"]
 
 
@@ -25,7 +26,7 @@ class EngineConfig(BaseModel):
     model: str = Field(description="Hugging Face hub ID, local checkpoint folder, or servax-tiny/<name>.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
     tokenizer: str | None = Field(None, description="Tokenizer source if not the model's own.")
-    impl: Impl = Field("auto", description="auto: native JAX if registered, else torchax.")
+    model_impl: ModelImpl = Field("auto", description="auto: native JAX if registered, else torchax.")
     dtype: DType = Field("float32", description="Weight and activation dtype; auto takes the checkpoint's.")
     trust_remote_code: bool = False
     max_model_len: int | None = Field(None, gt=0, description="Context limit; default the model's.")
@@ -51,6 +52,20 @@ class EngineConfig(BaseModel):
     seed: int = 0
     max_logprobs: int = Field(20, ge=0)
     show_progress: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _impl_is_model_impl(cls, data: Any) -> Any:
+        """`impl` was this setting's name before vLLM's `model_impl`; accepted for one release."""
+        if isinstance(data, dict) and "impl" in data:
+            data = dict(data)
+            impl = data.pop("impl")
+            if "model_impl" in data and data["model_impl"] != impl:
+                raise ValueError(f"impl ({impl!r}) contradicts model_impl ({data['model_impl']!r}); set model_impl only")
+            data["model_impl"] = impl
+            warnings.warn("the engine setting `impl` is deprecated; use `model_impl` (vLLM's name)",
+                          FutureWarning, stacklevel=2)
+        return data
 
     @field_validator("block_size")
     @classmethod

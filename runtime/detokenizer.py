@@ -21,14 +21,13 @@ class IncrementalDetokenizer:
         tokenizer: a Hugging Face tokenizer, or None (text stays empty).
         prompt_token_ids: the prompt, for context of the first output tokens.
         skip_special_tokens: leave special tokens out of the text.
-        stop: stop strings; the first match ends the text.
+        stop: stop strings to look for in new text (runtime.stop decides whether a match ends it).
         include_stop_str_in_output: keep the matched stop string in the text.
-        min_tokens: stop strings are not looked for before this many tokens.
     """
 
     def __init__(
         self, tokenizer: Any, prompt_token_ids: list[int], *, skip_special_tokens: bool = True,
-        stop: list[str] | None = None, include_stop_str_in_output: bool = False, min_tokens: int = 0,
+        stop: list[str] | None = None, include_stop_str_in_output: bool = False,
     ):
         self.tokenizer = tokenizer
         # The Rust tokenizer behind a fast HF tokenizer decodes several times faster than
@@ -37,13 +36,12 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop or [])
         self.include_stop = include_stop_str_in_output
-        self.min_tokens = min_tokens
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._ids = context  # window tokens followed by output tokens
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self._num_output_tokens = 0
+        self._match: tuple[int, str] | None = None  # (index in output_text, stop string) of the last update
         self.output_text = ""
         self._sent = 0  # characters of output_text already streamed
         self.stopped = False
@@ -56,35 +54,43 @@ class IncrementalDetokenizer:
         )
 
     def update(self, new_token_ids: list[int]) -> str | None:
-        """Add tokens; returns the stop string they completed, if any (text is then final)."""
+        """Add tokens; returns the first stop string that the text they added contains, if any.
+
+        The text is not cut here: if runtime.stop decides the match ends the request, the
+        caller calls `stop_at_match()`.
+        """
+        self._match = None
         if self.tokenizer is None or self.stopped:
             return None
         old_len = len(self.output_text)
         for token in new_token_ids:
             self._ids.append(token)
-            self._num_output_tokens += 1
             prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
             full = self._decode(self._ids[self._prefix_offset:])
             if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
                 self.output_text += full[len(prefix_text):]
                 self._prefix_offset = self._read_offset
                 self._read_offset = len(self._ids)
-        if self.stop and self._num_output_tokens >= self.min_tokens and len(self.output_text) > old_len:
-            return self._check_stop(old_len)
-        return None
+        if self.stop and len(self.output_text) > old_len:
+            self._match = self._find_stop(old_len)
+        return self._match[1] if self._match else None
 
-    def _check_stop(self, old_len: int) -> str | None:
+    def _find_stop(self, old_len: int) -> tuple[int, str] | None:
+        """The earliest stop string that ends in text added after `old_len`."""
         best: tuple[int, str] | None = None
         for s in self.stop:
             idx = self.output_text.find(s, max(0, old_len - len(s) + 1))
             if idx >= 0 and (best is None or idx < best[0]):
                 best = (idx, s)
-        if best is None:
-            return None
-        idx, s = best
+        return best
+
+    def stop_at_match(self) -> None:
+        """End the text at the stop string the last update found (kept if include_stop_str_in_output)."""
+        if self._match is None:
+            raise RuntimeError("stop_at_match() without a stop string found by the last update()")
+        idx, s = self._match
         self.output_text = self.output_text[: idx + len(s) if self.include_stop else idx]
         self.stopped = True
-        return s
 
     def flush(self) -> None:
         """At the end, emit held-back bytes of an incomplete character (as '\ufffd')."""

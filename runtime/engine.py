@@ -1,18 +1,19 @@
 """The synchronous engine core: add_request / step / abort_request.
 
-    engine = Engine(EngineConfig(model="servax-tiny/llama", max_model_len=512))
+    model = registry.load("servax-tiny/llama", mesh=runtime.mesh.make_mesh(1))
+    engine = Engine(EngineConfig(model="servax-tiny/llama", max_model_len=512), model)
     engine.add_request("r1", "Hello", SamplingParams(max_tokens=8))
     while engine.has_unfinished_requests():
         for out in engine.step(): ...
 
-Startup loads the model (registry.load) on a ("data", "model") mesh, sizes and allocates
-the paged KV cache, and precompiles every bucket. Not thread-safe: AsyncLLMEngine drives
-it from one thread; `process_inputs` is the only part meant to run elsewhere.
+The engine is handed a loaded model (it never goes looking for one: `app.LLM` and the
+Serve deployment call registry.load). Startup sizes and allocates the paged KV cache and
+precompiles every bucket. Not thread-safe: AsyncLLMEngine drives it from one thread;
+`process_inputs` is the only part meant to run elsewhere.
 """
 
 from __future__ import annotations
 
-import collections
 import copy
 import dataclasses
 import logging
@@ -24,17 +25,18 @@ import numpy as np
 
 from runtime.compilation import CompileCounter, enable_persistent_cache, seq_buckets, token_buckets
 from runtime.config import EngineConfig
-from runtime.errors import EngineOverloadedError, InvalidRequestError, PromptTooLongError
+from runtime.errors import EngineOverloadedError, InvalidRequestError
 from runtime.kv_cache_manager import KVCacheManager
-from runtime.mesh import make_mesh
+from runtime.mesh import make_mesh, num_shards
 from runtime.model_runner import InFlightStep, ModelRunner
 from runtime.output_processor import RequestState, TokenTexts
 from runtime.outputs import RequestOutput
+from runtime.processor import InputProcessor, ProcessedRequest, PromptType
 from runtime.request import Request, RequestStatus
-from runtime.sampler import MAX_STOP_TOKEN_IDS
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler
 from runtime.step import LoadedModel
+from runtime.stop import check_stop
 
 logger = logging.getLogger("servax.engine")
 
@@ -50,7 +52,7 @@ class EngineStats:
     kv_blocks_total: int
     kv_blocks_used: int
     kv_blocks_free: int
-    kv_cache_usage: float
+    kv_cache_usage: float  # share of usable KV blocks held by requests
     prefix_cache_queries: int  # prompt tokens looked up
     prefix_cache_hits: int  # of which found cached
     prefix_cache_hit_rate: float
@@ -59,24 +61,6 @@ class EngineStats:
     num_requests_finished: int
     num_preemptions: int
     compilations_since_warmup: int
-    ttft_seconds: list[float]  # recent time-to-first-token samples
-    tpot_seconds: list[float]  # recent time-per-output-token samples (per finished request)
-    ttft_sum: float
-    ttft_count: int
-    tpot_sum: float
-    tpot_count: int
-    num_steps: int
-
-
-@dataclasses.dataclass
-class ProcessedRequest:
-    """A validated request, ready for Engine.add_processed (built by process_inputs)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -87,26 +71,20 @@ class Engine:
     """Owns the scheduler, the KV cache and the model runner of one model.
 
     Args:
-        config: the engine settings.
-        model: an already loaded model (tests); default registry.load(config.model, ...).
+        config: the engine settings (`config.model` only names the model in logs).
+        model: the loaded model (registry.load), its params placed on the mesh that
+            `runtime.mesh.make_mesh(config.tensor_parallel_size)` makes.
 
     Raises:
-        runtime.errors.ModelLoadError: the model cannot be loaded.
-        ValueError: the settings cannot work (mesh, KV cache too small for one sequence).
+        ValueError: the settings cannot work (params on another mesh, KV cache too small
+            for one sequence, max_model_len beyond the model's).
     """
 
-    def __init__(self, config: EngineConfig, model: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, model: LoadedModel):
         t0 = time.perf_counter()
         self.config = config
         self.compilation_cache_dir = enable_persistent_cache(config.compilation_cache_dir)
         self.mesh = make_mesh(config.tensor_parallel_size, config.data_parallel_size)
-        if model is None:
-            import registry
-
-            model = registry.load(
-                config.model, impl=config.impl, dtype=config.dtype, mesh=self.mesh,
-                revision=config.revision, trust_remote_code=config.trust_remote_code,
-            )
         placed_on = {d for x in jax.tree.leaves(model.params) for d in x.sharding.device_set}
         if placed_on != set(self.mesh.devices.flat):
             raise ValueError(
@@ -116,10 +94,6 @@ class Engine:
             )
         self.model = model
         self.tokenizer = model.tokenizer
-        if config.tokenizer:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, revision=config.revision)
         self.max_model_len = config.max_model_len or model.max_model_len
         if self.max_model_len > model.max_model_len:
             raise ValueError(
@@ -131,6 +105,10 @@ class Engine:
                 "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
                 f"({config.max_num_batched_tokens} < {self.max_model_len})"
             )
+        self.processor = InputProcessor(
+            self.tokenizer, vocab_size=model.vocab_size, max_model_len=self.max_model_len,
+            max_logprobs=config.max_logprobs, max_num_seqs=config.max_num_seqs,
+        )
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
@@ -164,11 +142,6 @@ class Engine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._finished = 0
-        self._steps = 0
-        self._ttft: collections.deque[float] = collections.deque(maxlen=1000)
-        self._tpot: collections.deque[float] = collections.deque(maxlen=1000)
-        self._ttft_sum = self._tpot_sum = 0.0
-        self._ttft_count = self._tpot_count = 0
 
     # -- sizing --------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -185,10 +158,9 @@ class Engine:
                 free = min(
                     d.memory_stats()["bytes_limit"] - d.memory_stats().get("bytes_in_use", 0) for d in devices
                 )
-                # A cache sharded over the model axis puts 1/tp of it on each device; a
+                # A cache sharded over mesh axes puts 1/shards of it on each device; a
                 # replicated one (P()) puts all of it on every device.
-                sharded = "model" in tuple(self.model.kv_partition_spec)
-                shards = self.mesh.shape["model"] if sharded else 1
+                shards = num_shards(self.model.kv_partition_spec, self.mesh)
                 budget = int(free * cfg.kv_cache_memory_fraction) * shards
                 source = f"{cfg.kv_cache_memory_fraction:.0%} of free device memory"
             else:
@@ -223,7 +195,7 @@ class Engine:
 
     # -- admission -----------------------------------------------------------------------
     def process_inputs(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+        self, request_id: str, prompt: PromptType, params: SamplingParams | dict[str, Any] | None = None,
         *, arrival_time: float | None = None, num_pending: int = 0, enforce_queue_limit: bool = True,
     ) -> ProcessedRequest:
         """Validate and tokenize a request without touching the scheduler (any thread).
@@ -233,68 +205,30 @@ class Engine:
             PromptTooLongError: prompt + 1 token does not fit max_model_len.
             EngineOverloadedError: the waiting queue is full.
         """
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("sampling_params must be a SamplingParams", param="sampling_params")
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
-        text: str | None = None
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer; send token ids", param="prompt")
-            text = prompt
-            token_ids = list(self.tokenizer(prompt).input_ids)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
-            token_ids = [int(t) for t in prompt]
-        else:
-            raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
-        vocab = self.model.vocab_size
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if any(t < 0 or t >= vocab for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        if len(token_ids) + 1 > self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(token_ids)} tokens; with at least one generated token it needs "
-                f"{len(token_ids) + 1}, more than max_model_len={self.max_model_len}",
-                param="prompt",
-            )
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(params, name)
-            if v is not None and v > self.config.max_logprobs:
-                raise InvalidRequestError(
-                    f"{name}={v} exceeds this engine's max_logprobs={self.config.max_logprobs}", param=name
-                )
-        if any(t >= vocab for t in params.logit_bias):
-            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
-        if any(t >= vocab for t in params.stop_token_ids) or len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidRequestError(
-                f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids in [0, {vocab})", param="stop_token_ids"
-            )
-        if params.n > self.config.max_num_seqs:
-            raise InvalidRequestError(f"n must be <= max_num_seqs={self.config.max_num_seqs}", param="n")
+        processed = self.processor.process(request_id, prompt, params, arrival_time=arrival_time)
         if enforce_queue_limit and self.scheduler.num_waiting + num_pending >= self.config.max_queue_size:
             raise EngineOverloadedError(
                 f"{self.scheduler.num_waiting + num_pending} requests are waiting "
                 f"(max_queue_size={self.config.max_queue_size}); retry later"
             )
-        return ProcessedRequest(request_id, text, token_ids, params, arrival_time or time.time())
+        return processed
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+        self, request_id: str, prompt: PromptType, params: SamplingParams | dict[str, Any] | None = None,
         arrival_time: float | None = None,
     ) -> None:
         """Validate and queue a request (raises as process_inputs, or on a duplicate id)."""
         self.add_processed(self.process_inputs(request_id, prompt, params, arrival_time=arrival_time))
 
     def add_processed(self, req: ProcessedRequest) -> None:
+        """Queue a request that process_inputs built (raises InvalidRequestError on a duplicate id)."""
         if req.request_id in self._states:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
         params = req.params
         state = RequestState(
             req.request_id, req.prompt, req.prompt_token_ids, params, self._detok_tokenizer, req.arrival_time
         )
-        eos = () if self.model.eos_token_ids is None else tuple(self.model.eos_token_ids)
+        eos = tuple(self.model.eos_token_ids)
         for i in range(params.n):
             child_id = req.request_id if params.n == 1 else f"{req.request_id}#{i}"
             if params.seed is not None:
@@ -351,41 +285,39 @@ class Engine:
         inflight, self._inflight = self._inflight, None
         with self.compile_counter.track():
             result = self.runner.collect(inflight)
-        self._steps += 1
-        prompt_rows = []
         for rid, rows in result.prompt_logprobs.items():
             request = self.scheduler.requests.get(rid)
             if request is not None:
-                request.prompt_logprob_rows.extend(r for _, r in rows)
-                prompt_rows.append((request, rows))
+                request.num_prompt_logprobs += len(rows)
+                state = self._states.get(request.parent_id)
+                if state is not None:
+                    state.add_prompt_logprobs(rows, self._texts)
         advanced = self.scheduler.update_from_output(inflight.sched, result.sampled)
         self._inflight = self._dispatch_next()
 
-        for request, rows in prompt_rows:
-            state = self._states.get(request.parent_id)
-            if state is not None:
-                state.add_prompt_logprobs(rows, self._texts)
         touched: dict[str, RequestState] = {}
         for request in advanced:
             state = self._states[request.parent_id]
             touched[request.parent_id] = state
             token = request.output_token_ids[-1]
             self._generation_tokens += 1
-            first = state.metrics.first_token_time is None
             stop_str = state.add_token(request, token, result.sample_logprobs.get(request.request_id), self._texts)
-            if first:
-                self._record_ttft(state.metrics.first_token_time - state.metrics.arrival_time)
+            finish = (request.status, request.stop_reason) if request.is_finished else None
             if stop_str is not None:
-                if not request.is_finished:
-                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-                state.finish_child(request.index, "stop", stop_str)
-            elif request.is_finished:
-                state.finish_child(request.index, request.status.finish_reason, request.stop_reason)
+                decision = check_stop(request, token, stop_str)
+                if decision is not None and decision.reason == stop_str:
+                    state.stop_at_match(request.index)
+                    if not request.is_finished:
+                        self.scheduler.finish_request(request.request_id, decision.status, decision.reason)
+                    finish = (decision.status, decision.reason)
+            if finish is not None:
+                state.finish_child(request.index, finish[0].finish_reason, finish[1])
         outs = []
         for parent_id, state in touched.items():
             outs.append(state.snapshot())
             if state.finished:
-                self._finish_state(parent_id, state)
+                del self._states[parent_id]
+                self._finished += 1
         return outs
 
     def _dispatch_next(self) -> InFlightStep | None:
@@ -401,35 +333,16 @@ class Engine:
         with self.compile_counter.track():
             return self.runner.dispatch(sched, block_ids)
 
-    def _finish_state(self, parent_id: str, state: RequestState) -> None:
-        del self._states[parent_id]
-        self._finished += 1
-        m = state.metrics
-        n_tokens = max(len(c.token_ids) for c in state.completions)
-        if n_tokens > 1 and m.first_token_time is not None and m.last_token_time is not None:
-            tpot = (m.last_token_time - m.first_token_time) / (n_tokens - 1)
-            self._tpot.append(tpot)
-            self._tpot_sum += tpot
-            self._tpot_count += 1
-
-    def _record_ttft(self, seconds: float) -> None:
-        self._ttft.append(seconds)
-        self._ttft_sum += seconds
-        self._ttft_count += 1
-
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        total = self.kv.pool.num_usable_blocks
-        free = self.kv.num_free_blocks
-        ps = self.kv.stats
+        total, free = self.kv.num_usable_blocks, self.kv.num_free_blocks
+        prefix = self.kv.prefix_cache_stats
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_blocks_total=total, kv_blocks_used=total - free, kv_blocks_free=free,
-            kv_cache_usage=(total - free) / total, prefix_cache_queries=ps.queries, prefix_cache_hits=ps.hits,
-            prefix_cache_hit_rate=ps.hit_rate, prompt_tokens_total=self._prompt_tokens,
+            kv_cache_usage=self.kv.usage, prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
+            prefix_cache_hit_rate=prefix.hit_rate, prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens, num_requests_finished=self._finished,
             num_preemptions=self.scheduler.num_preemptions,
             compilations_since_warmup=self.compile_counter.since_warmup,
-            ttft_seconds=list(self._ttft), tpot_seconds=list(self._tpot), ttft_sum=self._ttft_sum,
-            ttft_count=self._ttft_count, tpot_sum=self._tpot_sum, tpot_count=self._tpot_count, num_steps=self._steps,
         )

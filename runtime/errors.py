@@ -29,7 +29,3 @@ class EngineOverloadedError(ServaxError):
 
 class EngineDeadError(ServaxError):
     """The engine loop has stopped; the replica must be replaced (HTTP 503)."""
-
-
-class ModelLoadError(ServaxError):
-    """A model could not be resolved or loaded: missing path, no config, unsupported architecture."""

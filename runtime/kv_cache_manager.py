@@ -12,7 +12,7 @@ from runtime.block_pool import BlockPool, KVCacheBlock
 from runtime.request import Request
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of which found in the cache
@@ -37,18 +37,34 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
-        self.stats = PrefixCacheStats()
+        self._prefix_queries = 0  # prompt tokens looked up at admission
+        self._prefix_hits = 0  # of which found cached
 
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can ever be handed out (all but the null block)."""
+        return self.pool.num_usable_blocks
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prompt tokens looked up in the prefix cache at admission, and how many were found."""
+        return PrefixCacheStats(self._prefix_queries, self._prefix_hits)
+
+    @property
+    def usage(self) -> float:
+        """Share of usable blocks held by requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request's tokens: (blocks, number of tokens).
 
         At least one token is always left to compute, so the step yields logits. Requests
         that want prompt logprobs get no hits (every prompt position must be computed).
-        The caller records the lookup in `stats` once the request is admitted.
+        The lookup counts in `prefix_cache_stats` once `allocate_slots` admits the request with them.
         """
         if not self.enable_caching or request.needs_prompt_logprobs:
             return [], 0
@@ -67,8 +83,10 @@ class KVCacheManager:
         """Give the request blocks for `num_new_tokens` more tokens; False if there are too few.
 
         `new_computed_blocks` are prefix-cache hits found by get_computed_blocks for a
-        request that is being scheduled for the first time (or again after preemption).
+        request that is being admitted (for the first time, or again after preemption);
+        passing them, even empty, records the lookup in `prefix_cache_stats` when the allocation succeeds.
         """
+        admitting = new_computed_blocks is not None
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -84,6 +102,9 @@ class KVCacheManager:
             blocks.extend(self.pool.get_new_blocks(num_new_blocks))
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, (num_computed + num_new_tokens) // self.block_size)
+        if admitting:
+            self._prefix_queries += request.num_tokens
+            self._prefix_hits += len(new_computed_blocks) * self.block_size
         return True
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_full: int) -> None:

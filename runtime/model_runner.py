@@ -27,12 +27,10 @@ from runtime.compilation import step_bucket, step_buckets
 from runtime.sampler import BIAS_WIDTH, SamplingBatch, empty_sampling_batch, sample
 from runtime.scheduler import SchedulerOutput
 from runtime.step import LoadedModel, allocate_kv_cache, make_step_input
+from runtime.stop import suppressed_token_ids
 
 logger = logging.getLogger("servax.engine")
 _SUPPRESS = -1e30
-
-# CPU backends cannot donate buffers; the warning is noise there.
-warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
 
 @dataclasses.dataclass
@@ -106,20 +104,26 @@ class ModelRunner:
         start = time.perf_counter()
         pairs = self.bucket_pairs()
         run_for_seqs = {s: min(t for t, s2 in pairs if s2 == s) for _, s in pairs}
-        for t, s in tqdm(pairs, desc="servax: compiling buckets", disable=not show_progress):
-            batch = self._padding_step_input(t, s)
-            if run_for_seqs[s] != t:
-                self._step.lower(self.model.params, self.kv_cache, batch).compile()
-                continue
-            logits, self.kv_cache = self._step(self.model.params, self.kv_cache, batch)
-            for penalties in (False, True):
-                for greedy in (False, True):
-                    out = self._sample(
-                        logits, self._sampling_batch_padding(s, penalties), num_logprobs=self.num_logprobs,
-                        use_penalties=penalties, all_greedy=greedy,
-                    )
-            jax.block_until_ready(out)
+        with warnings.catch_warnings():
+            # The CPU backend cannot donate the KV cache; its lowering-time warning is noise.
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            for t, s in tqdm(pairs, desc="servax: compiling buckets", disable=not show_progress):
+                self._warm_bucket(t, s, run=run_for_seqs[s] == t)
         return time.perf_counter() - start
+
+    def _warm_bucket(self, t: int, s: int, *, run: bool) -> None:
+        batch = self._padding_step_input(t, s)
+        if not run:
+            self._step.lower(self.model.params, self.kv_cache, batch).compile()
+            return
+        logits, self.kv_cache = self._step(self.model.params, self.kv_cache, batch)
+        for penalties in (False, True):
+            for greedy in (False, True):
+                out = self._sample(
+                    logits, self._sampling_batch_padding(s, penalties), num_logprobs=self.num_logprobs,
+                    use_penalties=penalties, all_greedy=greedy,
+                )
+        jax.block_until_ready(out)
 
     def _padding_step_input(self, t: int, s: int):
         return make_step_input(
@@ -134,10 +138,6 @@ class ModelRunner:
         return SamplingBatch(**empty_sampling_batch(s, self.max_model_len if penalties else 1))
 
     # -- one step ------------------------------------------------------------------------
-    def execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> RunnerOutput:
-        """Run one scheduled step and wait for it. `block_ids`: request id -> its physical blocks."""
-        return self.collect(self.dispatch(sched, block_ids))
-
     def dispatch(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> "InFlightStep":
         """Build the inputs and enqueue step + sampler on the device without waiting."""
         num_tokens = sched.num_scheduled_tokens
@@ -175,7 +175,7 @@ class ModelRunner:
                 logits_indices[rows] = t + np.arange(n)
                 for j in range(n):
                     target = c + j + 1  # the prompt token this row's logits predict
-                    if len(req.prompt_logprob_rows) < target < req.num_prompt_tokens:
+                    if req.num_prompt_logprobs < target < req.num_prompt_tokens:
                         sb["target_ids"][row + j] = req.prompt_token_ids[target]
                         prompt_rows.append((req.request_id, row + j, target))
                 last = row + n - 1
@@ -231,10 +231,7 @@ class ModelRunner:
         sb["min_p"][r] = p.min_p
         sb["seeds"][r] = req.sample_seed
         sb["steps"][r] = req.num_output_tokens
-        bias = list(p.logit_bias.items())
-        if req.num_output_tokens < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
-            bias += [(tok, _SUPPRESS) for tok in banned]
+        bias = list(p.logit_bias.items()) + [(tok, _SUPPRESS) for tok in suppressed_token_ids(req)]
         if bias:
             bias = bias[:BIAS_WIDTH]
             sb["bias_ids"][r, :len(bias)] = [b[0] for b in bias]

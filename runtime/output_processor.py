@@ -11,6 +11,7 @@ from runtime.model_runner import RowResult
 from runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from runtime.request import Request
 from runtime.sampling_params import SamplingParams
+from runtime.stop import is_stop_token
 
 
 class TokenTexts:
@@ -91,7 +92,6 @@ class RequestState:
                 IncrementalDetokenizer(
                     tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
                     stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
-                    min_tokens=params.min_tokens,
                 ),
                 params.logprobs is not None,
             )
@@ -104,7 +104,11 @@ class RequestState:
         return all(c.finish_reason is not None for c in self.completions)
 
     def add_token(self, request: Request, token: int, row: RowResult | None, texts: TokenTexts) -> str | None:
-        """Record a child's new token; returns a stop string it completed, if any."""
+        """Record a child's new token; returns a stop string its text completed, if any.
+
+        Whether that string ends the child is runtime.stop's decision; if it does, the
+        caller calls `stop_at_match`.
+        """
         now = time.time()
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
@@ -115,9 +119,13 @@ class RequestState:
         if comp.logprobs is not None and row is not None:
             comp.logprobs.append(logprob_entry(token, row, self.params.logprobs or 0, texts))
             comp.cumulative_logprob += row.chosen_logprob
-        if token in self.params.stop_token_ids or token in request.eos_token_ids:
+        if is_stop_token(request, token):
             return None  # stop tokens stay out of the text (the tokenizer may skip them anyway)
         return comp.detokenizer.update([token])
+
+    def stop_at_match(self, index: int) -> None:
+        """Cut child `index`'s text at the stop string its last token completed."""
+        self.completions[index].detokenizer.stop_at_match()
 
     def add_prompt_logprobs(self, rows: list[tuple[int, RowResult]], texts: TokenTexts) -> None:
         if self.prompt_logprobs is None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
 
 from runtime.sampling_params import SamplingParams
 
@@ -93,9 +92,10 @@ class Request:
         self.block_hashes: list[int] = []
         limit = max_model_len - len(prompt_token_ids)
         self.max_tokens = min(sampling_params.max_tokens or limit, limit)
-        # Prompt logprobs of prompt tokens 1..P-1, collected while the prompt is prefilled.
+        # Prompt logprobs of prompt tokens 1..P-1 are computed while the prompt is prefilled;
+        # this counts how many are done (the results go straight to the output processor).
         self.wants_prompt_logprobs = sampling_params.prompt_logprobs is not None
-        self.prompt_logprob_rows: list[Any] = []
+        self.num_prompt_logprobs = 0
         self._update_block_hashes()
 
     # -- state machine -------------------------------------------------------------------
@@ -124,7 +124,7 @@ class Request:
     @property
     def needs_prompt_logprobs(self) -> bool:
         """True while some prompt-token logprobs are still to be computed."""
-        return self.wants_prompt_logprobs and len(self.prompt_logprob_rows) < self.num_prompt_tokens - 1
+        return self.wants_prompt_logprobs and self.num_prompt_logprobs < self.num_prompt_tokens - 1
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

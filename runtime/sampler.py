@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runtime.sampling_params import MAX_LOGIT_BIAS
+from runtime.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 
-# Width of the per-row bias table: user logit_bias plus the ids suppressed by min_tokens.
-MAX_STOP_TOKEN_IDS = 64
+# Width of the per-row bias table: user logit_bias plus the ids suppressed by min_tokens
+# (stop token ids and a few EOS ids).
 BIAS_WIDTH = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + 4
 _SUPPRESS = -1e30
 
@@ -167,5 +167,3 @@ def _report(raw_logprobs: jax.Array, sampled: jax.Array, batch: SamplingBatch, n
     top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
     return SamplerOutput(sampled, chosen_logprob, chosen_rank, top_ids.astype(jnp.int32), top_logprobs)
 
-
-sample_jit = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "all_greedy"))

@@ -13,8 +13,12 @@ from typing import Any
 
 from runtime.errors import InvalidRequestError
 
-# OpenAI allows up to 300 logit_bias entries; the sampler gets a fixed-width table.
-MAX_LOGIT_BIAS = 300
+# The limits of every request, whatever door it comes in by (HTTP, handle, offline LLM):
+# vLLM's ranges. The HTTP models type the fields but leave the ranges to this module.
+MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit); the sampler gets a fixed-width table
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request (they share the sampler's bias table)
 
 
 @dataclasses.dataclass
@@ -23,14 +27,15 @@ class SamplingParams:
 
     Attributes:
         n: completions to generate for the prompt (>= 1).
-        temperature: 0 means greedy; otherwise logits are divided by it (0..100).
+        temperature: 0 means greedy; otherwise logits are divided by it (>= 0, no upper
+            limit, as in vLLM).
         top_p: keep the smallest set of tokens whose probability mass reaches top_p (0, 1].
         top_k: keep the k most likely tokens; 0 or -1 turns it off.
         min_p: drop tokens less likely than min_p times the most likely one [0, 1].
         presence_penalty / frequency_penalty: subtracted from logits of tokens already
             generated, once / per occurrence [-2, 2].
         repetition_penalty: divides positive (multiplies negative) logits of tokens seen in
-            the prompt or the output; 1 is off (0, 2].
+            the prompt or the output; 1 is off (> 0).
         seed: makes sampling reproducible whatever else is in the batch.
         stop: string(s) that end generation; they are cut from the text unless
             include_stop_str_in_output.
@@ -99,8 +104,8 @@ class SamplingParams:
 
         if not is_int(self.n) or self.n < 1:
             fail("n", "an integer >= 1")
-        if not is_num(self.temperature) or not 0.0 <= self.temperature <= 100.0:
-            fail("temperature", "a number in [0, 100] (0 means greedy)")
+        if not is_num(self.temperature) or self.temperature < 0.0:
+            fail("temperature", "a number >= 0 (0 means greedy)")
         if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             fail("top_p", "a number in (0, 1]")
         if not is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
@@ -109,10 +114,11 @@ class SamplingParams:
             fail("min_p", "a number in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not is_num(v) or not -2.0 <= v <= 2.0:
-                fail(name, "a number in [-2, 2]")
-        if not is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
-            fail("repetition_penalty", "a number in (0, 2] (1 disables it)")
+            lo, hi = PENALTY_RANGE
+            if not is_num(v) or not lo <= v <= hi:
+                fail(name, f"a number in [{lo:g}, {hi:g}]")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+            fail("repetition_penalty", "a number > 0 (1 disables it)")
         if self.seed is not None and not is_int(self.seed):
             fail("seed", "an integer or None")
         if self.stop is not None:
@@ -122,8 +128,8 @@ class SamplingParams:
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
                 is_int(t) and t >= 0 for t in self.stop_token_ids
-            ):
-                fail("stop_token_ids", "a list of non-negative token ids")
+            ) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+                fail("stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} non-negative token ids")
         if not isinstance(self.ignore_eos, bool):
             fail("ignore_eos", "a boolean")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
@@ -139,8 +145,9 @@ class SamplingParams:
             if v is not None and (not is_int(v) or v < 0):
                 fail(name, "an integer >= 0 or None")
         if self.logit_bias is not None:
+            lo, hi = LOGIT_BIAS_RANGE
             if not isinstance(self.logit_bias, dict):
-                fail("logit_bias", "a mapping of token id to a bias in [-100, 100]")
+                fail("logit_bias", f"a mapping of token id to a bias in [{lo:g}, {hi:g}]")
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 raise InvalidRequestError(
                     f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}",
@@ -151,9 +158,9 @@ class SamplingParams:
                     token = int(k)
                 except (TypeError, ValueError):
                     token = -1
-                if token < 0 or not is_num(v) or not -100.0 <= v <= 100.0:
+                if token < 0 or not is_num(v) or not lo <= v <= hi:
                     raise InvalidRequestError(
-                        f"logit_bias must map token ids >= 0 to biases in [-100, 100], got {k!r}: {v!r}",
+                        f"logit_bias must map token ids >= 0 to biases in [{lo:g}, {hi:g}], got {k!r}: {v!r}",
                         param="logit_bias",
                     )
         for name in ("include_stop_str_in_output", "skip_special_tokens"):

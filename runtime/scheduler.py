@@ -17,6 +17,7 @@ from collections import deque
 
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.request import Request, RequestStatus
+from runtime.stop import check_stop
 
 
 @dataclasses.dataclass
@@ -89,8 +90,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """End a request (stop string, abort...) and free its blocks. Unknown ids are ignored."""
+    def finish_request(
+        self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None
+    ) -> Request | None:
+        """End a request (stop, length, abort) and free its blocks. Unknown ids are ignored."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -99,6 +102,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         request.set_status(status)
+        request.stop_reason = stop_reason
         self.kv.free(request)
         return request
 
@@ -145,8 +149,6 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, hit_blocks):
                 break
             self.waiting.popleft()
-            self.kv.stats.queries += request.num_tokens
-            self.kv.stats.hits += num_hit
             request.set_status(RequestStatus.RUNNING)
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
@@ -187,20 +189,7 @@ class Scheduler:
                 continue  # a prefill chunk: its sample is not a real next token
             request.append_output_token(int(token))
             advanced.append(request)
-            status = self._check_stop(request, int(token))
-            if status is not None:
-                self.finish_request(request.request_id, status)
+            decision = check_stop(request, int(token))
+            if decision is not None:
+                self.finish_request(request.request_id, decision.status, decision.reason)
         return advanced
-
-    @staticmethod
-    def _check_stop(request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None

@@ -12,16 +12,20 @@ the block pool, sampling, sharding, compilation).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from runtime.mesh import logical_to_spec
+
 PyTree = Any
 # One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
 KVCache = list[tuple[jax.Array, jax.Array]]
+# The logical axes of one cache array (runtime.mesh.SHARDING_RULES maps them to mesh axes).
+KV_CACHE_AXES = ("kv_blocks", "kv_block_tokens", "kv_heads", "head_dim")
 
 
 @flax.struct.dataclass
@@ -68,12 +72,11 @@ class KVCacheSpec:
         itemsize = np.dtype(self.dtype).itemsize
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
 
-
-class StepFn(Protocol):
-    def __call__(
-        self, params: PyTree, kv_cache: KVCache, batch: StepInput
-    ) -> tuple[jax.Array, KVCache]:  # logits [S, vocab] float32
-        ...
+    def partition_spec(self, mesh: jax.sharding.Mesh) -> jax.sharding.PartitionSpec:
+        """The PartitionSpec of one cache array under `mesh`: KV_CACHE_AXES through the
+        sharding rules (the KV heads split where they divide the mesh axis)."""
+        shape = (None, None, self.num_kv_heads, self.head_dim)  # blocks are counted later
+        return logical_to_spec(KV_CACHE_AXES, shape, mesh)
 
 
 @dataclasses.dataclass
@@ -86,7 +89,7 @@ class LoadedModel:
         kv_spec: what the KV cache must look like.
         param_shardings: PartitionSpecs for params (same tree structure as params).
         kv_partition_spec: PartitionSpec for one [num_blocks, block_size, kv_heads, head_dim]
-            cache array under the mesh the params were placed on.
+            cache array under the mesh the params were placed on (kv_spec.partition_spec(mesh)).
         tokenizer: the checkpoint's Hugging Face tokenizer (None if it has none).
         hf_config: the transformers PretrainedConfig.
         impl: "jax" (native models_jax) or "torchax" (wrapped transformers model).
@@ -135,11 +138,19 @@ def make_step_input(
     num_seqs: int,
     num_tokens: int,
 ) -> StepInput:
-    """A StepInput from host arrays (int32), checking the shapes agree."""
+    """A StepInput from host arrays (int32).
+
+    Raises:
+        ValueError: the token arrays are not all [T], or the sequence arrays not [S] / [S + 1].
+    """
     t, s = len(input_ids), len(seq_lens)
-    assert positions.shape == (t,) and slot_mapping.shape == (t,), "token arrays must all be [T]"
-    assert block_tables.shape[0] == s and query_start_loc.shape == (s + 1,), "seq arrays must be [S]"
-    assert logits_indices.shape == (s,)
+    if positions.shape != (t,) or slot_mapping.shape != (t,):
+        raise ValueError(f"positions {positions.shape} and slot_mapping {slot_mapping.shape} must be [T={t}]")
+    if block_tables.shape[0] != s or query_start_loc.shape != (s + 1,) or logits_indices.shape != (s,):
+        raise ValueError(
+            f"block_tables {block_tables.shape}, query_start_loc {query_start_loc.shape} and logits_indices "
+            f"{logits_indices.shape} must be [S={s}, ...], [S + 1] and [S]"
+        )
     i32 = lambda a: np.asarray(a, dtype=np.int32)  # noqa: E731
     return StepInput(
         input_ids=i32(input_ids),

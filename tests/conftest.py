@@ -1,15 +1,29 @@
-"""Shared fixtures. Keep this small and generic: every test file may lean on it."""
+"""Shared fixtures and helpers: every test file may lean on them.
+
+Test files import the helpers with `from conftest import ...` (pytest puts tests/ on the path).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import gc
+import json
 import os
+import signal
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Iterator
 
+import httpx
 import pytest
 
+REPO = Path(__file__).resolve().parents[1]
 # Tests import the top-level packages (runtime, registry, ...) from the repository root.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(REPO))
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +49,154 @@ def tiny_checkpoint(servax_cache):
         return tiny_checkpoint_path(TINY_PREFIX + name)
 
     return make
+
+
+# ---- servers and clients ----------------------------------------------------------------
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def openai_client(base_url: str, api_key: str = "unused"):
+    """The official openai client for a servax base URL (no retries: a failure must show)."""
+    import openai
+
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+
+
+def sse_events(response) -> list:
+    """The `data:` events of a server-sent-events response (JSON decoded, "[DONE]" kept)."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def assert_openai_error(response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    """Assert an OpenAI-shaped error body with this status (and param / code); returns the error."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+@contextlib.contextmanager
+def local_llm_servers(llm_configs: list[dict]) -> Iterator[dict]:
+    """LLMServer deployments in this process (Serve's local testing mode): {model_id: handle}.
+
+    Their engine threads are stopped on exit (local testing mode never tears replicas down).
+    """
+    from ray import serve
+
+    from app.builder import build_llm_deployment
+    from app.config import load_app_config
+
+    config = load_app_config({"llm_configs": llm_configs})
+    handles = {b.model_id: serve.run(build_llm_deployment(b), name=b.deployment_name(), route_prefix=None,
+                                     _local_testing_mode=True) for b in config.llm_configs}
+    try:
+        yield handles
+    finally:
+        shutdown_local_engines(set(handles))
+
+
+def local_llm_server(model_id: str):
+    """The in-process LLMServer object of `model_id` (local testing mode), to reach its engine."""
+    from app.server import LLMServer
+
+    cls = getattr(LLMServer, "func_or_class", LLMServer)
+    (server,) = [o for o in gc.get_objects() if isinstance(o, cls) and o.model_id == model_id]
+    return server
+
+
+def shutdown_local_engines(model_ids: set[str]) -> None:
+    """Stop the engine threads of in-process (local testing mode) replicas."""
+    from app.server import LLMServer
+
+    cls = getattr(LLMServer, "func_or_class", LLMServer)
+    for obj in gc.get_objects():
+        if isinstance(obj, cls) and obj.model_id in model_ids:
+            obj.engine.shutdown()
+
+
+@dataclasses.dataclass
+class ServeRun:
+    """A `serve run` of a config on its own local Ray cluster (see `serve_run`)."""
+
+    base_url: str
+    ready_s: float  # from `serve run` to the first answered completion
+    metrics_url: str  # Ray's Prometheus endpoint of this cluster
+
+
+@contextlib.contextmanager
+def serve_run(config_path: Path, work_dir: Path, *, ready_timeout_s: float = 300) -> Iterator[ServeRun]:
+    """Run `serve run <config>` as a user would, on a fresh local Ray cluster, HTTP on a free port.
+
+    Only http_options is changed in the config. Waits until a completion is answered;
+    stops the server by SIGINT (process group SIGTERM/SIGKILL as fallbacks) and the cluster.
+    """
+    import ray
+    import yaml
+    from ray import serve
+
+    port = free_port()
+    config = yaml.safe_load(Path(config_path).read_text())
+    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    path = work_dir / Path(config_path).name
+    path.write_text(yaml.safe_dump(config))
+
+    # Workers (and the builder task) import app/ from the repository, as after `pip install -e .`.
+    old_pythonpath = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), old_pythonpath) if p)
+    if ray.is_initialized():  # a cluster left by another module: this one needs its own settings
+        serve.shutdown()
+        ray.shutdown()
+    metrics_port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2,
+             _metrics_export_port=metrics_port)
+    address = ray.get_runtime_context().gcs_address
+    log_path = work_dir / "serve_run.log"
+    log = open(log_path, "w+")
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", "--address", address, str(path)],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
+                            start_new_session=True)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + ready_timeout_s
+        while True:
+            assert proc.poll() is None, "serve run exited:\n" + log_path.read_text()[-5000:]
+            assert time.time() < deadline, f"not ready in {ready_timeout_s} s:\n" + log_path.read_text()[-5000:]
+            try:
+                r = httpx.post(base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=10)
+                if r.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        ready_s = time.perf_counter() - start
+        print(f"\nserve run {Path(config_path).name} -> first completion: {ready_s:.1f} s")
+        yield ServeRun(base_url, ready_s, f"http://127.0.0.1:{metrics_port}/metrics")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        log.close()
+        if old_pythonpath is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_pythonpath

@@ -5,7 +5,7 @@
 XLA_FLAGS must be set before jax is imported, which is why this runs in its own process
 (the test process has one device). SPEC_JSON:
 
-    {"impl": "jax", "prompts": [[ids...], ...], "max_tokens": 24,
+    {"model_impl": "jax", "prompts": [[ids...], ...], "max_tokens": 24,
      "engine": {EngineConfig fields},
      "runs": [{"model": "servax-tiny/llama", "tp": [1, 2, 4], "params": {"q": "layers.0.q", ...}},
               {"model": "servax-tiny/llama", "tp": [8], "expect_error": true}]}
@@ -59,12 +59,13 @@ def step_collectives(runner) -> dict[str, int]:
 
 
 def run_one(spec: dict, run: dict, tp: int) -> dict:
-    from runtime import LLM, SamplingParams
+    from app import LLM, SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     t0 = time.perf_counter()
     try:
-        llm = LLM(run["model"], impl=run.get("impl", spec["impl"]), tensor_parallel_size=tp, **spec["engine"])
+        llm = LLM(run["model"], model_impl=run.get("model_impl", spec["model_impl"]), tensor_parallel_size=tp,
+                  **spec["engine"])
     except Exception as e:  # noqa: BLE001 - reported to the test, which judges it
         if run.get("expect_error"):
             return dict(error_type=type(e).__name__, error=str(e))

@@ -24,7 +24,7 @@ def _error(args) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("name", ["app", "multi-model", "tensor-parallel", "hub-qwen"])
+@pytest.mark.parametrize("name", ["app", "tiny", "multi-model", "tensor-parallel", "hub-qwen"])
 def test_shipped_configs_validate(name):
     config = load_app_config(REPO / "configs" / f"{name}.yaml")
     assert config.llm_configs
@@ -32,16 +32,24 @@ def test_shipped_configs_validate(name):
         assert block.engine_config().model == block.model_loading_config.source
 
 
-def test_default_app_serves_tiny_llama_with_small_context():
+def test_default_app_serves_the_demo_model_natively():
     (block,) = load_app_config(REPO / "configs" / "app.yaml").llm_configs
     engine = block.engine_config()
-    assert (block.model_id, engine.model, engine.impl) == ("servax-tiny/llama", "servax-tiny/llama", "jax")
+    assert (block.model_id, engine.model, engine.model_impl) == (
+        "smollm2-135m-instruct", "servax-demo/smollm2-135m-instruct", "jax")
+    assert engine.dtype == "float32"
+
+
+def test_tiny_app_serves_tiny_llama_with_small_context():
+    (block,) = load_app_config(REPO / "configs" / "tiny.yaml").llm_configs
+    engine = block.engine_config()
+    assert (block.model_id, engine.model, engine.model_impl) == ("servax-tiny/llama", "servax-tiny/llama", "jax")
     assert engine.max_model_len <= 512
 
 
 def test_multi_model_has_native_and_fallback_models():
     blocks = load_app_config(REPO / "configs" / "multi-model.yaml").llm_configs
-    impls = {b.model_id: b.engine_config().impl for b in blocks}
+    impls = {b.model_id: b.engine_config().model_impl for b in blocks}
     assert impls == {"servax-tiny/llama": "jax", "servax-tiny/gpt2": "auto"}
 
 
@@ -115,10 +123,18 @@ def test_empty_llm_configs_rejected():
     assert "llm_configs" in _error({"llm_configs": []})
 
 
-def test_impl_shortcut_sets_engine_impl_and_must_agree():
-    config = load_app_config({"llm_configs": [_block(impl="torchax")]})
-    assert config.llm_configs[0].engine_config().impl == "torchax"
-    assert "contradicts" in _error({"llm_configs": [_block(impl="jax", engine_kwargs={"impl": "torchax"})]})
+def test_model_impl_shortcut_sets_engine_model_impl_and_must_agree():
+    config = load_app_config({"llm_configs": [_block(model_impl="torchax")]})
+    assert config.llm_configs[0].engine_config().model_impl == "torchax"
+    assert "contradicts" in _error({"llm_configs": [_block(model_impl="jax", engine_kwargs={"model_impl": "torchax"})]})
+
+
+def test_impl_is_a_deprecated_alias_of_model_impl():
+    with pytest.warns(FutureWarning, match="model_impl"):
+        config = load_app_config({"llm_configs": [_block(engine_kwargs={"impl": "torchax"})]})
+    assert config.llm_configs[0].engine_config().model_impl == "torchax"
+    with pytest.warns(FutureWarning, match="model_impl"):
+        assert load_app_config({"llm_configs": [_block(impl="jax")]}).llm_configs[0].model_impl == "jax"
 
 
 def test_block_file_included_relative_to_including_file(tmp_path, monkeypatch):
@@ -150,7 +166,7 @@ def test_bad_block_file_names_field(tmp_path):
 
 
 def test_config_path_arg_with_overrides():
-    config = load_app_config({"config_path": str(REPO / "configs" / "app.yaml"),
+    config = load_app_config({"config_path": str(REPO / "configs" / "tiny.yaml"),
                               "ingress_config": {"api_key": "k"}})
     assert config.llm_configs[0].model_id == "servax-tiny/llama"
     assert config.ingress_config.resolved_api_key() == "k"
@@ -189,7 +205,7 @@ def test_completion_request_maps_to_vllm_sampling_names():
     req = CompletionRequest(prompt="hi", max_tokens=5, temperature=0, stop="\n", logit_bias={"7": 5},
                             seed=3, logprobs=2, echo=True, top_k=4, user="ignored")
     kwargs = req.sampling_kwargs()
-    assert kwargs == {"n": 1, "max_tokens": 5, "temperature": 0, "stop": ["\n"], "logit_bias": {7: 5.0},
+    assert kwargs == {"n": 1, "max_tokens": 5, "temperature": 0, "stop": ["\n"], "logit_bias": {"7": 5.0},
                       "seed": 3, "logprobs": 2, "prompt_logprobs": 2, "top_k": 4}
 
 
@@ -203,17 +219,41 @@ def test_completion_prompt_forms():
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "logit_bias": {"tok": 1}}, "logit_bias"),
-    ({"prompt": "x", "logit_bias": {"5": 1000}}, "logit_bias"),
-    ({"prompt": "x", "temperature": -0.5}, "temperature"),
-    ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "tempreature": 1}, "tempreature"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": []}, "prompt"),
 ])
 def test_completion_request_refusals_name_the_param(body, param):
     with pytest.raises(ValidationError) as info:
         CompletionRequest.model_validate(body)
     assert info.value.errors()[0]["loc"][0] == param
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"logit_bias": {"tok": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 1000}}, "logit_bias"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"n": 0}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+])
+def test_value_ranges_are_sampling_params_own(body, param):
+    # The HTTP schema types the fields; the ranges are checked once, by SamplingParams,
+    # for HTTP, handles and the offline LLM alike.
+    from runtime.errors import InvalidRequestError
+    from runtime.processor import InputProcessor
+
+    kwargs = CompletionRequest.model_validate({"prompt": "x", **body}).sampling_kwargs()
+    with pytest.raises(InvalidRequestError) as info:
+        InputProcessor.sampling_params(kwargs)
+    assert info.value.param == param
+
+
+def test_temperature_has_no_upper_limit_as_in_vllm():
+    from runtime.sampling_params import SamplingParams
+
+    assert SamplingParams(temperature=5.0).temperature == 5.0
 
 
 def test_chat_request_max_completion_tokens_and_logprobs():
@@ -225,6 +265,8 @@ def test_chat_request_max_completion_tokens_and_logprobs():
 
 
 def test_chat_request_text_parts_are_joined():
+    from runtime.processor import template_message
+
     req = ChatCompletionRequest(messages=[{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
-    assert req.chat_messages() == [{"role": "user", "content": "ab"}]
+    assert [template_message(m) for m in req.chat_messages()] == [{"role": "user", "content": "ab"}]

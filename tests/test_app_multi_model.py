@@ -7,34 +7,23 @@ httpx's ASGI transport, so routing by `model` is exercised end to end without a 
 from __future__ import annotations
 
 import asyncio
-import gc
-from pathlib import Path
 
 import httpx
 import pytest
+from conftest import REPO, local_llm_servers
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def api(servax_cache):
-    from ray import serve
-
-    from app.builder import build_llm_deployment
     from app.config import load_app_config
     from app.ingress import OpenAIRouter, build_openai_api
 
-    config = load_app_config(REPO / "configs" / "multi-model.yaml")
-    handles = {b.model_id: serve.run(build_llm_deployment(b), name=b.deployment_name(), route_prefix=None,
-                                     _local_testing_mode=True) for b in config.llm_configs}
-    yield build_openai_api(OpenAIRouter(handles))
-    from app.server import LLMServer  # stop the in-process engines' threads
-
-    for obj in gc.get_objects():
-        if isinstance(obj, getattr(LLMServer, "func_or_class", LLMServer)) and obj.model_id in handles:
-            obj.engine.shutdown()
+    blocks = load_app_config(REPO / "configs" / "multi-model.yaml").llm_configs
+    with local_llm_servers([b.model_dump() for b in blocks]) as handles:
+        yield build_openai_api(OpenAIRouter(handles))
 
 
 def _call(api, method: str, path: str, **kwargs) -> httpx.Response:

@@ -15,64 +15,39 @@ file, 503 (its engine is shut down).
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
-import socket
 import threading
 import time
 
 import httpx
 import pytest
+from conftest import (
+    assert_openai_error, free_port, local_llm_server, local_llm_servers, openai_client, sse_events,
+)
 
 pytestmark = pytest.mark.slow
 
 MODEL = "servax-tiny/llama"
 SMALL = "small-queue"
 API_KEY = "test-key"
-ENGINE = dict(impl="jax", dtype="float32", max_model_len=512, max_num_seqs=32, max_num_batched_tokens=512,
+ENGINE = dict(model_impl="jax", dtype="float32", max_model_len=512, max_num_seqs=32, max_num_batched_tokens=512,
               num_kv_blocks=1024, show_progress=False)  # as configs/app.yaml
 GREEDY = dict(temperature=0, ignore_eos=True)
 # The openai client takes non-OpenAI fields (ignore_eos) through extra_body.
 CLIENT_GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def handles(servax_cache):
-    from ray import serve
-
-    from app.builder import build_llm_deployment
-    from app.config import load_app_config
-
-    config = load_app_config({"llm_configs": [
+    with local_llm_servers([
         {"model_loading_config": {"model_id": MODEL}, "engine_kwargs": ENGINE},
         {"model_loading_config": {"model_id": SMALL, "model_source": MODEL},
          # A longer context than MODEL's so that one request runs long enough (>1 s) to be
          # seen queued behind; the tiny model decodes 500 tokens in a fraction of a second.
          "engine_kwargs": dict(ENGINE, max_num_seqs=1, max_queue_size=1, max_model_len=1024,
                                num_kv_blocks=80)},
-    ]})
-    result = {}
-    for block in config.llm_configs:
-        result[block.model_id] = serve.run(build_llm_deployment(block), name=block.deployment_name(),
-                                           route_prefix=None, _local_testing_mode=True)
-    yield result
-    _shutdown_local_engines(set(result))
-
-
-def _shutdown_local_engines(model_ids: set[str]) -> None:
-    """Stop the engine threads of in-process (local testing mode) replicas."""
-    from app.server import LLMServer
-
-    cls = getattr(LLMServer, "func_or_class", LLMServer)
-    for obj in gc.get_objects():
-        if isinstance(obj, cls) and obj.model_id in model_ids:
-            obj.engine.shutdown()
+    ]) as result:
+        yield result
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +57,7 @@ def base_url(handles):
     from app.ingress import OpenAIRouter, build_openai_api
 
     api = build_openai_api(OpenAIRouter(handles, api_key=API_KEY))
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -103,29 +78,7 @@ def http(base_url):
 
 @pytest.fixture
 def client(base_url):
-    import openai
-
-    return openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-def _sse_events(response: httpx.Response) -> list:
-    events = []
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
-
-
-def _assert_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-    if code is not None:
-        assert error["code"] == code, error
-    return error
+    return openai_client(base_url, API_KEY)
 
 
 def _stats(handles, model=MODEL) -> dict:
@@ -166,7 +119,7 @@ def test_completion_without_model_goes_to_the_only_model_when_one(http, handles)
     router = OpenAIRouter({MODEL: handles[MODEL]})
     assert router.handle_for(None) is handles[MODEL]
     # With two models the server must be told which.
-    _assert_error(http.post("/v1/completions", json={"prompt": "hi"}), 400, param="model")
+    assert_openai_error(http.post("/v1/completions", json={"prompt": "hi"}), 400, param="model")
 
 
 def test_completion_token_ids_and_batch(http):
@@ -195,7 +148,7 @@ def test_streaming_echo_with_logprobs_matches_non_streaming(http):
     req = {"model": MODEL, "prompt": "Hello world", "max_tokens": 4, "echo": True, "logprobs": 1, **GREEDY}
     full = http.post("/v1/completions", json=req).json()["choices"][0]
     with http.stream("POST", "/v1/completions", json=dict(req, stream=True)) as r:
-        chunks = [e["choices"][0] for e in _sse_events(r)[:-1]]
+        chunks = [e["choices"][0] for e in sse_events(r)[:-1]]
     assert "".join(c["text"] for c in chunks) == full["text"]
     for key in ("tokens", "token_logprobs", "text_offset"):
         assert sum((c["logprobs"][key] for c in chunks if c["logprobs"]), []) == full["logprobs"][key]
@@ -261,7 +214,7 @@ def test_streaming_chat_sse_shape(http):
             "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "stream": True,
             "stream_options": {"include_usage": True}, **GREEDY}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        events = _sse_events(r)
+        events = sse_events(r)
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     assert chunks[0]["object"] == "chat.completion.chunk" and chunks[0]["choices"][0]["delta"]["role"] == "assistant"
@@ -285,23 +238,23 @@ def _still_serving(http) -> None:
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic test-key"}])
 def test_wrong_or_missing_api_key_is_401(base_url, http, headers):
     r = httpx.post(base_url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers=headers)
-    _assert_error(r, 401, code="invalid_api_key")
-    _assert_error(httpx.get(base_url + "/v1/models", headers=headers), 401)
+    assert_openai_error(r, 401, code="invalid_api_key")
+    assert_openai_error(httpx.get(base_url + "/v1/models", headers=headers), 401)
     _still_serving(http)
 
 
 def test_unknown_model_is_404(http):
-    _assert_error(http.post("/v1/completions", json={"model": "nope", "prompt": "hi"}), 404, param="model",
+    assert_openai_error(http.post("/v1/completions", json={"model": "nope", "prompt": "hi"}), 404, param="model",
                   code="model_not_found")
-    _assert_error(http.post("/v1/chat/completions", json={"model": "nope", "messages": [
+    assert_openai_error(http.post("/v1/chat/completions", json={"model": "nope", "messages": [
         {"role": "user", "content": "hi"}]}), 404, param="model")
     _still_serving(http)
 
 
 def test_bad_json_is_400(http):
     r = http.post("/v1/completions", content=b'{"model": "x", "prompt": ', headers={"Content-Type": "application/json"})
-    assert "JSON" in _assert_error(r, 400)["message"]
-    _assert_error(http.post("/v1/completions", content=b"[1, 2]", headers={"Content-Type": "application/json"}), 400)
+    assert "JSON" in assert_openai_error(r, 400)["message"]
+    assert_openai_error(http.post("/v1/completions", content=b"[1, 2]", headers={"Content-Type": "application/json"}), 400)
     _still_serving(http)
 
 
@@ -318,7 +271,7 @@ def test_bad_json_is_400(http):
 ])
 def test_bad_completion_params_are_400_naming_the_param(http, body, param):
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", **body})
-    _assert_error(r, 400, param=param)
+    assert_openai_error(r, 400, param=param)
     _still_serving(http)
 
 
@@ -326,15 +279,15 @@ def test_bad_param_refused_by_the_engine_is_400(http):
     # Passes the request schema, refused by runtime.SamplingParams (top_p/min_p ranges are
     # checked there too, but a stop_token_ids entry beyond the vocabulary is the engine's call).
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "top_k": -5})
-    _assert_error(r, 400, param="top_k")
+    assert_openai_error(r, 400, param="top_k")
     _still_serving(http)
 
 
 def test_bad_chat_params_are_400(http):
-    _assert_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": []}), 400, param="messages")
-    _assert_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": [
+    assert_openai_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": []}), 400, param="messages")
+    assert_openai_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": [
         {"role": "wizard", "content": "hi"}]}), 400, param="messages.0.role")
-    _assert_error(http.post("/v1/chat/completions", json={"model": MODEL, "top_logprobs": 2, "messages": [
+    assert_openai_error(http.post("/v1/chat/completions", json={"model": MODEL, "top_logprobs": 2, "messages": [
         {"role": "user", "content": "hi"}]}), 400)
     _still_serving(http)
 
@@ -342,12 +295,12 @@ def test_bad_chat_params_are_400(http):
 def test_prompt_longer_than_context_is_400_context_length_exceeded(http):
     long_prompt = [10 + i % 400 for i in range(600)]  # vocab is 512
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt, "max_tokens": 4})
-    _assert_error(r, 400, code="context_length_exceeded")
+    assert_openai_error(r, 400, code="context_length_exceeded")
     r = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 4, "messages": [
         {"role": "user", "content": "word " * 600}]})
-    _assert_error(r, 400, code="context_length_exceeded")
+    assert_openai_error(r, 400, code="context_length_exceeded")
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt, "max_tokens": 4, "stream": True})
-    _assert_error(r, 400, code="context_length_exceeded")
+    assert_openai_error(r, 400, code="context_length_exceeded")
     _still_serving(http)
 
 
@@ -373,7 +326,7 @@ def test_full_queue_is_429_and_server_recovers(base_url, http, handles):
             return overflow
 
     overflow = asyncio.run(scenario())
-    _assert_error(overflow, 429, code="rate_limit_exceeded")
+    assert_openai_error(overflow, 429, code="rate_limit_exceeded")
     _wait_idle(handles, SMALL)
     r = http.post("/v1/completions", json={"model": SMALL, "prompt": "again", "max_tokens": 2})
     assert r.status_code == 200, r.text
@@ -430,14 +383,11 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(base_url, handles)
 # ---- last: a dead engine --------------------------------------------------------------------
 
 def test_dead_engine_is_503_and_other_models_keep_serving(base_url, http):
-    from app.server import LLMServer
-
-    (server,) = [o for o in gc.get_objects()
-                 if isinstance(o, getattr(LLMServer, "func_or_class", LLMServer)) and o.model_id == SMALL]
+    server = local_llm_server(SMALL)
     # Engine.shutdown stops the loop thread as a crash would; requests and /health must see it.
     server.engine.shutdown()
     r = http.post("/v1/completions", json={"model": SMALL, "prompt": "hi", "max_tokens": 2})
-    _assert_error(r, 503)
+    assert_openai_error(r, 503)
     health = httpx.get(base_url + "/health")
     assert health.status_code == 503 and health.json()["models"][MODEL] == "ok"
     _still_serving(http)

@@ -1,99 +1,30 @@
-"""`serve run configs/app.yaml` on a real local Ray cluster, over real HTTP and real handles.
+"""`serve run configs/tiny.yaml` on a real local Ray cluster, over real HTTP and real handles.
 
 The test process starts a small Ray cluster; `serve run` (the CLI, in a subprocess)
-deploys the shipped configs/app.yaml on it (only the HTTP port is changed, so that
+deploys the shipped configs/tiny.yaml on it (only the HTTP port is changed, so that
 parallel sessions do not collide on 8000). Clients: the official `openai` package over
 HTTP through Serve's proxy, and Serve handles from this driver (plain and streaming).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-import yaml
+from conftest import REPO, openai_client, serve_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = "servax-tiny/llama"
 DEPLOYMENT = "LLMServer:servax-tiny--llama"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(servax_cache, tmp_path_factory):
-    """(base_url, seconds from `serve run` to a first answered completion)."""
-    import ray
-    from ray import serve
-
-    port = _free_port()
-    config = yaml.safe_load((REPO / "configs" / "app.yaml").read_text())
-    config["http_options"] = {"host": "127.0.0.1", "port": port}
-    path = tmp_path_factory.mktemp("serve") / "app.yaml"
-    path.write_text(yaml.safe_dump(config))
-
-    # Workers (and the builder task) import app/ from the repository, as after `pip install -e .`.
-    old_pythonpath = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), old_pythonpath) if p)
-    if ray.is_initialized():  # a cluster left by another module: this test needs its own settings
-        serve.shutdown()
-        ray.shutdown()
-    metrics_port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2,
-             _metrics_export_port=metrics_port)
-    address = ray.get_runtime_context().gcs_address
-    log = open(path.parent / "serve_run.log", "w+")
-    start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", "--address", address, str(path)],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    base_url = f"http://127.0.0.1:{port}"
-
-    def log_tail() -> str:
-        return path.parent.joinpath("serve_run.log").read_text()[-5000:]
-
-    try:
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, "serve run exited:\n" + log_tail()
-            assert time.time() < deadline, "not ready in 300 s:\n" + log_tail()
-            try:
-                r = httpx.post(base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=10)
-                if r.status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        ready_s = time.perf_counter() - start
-        print(f"\nserve run -> first completion: {ready_s:.1f} s")
-        yield base_url, ready_s, f"http://127.0.0.1:{metrics_port}/metrics"
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        if ray.is_initialized():
-            serve.shutdown()
-            ray.shutdown()
-        log.close()
-        if old_pythonpath is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old_pythonpath
+    """(base_url, seconds from `serve run` to a first answered completion, metrics URL)."""
+    with serve_run(REPO / "configs" / "tiny.yaml", tmp_path_factory.mktemp("serve")) as run:
+        yield run.base_url, run.ready_s, run.metrics_url
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +34,7 @@ def base_url(served):
 
 @pytest.fixture
 def client(base_url):
-    import openai
-
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(base_url)
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +168,8 @@ def test_servax_metrics_are_exported_by_ray(served, client):
     client.completions.create(model=MODEL, prompt="metrics", max_tokens=4)
     wanted = ["ray_servax_time_to_first_token_seconds_count", "ray_servax_time_per_output_token_seconds_count",
               "ray_servax_prompt_tokens_total", "ray_servax_generation_tokens_total",
-              "ray_servax_num_requests_running", "ray_servax_kv_cache_usage_ratio", "ray_servax_prefix_cache_hit_rate"]
+              "ray_servax_num_requests_running", "ray_servax_kv_cache_usage_perc",
+              "ray_servax_request_success_total", "ray_servax_prefix_cache_queries_total"]
     deadline = time.time() + 60
     while True:  # Ray's metrics agent exports every few seconds
         names = {line.split("{")[0] for line in httpx.get(served[2], timeout=10).text.splitlines()

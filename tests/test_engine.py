@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from runtime import LLM, SamplingParams
+from app import LLM, SamplingParams
 from runtime.engine import Engine
 
 MODEL = "servax-tiny/llama"

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from runtime import LLM, SamplingParams
+from app import LLM, SamplingParams
 from runtime.errors import InvalidRequestError, PromptTooLongError
 
 MODEL = "servax-tiny/llama"
@@ -166,6 +166,8 @@ def stream_tokens(tokenizer, ids, **kw):
     deltas, stop = [], None
     for i, t in enumerate(ids):
         stop = detok.update([t])
+        if stop:
+            detok.stop_at_match()  # what the engine does when runtime.stop says the match ends it
         deltas.append(detok.delta(finished=stop is not None or i == len(ids) - 1))
         if stop:
             break
@@ -197,7 +199,7 @@ def test_detokenizer_holds_back_a_possible_stop_string(llm):
 _TP_SCRIPT = """
 import json, os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-from runtime import LLM, SamplingParams
+from app import LLM, SamplingParams
 sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 prompts = [[10, 20, 30, 40], list(range(100, 160))]
 res = {}
@@ -245,8 +247,39 @@ def test_data_parallel_is_refused_with_the_alternative():
 def test_torchax_fallback_serves_the_same_tokens(llm):
     prompts = [[10, 20, 30], list(range(100, 140))]
     native = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
-    fallback = LLM(MODEL, impl="torchax", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
+    fallback = LLM(MODEL, model_impl="torchax", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
                    num_kv_blocks=64, show_progress=False)
     assert fallback.engine.model_config["impl"] == "torchax"
     assert [o.outputs[0].token_ids for o in fallback.generate(prompts, GREEDY)] == native
     assert fallback.engine.stats().compilations_since_warmup == 0
+
+
+def test_prompt_dicts_give_the_same_tokens_as_plain_prompts(llm):
+    ids = llm.tokenizer("Once upon a time").input_ids
+    plain = llm.generate(["Once upon a time", ids], GREEDY)
+    dicts = llm.generate([{"prompt": "Once upon a time"}, {"prompt_token_ids": ids}], GREEDY)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert dicts[0].prompt == "Once upon a time" and dicts[1].prompt_token_ids == ids
+
+
+def test_chat_renders_the_template_like_the_tokenizer(llm):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    text = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = llm.tokenizer(text, add_special_tokens=False).input_ids
+    (chat,) = llm.chat(messages, GREEDY)
+    assert chat.prompt_token_ids == ids
+    assert chat.outputs[0].token_ids == llm.generate([ids], GREEDY)[0].outputs[0].token_ids
+    both = llm.chat([messages, [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]],
+                    GREEDY)
+    assert both[0].prompt_token_ids == both[1].prompt_token_ids == ids  # developer is system to templates
+
+
+def test_bad_prompt_forms_are_refused_by_the_one_processor(llm):
+    for bad, param in (({"text": "x"}, "prompt"), ([[{"type": "image"}]], "prompt"), ([1.5, 2], "prompt")):
+        with pytest.raises(InvalidRequestError) as info:
+            llm.generate(bad, GREEDY)
+        assert info.value.param == param
+    with pytest.raises(InvalidRequestError, match="only text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], GREEDY)
+    with pytest.raises(InvalidRequestError, match="unknown sampling parameter"):
+        llm.engine.process_inputs("x", "hi", {"temprature": 1})

@@ -8,6 +8,8 @@ Spec (float32 unless stated):
 - a prompt prefilled in two chunks over two steps gives the same last logits;
 - a bfloat16 load runs and agrees on the first greedy token for most prompts (>= 3 of 4).
 Mistral's sliding window (24 in the tiny config) is crossed: prompts + 40 tokens > 24.
+The weight table alone (no checkpoint) makes random params that load back unchanged from
+a safetensors folder and match transformers on those weights.
 """
 
 from __future__ import annotations
@@ -84,13 +86,13 @@ class Family:
     hf_logits: list  # per prompt, [NEW_TOKENS, V]
 
 
-@pytest.fixture(scope="module", params=MODELS)
+@pytest.fixture(scope="module", params=[pytest.param(m, marks=pytest.mark.slow) for m in MODELS])
 def family(request, tiny_checkpoint) -> Family:
     from transformers import AutoModelForCausalLM
 
     name = request.param
     path = tiny_checkpoint(name)
-    model = registry.load(str(path), impl="jax", dtype="float32")
+    model = registry.load(str(path), model_impl="jax", dtype="float32")
     step = jax.jit(model.step_fn, donate_argnames="kv_cache")
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # always 40 tokens; servax's loop ignores EOS too
@@ -147,7 +149,7 @@ def test_chunked_prefill_gives_same_last_logits(family):
 
 
 def test_bfloat16_load_agrees_on_first_greedy_token(family):
-    model = registry.load(family.model.model_id, impl="jax", dtype="bfloat16")
+    model = registry.load(family.model.model_id, model_impl="jax", dtype="bfloat16")
     assert all(p.dtype == jax.numpy.bfloat16 for p in jax.tree.leaves(model.params))
     assert model.kv_spec.dtype == jax.numpy.bfloat16
     step = jax.jit(model.step_fn, donate_argnames="kv_cache")
@@ -163,6 +165,7 @@ def test_bfloat16_load_agrees_on_first_greedy_token(family):
     assert agree >= 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rope", [
     dict(rope_type="linear", factor=2.0, rope_theta=10000.0),
     dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0),
@@ -173,7 +176,7 @@ def test_rope_scaling_variants_match_transformers(tmp_path, rope):
     from transformers import AutoModelForCausalLM
 
     path = make_tiny_checkpoint("llama", tmp_path / "ckpt", rope_parameters=rope, max_position_embeddings=32)
-    model = registry.load(str(path), impl="jax")
+    model = registry.load(str(path), model_impl="jax")
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     prompt = np.random.RandomState(1).randint(4, 500, size=40).tolist()
     logits, _ = jax.jit(model.step_fn)(model.params, allocate_kv_cache(model.kv_spec, NUM_BLOCKS, BLOCK_SIZE),
@@ -188,7 +191,7 @@ def test_unknown_rope_type_is_rejected():
 
 
 def test_weight_table_is_megatron_sharded(tiny_checkpoint):
-    model = registry.load(str(tiny_checkpoint("qwen2")), impl="jax")
+    model = registry.load(str(tiny_checkpoint("qwen2")), model_impl="jax")
     P = jax.sharding.PartitionSpec
     layer = model.param_shardings["layers"][0]
     assert layer["q"] == P(None, "model", None) and layer["k"] == P(None, "model", None)
@@ -199,3 +202,52 @@ def test_weight_table_is_megatron_sharded(tiny_checkpoint):
     assert model.param_shardings["lm_head"] == P(None, "model")
     assert jax.tree.structure(model.params) == jax.tree.structure(
         model.param_shardings, is_leaf=lambda x: isinstance(x, P))
+
+
+def _hf_layout(w, native: np.ndarray) -> np.ndarray:
+    """The inverse of WeightSpec.to_native for a weight without repeated heads."""
+    assert w.repeat is None
+    hf = native.transpose(np.argsort(w.perm)) if w.perm else native
+    return np.ascontiguousarray(hf.reshape(w.hf_shape))
+
+
+@pytest.mark.slow
+def test_random_params_from_the_weight_table_load_back_and_match_transformers(tmp_path):
+    """init_params needs only a config; written as a checkpoint, the same weights load back
+    unchanged and give transformers' logits (so init and load agree on every layout)."""
+    import transformers
+    from safetensors.numpy import save_file
+
+    from models_jax.llama import ENTRY
+    from models_jax.weights import init_params, is_weight_spec
+    from runtime.mesh import make_mesh
+
+    config = transformers.Qwen3Config(  # head_dim 32 != hidden / heads: exercises every reshape
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, initializer_range=0.2,
+        architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False,
+    )
+    args = ENTRY.config_from_hf(config)
+    table = ENTRY.weight_table(args)
+    params, specs = init_params(table, make_mesh(), np.float32, jax.random.key(7))
+    assert jax.tree.structure(params) == jax.tree.structure(table, is_leaf=is_weight_spec)
+    layer = params["layers"][0]
+    assert params["layers"][0]["q"].shape == (64, 4, 32) and specs["layers"][0]["q"] == jax.sharding.PartitionSpec(
+        None, "model", None)
+    np.testing.assert_array_equal(np.asarray(layer["input_norm"]), np.ones(64, np.float32))  # norms: ones
+    assert abs(float(np.asarray(layer["mlp"]["up"]).std()) - 0.2) < 0.02  # normal(initializer_range)
+
+    out = tmp_path / "random-qwen3"
+    config.save_pretrained(out)
+    flat = jax.tree.leaves(table, is_leaf=is_weight_spec)
+    save_file({w.hf_name: _hf_layout(w, np.asarray(p)) for w, p in zip(flat, jax.tree.leaves(params))},
+              str(out / "model.safetensors"))
+
+    loaded = registry.load(str(out), model_impl="jax")
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    prompt = PROMPTS[0]
+    logits, _ = jax.jit(loaded.step_fn)(params, allocate_kv_cache(loaded.kv_spec, NUM_BLOCKS, BLOCK_SIZE),
+                                        step_input([(prompt, 0)]))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert np.abs(np.asarray(logits[0]) - hf_last_logits(hf, prompt)).max() < TOL

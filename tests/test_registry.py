@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import registry
-from runtime.errors import ModelLoadError
+from registry.errors import ModelLoadError
 from runtime.step import KVCacheSpec, LoadedModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,12 +46,12 @@ def test_resolve_local_folder(tiny_checkpoint):
 def test_unregistered_architecture_falls_back_to_torchax_on_auto(tiny_checkpoint):
     resolved = registry.resolve(str(tiny_checkpoint("gpt2")))
     assert resolved.architecture == "GPT2LMHeadModel" and resolved.impl == "torchax"
-    assert registry.resolve(str(tiny_checkpoint("llama")), impl="torchax").impl == "torchax"
+    assert registry.resolve(str(tiny_checkpoint("llama")), model_impl="torchax").impl == "torchax"
 
 
 def test_unregistered_architecture_with_impl_jax_is_an_error(tiny_checkpoint):
     with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
-        registry.load(str(tiny_checkpoint("gpt2")), impl="jax")
+        registry.load(str(tiny_checkpoint("gpt2")), model_impl="jax")
 
 
 def test_missing_path_is_an_error(tmp_path):
@@ -78,16 +78,26 @@ def test_unsupported_dtype_is_an_error(tiny_checkpoint):
         registry.load(str(tiny_checkpoint("llama")), dtype="int8")
 
 
-def test_unknown_impl_is_an_error(tiny_checkpoint):
-    with pytest.raises(ModelLoadError, match="impl must be one of"):
-        registry.resolve(str(tiny_checkpoint("llama")), impl="vllm")
+def test_unknown_model_impl_is_an_error(tiny_checkpoint):
+    with pytest.raises(ModelLoadError, match="model_impl must be one of"):
+        registry.resolve(str(tiny_checkpoint("llama")), model_impl="vllm")
+
+
+def test_impl_is_a_deprecated_alias_of_model_impl(tiny_checkpoint):
+    path = str(tiny_checkpoint("llama"))
+    with pytest.warns(DeprecationWarning, match="impl= is deprecated.*model_impl="):
+        assert registry.resolve(path, impl="torchax").impl == "torchax"
+    with pytest.warns(DeprecationWarning, match="use model_impl="):
+        assert registry.load(path, impl="jax").impl == "jax"
+    with pytest.warns(DeprecationWarning), pytest.raises(ModelLoadError, match="contradicts model_impl='jax'"):
+        registry.resolve(path, model_impl="jax", impl="torchax")
 
 
 def test_unsupported_rope_type_is_an_error(tiny_checkpoint, tmp_path):
     rope = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 256}
     path = edited_copy(tiny_checkpoint("llama"), tmp_path / "yarn", rope_parameters=rope)
     with pytest.raises(ModelLoadError, match="rope_type 'yarn' is not supported"):
-        registry.load(str(path), impl="jax")
+        registry.load(str(path), model_impl="jax")
 
 
 def test_weight_shape_mismatch_is_an_error(tiny_checkpoint, tmp_path):
@@ -149,14 +159,19 @@ def test_tied_embeddings_use_the_embedding_as_lm_head(tmp_path):
 
 
 _SHARDED_SCRIPT = textwrap.dedent("""
+    import dataclasses
     import jax, numpy as np
     import registry
-    from runtime.errors import ModelLoadError
+    from registry.errors import ModelLoadError
     from runtime.step import allocate_kv_cache, make_step_input
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    from models_jax.llama import ENTRY
+    from models_jax.weights import init_params
+    from runtime.mesh import make_mesh
+
     def mesh(n):
-        return jax.make_mesh((n,), ("model",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
+        return make_mesh(n, devices=jax.devices()[:n])
 
     def run(model, m):
         ids = np.arange(4, 34)
@@ -176,6 +191,13 @@ _SHARDED_SCRIPT = textwrap.dedent("""
         assert q.addressable_shards[0].data.shape == (64, 4 // n, 16)
         print(n, "kv_spec", model.kv_partition_spec, "max diff", np.abs(run(model, mesh(n)) - ref).max())
         assert np.abs(run(model, mesh(n)) - ref).max() < 1e-4
+        # random params from the same table land with the loaded params' shardings
+        args = model.step_fn.keywords["args"]
+        params, specs = init_params(ENTRY.weight_table(args), mesh(n), np.float32, jax.random.key(0))
+        assert specs == model.param_shardings
+        assert jax.tree.map(lambda a: a.sharding, params) == jax.tree.map(lambda a: a.sharding, model.params)
+        assert params["layers"][0]["q"].addressable_shards[0].data.shape == (64, 4 // n, 16)
+        assert np.isfinite(run(dataclasses.replace(model, params=params), mesh(n))).all()
     try:
         registry.load("servax-tiny/mistral", mesh=mesh(8))
     except ModelLoadError as e:
@@ -183,6 +205,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_load_shards_params_over_a_model_axis(servax_cache):
     """On 8 fake CPU devices: tp=2 and tp=4 give the 1-device logits; tp=8 does not divide 4 heads."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=str(ROOT),
@@ -202,6 +225,7 @@ def test_missing_torchax_fallback_is_a_clear_error(tiny_checkpoint, monkeypatch)
         registry.load(str(tiny_checkpoint("gpt2")))
 
 
+@pytest.mark.slow
 def test_bfloat16_checkpoint_loads_as_float32_and_auto(tmp_path):
     """bfloat16 safetensors (which numpy cannot name) upcast exactly; dtype='auto' keeps bfloat16."""
     from safetensors.torch import load_file
@@ -215,3 +239,65 @@ def test_bfloat16_checkpoint_loads_as_float32_and_auto(tmp_path):
     np.testing.assert_array_equal(np.asarray(model.params["embed"]), embed.float().numpy())
     ids = np.arange(4, 24)
     assert np.abs(prefill_last_logits(model, ids) - hf_last_logits(path, ids)).max() < 1e-4
+
+
+def test_native_table_is_built_from_the_models_declarations():
+    from models_jax import llama
+
+    assert registry.NATIVE_MODELS == {arch: llama.ENTRY for arch in llama.ENTRY.architectures}
+    assert set(llama.ENTRY.architectures) == {
+        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+
+
+def test_a_new_model_module_is_found_by_its_declaration(tmp_path, monkeypatch):
+    """A package of model modules: each ENTRY joins the table; one architecture declared twice is refused."""
+    from registry.native import declared_models
+
+    pkg = tmp_path / "fake_models"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    entry = ("from models_jax import ModelEntry\n"
+             "ENTRY = ModelEntry(architectures={archs!r}, config_from_hf=None, weight_table=None, forward=None)\n")
+    (pkg / "alpha.py").write_text(entry.format(archs=("AlphaForCausalLM", "BetaForCausalLM")))
+    (pkg / "helpers.py").write_text("X = 1\n")  # declares nothing: not a model
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import fake_models
+
+    table = declared_models(fake_models)
+    assert sorted(table) == ["AlphaForCausalLM", "BetaForCausalLM"]
+    assert table["AlphaForCausalLM"].architectures == ("AlphaForCausalLM", "BetaForCausalLM")
+    (pkg / "gamma.py").write_text(entry.format(archs=("BetaForCausalLM",)))
+    with pytest.raises(ImportError, match="BetaForCausalLM is declared by two native models: "
+                                          "fake_models.alpha and fake_models.gamma"):
+        declared_models(fake_models)
+
+
+def test_load_takes_a_tokenizer_from_another_source(tiny_checkpoint, tmp_path):
+    from registry.tiny import make_tokenizer
+
+    other = make_tokenizer()
+    other.model_max_length = 123  # tells the two tokenizers apart
+    other.save_pretrained(tmp_path / "tok")
+    model = registry.load(str(tiny_checkpoint("llama")), tokenizer=str(tmp_path / "tok"))
+    assert model.tokenizer.model_max_length == 123
+    with pytest.raises(ModelLoadError, match="tokenizer .*no-such-tokenizer.*cannot be loaded"):
+        registry.load(str(tiny_checkpoint("llama")), tokenizer=str(tmp_path / "no-such-tokenizer"))
+
+
+def test_model_info_is_read_once_for_both_paths(tmp_path):
+    """EOS ids (generation_config first), context length under its other names, dtype names."""
+    import types
+
+    import jax.numpy as jnp
+
+    from registry.model_info import eos_token_ids, jax_dtype, max_model_len
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert eos_token_ids(tmp_path, types.SimpleNamespace(eos_token_id=1)) == (2, 7)
+    assert eos_token_ids(tmp_path / "none", types.SimpleNamespace(eos_token_id=1)) == (1,)
+    assert eos_token_ids(tmp_path / "none", types.SimpleNamespace()) == ()
+    assert max_model_len(types.SimpleNamespace(n_positions=300)) == 300  # GPT-2's name
+    assert max_model_len(types.SimpleNamespace(max_position_embeddings=4096, n_positions=1)) == 4096
+    assert jax_dtype("bfloat16") == jax_dtype(jnp.bfloat16) == jnp.bfloat16
+    assert jax_dtype("auto", types.SimpleNamespace(dtype="torch.float16")) == jnp.float16
+    assert jax_dtype("auto", types.SimpleNamespace()) == jnp.float32

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
 from runtime.errors import InvalidRequestError
-from runtime.sampler import BIAS_WIDTH, SamplingBatch, empty_sampling_batch, sample_jit
+from runtime.sampler import BIAS_WIDTH, SamplingBatch, empty_sampling_batch, sample
 from runtime.sampling_params import SamplingParams
 
 ROWS = 2048
 PROBS = np.array([0.5, 0.3, 0.15, 0.05], np.float32)
+sample_jit = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "all_greedy"))
 
 
 def run(logits, history_len=8, num_logprobs=4, **rows):

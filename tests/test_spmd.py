@@ -15,9 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from runtime.errors import ModelLoadError
+from registry.errors import ModelLoadError
 
 WORKER = Path(__file__).with_name("spmd_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +83,7 @@ def native(servax_cache, tmp_path_factory) -> dict[tuple[str, int], dict]:
     root = tmp_path_factory.mktemp("checkpoints")
     mha8 = make_tiny_checkpoint("llama", root / "mha8", num_attention_heads=8, num_key_value_heads=8)
     gqa3 = make_tiny_checkpoint("llama", root / "gqa3", num_attention_heads=12, num_key_value_heads=3, hidden_size=96)
-    return run_worker(dict(impl="jax", runs=[
+    return run_worker(dict(model_impl="jax", runs=[
         dict(model="servax-tiny/llama", tp=[1, 2, 4], params=NATIVE_PARAMS),  # 4 heads, 2 KV heads
         dict(model="servax-tiny/llama", name="llama-tp8", tp=[8], expect_error=True),
         dict(model=str(mha8), name=MHA8, tp=[1, 8], params=NATIVE_PARAMS),
@@ -92,7 +93,7 @@ def native(servax_cache, tmp_path_factory) -> dict[tuple[str, int], dict]:
 
 @pytest.fixture(scope="module")
 def fallback(servax_cache) -> dict[tuple[str, int], dict]:
-    return run_worker(dict(impl="torchax", runs=[
+    return run_worker(dict(model_impl="torchax", runs=[
         dict(model="servax-tiny/gpt_neox", tp=[1, 2, 4], params=NEOX_PARAMS),  # 4 heads = 4 KV heads
         dict(model="servax-tiny/gpt_neox", name="gpt_neox-tp8", tp=[8], expect_error=True),
         dict(model="servax-tiny/llama", name="llama-torchax", tp=[1, 4], params=TORCHAX_LLAMA_PARAMS),
@@ -108,30 +109,36 @@ def assert_same_tokens(runs: dict, name: str, tp: int) -> None:
         assert run[key] == ref[key], f"{name} tp={tp}: {key} greedy tokens differ from tp=1"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_native_greedy_tokens_match_single_device(native, tp):
     assert_same_tokens(native, "servax-tiny/llama", tp)
 
 
+@pytest.mark.slow
 def test_native_eight_way_split_matches_single_device(native):
     assert_same_tokens(native, MHA8, 8)
 
 
+@pytest.mark.slow
 def test_native_kv_heads_not_dividing_tp_match_single_device(native):
     """3 KV heads, tp=4: each KV head is stored 4 times (12 stored heads, 3 per device)."""
     assert_same_tokens(native, GQA3, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_fallback_greedy_tokens_match_single_device(fallback, tp):
     assert_same_tokens(fallback, "servax-tiny/gpt_neox", tp)
 
 
+@pytest.mark.slow
 def test_fallback_gqa_llama_matches_single_device_at_tp4(fallback):
     """2 KV heads on 4 devices: the attention stores each KV head twice, one per device."""
     assert_same_tokens(fallback, "llama-torchax", 4)
 
 
+@pytest.mark.slow
 def test_fallback_fused_qkv_gpt2_matches_single_device_at_tp4(fallback):
     assert_same_tokens(fallback, GPT2, 4)
 
@@ -144,6 +151,7 @@ def check_params(params: dict, expected: dict, tp: int) -> None:
         assert p["num_devices"] == tp, f"{name}: {p}"
 
 
+@pytest.mark.slow
 def test_native_params_are_sharded_at_tp4(native):
     # tiny llama: hidden 64, 4 heads x 16, 2 KV heads, intermediate 128, vocab 512.
     check_params(native[("servax-tiny/llama", 4)]["params"], {
@@ -164,6 +172,7 @@ def test_native_params_are_sharded_at_tp4(native):
     }, 2)
 
 
+@pytest.mark.slow
 def test_fallback_params_are_sharded_at_tp4(fallback):
     # HF nn.Linear weights are [out, in]: column-parallel splits dim 0, row-parallel dim 1.
     llama = fallback[("llama-torchax", 4)]["params"]
@@ -198,6 +207,7 @@ def test_fallback_params_are_sharded_at_tp4(fallback):
     }, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path,name,tp,kv_heads_per_device", [
     ("native", "servax-tiny/llama", 2, 1),
     ("native", "servax-tiny/llama", 4, 1),  # 2 KV heads, each stored twice
@@ -219,6 +229,7 @@ def test_kv_cache_is_sharded_on_kv_heads(request, path, name, tp, kv_heads_per_d
     assert kv["num_devices"] == tp
 
 
+@pytest.mark.slow
 def test_native_kv_heads_are_repeated_when_fewer_than_devices(native):
     """2 KV heads on 4 devices: stored 4 times in all, one per device, tokens unchanged."""
     assert native[("servax-tiny/llama", 1)]["kv_heads"] == 2
@@ -227,6 +238,7 @@ def test_native_kv_heads_are_repeated_when_fewer_than_devices(native):
     assert native[(GQA3, 1)]["kv_heads"] == 3 and native[(GQA3, 4)]["kv_heads"] == 12
 
 
+@pytest.mark.slow
 def test_fallback_kv_heads_are_repeated_when_fewer_than_devices(fallback):
     """As on the native path: 2 KV heads on 4 devices are stored 4 times in all, one per device."""
     assert fallback[("llama-torchax", 1)]["kv_heads"] == 2
@@ -235,6 +247,7 @@ def test_fallback_kv_heads_are_repeated_when_fewer_than_devices(fallback):
     assert run["batched"] == fallback[("llama-torchax", 1)]["batched"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path,name,tp,all_reduces", [
     ("native", "servax-tiny/llama", 2, 5),  # embedding + (attention out, MLP down) x 2 layers
     ("native", "servax-tiny/llama", 4, 5),
@@ -253,6 +266,7 @@ def test_step_communicates_only_megatron_all_reduces(request, path, name, tp, al
     assert request.getfixturevalue(path)[(name, tp)]["collectives"] == {"all-reduce": all_reduces}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path,name", [("native", "llama-tp8"), ("fallback", "gpt_neox-tp8")])
 def test_tp_that_does_not_divide_heads_fails_at_startup(request, path, name):
     run = request.getfixturevalue(path)[(name, 8)]
@@ -264,7 +278,7 @@ def test_tp_that_does_not_divide_heads_fails_at_startup(request, path, name):
 def test_tp_larger_than_device_count_fails_at_startup():
     import jax
 
-    from runtime import LLM
+    from app import LLM
 
     n, platform = len(jax.devices()), jax.devices()[0].platform
     message = rf"tensor_parallel_size={2 * n} .* but {n} {platform} device\(s\) are available"
@@ -272,6 +286,7 @@ def test_tp_larger_than_device_count_fails_at_startup():
         LLM("servax-tiny/llama", tensor_parallel_size=2 * n, **ENGINE)
 
 
+@pytest.mark.slow
 def test_no_compilations_after_warmup_with_tp(native, fallback):
     """Three generate calls per engine (batch 3, batch 1 per prompt, batch 2 of mixed lengths)."""
     runs = {**native, **fallback}
@@ -295,3 +310,32 @@ def test_kv_repeat_stores_lcm_of_kv_heads_and_tp():
 
     cases = [(2, 1), (2, 2), (2, 4), (8, 4), (3, 4), (6, 4), (1, 8)]  # (num_kv_heads, tp)
     assert [kv_repeat(kv, tp) for kv, tp in cases] == [1, 1, 2, 1, 4, 2, 8]
+
+
+def test_sharding_rules_map_logical_axes_to_the_model_axis():
+    """One table: heads, MLP features and vocab split on "model"; what does not divide stays whole."""
+    from jax.sharding import AbstractMesh, PartitionSpec as P
+
+    from runtime.mesh import SHARDING_RULES, check_mesh, logical_axis_size, logical_to_spec, num_shards
+    from runtime.step import KV_CACHE_AXES, KVCacheSpec
+
+    mesh = AbstractMesh((2, 4), ("data", "model"))
+    assert logical_to_spec(("embed", "q_heads", "head_dim"), (64, 8, 16), mesh) == P(None, "model", None)
+    assert logical_to_spec(("q_heads", "head_dim", "embed"), (8, 16, 64), mesh) == P("model", None, None)
+    assert logical_to_spec(("embed", "mlp"), (64, 128), mesh) == P(None, "model")
+    assert logical_to_spec(("vocab", "embed"), (512, 64), mesh) == P("model", None)
+    assert logical_to_spec(("embed", "kv_heads", "head_dim"), (64, 6, 16), mesh) == P()  # 6 heads, 4 devices
+    assert logical_to_spec(("embed",), (64,), mesh) == P()
+    assert logical_to_spec(("vocab", "mlp"), (512, 128), mesh) == P("model", None)  # a mesh axis splits once
+    assert logical_to_spec(("column", None), (32, 64), mesh) == P("model", None)  # torchax roles
+    assert logical_to_spec((None, "row"), (64, 32), mesh) == P(None, "model")
+    assert logical_axis_size("q_heads", mesh) == 4 and logical_axis_size("embed", mesh) == 1
+    with pytest.raises(KeyError, match="unknown logical axis 'heads'"):
+        logical_to_spec(("heads",), (8,), mesh)
+    # the KV cache: kv heads on the model axis, split only where they divide it
+    assert KV_CACHE_AXES[2] == "kv_heads" and SHARDING_RULES["kv_heads"] == "model"
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=8, head_dim=16, dtype=np.float32).partition_spec(mesh)
+    assert spec == P(None, None, "model", None) and num_shards(spec, mesh) == 4
+    assert KVCacheSpec(2, 2, 16, np.float32).partition_spec(mesh) == P()
+    with pytest.raises(ValueError, match=r"must have the axes \['model'\]"):
+        check_mesh(AbstractMesh((4,), ("tp",)))

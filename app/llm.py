@@ -1,0 +1,133 @@
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params)`, as vLLM's.
+
+    from app import LLM, SamplingParams
+
+    llm = LLM(model="servax-tiny/llama", max_model_len=512)
+    outs = llm.generate(["Hello", "The sea"], SamplingParams(temperature=0, max_tokens=16))
+    print(outs[0].outputs[0].text)
+    chat = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=16))
+
+It lives beside the Serve app rather than in runtime/ because it loads the model
+(registry.load) and hands it to the engine; the engine never looks for a model itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+import registry
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from runtime.mesh import make_mesh
+from runtime.outputs import RequestOutput
+from runtime.processor import PromptType, is_chat
+from runtime.sampling_params import SamplingParams
+from runtime.step import LoadedModel
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Load `config.model` the way the engine will run it: on the mesh its settings ask for.
+
+    Raises:
+        registry.errors.ModelLoadError: the model cannot be resolved or loaded.
+        ValueError: the devices cannot hold the mesh.
+    """
+    return registry.load(
+        config.model, model_impl=config.model_impl, dtype=config.dtype,
+        mesh=make_mesh(config.tensor_parallel_size, config.data_parallel_size),
+        revision=config.revision, trust_remote_code=config.trust_remote_code, tokenizer=config.tokenizer,
+    )
+
+
+class LLM:
+    """An engine for batch generation in this process.
+
+    Args:
+        model: model ID, local folder or servax-tiny/<name>.
+        loaded_model: an already loaded LoadedModel to serve instead of loading `model`.
+        **engine_kwargs: any EngineConfig field (model_impl, dtype, max_model_len, ...).
+
+    Raises:
+        registry.errors.ModelLoadError, ValueError (pydantic's ValidationError for a bad setting).
+    """
+
+    def __init__(self, model: str, *, loaded_model: LoadedModel | None = None, **engine_kwargs: Any):
+        self.config = EngineConfig(model=model, **engine_kwargs)
+        self.engine = Engine(self.config, loaded_model if loaded_model is not None else load_model(self.config))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns final outputs in prompt order.
+
+        A prompt is text, token ids, or a prompt dict ({"prompt": ...} or
+        {"prompt_token_ids": [...]}); pass one or a list. `sampling_params` is one
+        SamplingParams for all, or one per prompt.
+
+        Raises:
+            InvalidRequestError / PromptTooLongError: before anything is queued.
+        """
+        single = isinstance(prompts, (str, Mapping)) or (
+            isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], int)
+        )
+        return self._run([prompts] if single else list(prompts), sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, rendered with the chat template.
+
+        Raises:
+            InvalidRequestError: the model has no chat template, or a message is malformed.
+        """
+        conversations = [messages] if is_chat(messages) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text, ids = self.engine.processor.render_chat(
+                conversation, add_generation_prompt=add_generation_prompt, chat_template_kwargs=chat_template_kwargs,
+            )
+            prompts.append({"prompt_token_ids": ids})
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompt_list: list[PromptType], sampling_params: Any, use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"{len(prompt_list)} prompts but {len(params_list)} sampling params")
+        # Validate everything first so that a bad prompt queues nothing. Offline batches may
+        # be larger than the serving queue limit.
+        processed = [
+            self.engine.process_inputs(f"llm-{next(self._ids)}", p, sp, enforce_queue_limit=False)
+            for p, sp in zip(prompt_list, params_list)
+        ]
+        for req in processed:
+            self.engine.add_processed(req)
+        finals: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(processed), desc="servax: generating", disable=not use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [finals[req.request_id] for req in processed]

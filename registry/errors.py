@@ -1,0 +1,9 @@
+"""Errors the registry raises while it finds and loads a model."""
+
+from __future__ import annotations
+
+from runtime.errors import ServaxError
+
+
+class ModelLoadError(ServaxError):
+    """A model could not be resolved or loaded: missing path, no config, unsupported architecture."""

@@ -1,0 +1,450 @@
+"""GGUF files as model sources, converted once into a Hugging Face checkpoint folder.
+
+A `.gguf` file, or a folder holding exactly one (and no config.json), is read with the
+`gguf` package (pure Python + NumPy, memory-mapped). Its metadata becomes config.json and
+generation_config.json; its tensors are dequantized and renamed to the Hugging Face names,
+undoing the Q/K row permutation that llama.cpp's converter applies to Llama models; the
+tokenizer and chat template are built by transformers from the `tokenizer.ggml.*`
+metadata. The folder lives in the servax cache under `gguf/<stem>-<sha256 prefix>/` and
+is written atomically, so every later start reads plain safetensors through the normal
+paths (native JAX or torchax) and never parses the GGUF again.
+
+Quantized tensors become float32 (dequantization is exact in float32: each weight is a
+float16 scale times a small integer, plus an offset); F16 and BF16 tensors keep their
+dtype. Serving quantized weights as such (without dequantizing) is not done.
+
+    python -m registry.gguf model.Q4_K_M.gguf            # convert now, print the folder
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from registry.errors import ModelLoadError
+
+GGUF_SUFFIX = ".gguf"
+MARKER = "servax_gguf.json"  # written last: a folder without it is incomplete
+_MAGIC = b"GGUF"
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFArchitecture:
+    """How one `general.architecture` maps onto a transformers model."""
+
+    config_class: str  # transformers config class, e.g. "LlamaConfig"
+    hf_architecture: str  # config.architectures[0]
+    permuted_qk: bool  # llama.cpp interleaved the Q/K rows for its rotary layout
+    layer_tensors: tuple[str, ...]  # allowed `blk.N.<kind>.<weight|bias>` names
+
+
+_BLOCK_TENSORS = {  # GGUF kind -> Hugging Face module under model.layers.N
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LLAMA_BLOCK = tuple(
+    f"{kind}.weight" for kind in (
+        "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"
+    )
+)
+ARCHITECTURES: dict[str, GGUFArchitecture] = {
+    # Mistral GGUFs say "llama" too: same tensors, same permutation.
+    "llama": GGUFArchitecture("LlamaConfig", "LlamaForCausalLM", True, _LLAMA_BLOCK),
+    "qwen2": GGUFArchitecture(
+        "Qwen2Config", "Qwen2ForCausalLM", False,
+        _LLAMA_BLOCK + ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+    ),
+    "qwen3": GGUFArchitecture(
+        "Qwen3Config", "Qwen3ForCausalLM", False, _LLAMA_BLOCK + ("attn_q_norm.weight", "attn_k_norm.weight"),
+    ),
+}
+
+
+def supported_types() -> list[str]:
+    """Names of the GGML tensor types that can be dequantized (those the gguf package implements)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import _type_traits
+
+    types = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits}
+    return [t.name for t in GGMLQuantizationType if t in types]
+
+
+def find_gguf_file(path: Path) -> Path | None:
+    """The GGUF file `path` names: the file itself, or the only .gguf in a folder without config.json.
+
+    Returns None when `path` is not a GGUF source (a checkpoint folder, or another file).
+
+    Raises:
+        ModelLoadError: a folder without config.json holding several .gguf files.
+    """
+    if path.is_file():
+        return path if path.suffix == GGUF_SUFFIX else None
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    files = sorted(path.glob("*" + GGUF_SUFFIX))
+    if len(files) > 1:
+        names = ", ".join(f.name for f in files)
+        raise ModelLoadError(f"{path}: holds several GGUF files ({names}); pass the path of the one to serve")
+    return files[0] if files else None
+
+
+def gguf_checkpoint_path(gguf_file: Path) -> Path:
+    """Convert `gguf_file` into the servax cache on first use; return the checkpoint folder.
+
+    The folder is named after the file and the first 16 hex digits of its sha256, so an
+    edited file is converted again and identical files share one conversion.
+
+    Raises:
+        ModelLoadError: see `convert_gguf`.
+    """
+    from registry.tiny import cache_root
+
+    gguf_file = Path(gguf_file).resolve()
+    with open(gguf_file, "rb") as fh:  # ~1 GB/s: 0.1 s for a 100 MB file
+        digest = hashlib.file_digest(fh, "sha256").hexdigest()
+    out = cache_root() / "gguf" / f"{gguf_file.stem}-{digest[:16]}"
+    return build_once(out, lambda tmp: convert_gguf(gguf_file, tmp, source={"file": str(gguf_file), "sha256": digest}))
+
+
+def build_once(out: Path, build: Callable[[Path], Any]) -> Path:
+    """Run `build(tmp_folder)` unless `out` is complete already, then move the result to `out`.
+
+    The work happens in a private folder that is renamed at the end, so concurrent
+    processes never see half a checkpoint; `build` writes MARKER last.
+    """
+    if (out / MARKER).exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        build(tmp)
+        if not (out / MARKER).exists():
+            shutil.rmtree(out, ignore_errors=True)
+            try:
+                tmp.replace(out)
+            except OSError:  # another process won the race; its copy is the same
+                pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def convert_gguf(gguf_file: Path, out_dir: Path, *, source: dict | None = None) -> Path:
+    """Write a Hugging Face checkpoint folder for `gguf_file` into `out_dir`.
+
+    Writes config.json, generation_config.json, model.safetensors, the tokenizer files
+    (with the chat template) and, last, MARKER (a JSON note of the source and the
+    tensor types found).
+
+    Raises:
+        ModelLoadError: not a GGUF file, truncated, an architecture or tensor type that
+            cannot be converted, or tokenizer metadata missing or unusable.
+    """
+    gguf_file = Path(gguf_file)
+    reader = read_gguf(gguf_file)
+    meta = _Metadata(reader, gguf_file)
+    arch_name = meta.get("general.architecture")
+    if arch_name not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"{gguf_file.name}: GGUF architecture {arch_name!r} is not supported; supported: "
+            f"{', '.join(ARCHITECTURES)}"
+        )
+    arch = ARCHITECTURES[arch_name]
+    tensors = {t.name: t for t in reader.tensors}
+    _check_types(gguf_file, reader.tensors)
+    _check_tokenizer_metadata(gguf_file, meta)
+    config = _hf_config(meta, arch_name, arch, tensors)
+    names = _hf_names(gguf_file, arch_name, arch, tensors, config)
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out_dir)
+    (out_dir / "generation_config.json").write_text(json.dumps(_special_ids(meta), indent=2) + "\n")
+    _write_safetensors(
+        out_dir / "model.safetensors", [(hf_name, tensors[name]) for name, hf_name in names.items()],
+        lambda tensor: _hf_tensor(tensor, config, arch),
+    )
+    _save_tokenizer(gguf_file, out_dir)
+    types = sorted({t.tensor_type.name for t in reader.tensors})
+    (out_dir / MARKER).write_text(json.dumps(
+        {"source": source or {"file": str(gguf_file)}, "architecture": arch_name, "tensor_types": types}, indent=2,
+    ) + "\n")
+    return out_dir
+
+
+def read_gguf(gguf_file: Path):
+    """Open a GGUF file (memory-mapped): its metadata and a view of every tensor.
+
+    Raises:
+        ModelLoadError: wrong magic, or a header or tensor data that the file does not hold.
+    """
+    import gguf
+
+    size = gguf_file.stat().st_size
+    with open(gguf_file, "rb") as fh:
+        head = fh.read(4)
+    if head != _MAGIC:
+        raise ModelLoadError(f"{gguf_file}: not a GGUF file (it starts with {head!r}, a GGUF file with {_MAGIC!r})")
+    try:
+        # Every tensor becomes a view of the memory map here, so a short file fails now, not later.
+        return gguf.GGUFReader(gguf_file)
+    except Exception as e:  # noqa: BLE001 - ValueError, IndexError, ... from deep inside the reader
+        raise ModelLoadError(
+            f"{gguf_file}: truncated or corrupt GGUF file ({size} bytes; reading it failed with "
+            f"{type(e).__name__}: {e})"
+        ) from None
+
+
+class _Metadata:
+    """The GGUF key/value metadata with errors that name the file and the key."""
+
+    def __init__(self, reader, gguf_file: Path):
+        self.fields, self.file = reader.fields, gguf_file
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.fields
+
+    def get(self, key: str, default: Any = ...) -> Any:
+        if key not in self.fields:
+            if default is ...:
+                raise ModelLoadError(f"{self.file.name}: GGUF metadata has no {key!r}")
+            return default
+        return self.fields[key].contents()
+
+
+def _check_types(gguf_file: Path, tensors: list) -> None:
+    supported = set(supported_types())
+    bad = {t.tensor_type.name: t.name for t in tensors if t.tensor_type.name not in supported}
+    if bad:
+        kind, example = next(iter(bad.items()))
+        raise ModelLoadError(
+            f"{gguf_file.name}: tensor type {kind} (e.g. tensor {example}) cannot be dequantized; "
+            f"supported types: {', '.join(sorted(supported))}"
+        )
+
+
+def _check_tokenizer_metadata(gguf_file: Path, meta: _Metadata) -> None:
+    missing = [k for k in ("tokenizer.ggml.model", "tokenizer.ggml.tokens") if k not in meta]
+    if missing:
+        raise ModelLoadError(
+            f"{gguf_file.name}: no tokenizer in the GGUF metadata (missing {', '.join(missing)}); "
+            "servax builds the tokenizer and chat template from it"
+        )
+
+
+def _one(meta: _Metadata, key: str, default: Any = ...) -> Any:
+    """A metadata value that may be stored per layer (a list); all layers must agree."""
+    value = meta.get(key, default)
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ModelLoadError(f"{meta.file.name}: per-layer {key} values differ ({value}); not supported")
+        value = value[0]
+    return value
+
+
+def _hf_config(meta: _Metadata, arch_name: str, arch: GGUFArchitecture, tensors: dict):
+    import transformers
+
+    p = arch_name + "."
+    if "rope_freqs.weight" in tensors:
+        raise ModelLoadError(
+            f"{meta.file.name}: has rope_freqs.weight (Llama 3.1-style rope scaling stored as factors), "
+            "which cannot be converted yet"
+        )
+    hidden = int(meta.get(p + "embedding_length"))
+    heads = int(_one(meta, p + "attention.head_count"))
+    kv_heads = int(_one(meta, p + "attention.head_count_kv", heads))
+    head_dim = int(meta.get(p + "attention.key_length", hidden // heads))
+    rope_dims = int(meta.get(p + "rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ModelLoadError(f"{meta.file.name}: partial rotary ({rope_dims} of {head_dim} dims) is not supported")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta.get(p + "rope.freq_base", 10000.0))}
+    scaling = meta.get(p + "rope.scaling.type", "none")
+    if scaling == "linear":
+        rope.update(rope_type="linear", factor=float(meta.get(p + "rope.scaling.factor")))
+    elif scaling != "none":
+        raise ModelLoadError(f"{meta.file.name}: rope scaling {scaling!r} is not supported (none, linear)")
+    vocab = int(tensors["token_embd.weight"].shape[-1]) if "token_embd.weight" in tensors else None
+    kwargs = dict(
+        architectures=[arch.hf_architecture],
+        vocab_size=vocab or len(meta.get("tokenizer.ggml.tokens")),
+        hidden_size=hidden,
+        intermediate_size=int(_one(meta, p + "feed_forward_length")),
+        num_hidden_layers=int(meta.get(p + "block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=int(meta.get(p + "context_length", 2048)),
+        rms_norm_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon")),
+        rope_parameters=rope,
+        tie_word_embeddings="output.weight" not in tensors,
+        hidden_act="silu",
+        dtype=_checkpoint_dtype(tensors.values()),
+        **_special_ids(meta),
+    )
+    return getattr(transformers, arch.config_class)(**kwargs)
+
+
+def _checkpoint_dtype(tensors) -> str:
+    """float16 / bfloat16 when every matrix is stored so, else float32 (what quantized types become)."""
+    kinds = {t.tensor_type.name for t in tensors if len(t.shape) > 1}
+    return {frozenset({"F16"}): "float16", frozenset({"BF16"}): "bfloat16"}.get(frozenset(kinds), "float32")
+
+
+def _special_ids(meta: _Metadata) -> dict[str, Any]:
+    """bos/eos/pad token ids for config.json and generation_config.json (eos may be a list)."""
+    ids: dict[str, Any] = {}
+    for key, name in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
+        if f"tokenizer.ggml.{key}_token_id" in meta:
+            ids[name] = int(meta.get(f"tokenizer.ggml.{key}_token_id"))
+    # Chat models often end a turn with an end-of-turn token that is not the EOS.
+    eos = [ids["eos_token_id"]] if "eos_token_id" in ids else []
+    for key in ("eot", "eom"):
+        extra = meta.get(f"tokenizer.ggml.{key}_token_id", None)
+        if extra is not None and int(extra) not in eos:
+            eos.append(int(extra))
+    if eos:
+        ids["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return ids
+
+
+def _hf_names(gguf_file: Path, arch_name: str, arch: GGUFArchitecture, tensors: dict, config) -> dict[str, str]:
+    """GGUF tensor name -> Hugging Face name, refusing any tensor without a counterpart."""
+    names = {}
+    for name in tensors:
+        base, _, suffix = name.rpartition(".")
+        if base in _GLOBAL_TENSORS and suffix == "weight":
+            names[name] = f"{_GLOBAL_TENSORS[base]}.weight"
+            continue
+        parts = name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in arch.layer_tensors:
+            kind, suffix = parts[2].rsplit(".", 1)
+            names[name] = f"model.layers.{parts[1]}.{_BLOCK_TENSORS[kind]}.{suffix}"
+            continue
+        raise ModelLoadError(
+            f"{gguf_file.name}: tensor {name} has no counterpart in {arch.hf_architecture} "
+            f"(GGUF architecture {arch_name}); mixture-of-experts and other variants are not supported"
+        )
+    expected = {"token_embd.weight", "output_norm.weight"} | {
+        f"blk.{i}.{kind}" for i in range(config.num_hidden_layers) for kind in _LLAMA_BLOCK
+    }
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise ModelLoadError(f"{gguf_file.name}: {len(missing)} tensors missing, e.g. {', '.join(missing[:4])}")
+    return names
+
+
+def _hf_shape_dtype(tensor) -> tuple[tuple[int, ...], str]:
+    """Shape (Hugging Face order) and safetensors dtype that `_hf_tensor` gives, without reading data."""
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists dims innermost first
+    return shape, {"F16": "F16", "BF16": "BF16"}.get(tensor.tensor_type.name, "F32")
+
+
+def _hf_tensor(tensor, config, arch: GGUFArchitecture) -> np.ndarray:
+    """One tensor in Hugging Face layout: dequantized (F16/BF16 kept), Q/K rows un-permuted."""
+    import ml_dtypes
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    shape, _ = _hf_shape_dtype(tensor)
+    if tensor.tensor_type == T.F16:
+        array = np.asarray(tensor.data)
+    elif tensor.tensor_type == T.BF16:
+        array = np.asarray(tensor.data).view(ml_dtypes.bfloat16)
+    else:
+        array = dequantize(tensor.data, tensor.tensor_type)
+    array = array.reshape(shape)
+    if arch.permuted_qk and tensor.name.endswith((".attn_q.weight", ".attn_k.weight")):
+        heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
+        array = unpermute_qk(array, heads)
+    return array
+
+
+def permute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter order: each head's rows go from [first half | second half] to interleaved pairs.
+
+    weight: [num_heads * head_dim, ...] (a q_proj or k_proj weight, Hugging Face layout).
+    """
+    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape
+    )
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """The inverse of `permute_qk`: GGUF's interleaved Q/K rows back to Hugging Face's rotate-half order."""
+    return weight.reshape(num_heads, weight.shape[0] // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape
+    )
+
+
+_ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+def _write_safetensors(path: Path, tensors: list[tuple[str, Any]], produce: Callable[[Any], np.ndarray]) -> None:
+    """A safetensors file written one tensor at a time, so only one is dequantized in memory at once.
+
+    tensors: (Hugging Face name, GGUF tensor) pairs; `produce(gguf_tensor)` gives its array.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, tensor in tensors:
+        shape, dtype = _hf_shape_dtype(tensor)
+        nbytes = int(np.prod(shape)) * _ST_ITEMSIZE[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as fh:
+        fh.write(len(blob).to_bytes(8, "little"))
+        fh.write(blob)
+        for name, tensor in tensors:
+            array = np.ascontiguousarray(produce(tensor))
+            begin, end = header[name]["data_offsets"]
+            if array.nbytes != end - begin:
+                raise AssertionError(f"{name}: {array.nbytes} bytes produced, {end - begin} expected")
+            fh.write(memoryview(array.reshape(-1).view(np.uint8)))
+
+
+def _save_tokenizer(gguf_file: Path, out_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds on metadata it cannot use
+        raise ModelLoadError(
+            f"{gguf_file.name}: cannot build the tokenizer from the GGUF metadata ({type(e).__name__}: {e})"
+        ) from None
+    tokenizer.save_pretrained(out_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("gguf_file", type=Path)
+    args = parser.parse_args(argv)
+    print(gguf_checkpoint_path(args.gguf_file))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""What the registry reads about a model besides its weights, once, for both model paths.
+
+The dtype table, the tokenizer (the checkpoint's own or another source), the
+end-of-sequence ids and the context length. `registry.load` reads them into a
+`ModelInfo`, which the native and the torchax loaders put on the LoadedModel unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+from registry.errors import ModelLoadError
+
+logger = logging.getLogger("servax.registry")
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Where configs keep the context length, in order (GPT-2 and a few others use other names).
+_MAX_LENGTH_ATTRS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """The LoadedModel fields that do not depend on the implementation (same names)."""
+
+    model_id: str
+    hf_config: Any
+    tokenizer: Any  # a transformers tokenizer, or None: the model then serves token ids only
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+
+def read_model_info(
+    resolved: Any, *, tokenizer: str | os.PathLike | None = None, revision: str | None = None
+) -> ModelInfo:
+    """Read a resolved model's tokenizer, EOS ids and context length.
+
+    Args:
+        resolved: a ResolvedModel (or any object with .model_id, .path, .hf_config and
+            optionally .trust_remote_code).
+        tokenizer: another tokenizer source (folder or hub ID) than the checkpoint's own;
+            loaded at `revision`.
+
+    Raises:
+        ModelLoadError: `tokenizer` was given and cannot be loaded (the checkpoint's own
+            tokenizer may be missing: the model then has none).
+    """
+    trust = bool(getattr(resolved, "trust_remote_code", False))
+    if tokenizer is None:
+        tok = load_tokenizer(resolved.path, trust_remote_code=trust)
+        if tok is None:
+            logger.warning("%s: no usable tokenizer; serving token ids only", resolved.model_id)
+    else:
+        tok = load_tokenizer(tokenizer, trust_remote_code=trust, revision=revision, required=True)
+    return ModelInfo(
+        model_id=str(resolved.model_id),
+        hf_config=resolved.hf_config,
+        tokenizer=tok,
+        max_model_len=max_model_len(resolved.hf_config),
+        eos_token_ids=eos_token_ids(Path(resolved.path), resolved.hf_config),
+    )
+
+
+def jax_dtype(dtype: Any, hf_config: Any = None) -> Any:
+    """The jnp dtype for a name ("float32", "bfloat16", "float16"), "auto" (the config's
+    own dtype, float32 if it names none) or any dtype-like (jnp.bfloat16, ...).
+
+    Raises:
+        ModelLoadError: a dtype servax does not load models in.
+    """
+    if isinstance(dtype, str) and dtype == "auto":
+        dtype = str(getattr(hf_config, "dtype", None) or "float32").removeprefix("torch.")
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = str(dtype)
+    if name not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)} or auto")
+    return DTYPES[name]
+
+
+def load_tokenizer(
+    source: str | os.PathLike, *, trust_remote_code: bool = False, revision: str | None = None,
+    required: bool = False,
+) -> Any:
+    """A transformers tokenizer from a folder or hub ID; None when there is none, unless required.
+
+    Custom tokenizer code runs only with trust_remote_code.
+
+    Raises:
+        ModelLoadError: `required` and it cannot be loaded.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code, revision=revision)
+    except (OSError, ValueError, TypeError, ImportError) as e:  # no tokenizer files, or unreadable ones
+        if required:
+            raise ModelLoadError(f"tokenizer {source}: cannot be loaded: {type(e).__name__}: {e}") from e
+        logger.debug("no tokenizer in %s: %s", source, e)
+        return None
+
+
+def eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
+    """End-of-sequence ids: generation_config.json in `path` first, then the config's eos_token_id."""
+    eos = None
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def max_model_len(hf_config: Any) -> int:
+    """The context length the config declares (max_position_embeddings or its other names)."""
+    for attr in _MAX_LENGTH_ATTRS:
+        value = getattr(hf_config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    logger.warning("the config names no context length (%s); assuming %d",
+                   ", ".join(_MAX_LENGTH_ATTRS), DEFAULT_MAX_MODEL_LEN)
+    return DEFAULT_MAX_MODEL_LEN

@@ -1,0 +1,216 @@
+"""The input processor: prompts and sampling settings in, validated engine requests out.
+
+Every door into the engine passes through here (the OpenAI routes, Serve handle calls,
+the offline `LLM`), so a request is judged by one set of rules wherever it comes from:
+
+- a prompt is text, token ids, a prompt dict (`{"prompt": ...}` or
+  `{"prompt_token_ids": [...]}`, vLLM's TextPrompt / TokensPrompt), or chat messages
+  rendered with the model's chat template;
+- sampling settings are a `SamplingParams` or a dict of its fields (validated by
+  SamplingParams itself: the value ranges live in runtime/sampling_params.py);
+- the limits that depend on the model and the engine (vocabulary, context length,
+  max_logprobs, max_num_seqs) are checked here.
+
+Bad input raises `InvalidRequestError` (with `.param`) or `PromptTooLongError`, before
+anything is queued. Runs on the caller's thread, never the engine loop's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from runtime.errors import InvalidRequestError, PromptTooLongError
+from runtime.sampling_params import SamplingParams
+
+# A prompt in any of the accepted forms (chat messages are a list of dicts with a role).
+PromptType = str | Sequence[int] | Mapping[str, Any] | Sequence[Mapping[str, Any]]
+
+
+@dataclasses.dataclass
+class ProcessedRequest:
+    """A validated, tokenized request, ready for `Engine.add_processed`."""
+
+    request_id: str
+    prompt: str | None  # the text, when the prompt was text (or rendered chat)
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+def is_chat(prompt: Any) -> bool:
+    """Chat messages: a non-empty list of dicts that have a role."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(
+        isinstance(m, Mapping) and "role" in m for m in prompt
+    )
+
+
+class InputProcessor:
+    """Turns user input into engine requests for one model.
+
+    Args:
+        tokenizer: the model's Hugging Face tokenizer, or None (token ids only).
+        vocab_size: rows of the model's logits; token ids must be below it.
+        max_model_len: the engine's context limit.
+        max_logprobs: the most logprobs / prompt_logprobs a request may ask for.
+        max_num_seqs: the most sequences in a step; a request's `n` may not exceed it.
+    """
+
+    def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int, max_logprobs: int,
+                 max_num_seqs: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.max_num_seqs = max_num_seqs
+
+    # -- sampling ------------------------------------------------------------------------
+    @staticmethod
+    def sampling_params(sampling: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
+        """A SamplingParams from itself, a dict of its fields (vLLM's names), or None (defaults).
+
+        Raises:
+            InvalidRequestError: an unknown field or a value out of range (.param names it).
+        """
+        if sampling is None:
+            return SamplingParams()
+        if isinstance(sampling, SamplingParams):
+            return sampling
+        if not isinstance(sampling, Mapping):
+            raise InvalidRequestError("sampling params must be a SamplingParams or a dict", param="sampling_params")
+        known = {f.name for f in dataclasses.fields(SamplingParams)}
+        unknown = sorted(set(sampling) - known)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown sampling parameter(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}",
+                param=unknown[0],
+            )
+        return SamplingParams(**sampling)
+
+    # -- prompts -------------------------------------------------------------------------
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                    chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list[int]]:
+        """Chat messages rendered by the model's chat template: (text, token ids).
+
+        Content is a string or a list of text parts; the `developer` role is the `system`
+        role to templates (as OpenAI defines it).
+
+        Raises:
+            InvalidRequestError: no chat template, a non-text part, or the template failed.
+        """
+        if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidRequestError("this model has no chat template; send a plain prompt", param="messages")
+        rendered = [template_message(m) for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                rendered, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **dict(chat_template_kwargs or {}),
+            )
+        except Exception as e:  # jinja raises many kinds (TemplateError, TypeError, ...)
+            raise InvalidRequestError(f"chat template failed: {e}", param="messages") from None
+        # The template writes BOS and the like itself; tokenizing must not add them twice.
+        return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt in any accepted form.
+
+        Raises:
+            InvalidRequestError: an unknown form, text without a tokenizer, ids out of range,
+                an empty prompt.
+        """
+        text: str | None = None
+        if is_chat(prompt):
+            text, ids = self.render_chat(prompt)  # type: ignore[arg-type]
+        elif isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return self.tokenize(list(prompt["prompt_token_ids"]))
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
+        elif isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer; send token ids", param="prompt")
+            text, ids = prompt, list(self.tokenizer(prompt).input_ids)
+        elif isinstance(prompt, (list, tuple, np.ndarray)) and all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
+        ):
+            ids = [int(t) for t in prompt]
+        else:
+            raise InvalidRequestError(
+                "prompt must be a string, a list of token ids, a prompt dict or chat messages", param="prompt"
+            )
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if any(t < 0 or t >= self.vocab_size for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        return text, ids
+
+    # -- the whole request ---------------------------------------------------------------
+    def process(self, request_id: str, prompt: PromptType, sampling: SamplingParams | Mapping[str, Any] | None = None,
+                *, arrival_time: float | None = None) -> ProcessedRequest:
+        """Validate and tokenize one request.
+
+        Raises:
+            InvalidRequestError: bad prompt or sampling settings (.param names the field).
+            PromptTooLongError: prompt + 1 generated token does not fit max_model_len.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
+        params = self.sampling_params(sampling)
+        text, token_ids = self.tokenize(prompt)
+        if len(token_ids) + 1 > self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(token_ids)} tokens; with at least one generated token it needs "
+                f"{len(token_ids) + 1}, more than max_model_len={self.max_model_len}",
+                param="prompt",
+            )
+        self.check_limits(params)
+        return ProcessedRequest(request_id, text, token_ids, params, arrival_time or time.time())
+
+    def check_limits(self, params: SamplingParams) -> None:
+        """The checks of `params` that depend on this model and engine.
+
+        Raises:
+            InvalidRequestError: the first setting over a limit (.param names it).
+        """
+        vocab = self.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and v > self.max_logprobs:
+                raise InvalidRequestError(
+                    f"{name}={v} exceeds this engine's max_logprobs={self.max_logprobs}", param=name
+                )
+        if any(t >= vocab for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
+        if params.n > self.max_num_seqs:
+            raise InvalidRequestError(f"n must be <= max_num_seqs={self.max_num_seqs}", param="n")
+
+
+def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """One chat message as templates expect it: text content, `developer` as `system`."""
+    out = dict(message)
+    role = out.get("role")
+    if not isinstance(role, str):
+        raise InvalidRequestError("every chat message needs a string 'role'", param="messages")
+    if role == "developer":
+        out["role"] = "system"
+    content = out.get("content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise InvalidRequestError(f"only text content parts are supported, got {kind!r}", param="messages")
+            parts.append(str(part.get("text", "")))
+        out["content"] = "".join(parts)
+    elif content is None:
+        out["content"] = ""
+    elif not isinstance(content, str):
+        raise InvalidRequestError("message content must be a string or a list of text parts", param="messages")
+    return out

