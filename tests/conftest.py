@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
+import jax
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -200,3 +202,106 @@ def serve_run(config_path: Path, work_dir: Path, *, ready_timeout_s: float = 300
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = old_pythonpath
+
+
+# ---- the reference: transformers on the same weights --------------------------------------
+
+def hf_model(path: Path, dtype: str = "float32"):
+    """The transformers causal LM of a checkpoint folder, eager attention, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, dtype), attn_implementation="eager").eval()
+
+
+def hf_logits(hf, tokens: list[int]) -> np.ndarray:
+    """transformers' float32 logits at every position of one sequence: [len(tokens), vocab]."""
+    import torch
+
+    with torch.no_grad():
+        return hf(torch.tensor([list(tokens)])).logits[0].float().numpy()
+
+
+def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of exactly `new_tokens` tokens (EOS suppressed until then)."""
+    import torch
+
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():
+        out = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+            min_new_tokens=new_tokens, pad_token_id=hf.config.pad_token_id or 0,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+# ---- driving a step function without the engine -----------------------------------------
+
+class PagedRunner:
+    """Runs a LoadedModel's jitted step over a paged cache whose blocks are taken in shuffled order.
+
+    Every step is padded to one shape ([pad_tokens] tokens, [pad_seqs] sequences), so a
+    model compiles once per runner shape.
+    """
+
+    def __init__(self, loaded, step=None, *, num_blocks: int = 48, block_size: int = 4,
+                 max_blocks_per_seq: int = 16, pad_tokens: int = 16, pad_seqs: int = 2, seed: int = 0):
+        from runtime.step import allocate_kv_cache
+
+        self.loaded = loaded
+        self.step = step if step is not None else jax.jit(loaded.step_fn, donate_argnames="kv_cache")
+        self.block_size, self.max_blocks_per_seq = block_size, max_blocks_per_seq
+        self.pad_tokens, self.pad_seqs = pad_tokens, pad_seqs
+        self.cache = allocate_kv_cache(loaded.kv_spec, num_blocks, block_size)
+        self.free_blocks = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
+        self.block_tables: dict[int, list[int]] = {}
+
+    def slot(self, seq: int, pos: int) -> int:
+        table = self.block_tables.setdefault(seq, [])
+        while len(table) <= pos // self.block_size:
+            table.append(int(self.free_blocks.pop()))
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def run(self, chunks: list[tuple[int, int, list[int]]]) -> np.ndarray:
+        """One step over chunks (seq id, first position, new tokens) -> logits [len(chunks), vocab]."""
+        from runtime.step import make_step_input
+
+        ids, pos, slots = np.zeros(self.pad_tokens), np.zeros(self.pad_tokens), np.full(self.pad_tokens, -1)
+        tables = np.zeros((self.pad_seqs, self.max_blocks_per_seq))
+        seq_lens, starts, last = np.zeros(self.pad_seqs), np.zeros(self.pad_seqs + 1), np.zeros(self.pad_seqs)
+        t = 0
+        for i, (seq, start, tokens) in enumerate(chunks):
+            for j, token in enumerate(tokens):
+                ids[t], pos[t], slots[t] = token, start + j, self.slot(seq, start + j)
+                t += 1
+            table = self.block_tables[seq]
+            tables[i, : len(table)] = table
+            seq_lens[i], last[i], starts[i + 1] = start + len(tokens), t - 1, t
+        starts[len(chunks) + 1:] = t
+        batch = make_step_input(
+            input_ids=ids, positions=pos, slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
+            query_start_loc=starts, logits_indices=last, num_seqs=len(chunks), num_tokens=t,
+        )
+        logits, self.cache = self.step(self.loaded.params, self.cache, batch)
+        assert logits.dtype == np.float32 and logits.shape == (self.pad_seqs, self.loaded.vocab_size)
+        return np.asarray(logits)[: len(chunks)]
+
+    def greedy(self, prompt: list[int], new_tokens: int, seq: int = 0) -> tuple[list[int], np.ndarray]:
+        """Prefill then decode one token per step; returns (new tokens, logits of each step).
+
+        EOS is never picked (as transformers' `min_new_tokens` does), so runs have a fixed length.
+        """
+        eos = list(self.loaded.eos_token_ids)
+
+        def pick(row: np.ndarray) -> int:
+            row = row.copy()
+            row[eos] = -np.inf
+            return int(np.argmax(row))
+
+        logits = [self.run([(seq, 0, prompt)])[0]]
+        tokens = [pick(logits[-1])]
+        while len(tokens) < new_tokens:
+            logits.append(self.run([(seq, len(prompt) + len(tokens) - 1, [tokens[-1]])])[0])
+            tokens.append(pick(logits[-1]))
+        return tokens, np.stack(logits)

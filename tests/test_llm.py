@@ -7,6 +7,8 @@ import math
 import pytest
 
 from app import LLM, SamplingParams
+from conftest import hf_greedy, hf_model
+from registry.tiny import tiny_checkpoint_path
 from runtime.errors import InvalidRequestError, PromptTooLongError
 
 MODEL = "servax-tiny/llama"
@@ -21,27 +23,12 @@ def llm() -> LLM:
     )
 
 
-def hf_greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from registry.tiny import tiny_checkpoint_path
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint_path(MODEL), dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-        )
-    return out[0, len(prompt_ids):].tolist()
-
-
 def test_greedy_matches_transformers_generate(llm):
     prompt = "The quick brown fox jumps over the lazy dog. Once upon a time"
     out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0]
     ids = llm.tokenizer(prompt).input_ids
     assert out.prompt_token_ids == ids
-    assert out.outputs[0].token_ids == hf_greedy(ids, 40)
+    assert out.outputs[0].token_ids == hf_greedy(hf_model(tiny_checkpoint_path(MODEL)), ids, 40)
     assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
     assert out.outputs[0].finish_reason == "length"
 

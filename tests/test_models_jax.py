@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import registry
+from conftest import hf_logits
 from models_jax import layers
 from runtime.step import allocate_kv_cache, make_step_input
 
@@ -111,8 +112,7 @@ def family(request, tiny_checkpoint) -> Family:
 
 
 def hf_last_logits(hf, prompt) -> np.ndarray:  # [V]
-    with torch.no_grad():
-        return hf(torch.tensor([prompt])).logits[0, -1].numpy()
+    return hf_logits(hf, prompt)[-1]
 
 
 def test_prefill_logits_match_transformers(family):

@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import registry
+from conftest import PagedRunner, hf_logits, hf_model
 from registry.errors import ModelLoadError
 from runtime.step import KVCacheSpec, LoadedModel
 
@@ -128,24 +129,11 @@ def test_load_fills_loaded_model(tiny_checkpoint):
 
 
 def prefill_last_logits(model, ids: np.ndarray) -> np.ndarray:  # [V], one sequence in one step
-    from runtime.step import allocate_kv_cache, make_step_input
-
-    t = len(ids)
-    batch = make_step_input(input_ids=ids, positions=np.arange(t), slot_mapping=np.arange(t),
-                            block_tables=np.arange(8)[None], seq_lens=np.array([t]),
-                            query_start_loc=np.array([0, t]), logits_indices=np.array([t - 1]),
-                            num_seqs=1, num_tokens=t)
-    logits, _ = jax.jit(model.step_fn)(model.params, allocate_kv_cache(model.kv_spec, 8, 4), batch)
-    return np.asarray(logits[0])
+    return PagedRunner(model, pad_tokens=len(ids), pad_seqs=1).run([(0, 0, list(ids))])[0]
 
 
-def hf_last_logits(path: Path, ids: np.ndarray) -> np.ndarray:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():
-        return hf(torch.tensor(ids)[None]).logits[0, -1].numpy()
+def hf_last_logits(path: Path, ids: np.ndarray) -> np.ndarray:  # [V]
+    return hf_logits(hf_model(path), list(ids))[-1]
 
 
 def test_tied_embeddings_use_the_embedding_as_lm_head(tmp_path):

@@ -26,13 +26,11 @@ import transformers
 from registry.tiny import make_tiny_checkpoint, make_tokenizer
 from registry.torchax_model import load_torchax
 from registry.errors import ModelLoadError
-from runtime.step import LoadedModel, allocate_kv_cache, make_step_input
+from conftest import PagedRunner, hf_greedy, hf_logits
+from runtime.step import allocate_kv_cache, make_step_input
 
-BLOCK_SIZE = 4
-NUM_BLOCKS = 48
-MAX_BLOCKS_PER_SEQ = 16  # 64 tokens per sequence
-PAD_TOKENS = 16
-PAD_SEQS = 2
+# conftest.PagedRunner's default shape: 4-token blocks (48 of them, 16 per sequence = 64
+# tokens), every step padded to 16 tokens and 2 sequences.
 PROMPT_LEN = 11
 NEW_TOKENS = 32
 # Max |ours - transformers| on float32 logits (measured: a few 1e-6 on these models).
@@ -70,63 +68,6 @@ def resolved_for(path: Path, **extra) -> types.SimpleNamespace:
         model_id=str(path), path=path, hf_config=config, architecture=config.architectures[0], **extra
     )
 
-
-class PagedRunner:
-    """Drives a LoadedModel's jitted step over a paged cache with shuffled block tables."""
-
-    def __init__(self, loaded: LoadedModel, step, seed: int = 0):
-        self.loaded = loaded
-        self.step = step
-        self.cache = allocate_kv_cache(loaded.kv_spec, NUM_BLOCKS, BLOCK_SIZE)
-        self.free_blocks = list(np.random.default_rng(seed).permutation(NUM_BLOCKS))
-        self.block_tables: dict[int, list[int]] = {}
-
-    def slot(self, seq: int, pos: int) -> int:
-        table = self.block_tables.setdefault(seq, [])
-        while len(table) <= pos // BLOCK_SIZE:
-            table.append(int(self.free_blocks.pop()))
-        return table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-
-    def run(self, chunks: list[tuple[int, int, list[int]]]) -> np.ndarray:
-        """One step over chunks (seq id, first position, new tokens) -> logits [len(chunks), vocab]."""
-        ids, pos, slots = np.zeros(PAD_TOKENS), np.zeros(PAD_TOKENS), np.full(PAD_TOKENS, -1)
-        tables = np.zeros((PAD_SEQS, MAX_BLOCKS_PER_SEQ))
-        seq_lens, starts, last = np.zeros(PAD_SEQS), np.zeros(PAD_SEQS + 1), np.zeros(PAD_SEQS)
-        t = 0
-        for i, (seq, start, tokens) in enumerate(chunks):
-            for j, token in enumerate(tokens):
-                ids[t], pos[t], slots[t] = token, start + j, self.slot(seq, start + j)
-                t += 1
-            table = self.block_tables[seq]
-            tables[i, : len(table)] = table
-            seq_lens[i], last[i], starts[i + 1] = start + len(tokens), t - 1, t
-        starts[len(chunks) + 1:] = t
-        batch = make_step_input(
-            input_ids=ids, positions=pos, slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
-            query_start_loc=starts, logits_indices=last, num_seqs=len(chunks), num_tokens=t,
-        )
-        logits, self.cache = self.step(self.loaded.params, self.cache, batch)
-        assert logits.dtype == jnp.float32 and logits.shape == (PAD_SEQS, self.loaded.vocab_size)
-        return np.asarray(logits)[: len(chunks)]
-
-    def greedy(self, prompt: list[int], new_tokens: int, seq: int = 0) -> tuple[list[int], np.ndarray]:
-        """Prefill then decode one token per step; returns (new tokens, logits of each step).
-
-        EOS is never picked (as transformers' `min_new_tokens` does), so runs have a fixed length.
-        """
-        eos = list(self.loaded.eos_token_ids)
-
-        def pick(row: np.ndarray) -> int:
-            row = row.copy()
-            row[eos] = -np.inf
-            return int(np.argmax(row))
-
-        logits = [self.run([(seq, 0, prompt)])[0]]
-        tokens = [pick(logits[-1])]
-        while len(tokens) < new_tokens:
-            logits.append(self.run([(seq, len(prompt) + len(tokens) - 1, [tokens[-1]])])[0])
-            tokens.append(pick(logits[-1]))
-        return tokens, np.stack(logits)
 
 
 def make_prompt(seed: int = 0, length: int = PROMPT_LEN) -> list[int]:
@@ -167,21 +108,6 @@ def served(checkpoints):
         return cache[name]
 
     return get
-
-
-def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-            min_new_tokens=new_tokens, pad_token_id=hf.config.pad_token_id or 0,
-        )
-    return out[0, len(prompt):].tolist()
-
-
-def hf_logits(hf, tokens: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0].float().numpy()  # [len, vocab]
 
 
 @pytest.mark.parametrize("name", [n if n == QUICK else pytest.param(n, marks=pytest.mark.slow) for n in ARCHITECTURES])
