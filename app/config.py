@@ -47,6 +47,8 @@ class ModelLoadingConfig(_Strict):
         None, description="Hub ID, local folder or servax-tiny/<name>; default: model_id."
     )
 
+    tokenizer_source: str | None = Field(None, description="Tokenizer source if not the model's own (Ray's name).")
+
     @property
     def source(self) -> str:
         return self.model_source or self.model_id
@@ -63,8 +65,14 @@ class RayActorOptions(_Strict):
     accelerator_type: str | None = None
 
 
-class AutoscalingConfig(_Strict):
-    """Serve autoscaling, by ongoing requests per replica."""
+class AutoscalingConfig(BaseModel):
+    """Serve autoscaling, by ongoing requests per replica.
+
+    The common keys are typed here; any other key of Serve's own AutoscalingConfig
+    (look_back_period_s, smoothing factors, ...) passes through and Serve validates it.
+    """
+
+    model_config = ConfigDict(extra="allow")
 
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(1, ge=1)
@@ -77,6 +85,13 @@ class AutoscalingConfig(_Strict):
     def _bounds(self) -> AutoscalingConfig:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        if self.model_extra:
+            from ray.serve.config import AutoscalingConfig as ServeAutoscalingConfig
+
+            known = set(ServeAutoscalingConfig.__fields__)
+            unknown = sorted(set(self.model_extra) - known)
+            if unknown:
+                raise ValueError(f"unknown autoscaling key(s) {', '.join(unknown)}; Serve knows {', '.join(sorted(known))}")
         return self
 
 
@@ -93,6 +108,13 @@ class DeploymentConfig(_Strict):
     health_check_period_s: float = Field(10.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0)
+    graceful_shutdown_wait_loop_s: float | None = Field(None, ge=0)
+    logging_config: dict[str, Any] | None = None
+    request_router_config: dict[str, Any] | None = None
+    placement_group_bundles: list[dict[str, float]] | None = Field(
+        None, description="Serve's placement group for the replica (the first bundle holds the replica itself)."
+    )
+    placement_group_strategy: str | None = None
 
     @model_validator(mode="after")
     def _replicas_xor_autoscaling(self) -> DeploymentConfig:
@@ -123,6 +145,52 @@ class LLMConfig(_Strict):
     )
     deployment_config: DeploymentConfig = Field(default_factory=DeploymentConfig)
     model_impl: ModelImpl | None = Field(None, description="Shortcut for engine_kwargs.model_impl.")
+    # Ray Serve LLM's LLMConfig keys, so its YAML runs unchanged.
+    llm_engine: str = Field("servax", description="Ray Serve LLM names its engine here; servax serves with its own.")
+    accelerator_type: str | None = Field(None, description="Ray accelerator type for the replica (e.g. TPU-V6E, H100).")
+    runtime_env: dict[str, Any] | None = Field(None, description="Ray runtime_env of the replica.")
+    placement_group_config: dict[str, Any] | None = Field(
+        None, description="{bundles: [...]} or {bundle_per_worker: {...}}, and an optional strategy (Ray's shape)."
+    )
+    lora_config: dict[str, Any] | None = None
+    log_engine_metrics: bool = Field(True, description="Export the replica's metrics through Ray.")
+    experimental_configs: dict[str, Any] = Field(
+        default_factory=dict, description="Ray Serve LLM's: num_ingress_replicas is honoured.",
+    )
+
+    @field_validator("llm_engine")
+    @classmethod
+    def _engine_is_servax(cls, v: str) -> str:
+        if v.lower() not in ("servax", "vllm"):
+            raise ValueError(f"llm_engine {v!r}: servax serves every model with its own JAX engine; "
+                             "leave llm_engine out (or 'vLLM', as Ray Serve LLM YAML has it)")
+        return v
+
+    @field_validator("lora_config")
+    @classmethod
+    def _no_lora_yet(cls, v: dict[str, Any] | None) -> None:
+        if v is not None:
+            raise ValueError("LoRA adapters are not supported yet; remove lora_config to serve the base model")
+        return None
+
+    @field_validator("experimental_configs")
+    @classmethod
+    def _known_experimental(cls, v: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(v) - {"num_ingress_replicas", "stream_batching_interval_ms"})
+        if unknown:
+            raise ValueError(f"unknown experimental_configs key(s) {', '.join(unknown)}; "
+                             "known: num_ingress_replicas, stream_batching_interval_ms")
+        return v
+
+    @field_validator("placement_group_config")
+    @classmethod
+    def _placement_group_shape(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            unknown = sorted(set(v) - {"bundles", "bundle_per_worker", "strategy"})
+            if unknown or ("bundles" in v) == ("bundle_per_worker" in v):
+                raise ValueError("placement_group_config takes `bundles: [{CPU: 1}, ...]` or "
+                                 "`bundle_per_worker: {CPU: 1}`, and an optional `strategy`")
+        return v
 
     @model_validator(mode="before")
     @classmethod
@@ -138,6 +206,8 @@ class LLMConfig(_Strict):
     def _engine_kwargs_valid(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
         if "model" in kwargs:
             raise ValueError("`model` is not an engine_kwargs field: set model_loading_config.model_source")
+        if "served_model_name" in kwargs:
+            raise ValueError("served_model_name: the served name is model_loading_config.model_id")
         # Validate now (with a placeholder model) so YAML errors name engine_kwargs' field.
         try:
             EngineConfig(model="_", **kwargs)
@@ -159,6 +229,9 @@ class LLMConfig(_Strict):
     def engine_config(self) -> EngineConfig:
         """The engine's configuration: engine_kwargs + model_source (+ the model_impl shortcut)."""
         kwargs = dict(self.engine_kwargs)
+        if self.model_loading_config.tokenizer_source and "tokenizer" not in kwargs:
+            kwargs["tokenizer"] = self.model_loading_config.tokenizer_source
+        kwargs.setdefault("served_model_name", self.model_id)
         if self.model_impl is not None:
             kwargs.pop("impl", None)
             kwargs["model_impl"] = self.model_impl
@@ -166,6 +239,22 @@ class LLMConfig(_Strict):
 
     def deployment_name(self) -> str:
         return "LLMServer:" + sanitize_name(self.model_id)
+
+    def serve_options(self) -> dict[str, Any]:
+        """`Deployment.options(...)` of this model's LLMServer: deployment_config plus the
+        Ray Serve LLM keys that place the replica (accelerator_type, runtime_env, placement group)."""
+        opts = self.deployment_config.serve_options()
+        actor = opts["ray_actor_options"]
+        if self.accelerator_type is not None:
+            actor["accelerator_type"] = self.accelerator_type
+        if self.runtime_env is not None:
+            actor["runtime_env"] = {**self.runtime_env, **actor.get("runtime_env", {})}
+        pg = self.placement_group_config
+        if pg is not None:
+            opts["placement_group_bundles"] = pg.get("bundles") or [pg["bundle_per_worker"]]
+            if "strategy" in pg:
+                opts["placement_group_strategy"] = pg["strategy"]
+        return opts
 
 
 class IngressConfig(_Strict):
@@ -210,6 +299,22 @@ class AppConfig(_Strict):
 
     llm_configs: list[LLMConfig] = Field(min_length=1)
     ingress_config: IngressConfig = Field(default_factory=IngressConfig)
+    ingress_deployment_config: dict[str, Any] | None = Field(
+        None, description="Ray Serve LLM's name for the ingress' Serve options (num_replicas, "
+                          "max_ongoing_requests, ray_actor_options, ...); merged into ingress_config.",
+    )
+
+    @model_validator(mode="after")
+    def _ray_ingress_block(self) -> AppConfig:
+        merged = dict(self.ingress_deployment_config or {})
+        replicas = [b.experimental_configs.get("num_ingress_replicas") for b in self.llm_configs]
+        replicas = [r for r in replicas if r]
+        if replicas and "num_replicas" not in merged:
+            merged["num_replicas"] = max(replicas)
+        if merged:
+            self.ingress_config = IngressConfig.model_validate({**self.ingress_config.model_dump(exclude_unset=True),
+                                                               **merged})
+        return self
 
     @model_validator(mode="after")
     def _unique_models(self) -> AppConfig:

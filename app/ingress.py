@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import json
 import logging
 import re
@@ -19,13 +20,17 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList
+from app.metrics import render_families
+from app.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, ModelCard, ModelList, TokenizeRequest,
+)
 from app.serving import error_response
 
 logger = logging.getLogger("ray.serve")
@@ -37,6 +42,11 @@ class APIError(Exception):
     def __init__(self, response: ErrorResponse):
         super().__init__(response.error.message)
         self.response = response
+
+
+SERVAX_VERSION = importlib.metadata.version("servax")
+# Lists the request fields servax did not know and ignored (vLLM only logs them).
+IGNORED_FIELDS_HEADER = "x-servax-ignored-fields"
 
 
 def _json_error(err: ErrorResponse) -> JSONResponse:
@@ -90,9 +100,22 @@ class OpenAIRouter:
         return {m: ("ok" if not isinstance(r, BaseException) else f"{type(_unwrap(r)).__name__}: {_unwrap(r)}")
                 for m, r in zip(self.handles, results)}
 
+    async def call(self, method: str, body: TokenizeRequest | DetokenizeRequest) -> JSONResponse:
+        """Call LLMServer.<method>(body) once (no streaming) and answer with its body or error."""
+        handle = self.handle_for(body.model)
+        try:
+            result = await getattr(handle, method).remote(body)
+        except Exception as e:
+            raise APIError(_server_error(e)) from e
+        return _json_error(result) if isinstance(result, ErrorResponse) else JSONResponse(result)
+
     async def relay(self, method: str, body: CompletionRequest | ChatCompletionRequest) -> Any:
         """Call LLMServer.<method>(body) and turn what it yields into the HTTP response."""
         handle = self.handle_for(body.model)
+        ignored = body.ignored_fields
+        headers = {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {}
+        if ignored:
+            logger.warning("The following fields were present in the request but ignored: %s", ignored)
         gen = getattr(handle.options(stream=True), method).remote(body)
         try:
             first = await gen.__anext__()
@@ -107,9 +130,9 @@ class OpenAIRouter:
             gen.cancel()
             return _json_error(first)
         if not body.stream:
-            return JSONResponse(first)
+            return JSONResponse(first, headers=headers)
         return StreamingResponse(_sse(first, gen), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers={"Cache-Control": "no-cache", **headers})
 
 
 def _server_error(exc: BaseException) -> ErrorResponse:
@@ -207,6 +230,26 @@ def build_openai_api(router: OpenAIRouter) -> FastAPI:
         ok = all(v == "ok" for v in status.values())
         return JSONResponse({"status": "ok" if ok else "unhealthy", "models": status},
                             status_code=200 if ok else 503)
+
+    @api.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+        router.authorize(request)
+        return await router.call("tokenize", body)
+
+    @api.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+        router.authorize(request)
+        return await router.call("detokenize", body)
+
+    @api.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": SERVAX_VERSION})
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text format: every model's replica metrics, vLLM's names with servax's prefix."""
+        families = await asyncio.gather(*(h.metric_families.remote() for h in router.handles.values()))
+        return Response(render_families(list(families)), media_type=CONTENT_TYPE_LATEST)
 
     return api
 

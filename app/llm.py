@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
 import registry
+from registry.model_info import sampling_defaults
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.mesh import make_mesh
@@ -36,11 +38,16 @@ def load_model(config: EngineConfig) -> LoadedModel:
         registry.errors.ModelLoadError: the model cannot be resolved or loaded.
         ValueError: the devices cannot hold the mesh.
     """
-    return registry.load(
+    model = registry.load(
         config.model, model_impl=config.model_impl, dtype=config.dtype,
         mesh=make_mesh(config.tensor_parallel_size, config.data_parallel_size),
         revision=config.revision, trust_remote_code=config.trust_remote_code, tokenizer=config.tokenizer,
+        tokenizer_mode=config.tokenizer_mode, skip_tokenizer_init=config.skip_tokenizer_init,
+        hf_overrides=config.hf_overrides,
     )
+    if config.generation_config not in ("auto", "vllm"):  # a folder holding generation_config.json
+        model.generation_config = sampling_defaults(Path(config.generation_config).expanduser())
+    return model
 
 
 class LLM:
@@ -64,17 +71,25 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (vLLM's name), or None with skip_tokenizer_init."""
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request that sets nothing gets: the model's generation_config defaults (vLLM's name)."""
+        return self.engine.processor.sampling_params(None)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns final outputs in prompt order.
 
         A prompt is text, token ids, or a prompt dict ({"prompt": ...} or
         {"prompt_token_ids": [...]}); pass one or a list. `sampling_params` is one
-        SamplingParams for all, or one per prompt.
+        SamplingParams for all, or one per prompt; None takes get_default_sampling_params().
 
         Raises:
             InvalidRequestError / PromptTooLongError: before anything is queued.
@@ -88,12 +103,17 @@ class LLM:
         self,
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
         *,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, rendered with the chat template.
+        """Generate replies to one conversation or a list of them, rendered with the chat
+        template (the model's, or `chat_template`), as vLLM's LLM.chat. `tools` (OpenAI's
+        shape) reach the template; the reply is text (parse tool calls with app.tool_parsers).
 
         Raises:
             InvalidRequestError: the model has no chat template, or a message is malformed.
@@ -102,14 +122,16 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text, ids = self.engine.processor.render_chat(
-                conversation, add_generation_prompt=add_generation_prompt, chat_template_kwargs=chat_template_kwargs,
+                conversation, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs, tools=tools,
             )
             prompts.append({"prompt_token_ids": ids})
         return self._run(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompt_list: list[PromptType], sampling_params: Any, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+            params_list = [sampling_params] * len(prompt_list)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):

@@ -16,13 +16,22 @@ replica and application tags; we add `model_id`):
 | servax_num_preemptions_total | counter | sequences preempted for lack of KV blocks |
 
 Metrics are best-effort: outside a Ray worker (local testing mode, plain unit tests)
-recording is a no-op.
+recording to Ray is a no-op.
+
+The same figures are also kept in a prometheus_client registry per replica under vLLM's
+exact names with servax's prefix (`servax:time_to_first_token_seconds`,
+`servax:prompt_tokens_total`, ... labelled `model_name`), which the ingress serves at
+`GET /metrics` on the HTTP port (`ServerMetrics.families`, `render_families`), so a
+Prometheus job or a dashboard made for vLLM scrapes servax by changing the prefix.
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Any
+
+import prometheus_client as prom
+from prometheus_client.core import Metric
 
 logger = logging.getLogger("ray.serve")
 
@@ -35,10 +44,13 @@ _ENGINE_COUNTERS = {"prefix_cache_queries": "prefix_queries", "prefix_cache_hits
 class ServerMetrics:
     """Counters, histograms and gauges of one model's replica."""
 
-    def __init__(self, model_id: str):
+    def __init__(self, model_id: str, enabled: bool = True):
         self._tags = {"model_id": model_id}
         self._engine_totals = dict.fromkeys(_ENGINE_COUNTERS, 0)
+        self.prom = PrometheusMetrics(model_id)
         self.enabled = False
+        if not enabled:
+            return
         try:
             from ray.serve import metrics as m
 
@@ -77,6 +89,8 @@ class ServerMetrics:
     def observe_request(self, *, ttft_s: float | None, e2e_s: float, prompt_tokens: int,
                         generation_tokens: int, finish_reason: str | None) -> None:
         """Record one finished (or aborted) request."""
+        self.prom.observe_request(ttft_s=ttft_s, e2e_s=e2e_s, prompt_tokens=prompt_tokens,
+                                  generation_tokens=generation_tokens, finish_reason=finish_reason)
         if not self.enabled:
             return
         tags = self._tags
@@ -93,6 +107,11 @@ class ServerMetrics:
 
     def update_engine_gauges(self, stats: Any) -> None:
         """Copy the engine's point-in-time stats (runtime EngineStats) into gauges and counters."""
+        deltas = {}
+        for field in _ENGINE_COUNTERS:
+            total = getattr(stats, field)
+            deltas[field], self._engine_totals[field] = total - self._engine_totals[field], total
+        self.prom.update_engine(stats, deltas)
         if not self.enabled:
             return
         tags = self._tags
@@ -100,7 +119,82 @@ class ServerMetrics:
         self._record(self.num_waiting.set, stats.num_waiting, tags)
         self._record(self.kv_usage.set, stats.kv_cache_usage, tags)
         for field, attr in _ENGINE_COUNTERS.items():
-            total = getattr(stats, field)
-            delta, self._engine_totals[field] = total - self._engine_totals[field], total
-            if delta > 0:
-                self._record(getattr(self, attr).inc, delta, tags)
+            if deltas[field] > 0:
+                self._record(getattr(self, attr).inc, deltas[field], tags)
+
+
+class PrometheusMetrics:
+    """One replica's metrics in its own prometheus_client registry, under vLLM's names."""
+
+    def __init__(self, model_name: str):
+        prom.disable_created_metrics()  # as vLLM: no `_created` series beside each counter
+        self.registry = prom.CollectorRegistry(auto_describe=True)
+        self._labels = {"model_name": model_name}
+        r, keys = self.registry, ["model_name"]
+        self.ttft = prom.Histogram("servax:time_to_first_token_seconds", "Time to first token in seconds.",
+                                   keys, buckets=_LATENCY_BOUNDARIES, registry=r)
+        self.tpot = prom.Histogram("servax:time_per_output_token_seconds", "Time per output token in seconds.",
+                                   keys, buckets=_LATENCY_BOUNDARIES, registry=r)
+        self.e2e = prom.Histogram("servax:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+                                  keys, buckets=_LATENCY_BOUNDARIES, registry=r)
+        self.prompt_tokens = prom.Counter("servax:prompt_tokens", "Prefill tokens processed.", keys, registry=r)
+        self.generation_tokens = prom.Counter("servax:generation_tokens", "Generation tokens processed.", keys,
+                                              registry=r)
+        self.request_success = prom.Counter("servax:request_success", "Finished requests by finished_reason.",
+                                            keys + ["finished_reason"], registry=r)
+        self.num_running = prom.Gauge("servax:num_requests_running", "Requests in the running batch.", keys,
+                                      registry=r)
+        self.num_waiting = prom.Gauge("servax:num_requests_waiting", "Requests waiting.", keys, registry=r)
+        self.kv_usage = prom.Gauge("servax:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent.", keys,
+                                   registry=r)
+        self.engine_counters = {
+            "prefix_cache_queries": prom.Counter("servax:prefix_cache_queries", "Prompt tokens looked up in the "
+                                                 "prefix cache.", keys, registry=r),
+            "prefix_cache_hits": prom.Counter("servax:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                              keys, registry=r),
+            "num_preemptions": prom.Counter("servax:num_preemptions", "Sequences preempted.", keys, registry=r),
+        }
+
+    def observe_request(self, *, ttft_s: float | None, e2e_s: float, prompt_tokens: int,
+                        generation_tokens: int, finish_reason: str | None) -> None:
+        labels = self._labels
+        if ttft_s is not None:
+            self.ttft.labels(**labels).observe(ttft_s)
+            if generation_tokens > 1:
+                self.tpot.labels(**labels).observe((e2e_s - ttft_s) / (generation_tokens - 1))
+        self.e2e.labels(**labels).observe(e2e_s)
+        self.prompt_tokens.labels(**labels).inc(prompt_tokens)
+        self.generation_tokens.labels(**labels).inc(generation_tokens)
+        self.request_success.labels(**labels, finished_reason=str(finish_reason)).inc()
+
+    def update_engine(self, stats: Any, deltas: dict[str, int]) -> None:
+        labels = self._labels
+        self.num_running.labels(**labels).set(stats.num_running)
+        self.num_waiting.labels(**labels).set(stats.num_waiting)
+        self.kv_usage.labels(**labels).set(stats.kv_cache_usage)
+        for field, counter in self.engine_counters.items():
+            if deltas[field] > 0:
+                counter.labels(**labels).inc(deltas[field])
+
+    def families(self) -> list[Metric]:
+        """The registry's metric families (picklable), for the ingress to merge and render."""
+        return list(self.registry.collect())
+
+
+def render_families(per_replica: list[list[Metric]]) -> bytes:
+    """One Prometheus text exposition of several replicas' families (same names merged)."""
+    merged: dict[str, Metric] = {}
+    for families in per_replica:
+        for family in families:
+            if family.name in merged:
+                merged[family.name].samples.extend(family.samples)
+            else:
+                merged[family.name] = family
+
+    class _Merged:
+        def collect(self):
+            return list(merged.values())
+
+    registry = prom.CollectorRegistry(auto_describe=False)
+    registry.register(_Merged())
+    return prom.generate_latest(registry)

@@ -1,8 +1,9 @@
 """OpenAI API request and response bodies (the subset servax serves), as pydantic models.
 
-Requests forbid unknown fields, so that a misspelt parameter is a 400 naming it rather
-than a silently different generation; a few fields OpenAI clients send routinely and that
-do not change the output (`user`, `metadata`, ...) are accepted and ignored.
+Unknown request fields are accepted and ignored, as vLLM does: the ingress logs a warning
+naming them and lists them in the `x-servax-ignored-fields` response header. Fields that
+OpenAI defines but servax does not implement (audio output, predicted outputs, ...) are
+a 400 that says so, never a silent no-op.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from runtime.errors import InvalidRequestError
+
 
 class _Request(BaseModel):
     """Fields shared by completions and chat completions.
@@ -22,7 +25,7 @@ class _Request(BaseModel):
     their errors reach the client as 400s naming the parameter.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = 1
@@ -49,6 +52,21 @@ class _Request(BaseModel):
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     store: bool | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs (a dict of
+    # runtime.sampling_params.StructuredOutputsParams fields) and its older guided_* names.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """Fields of the request body that servax does not know (accepted and ignored)."""
+        return sorted(self.model_extra or ())
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _Request:
@@ -73,7 +91,34 @@ class _Request(BaseModel):
             kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.logit_bias:
             kwargs["logit_bias"] = dict(self.logit_bias)  # SamplingParams checks the ids and values
+        for name in ("allowed_token_ids", "bad_words"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        spec, _ = self.structured_outputs_request()
+        if spec is not None:
+            kwargs["structured_outputs"] = spec
         return kwargs
+
+    def structured_outputs_request(self) -> tuple[dict[str, Any] | None, str | None]:
+        """(StructuredOutputsParams fields, the request field that asked) or (None, None).
+
+        Raises:
+            InvalidRequestError: more than one field asks for a constraint.
+        """
+        asked: list[tuple[str, dict[str, Any]]] = []
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", dict(self.structured_outputs)))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                asked.append((name, {kind: getattr(self, name)}))
+        if self.response_format is not None and self.response_format.type != "text":
+            asked.append(("response_format", self.response_format.structured_outputs()))
+        if len(asked) > 1:
+            raise InvalidRequestError(
+                f"give one structured output constraint, not {' and '.join(name for name, _ in asked)}",
+                param=asked[1][0])
+        return (asked[0][1], asked[0][0]) if asked else (None, None)
 
     @property
     def include_usage(self) -> bool:
@@ -84,6 +129,65 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """response_format.json_schema: the schema the reply must follow (`strict` or not, it is enforced)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or JSON following a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema")
+        return self
+
+    def structured_outputs(self) -> dict[str, Any]:
+        if self.type == "json_object":
+            return {"json_object": True}
+        schema = self.json_schema.json_schema if self.json_schema is not None else None
+        return {"json": schema if schema is not None else {"type": "object"}}
+
+
+class FunctionDefinition(BaseModel):
+    """A tool's function: its name, and a JSON schema of its arguments."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming the function the reply must call."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
 
 
 Prompt = str | list[int] | list[str | list[int]]
@@ -156,7 +260,45 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # vLLM's: the reply continues (and repeats) the last message's content
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # OpenAI features servax does not implement: a 400 naming them.
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+
+    @field_validator("audio", "prediction", "web_search_options", "functions", "function_call")
+    @classmethod
+    def _not_implemented(cls, value: Any, info: ValidationInfo) -> None:
+        if value is not None:
+            hint = "; use tools" if info.field_name in ("functions", "function_call") else ""
+            raise ValueError(f"{info.field_name} is not supported by servax{hint}")
+        return None
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and set(value) - {"text"}:
+            raise ValueError(f"only the text modality is supported, got {value}")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_needs_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools")
+        if value in ("required", "auto") and not tools or isinstance(value, NamedToolChoice) and not tools:
+            raise ValueError(f"tool_choice {value if isinstance(value, str) else 'naming a function'} needs tools")
+        if isinstance(value, NamedToolChoice) and value.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"tool_choice names {value.function.name!r}, which is not among the tools")
+        return value
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -168,13 +310,73 @@ class ChatCompletionRequest(_Request):
         """The messages as dicts for the engine's InputProcessor (which renders the template)."""
         return [m.model_dump(exclude_none=True) for m in self.messages]
 
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """tool_choice, or OpenAI's default: "auto" with tools, "none" without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template gets them (OpenAI's shape)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
     def sampling_kwargs(self) -> dict[str, Any]:
         kwargs = super().sampling_kwargs()
         if self.max_completion_tokens is not None:
             kwargs["max_tokens"] = self.max_completion_tokens
         if self.logprobs:
             kwargs["logprobs"] = self.top_logprobs or 0
+        forced = self.forced_tool_call_schema()
+        if forced is not None:  # as vLLM: a forced tool call replaces any other constraint
+            kwargs["structured_outputs"] = {"json": forced, "disable_any_whitespace": True}
         return kwargs
+
+    def forced_tool_call_schema(self) -> dict[str, Any] | None:
+        """The JSON schema that tool_choice "required" or a named function forces, else None."""
+        from app.tool_parsers import named_tool_call_schema, required_tool_calls_schema
+
+        choice = self.effective_tool_choice
+        functions = [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+        if choice == "required":
+            return required_tool_calls_schema(functions, self.parallel_tool_calls)
+        if isinstance(choice, NamedToolChoice):
+            return named_tool_call_schema(next(f for f in functions if f["name"] == choice.function.name))
+        return None
+
+    def structured_outputs_request(self) -> tuple[dict[str, Any] | None, str | None]:
+        if self.forced_tool_call_schema() is not None:
+            return None, "tools"
+        return super().structured_outputs_request()
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a prompt, or chat messages rendered with the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_xor_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
 
 
 # Responses. Built by app.serving; the field names are OpenAI's.
@@ -231,11 +433,13 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's: {id, type: function, function: {name, arguments}}
 
 
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's deltas: {index, id?, type?, function: {...}}
 
 
 class ChatChoice(BaseModel):
@@ -309,6 +513,7 @@ class ErrorResponse(BaseModel):
         return cls(error=ErrorInfo(message=message, type=type, param=param, code=code), status_code=status_code)
 
 
+TokenizeRequest.model_rebuild()
 _Request.model_rebuild()
 CompletionRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()

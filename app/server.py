@@ -27,7 +27,7 @@ from ray import serve
 
 from app.config import LLMConfig
 from app.metrics import ServerMetrics
-from app.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, TokenizeRequest
 from app.serving import OpenAIServing
 
 logger = logging.getLogger("ray.serve")
@@ -90,7 +90,7 @@ class LLMServer:
         start = time.perf_counter()
         self.engine = AsyncLLMEngine(engine_config, load_model(engine_config))
         self.startup_s = time.perf_counter() - start
-        self.metrics = ServerMetrics(self.model_id)
+        self.metrics = ServerMetrics(self.model_id, enabled=self.llm_config.log_engine_metrics)
         self.serving = OpenAIServing(self.engine, self.model_id, self.metrics)
         logger.info("servax LLMServer ready: %s", self._startup_summary())
 
@@ -164,12 +164,31 @@ class LLMServer:
                 yield item
         self._update_gauges()
 
+    async def completions(self, request: CompletionRequest) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
+        """Ray Serve LLM's name for `completion`."""
+        async with aclosing(self.completion(request)) as items:
+            async for item in items:
+                yield item
+
     async def chat(self, request: ChatCompletionRequest) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
         """OpenAI /v1/chat/completions bodies (see app.serving.OpenAIServing.chat)."""
         async with aclosing(self.serving.chat(request)) as items:
             async for item in items:
                 yield item
         self._update_gauges()
+
+    def tokenize(self, request: TokenizeRequest) -> dict[str, Any] | ErrorResponse:
+        """vLLM's /tokenize body (see app.serving.OpenAIServing.tokenize)."""
+        return self.serving.tokenize(request)
+
+    def detokenize(self, request: DetokenizeRequest) -> dict[str, Any] | ErrorResponse:
+        """vLLM's /detokenize body."""
+        return self.serving.detokenize(request)
+
+    def metric_families(self) -> list[Any]:
+        """This replica's Prometheus metric families (for the ingress' GET /metrics)."""
+        self._update_gauges()
+        return self.metrics.prom.families()
 
     def model_info(self) -> dict[str, Any]:
         """The model's card for /v1/models: id, source, impl, dtype, max_model_len, ..."""

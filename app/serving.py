@@ -23,9 +23,14 @@ from app.metrics import ServerMetrics
 from app.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatDelta, ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
-    CompletionRequest, CompletionResponse, ErrorResponse, TopLogprob, UsageInfo, new_id,
+    CompletionRequest, CompletionResponse, DetokenizeRequest, ErrorResponse, NamedToolChoice, TokenizeRequest,
+    TopLogprob, UsageInfo, new_id,
+)
+from app.tool_parsers import (
+    NamedToolCall, RequiredToolCalls, ToolCallStream, ToolParser, final_tool_calls, get_tool_parser,
 )
 from runtime.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, PromptTooLongError
+from runtime.processor import template_message
 
 logger = logging.getLogger("ray.serve")
 
@@ -44,6 +49,18 @@ def error_response(exc: BaseException, prompt_param: str = "prompt") -> ErrorRes
     return None
 
 
+def _name_constraint_param(exc: BaseException, request: Any) -> None:
+    """Grammar errors name `structured_outputs.<kind>`; say instead the field the client used
+    (response_format, guided_json, tools, ...)."""
+    if isinstance(exc, InvalidRequestError) and (exc.param or "").startswith("structured_outputs"):
+        try:
+            _, source = request.structured_outputs_request()
+        except InvalidRequestError:
+            return
+        if source is not None and source != "structured_outputs":
+            exc.param = source
+
+
 class OpenAIServing:
     """Completions and chat completions for one model."""
 
@@ -53,6 +70,11 @@ class OpenAIServing:
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.max_model_len: int | None = engine.model_config.get("max_model_len")
+        config = getattr(engine, "config", None)
+        self.tool_call_parser: str | None = getattr(config, "tool_call_parser", None)
+        self.enable_auto_tool_choice: bool = bool(getattr(config, "enable_auto_tool_choice", False))
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)  # an unknown name fails the replica's startup
 
     # ---- engine access shared by the OpenAI routes and the Python handle methods -------
 
@@ -120,6 +142,7 @@ class OpenAIServing:
             sampling = self.engine.processor.sampling_params(request.sampling_kwargs())
             outputs = await self.submit_all(prompts, sampling, request_id)
         except Exception as e:
+            _name_constraint_param(e, request)
             err = error_response(e, "prompt")
             if err is None:
                 raise
@@ -221,13 +244,22 @@ class OpenAIServing:
         request_id = new_id("chatcmpl")
         try:
             processor = self.engine.processor
+            messages = request.chat_messages()
+            tool_parser = self._tool_parser(request)
             _, prompt_ids = processor.render_chat(
-                request.chat_messages(), add_generation_prompt=request.add_generation_prompt,
-                chat_template_kwargs=request.chat_template_kwargs)
+                messages, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message, chat_template=request.chat_template,
+                chat_template_kwargs=request.chat_template_kwargs, tools=request.tool_dicts())
+            # vLLM's chat echo: a reply that continues an assistant message starts with it.
+            echo = template_message(messages[-1])["content"] if (
+                request.echo and messages[-1].get("role") == "assistant") else ""
             kwargs = request.sampling_kwargs()
+            if tool_parser is not None and tool_parser.keeps_special_tokens:
+                kwargs["skip_special_tokens"] = False  # the call markers may be special tokens
             self._default_max_tokens(kwargs, len(prompt_ids))
             outputs = await self.submit(prompt_ids, processor.sampling_params(kwargs), request_id)
         except Exception as e:
+            _name_constraint_param(e, request)
             err = error_response(e, "messages")
             if err is None:
                 raise
@@ -239,27 +271,42 @@ class OpenAIServing:
                 out = None
                 async for out in outputs:
                     pass
-                choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                      logprobs=self._chat_logprobs(c.token_ids, c.logprobs, request),
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                           for c in out.outputs]
+                choices = []
+                for c in out.outputs:
+                    message, finish_reason = ChatResponseMessage(content=echo + c.text), c.finish_reason
+                    if tool_parser is not None:
+                        content, calls = final_tool_calls(tool_parser, c.text, request.parallel_tool_calls)
+                        message = ChatResponseMessage(content=content, tool_calls=calls or None)
+                        finish_reason = _tool_finish_reason(finish_reason, bool(calls))
+                    choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
+                                              logprobs=self._chat_logprobs(c.token_ids, c.logprobs, request),
+                                              stop_reason=c.stop_reason))
                 yield ChatCompletionResponse(id=request_id, created=created, model=self.model_id,
                                              choices=choices, usage=_usage([out])).model_dump(exclude_none=True)
                 return
             usage_field = {"usage": None} if request.include_usage else {}
             started: set[int] = set()
+            tool_streams: dict[int, ToolCallStream] = {}
             out = None
             async for out in outputs:
                 choices = []
                 for c in out.outputs:
-                    delta = ChatDelta(content=c.delta_text or "")
+                    finish_reason = c.finish_reason
+                    if tool_parser is not None:
+                        stream = tool_streams.setdefault(c.index, ToolCallStream(tool_parser, request.parallel_tool_calls))
+                        text, calls = stream.update(c.text, final=c.finish_reason is not None)
+                        delta = ChatDelta(content=text or None, tool_calls=calls or None)
+                        finish_reason = _tool_finish_reason(finish_reason, stream.num_calls > 0)
+                    else:
+                        delta = ChatDelta(content=c.delta_text or "")
                     if c.index not in started:
                         started.add(c.index)
                         delta.role = "assistant"
-                    elif not c.delta_text and c.finish_reason is None:
+                        delta.content = echo + (delta.content or "")
+                    elif not delta.content and not delta.tool_calls and c.finish_reason is None:
                         continue
                     choices.append(ChatChunkChoice(
-                        index=c.index, delta=delta, finish_reason=c.finish_reason,
+                        index=c.index, delta=delta, finish_reason=finish_reason,
                         logprobs=self._chat_logprobs(c.delta_token_ids, c.delta_logprobs, request)))
                 if choices:
                     body = ChatCompletionChunk(id=request_id, created=created, model=self.model_id, choices=choices)
@@ -268,6 +315,60 @@ class OpenAIServing:
                 yield {**ChatCompletionChunk(id=request_id, created=created, model=self.model_id,
                                              choices=[]).model_dump(exclude_none=True),
                        "usage": _usage([out]).model_dump(exclude_none=True)}
+
+    def _tool_parser(self, request: ChatCompletionRequest) -> ToolParser | None:
+        """How tool calls are read from this request's reply; None when it has no tools to call.
+
+        Raises:
+            InvalidRequestError: tool_choice "auto" on a server without enable_auto_tool_choice
+                and a tool_call_parser (as vLLM).
+        """
+        choice = request.effective_tool_choice
+        if not request.tools or choice == "none":
+            return None
+        if choice == "required":
+            return RequiredToolCalls()
+        if isinstance(choice, NamedToolChoice):
+            return NamedToolCall(choice.function.name)
+        if not (self.enable_auto_tool_choice and self.tool_call_parser):
+            raise InvalidRequestError(
+                '"auto" tool choice needs the engine settings enable_auto_tool_choice: true and tool_call_parser '
+                '(e.g. hermes); or send tool_choice "required", "none" or a named function', param="tool_choice")
+        return get_tool_parser(self.tool_call_parser)
+
+    # ---- /tokenize, /detokenize (vLLM's) -------------------------------------------------
+
+    def tokenize(self, request: TokenizeRequest) -> dict[str, Any] | ErrorResponse:
+        """{count, max_model_len, tokens[, token_strs]} of a prompt or rendered chat messages."""
+        processor = self.engine.processor
+        try:
+            if processor.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer", param="model")
+            if request.messages is not None:
+                _, ids = processor.render_chat(
+                    [m.model_dump(exclude_none=True) for m in request.messages],
+                    add_generation_prompt=request.add_generation_prompt,
+                    continue_final_message=request.continue_final_message, chat_template=request.chat_template,
+                    chat_template_kwargs=request.chat_template_kwargs)
+            else:
+                ids = list(processor.tokenizer(request.prompt, add_special_tokens=request.add_special_tokens)
+                           .input_ids)
+        except InvalidRequestError as e:
+            return error_response(e)
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if request.return_token_strs:
+            body["token_strs"] = processor.tokenizer.convert_ids_to_tokens(ids)
+        return body
+
+    def detokenize(self, request: DetokenizeRequest) -> dict[str, Any] | ErrorResponse:
+        """{prompt}: the text of token ids."""
+        tokenizer = self.engine.processor.tokenizer
+        vocab = self.engine.processor.vocab_size
+        if tokenizer is None:
+            return ErrorResponse.make(400, "this model has no tokenizer", param="model")
+        if any(t < 0 or t >= vocab for t in request.tokens):
+            return ErrorResponse.make(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": tokenizer.decode(request.tokens)}
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[Any] | None, request: ChatCompletionRequest
                        ) -> ChatLogprobs | None:
@@ -322,6 +423,11 @@ class RequestStream:
             await self._gen.aclose()
         finally:
             self._owner._request_done(self)
+
+
+def _tool_finish_reason(finish_reason: str | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" for a reply that ended by itself with tool calls."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
 def _join_logprobs(head: CompletionLogprobs, tail: CompletionLogprobs, shift: int) -> CompletionLogprobs:

@@ -9,6 +9,10 @@ The families differ only by flags read from the Hugging Face config: q/k/v biase
 is the servax step contract: a flat ragged token axis T, attention through the runtime's
 paged attention, and only the rows at `batch.logits_indices` go through the final norm
 and the LM head.
+
+The decoder layers run under `jax.lax.scan` over their stacked weights ([num_layers, ...]),
+so XLA compiles one layer whatever the depth; the stacked KV cache rides in the scan's
+carry and each layer updates its own slice in place.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from models_jax import ModelEntry, layers
-from models_jax.weights import embedding, head_bias, linear, linear_from_heads, linear_to_heads, vector, zeros
-from runtime.attention import paged_attention
+from models_jax.weights import (
+    embedding, head_bias, linear, linear_from_heads, linear_to_heads, stacked, vector, zeros,
+)
+from runtime.attention import NO_SLIDING_WINDOW, paged_attention
 from runtime.step import KVCache, StepInput
 
 
@@ -94,8 +100,8 @@ def weight_table(a: LlamaArgs) -> dict:
     d, f, hd = a.hidden_size, a.intermediate_size, a.head_dim
     normal = jax.nn.initializers.normal(a.initializer_range)
 
-    def layer(i: int) -> dict:
-        pre = f"model.layers.{i}."
+    def layer() -> dict:  # one decoder layer; `stacked` fills in {layer}
+        pre = "model.layers.{layer}."
         attn, mlp = pre + "self_attn.", pre + "mlp."
         w = {
             "input_norm": vector(pre + "input_layernorm.weight", d, ("embed",)),
@@ -130,7 +136,7 @@ def weight_table(a: LlamaArgs) -> dict:
 
     table = {
         "embed": embedding("model.embed_tokens.weight", a.vocab_size, d, normal),
-        "layers": [layer(i) for i in range(a.num_layers)],
+        "layers": stacked(layer(), a.num_layers),  # each weight [num_layers, ...]
         "final_norm": vector("model.norm.weight", d, ("embed",)),
     }
     if not a.tie_word_embeddings:
@@ -139,9 +145,16 @@ def weight_table(a: LlamaArgs) -> dict:
 
 
 def attention_block(
-    x: jax.Array, p: dict, layer_cache: tuple[jax.Array, jax.Array], batch: StepInput,
-    cos: jax.Array, sin: jax.Array, a: LlamaArgs, window: int | None,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:  # [T, D], the layer's cache
+    x: jax.Array,  # [T, D]
+    p: dict,  # one layer's weights
+    kv_cache: KVCache,
+    i: jax.Array,  # [] int32, the layer index
+    batch: StepInput,
+    cos: jax.Array,  # [T, hd]
+    sin: jax.Array,  # [T, hd]
+    a: LlamaArgs,
+    window: int | jax.Array | None,
+) -> tuple[jax.Array, KVCache]:  # [T, D], the cache with layer i written
     with jax.named_scope("qkv"):
         q = layers.project_to_heads(x, p["q"], p.get("q_bias"))  # [T, H, hd]
         k = layers.project_to_heads(x, p["k"], p.get("k_bias"))  # [T, KV, hd]
@@ -151,11 +164,40 @@ def attention_block(
             k = layers.rms_norm(k, p["k_norm"], a.rms_norm_eps)
         q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
     with jax.named_scope("paged_attention"):
-        out, layer_cache = paged_attention(
-            q, k, v, layer_cache, batch, scale=a.head_dim**-0.5, sliding_window=window
+        out, kv_cache = paged_attention(
+            q, k, v, kv_cache, batch, layer=i, scale=a.head_dim**-0.5, sliding_window=window
         )
     with jax.named_scope("o"):
-        return layers.project_from_heads(out, p["o"], p.get("o_bias")), layer_cache
+        return layers.project_from_heads(out, p["o"], p.get("o_bias")), kv_cache
+
+
+def layer(
+    x: jax.Array,  # [T, D]
+    p: dict,  # one layer's weights
+    kv_cache: KVCache,
+    i: jax.Array,  # [] int32, the layer index
+    batch: StepInput,
+    cos: jax.Array,
+    sin: jax.Array,
+    a: LlamaArgs,
+    window: int | jax.Array | None,
+) -> tuple[jax.Array, KVCache]:  # [T, D], the cache with layer i written
+    """One pre-norm decoder layer: x + attention(norm(x)), then + mlp(norm(x))."""
+    h = layers.rms_norm(x, p["input_norm"], a.rms_norm_eps)
+    h, kv_cache = attention_block(h, p, kv_cache, i, batch, cos, sin, a, window)
+    x = x + h
+    with jax.named_scope("mlp"):
+        x = x + layers.gated_mlp(layers.rms_norm(x, p["post_attn_norm"], a.rms_norm_eps), p["mlp"])
+    return x, kv_cache
+
+
+def layer_windows(a: LlamaArgs) -> tuple[int | None, jax.Array | None]:
+    """The sliding window of the layers: (static window, None) when all layers share one
+    (None: no window), else (None, per-layer windows [num_layers] int32, scanned with the
+    weights; NO_SLIDING_WINDOW where a layer has none)."""
+    if len(set(a.sliding_windows)) == 1:
+        return a.sliding_windows[0], None
+    return None, jnp.asarray([w or NO_SLIDING_WINDOW for w in a.sliding_windows], jnp.int32)
 
 
 def forward(params: dict, kv_cache: KVCache, batch: StepInput, *, args: LlamaArgs) -> tuple[jax.Array, KVCache]:
@@ -168,22 +210,24 @@ def forward(params: dict, kv_cache: KVCache, batch: StepInput, *, args: LlamaArg
         seq = jnp.searchsorted(batch.query_start_loc[1:], tok, side="right")
         seq = jnp.minimum(seq, batch.seq_lens.shape[0] - 1)  # [T], padding tokens -> last slot
         cos, sin = layers.rope_cos_sin(a.rope, batch.positions, batch.seq_lens[seq])  # [T, hd]
-    new_cache = []
-    for i, p in enumerate(params["layers"]):
-        with jax.named_scope(f"layer_{i}"):
-            h = layers.rms_norm(x, p["input_norm"], a.rms_norm_eps)
-            h, layer_cache = attention_block(h, p, kv_cache[i], batch, cos, sin, a, a.sliding_windows[i])
-            x = x + h
-            with jax.named_scope("mlp"):
-                x = x + layers.gated_mlp(layers.rms_norm(x, p["post_attn_norm"], a.rms_norm_eps), p["mlp"])
-            new_cache.append(layer_cache)
+    window, windows = layer_windows(a)
+
+    def one_layer(carry, per_layer):
+        x, kv_cache = carry
+        p, i, layer_window = per_layer
+        x, kv_cache = layer(x, p, kv_cache, i, batch, cos, sin, a, window if windows is None else layer_window)
+        return (x, kv_cache), None
+
+    with jax.named_scope("layers"):
+        per_layer = (params["layers"], jnp.arange(a.num_layers, dtype=jnp.int32), windows)
+        (x, kv_cache), _ = jax.lax.scan(one_layer, (x, kv_cache), per_layer)
     with jax.named_scope("lm_head"):
         x = layers.rms_norm(x[batch.logits_indices], params["final_norm"], a.rms_norm_eps)  # [S, D]
         if a.tie_word_embeddings:
             logits = jnp.einsum("sd,vd->sv", x, params["embed"], preferred_element_type=jnp.float32)
         else:
             logits = jnp.einsum("sd,dv->sv", x, params["lm_head"], preferred_element_type=jnp.float32)
-    return logits, new_cache
+    return logits, kv_cache
 
 
 # The Hugging Face architectures this module serves (registry.native builds its table from these).

@@ -5,6 +5,11 @@ jax-llm-examples' ArrayInfo). That one tree drives loading (which tensor of the 
 Face checkpoint, how to lay it out), sharding (logical axes, which runtime.mesh's rules
 turn into a PartitionSpec) and random initialisation (`init_params`, no checkpoint
 needed), so a layout or sharding change is a one-line edit in the model's table.
+
+The decoder layers are *stacked*: one array per weight with a leading "layers" axis
+(`stacked`), so that the forward pass can `jax.lax.scan` over them and compile one layer
+whatever the depth. A stacked weight names its checkpoint tensors with a `{layer}`
+pattern (`model.layers.{layer}.mlp.up_proj.weight`) and is read layer by layer.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ class WeightSpec:
     models_jax/__init__.py), giving the native layout `shape`, whose dimensions have the
     `logical_axes`. `init` draws a random tensor in the checkpoint's layout (so repeated
     heads stay copies); `dtype` None means the dtype the model is loaded in.
+
+    Stacked (`num_layers` set, see `stacked`): `hf_name` holds `{layer}`, there is one
+    checkpoint tensor of `hf_shape` per layer, and `shape` / `logical_axes` have a leading
+    "layers" axis; `view`, `perm` and `repeat` describe one layer.
     """
 
     hf_name: str
@@ -46,6 +55,7 @@ class WeightSpec:
     perm: tuple[int, ...] | None = None
     repeat: tuple[int, int] | None = None  # (axis of the native layout, times)
     dtype: Any = None
+    num_layers: int | None = None  # stacked over this many layers
 
     def __post_init__(self):
         if self.view is not None and math.prod(self.view) != math.prod(self.hf_shape):
@@ -55,15 +65,24 @@ class WeightSpec:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The native shape (with the leading layers axis when stacked)."""
         shape = self.view or self.hf_shape
         shape = [shape[i] for i in self.perm] if self.perm else list(shape)
         if self.repeat:
             axis, times = self.repeat
             shape[axis] *= times
-        return tuple(shape)
+        return (self.num_layers, *shape) if self.num_layers else tuple(shape)
+
+    @property
+    def hf_names(self) -> list[str]:
+        """The checkpoint tensors this weight is read from: one per layer when stacked."""
+        if self.num_layers is None:
+            return [self.hf_name]
+        return [self.hf_name.format(layer=i) for i in range(self.num_layers)]
 
     def to_native(self, tensor: Any) -> Any:
-        """A checkpoint-layout tensor (numpy, a lazy view of a memmap, or jax) in the native layout.
+        """A checkpoint-layout tensor (numpy, a lazy view of a memmap, or jax) in the native
+        layout; for a stacked weight, one layer's tensor in one layer's native layout.
 
         Reshape and transpose stay views for numpy input; only a repeat copies.
         """
@@ -98,15 +117,37 @@ def init_params(table: Any, mesh: Mesh, dtype: Any, key: jax.Array) -> tuple[Any
     specs, treedef = jax.tree.flatten(table, is_leaf=is_weight_spec)
     pspecs = [w.partition_spec(mesh) for w in specs]
 
+    def draw(w: WeightSpec, key: jax.Array) -> jax.Array:
+        if w.num_layers is None:
+            return w.to_native(w.init(key, w.hf_shape, w.dtype or dtype))
+        layers = w.init(key, (w.num_layers, *w.hf_shape), w.dtype or dtype)  # [L, *hf_shape]
+        return jax.vmap(w.to_native)(layers)
+
     def make(key: jax.Array) -> list[jax.Array]:
         keys = jax.random.split(key, len(specs))
-        return [w.to_native(w.init(k, w.hf_shape, w.dtype or dtype)) for w, k in zip(specs, keys)]
+        return [draw(w, k) for w, k in zip(specs, keys)]
 
     out = jax.jit(make, out_shardings=[NamedSharding(mesh, s) for s in pspecs])(key)
     return jax.tree.unflatten(treedef, out), jax.tree.unflatten(treedef, pspecs)
 
 
 # ---- table helpers: the Hugging Face layouts the native models read --------------------
+
+
+def stacked(layer_table: Any, num_layers: int) -> Any:
+    """A table of one decoder layer (hf_names with `{layer}`) stacked over `num_layers`:
+    each weight gains a leading "layers" axis (never sharded, see runtime.mesh).
+
+    Raises:
+        ValueError: a weight's hf_name has no `{layer}` to fill.
+    """
+
+    def stack(w: WeightSpec) -> WeightSpec:
+        if "{layer}" not in w.hf_name:
+            raise ValueError(f"{w.hf_name}: a stacked weight names its tensors with {{layer}}")
+        return dataclasses.replace(w, num_layers=num_layers, logical_axes=("layers", *w.logical_axes))
+
+    return jax.tree.map(stack, layer_table, is_leaf=is_weight_spec)
 
 
 def vector(hf_name: str, size: int, axes: tuple[str | None] = (None,), init: Initializer = ones) -> WeightSpec:

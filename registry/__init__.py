@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 from jax.sharding import Mesh
 
@@ -32,7 +33,8 @@ logger = logging.getLogger("servax.registry")
 def load(
     model: str | os.PathLike | ResolvedModel, *, model_impl: str = "auto", dtype: str = "float32",
     mesh: Mesh | None = None, revision: str | None = None, trust_remote_code: bool = False,
-    tokenizer: str | os.PathLike | None = None, impl: str | None = None,
+    tokenizer: str | os.PathLike | None = None, tokenizer_mode: str = "auto", skip_tokenizer_init: bool = False,
+    hf_overrides: dict[str, Any] | None = None, impl: str | None = None,
 ) -> LoadedModel:
     """Resolve (unless given a ResolvedModel) and load a model, params placed on `mesh`.
 
@@ -44,6 +46,9 @@ def load(
         revision: the hub revision of the model (and of `tokenizer`, when given).
         trust_remote_code: let the checkpoint's own modelling / tokenizer code run.
         tokenizer: a tokenizer source (folder or hub ID) other than the model's own.
+        tokenizer_mode: "auto" / "hf" (fast tokenizer) or "slow" (vLLM's setting).
+        skip_tokenizer_init: load no tokenizer; the model serves token ids only.
+        hf_overrides: config attributes to set before the model is built (vLLM's hf_overrides).
         impl: deprecated alias of model_impl (DeprecationWarning).
 
     Raises:
@@ -52,7 +57,8 @@ def load(
     """
     model_impl = model_impl_setting(model_impl, impl)
     resolved = model if isinstance(model, ResolvedModel) else resolve(
-        model, model_impl=model_impl, revision=revision, trust_remote_code=trust_remote_code
+        model, model_impl=model_impl, revision=revision, trust_remote_code=trust_remote_code,
+        hf_overrides=hf_overrides,
     )
     jdtype = jax_dtype(dtype, resolved.hf_config)
     mesh = make_mesh() if mesh is None else mesh
@@ -63,7 +69,8 @@ def load(
     check_tensor_parallel(resolved, logical_axis_size("q_heads", mesh))
     logger.info("loading %s (%s) with model_impl=%s dtype=%s",
                 resolved.model_id, resolved.architecture, resolved.impl, dtype)
-    info = read_model_info(resolved, tokenizer=tokenizer, revision=revision)
+    info = read_model_info(resolved, tokenizer=tokenizer, revision=revision, tokenizer_mode=tokenizer_mode,
+                           skip_tokenizer_init=skip_tokenizer_init)
 
     if resolved.impl == "torchax":
         try:

@@ -35,37 +35,68 @@ class ModelInfo:
     tokenizer: Any  # a transformers tokenizer, or None: the model then serves token ids only
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    generation_config: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def read_model_info(
-    resolved: Any, *, tokenizer: str | os.PathLike | None = None, revision: str | None = None
+    resolved: Any, *, tokenizer: str | os.PathLike | None = None, revision: str | None = None,
+    tokenizer_mode: str = "auto", skip_tokenizer_init: bool = False,
 ) -> ModelInfo:
-    """Read a resolved model's tokenizer, EOS ids and context length.
+    """Read a resolved model's tokenizer, EOS ids, context length and sampling defaults.
 
     Args:
         resolved: a ResolvedModel (or any object with .model_id, .path, .hf_config and
             optionally .trust_remote_code).
         tokenizer: another tokenizer source (folder or hub ID) than the checkpoint's own;
             loaded at `revision`.
+        tokenizer_mode: "auto" / "hf" (the fast tokenizer when there is one) or "slow".
+        skip_tokenizer_init: load no tokenizer (the model then serves token ids only).
 
     Raises:
         ModelLoadError: `tokenizer` was given and cannot be loaded (the checkpoint's own
             tokenizer may be missing: the model then has none).
     """
     trust = bool(getattr(resolved, "trust_remote_code", False))
-    if tokenizer is None:
-        tok = load_tokenizer(resolved.path, trust_remote_code=trust)
+    use_fast = tokenizer_mode != "slow"
+    if skip_tokenizer_init:
+        tok = None
+    elif tokenizer is None:
+        tok = load_tokenizer(resolved.path, trust_remote_code=trust, use_fast=use_fast)
         if tok is None:
             logger.warning("%s: no usable tokenizer; serving token ids only", resolved.model_id)
     else:
-        tok = load_tokenizer(tokenizer, trust_remote_code=trust, revision=revision, required=True)
+        tok = load_tokenizer(tokenizer, trust_remote_code=trust, revision=revision, required=True,
+                             use_fast=use_fast)
     return ModelInfo(
         model_id=str(resolved.model_id),
         hf_config=resolved.hf_config,
         tokenizer=tok,
         max_model_len=max_model_len(resolved.hf_config),
         eos_token_ids=eos_token_ids(Path(resolved.path), resolved.hf_config),
+        generation_config=sampling_defaults(Path(resolved.path)),
     )
+
+
+# generation_config.json keys that set sampling defaults -> SamplingParams' names (vLLM's list).
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(folder: Path) -> dict[str, Any]:
+    """The sampling defaults a checkpoint's generation_config.json sets, under SamplingParams' names.
+
+    vLLM applies these with `generation_config="auto"` (its default) to requests that do
+    not set the field themselves. A missing or unreadable file gives no defaults.
+    """
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        logger.warning("%s: unreadable (%s); no sampling defaults taken from it", path, e)
+        return {}
+    return {ours: config[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if config.get(theirs) is not None}
 
 
 def jax_dtype(dtype: Any, hf_config: Any = None) -> Any:
@@ -88,7 +119,7 @@ def jax_dtype(dtype: Any, hf_config: Any = None) -> Any:
 
 def load_tokenizer(
     source: str | os.PathLike, *, trust_remote_code: bool = False, revision: str | None = None,
-    required: bool = False,
+    required: bool = False, use_fast: bool = True,
 ) -> Any:
     """A transformers tokenizer from a folder or hub ID; None when there is none, unless required.
 
@@ -100,7 +131,8 @@ def load_tokenizer(
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code, revision=revision)
+        return AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code, revision=revision,
+                                             use_fast=use_fast)
     except (OSError, ValueError, TypeError, ImportError) as e:  # no tokenizer files, or unreadable ones
         if required:
             raise ModelLoadError(f"tokenizer {source}: cannot be loaded: {type(e).__name__}: {e}") from e

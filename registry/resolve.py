@@ -44,12 +44,14 @@ class ResolvedModel:
 
 def resolve(
     model_id: str | os.PathLike, *, model_impl: str = "auto", revision: str | None = None,
-    trust_remote_code: bool = False, impl: str | None = None,
+    trust_remote_code: bool = False, hf_overrides: dict[str, Any] | None = None, impl: str | None = None,
 ) -> ResolvedModel:
     """Find a model's files and decide which implementation serves it.
 
     model_impl: "auto" picks the native JAX model when the architecture has one, else
     torchax; "jax" insists on a native model; "torchax" forces the fallback.
+    hf_overrides: config attributes to set after reading config.json (vLLM's hf_overrides),
+        before the architecture is chosen.
     impl: deprecated alias of model_impl (DeprecationWarning; removed in the next release).
 
     Raises:
@@ -67,6 +69,8 @@ def resolve(
         hf_config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises many kinds; the user needs the path and the cause
         raise ModelLoadError(f"{model_id}: cannot read {path / 'config.json'}: {e}") from e
+    for key, value in (hf_overrides or {}).items():
+        setattr(hf_config, key, value)
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
         raise ModelLoadError(f"{model_id}: config.json names no architectures")

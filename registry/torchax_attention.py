@@ -4,8 +4,12 @@ transformers looks attention up by name in `AttentionInterface`; a model loaded 
 `attn_implementation=ATTN_IMPLEMENTATION` calls `paged_attention_interface` once per
 layer with that layer's module (which carries `layer_idx`). The function cannot take the
 paged cache as an argument, so the step function opens a `StepContext` around the traced
-call: it holds the batch and the per-layer caches going in (tracers, under jit) and
-collects each layer's updated cache, which the step function then returns.
+call: it holds the batch and the stacked KV cache (runtime.step.KVCache, tracers under
+jit), which each layer updates at its own `layer_idx` (a static index into the stacked
+arrays) and hands on to the next; the step function then returns the last one.
+
+The HF model's own Python loop over its layers is what torchax traces, so this path is
+unrolled: the program grows with depth (the native models scan their layers).
 
 Mixture-of-experts blocks that use transformers' `@use_experts_implementation` are loaded
 with `experts_implementation=EXPERTS_IMPLEMENTATION`: the stock "eager" loop picks experts
@@ -35,13 +39,14 @@ class StepContext:
 
     Attributes:
         batch: the StepInput of this call.
-        kv_cache: the caches going in, one (k, v) per layer, or None to record shapes only.
+        kv_cache: the stacked cache: going in, then after each layer's write (None: record
+            shapes only).
         kv_repeat: how many times each KV head is stored in the cache (registry.native.kv_repeat):
             > 1 when the model axis has more devices than a multiple of the KV heads, so that
             each device holds the KV heads its query heads read.
         qkv_sharding: if set, q, k and v are constrained to it as they arrive (replicated, for
             models whose fused q|k|v projection is replicated: see registry.torchax_model).
-        updated: layer index -> the (k, v) cache after this call wrote its K/V.
+        updated: the layer indices that wrote their K/V in this call.
         seen: layer index -> (num_heads, num_kv_heads, head_dim, dtype) of the Q and K each layer
             produced (the model's own KV heads, before any repeat).
         unsupported: why a layer cannot be served (bidirectional, attention sinks), by layer.
@@ -55,18 +60,18 @@ class StepContext:
         self.kv_cache = kv_cache
         self.kv_repeat = kv_repeat
         self.qkv_sharding = qkv_sharding
-        self.updated: dict[int, tuple[jax.Array, jax.Array]] = {}
+        self.updated: set[int] = set()
         self.seen: dict[int, tuple[int, int, int, Any]] = {}
         self.unsupported: dict[int, str] = {}
 
     def collect(self) -> KVCache:
-        """The updated caches in layer order; every layer must have run exactly once."""
+        """The updated cache; every layer must have run exactly once."""
         if self.kv_cache is None:
             raise RuntimeError("collect() on a shape-probe StepContext (it has no KV cache)")
-        missing = [i for i in range(len(self.kv_cache)) if i not in self.updated]
+        missing = [i for i in range(self.kv_cache.num_layers) if i not in self.updated]
         if missing:
             raise RuntimeError(f"attention of layers {missing} was not routed through {ATTN_IMPLEMENTATION}")
-        return [self.updated[i] for i in range(len(self.kv_cache))]
+        return self.kv_cache
 
 
 @contextlib.contextmanager
@@ -120,13 +125,13 @@ def paged_attention_interface(
         # head h, reading cache head h // (H / (kv * r)), reads KV head h // (H / kv) as in GQA.
         k, v = (jnp.repeat(x, ctx.kv_repeat, axis=1) for x in (k, v))  # [T, kv * r, D]
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
-    out, cache = paged_attention(
-        q, k, v, ctx.kv_cache[layer], ctx.batch,
+    out, ctx.kv_cache = paged_attention(
+        q, k, v, ctx.kv_cache, ctx.batch, layer=layer,
         scale=scale,
         sliding_window=int(sliding_window) if sliding_window else None,
         logit_soft_cap=float(softcap) if softcap else None,
     )
-    ctx.updated[layer] = cache
+    ctx.updated.add(layer)
     return torch_view(out[None]), None
 
 

@@ -54,6 +54,9 @@ def open_checkpoint(path: Path) -> dict[str, np.ndarray]:
 def load_params(path: Path, table, mesh: Mesh, dtype) -> tuple[dict, dict]:
     """Read every weight that `table` (a pytree of WeightSpec) declares.
 
+    A stacked weight (WeightSpec.num_layers) is assembled from its per-layer tensors;
+    each device still reads only its own slice of each.
+
     Returns (params, param_shardings): jax.Arrays of `dtype` (or a weight's own dtype)
     placed on `mesh`, and their PartitionSpecs (WeightSpec.partition_spec: the logical
     axes through runtime.mesh's rules, fitted to what divides evenly).
@@ -63,24 +66,28 @@ def load_params(path: Path, table, mesh: Mesh, dtype) -> tuple[dict, dict]:
     """
     tensors = open_checkpoint(path)
     specs = jax.tree.leaves(table, is_leaf=is_weight_spec)
-    missing = [w.hf_name for w in specs if w.hf_name not in tensors]
+    missing = [name for w in specs for name in w.hf_names if name not in tensors]
     if missing:
         raise ModelLoadError(f"{path}: {len(missing)} weights missing from the checkpoint, e.g. {missing[:5]}")
     wrong = [
-        f"{w.hf_name} has shape {tuple(tensors[w.hf_name].shape)}, the config implies {tuple(w.hf_shape)}"
-        for w in specs if tuple(tensors[w.hf_name].shape) != tuple(w.hf_shape)
+        f"{name} has shape {tuple(tensors[name].shape)}, the config implies {tuple(w.hf_shape)}"
+        for w in specs for name in w.hf_names if tuple(tensors[name].shape) != tuple(w.hf_shape)
     ]
     if wrong:
         raise ModelLoadError(f"{path}: {len(wrong)} weights do not fit the config: " + "; ".join(wrong[:4]))
 
     def place(w: WeightSpec) -> tuple[jax.Array, P]:
-        native = w.to_native(tensors[w.hf_name])  # a lazy view (only repeated KV heads are copied)
+        # Lazy views of the memory-mapped tensors (only repeated KV heads are copied).
+        native = [w.to_native(tensors[name]) for name in w.hf_names]
+        dt = w.dtype or dtype
+
+        def read(index: tuple[slice, ...]) -> np.ndarray:  # this device's slice only
+            if w.num_layers is None:
+                return np.array(native[0][index], dtype=dt, order="C")
+            return np.stack([np.asarray(layer[index[1:]], dtype=dt) for layer in native[index[0]]])
+
         spec = w.partition_spec(mesh)
-        array = jax.make_array_from_callback(
-            native.shape, NamedSharding(mesh, spec),
-            lambda index: np.array(native[index], dtype=w.dtype or dtype, order="C"),  # reads this slice only
-        )
-        return array, spec
+        return jax.make_array_from_callback(w.shape, NamedSharding(mesh, spec), read), spec
 
     placed = jax.tree.map(place, table, is_leaf=is_weight_spec)
     is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], P)  # noqa: E731

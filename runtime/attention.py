@@ -1,9 +1,13 @@
 """Ragged paged attention in pure JAX.
 
 One call serves a batch that mixes whole prefills, chunks of prefills that start
-mid-sequence, and single-token decodes. Keys and values live in a paged cache
-([num_blocks, block_size, kv_heads, head_dim] per layer); each sequence reaches its
-blocks through its row of `block_tables`.
+mid-sequence, and single-token decodes. Keys and values live in a paged cache, stacked
+over layers ([num_layers, num_blocks, block_size, kv_heads, head_dim], runtime.step.KVCache);
+a call writes and reads the layer `layer` (a traced index under the models' scan over
+layers, a static one on the torchax path), and each sequence reaches its blocks through
+its row of `block_tables`. Blocks are addressed as rows of the flattened
+[num_layers * num_blocks, ...] cache, so a read gathers just the blocks it needs and a
+write scatters just the new slots, whatever the layer: the cache is never sliced per layer.
 
 `paged_attention` (what the models call) splits each token's context in two and merges
 the halves with an online softmax (flash-attention style):
@@ -18,6 +22,9 @@ the halves with an online softmax (flash-attention style):
 The live memory is bounded by tokens x chunk (cache part) and tile x tile (new part),
 and the work by real tokens x the longest context, never padded batch x max_model_len.
 It is jittable on every backend; on CPU it is what runs.
+
+The sliding window may be a traced int32 (layers with different windows under one scan),
+with NO_SLIDING_WINDOW for a layer without one; None (static) leaves the mask out.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from runtime.step import StepInput
+from runtime.step import KVCache, StepInput
 
 # A finite stand-in for -inf keeps exp() and max() free of NaNs on fully masked rows.
 _MASK_VALUE = -1e30
@@ -36,25 +43,49 @@ NEW_TOKEN_TILE = 256
 CACHED_TILE = 64
 CACHED_CHUNK_TOKENS = 128
 
+# A traced sliding window this wide masks nothing (any context fits): "no window" for a
+# layer scanned together with sliding-window layers. Small enough that q_pos - W cannot overflow.
+NO_SLIDING_WINDOW = 1 << 30
+
 # (running max, running denominator, running numerator) per query token and head.
 _State = tuple[jax.Array, jax.Array, jax.Array]
+# A sliding window: a static int, a traced int32 scalar, or None.
+Window = int | jax.Array | None
+
+
+def _read_blocks(
+    cache: jax.Array,  # [num_layers, num_blocks, block_size, kv_heads, head_dim]
+    layer: int | jax.Array,
+    blocks: jax.Array,  # [...] int32, block ids of `layer`
+) -> jax.Array:  # [..., block_size, kv_heads, head_dim], float32
+    """One gather of the given blocks of one layer (no copy of the layer's whole cache)."""
+    flat = cache.reshape(-1, *cache.shape[2:])  # [num_layers * num_blocks, block_size, kv_heads, head_dim]
+    return flat[layer * cache.shape[1] + blocks].astype(jnp.float32)
 
 
 def write_kv(
-    k_cache: jax.Array,  # [num_blocks, block_size, kv_heads, head_dim]
-    v_cache: jax.Array,  # [num_blocks, block_size, kv_heads, head_dim]
+    k_cache: jax.Array,  # [num_blocks, block_size, kv_heads, head_dim], or stacked [num_layers, ...]
+    v_cache: jax.Array,  # the same
     k: jax.Array,  # [T, kv_heads, head_dim]
     v: jax.Array,  # [T, kv_heads, head_dim]
     slot_mapping: jax.Array,  # [T] int32, negative for padding tokens
+    layer: int | jax.Array | None = None,  # which layer of a stacked cache (None: one layer's cache)
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatter the new K/V of each token into its cache slot; padding tokens write nowhere."""
-    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-    num_slots = num_blocks * block_size
+    """Scatter the new K/V of each token into its cache slot; padding tokens write nowhere.
+
+    A stacked cache is updated in place at `layer` (a scatter of T rows, under jit with
+    the cache donated or carried through a scan).
+    """
+    if layer is None:
+        k_cache, v_cache = write_kv(k_cache[None], v_cache[None], k, v, slot_mapping, 0)
+        return k_cache[0], v_cache[0]
+    num_layers, num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    layer_slots = num_blocks * block_size
     # Out-of-range indices are dropped by the scatter; negative ones would wrap around.
-    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
+    slots = jnp.where(slot_mapping < 0, num_layers * layer_slots, layer * layer_slots + slot_mapping)
 
     def scatter(cache: jax.Array, new: jax.Array) -> jax.Array:
-        flat = cache.reshape(num_slots, kv_heads, head_dim)
+        flat = cache.reshape(num_layers * layer_slots, kv_heads, head_dim)
         flat = flat.at[slots].set(new.astype(cache.dtype), mode="drop")
         return flat.reshape(cache.shape)
 
@@ -103,7 +134,7 @@ def _chunked_tables(tables: jax.Array, chunk: int, block_size: int) -> tuple[jax
     return jnp.pad(tables, ((0, 0), (0, padded - max_blocks))), chunk, chunk * block_size
 
 
-def _first_chunk(q_pos: jax.Array, active: jax.Array, sliding_window: int | None,
+def _first_chunk(q_pos: jax.Array, active: jax.Array, sliding_window: Window,
                  chunk_tokens: int, last: jax.Array) -> jax.Array:
     """The first context chunk any active query can see through its sliding window."""
     if sliding_window is None:
@@ -130,34 +161,35 @@ def _token_layout(batch: StepInput, num_tokens: int) -> tuple[jax.Array, jax.Arr
 
 def _paged_context(
     qg: jax.Array,  # [T, kvh, g, d], float32, scaled
-    k_cache: jax.Array,
+    k_cache: jax.Array,  # [num_layers, num_blocks, block_size, kvh, d]
     v_cache: jax.Array,
+    layer: int | jax.Array,
     tables: jax.Array,  # [T, max_blocks], each token's sequence's block table
     q_pos: jax.Array,  # [T]
     ctx_len: jax.Array,  # [T], attend to cache positions < ctx_len (0 for none)
     state: _State,
     *,
     chunk: int,
-    sliding_window: int | None,
+    sliding_window: Window,
     logit_soft_cap: float | None,
 ) -> _State:
     """Fold each token's context from the paged cache into its softmax state."""
     num_tokens, kv_heads, _, head_dim = qg.shape
-    tables, chunk, chunk_tokens = _chunked_tables(tables, chunk, k_cache.shape[1])
+    tables, chunk, chunk_tokens = _chunked_tables(tables, chunk, k_cache.shape[2])
     # Only visit the chunks some token needs.
     last_chunk = (jnp.max(ctx_len) + chunk_tokens - 1) // chunk_tokens
     first_chunk = _first_chunk(q_pos, ctx_len > 0, sliding_window, chunk_tokens, last_chunk)
 
     def body(j, state):
         blocks = jax.lax.dynamic_slice_in_dim(tables, j * chunk, chunk, axis=1)  # [T, chunk]
-        k = k_cache[blocks].reshape(num_tokens, chunk_tokens, kv_heads, head_dim)
-        v = v_cache[blocks].reshape(num_tokens, chunk_tokens, kv_heads, head_dim)
-        s = _soft_cap(jnp.einsum("tkgd,tckd->tkgc", qg, k.astype(jnp.float32)), logit_soft_cap)
+        k = _read_blocks(k_cache, layer, blocks).reshape(num_tokens, chunk_tokens, kv_heads, head_dim)
+        v = _read_blocks(v_cache, layer, blocks).reshape(num_tokens, chunk_tokens, kv_heads, head_dim)
+        s = _soft_cap(jnp.einsum("tkgd,tckd->tkgc", qg, k), logit_soft_cap)
         k_pos = j * chunk_tokens + jnp.arange(chunk_tokens)  # [C]
         mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx_len[:, None])
         if sliding_window is not None:
             mask &= q_pos[:, None] - k_pos[None, :] < sliding_window
-        pv = lambda p: jnp.einsum("tkgc,tckd->tkgd", p, v.astype(jnp.float32))
+        pv = lambda p: jnp.einsum("tkgc,tckd->tkgd", p, v)
         return _online_update(state, s, mask[:, None, None, :], pv)
 
     return jax.lax.fori_loop(first_chunk, last_chunk, body, state)
@@ -165,8 +197,9 @@ def _paged_context(
 
 def _paged_context_by_sequence(
     qg: jax.Array,  # [T, kvh, g, d], float32, scaled
-    k_cache: jax.Array,
+    k_cache: jax.Array,  # [num_layers, num_blocks, block_size, kvh, d]
     v_cache: jax.Array,
+    layer: int | jax.Array,
     block_tables: jax.Array,  # [S, max_blocks]
     seq_of_token: jax.Array,  # [T]
     q_pos: jax.Array,  # [T]
@@ -177,7 +210,7 @@ def _paged_context_by_sequence(
     *,
     tile: int,
     chunk: int,
-    sliding_window: int | None,
+    sliding_window: Window,
     logit_soft_cap: float | None,
 ) -> _State:
     """The paged context of multi-token sequences, read once per sequence, not per token.
@@ -188,7 +221,7 @@ def _paged_context_by_sequence(
     prefix-cache hit this reads the context once per tile instead of once per token.
     """
     num_tokens, kv_heads, group, head_dim = qg.shape
-    tables, chunk, chunk_tokens = _chunked_tables(block_tables, chunk, k_cache.shape[1])
+    tables, chunk, chunk_tokens = _chunked_tables(block_tables, chunk, k_cache.shape[2])
     wanted = (jnp.arange(num_tokens) >= first_token) & (ctx_len > 0)
     t_seq = jnp.where(wanted, seq_of_token, -1)
     num_tiles = -(-num_tokens // tile)
@@ -206,8 +239,8 @@ def _paged_context_by_sequence(
 
             def per_chunk(j, st):
                 blocks = jax.lax.dynamic_slice_in_dim(tables[s], j * chunk, chunk)
-                k = k_cache[blocks].reshape(chunk_tokens, kv_heads, head_dim).astype(jnp.float32)
-                v = v_cache[blocks].reshape(chunk_tokens, kv_heads, head_dim).astype(jnp.float32)
+                k = _read_blocks(k_cache, layer, blocks).reshape(chunk_tokens, kv_heads, head_dim)
+                v = _read_blocks(v_cache, layer, blocks).reshape(chunk_tokens, kv_heads, head_dim)
                 sc = _soft_cap(jnp.einsum("tkgd,ckd->tkgc", q, k), logit_soft_cap)
                 k_pos = j * chunk_tokens + jnp.arange(chunk_tokens)
                 mask = (seqs[:, None] == s) & (k_pos[None, :] < ctx[:, None])
@@ -235,7 +268,7 @@ def _new_token_context(
     state: _State,
     *,
     tile: int,
-    sliding_window: int | None,
+    sliding_window: Window,
     logit_soft_cap: float | None,
 ) -> _State:
     """Fold attention over the step's own tokens (same sequence, causal) into the state.
@@ -293,7 +326,7 @@ def ragged_paged_attention(
     batch: StepInput,
     *,
     scale: float,
-    sliding_window: int | None = None,
+    sliding_window: Window = None,
     logit_soft_cap: float | None = None,
     kv_chunk_blocks: int | None = None,
 ) -> jax.Array:  # [T, num_heads, head_dim], dtype of q
@@ -309,7 +342,8 @@ def ragged_paged_attention(
 
     Args:
         scale: multiplier of q.k (usually head_dim ** -0.5).
-        sliding_window: attend only to the last W positions, or None.
+        sliding_window: attend only to the last W positions (an int or a traced int32,
+            NO_SLIDING_WINDOW for none), or None.
         logit_soft_cap: if set, scores become cap * tanh(scores / cap) (Gemma 2).
         kv_chunk_blocks: blocks processed per loop iteration (default: ~16 tokens, the
             fastest on XLA:CPU, where the per-token batched dots favour short chunks).
@@ -325,7 +359,7 @@ def ragged_paged_attention(
     ctx_len = jnp.where(is_real, batch.seq_lens[seq_of_token], 0)
     qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, kv_heads, group, head_dim)
     state = _paged_context(
-        qg, k_cache, v_cache, batch.block_tables[seq_of_token], batch.positions, ctx_len,
+        qg, k_cache[None], v_cache[None], 0, batch.block_tables[seq_of_token], batch.positions, ctx_len,
         _empty_state(num_tokens, kv_heads, group, head_dim),
         chunk=kv_chunk_blocks or max(1, 16 // block_size),
         sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
@@ -337,18 +371,24 @@ def paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
     k: jax.Array,  # [T, kv_heads, head_dim]
     v: jax.Array,  # [T, kv_heads, head_dim]
-    layer_cache: tuple[jax.Array, jax.Array],
+    kv_cache: KVCache | tuple[jax.Array, jax.Array],
     batch: StepInput,
     *,
+    layer: int | jax.Array | None = None,
     scale: float,
-    sliding_window: int | None = None,
+    sliding_window: Window = None,
     logit_soft_cap: float | None = None,
     kv_chunk_blocks: int | None = None,
     new_token_tile: int = NEW_TOKEN_TILE,
     cached_tile: int = CACHED_TILE,
     cached_chunk_tokens: int = CACHED_CHUNK_TOKENS,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Write this step's K/V into the layer's cache and attend. Returns (out [T, H, D], cache).
+) -> tuple[jax.Array, KVCache | tuple[jax.Array, jax.Array]]:
+    """Write this step's K/V into the cache and attend. Returns (out [T, H, D], the cache).
+
+    `kv_cache` is the stacked KVCache of all layers, with `layer` (an int, or a traced
+    int32 under a scan over layers) naming the one this call writes and reads; or one
+    layer's (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim], with
+    `layer` None. The cache comes back in the form it was given.
 
     Same masks and conventions as `ragged_paged_attention`; the step's own tokens are
     attended densely from k/v and only the context cached by earlier steps is read
@@ -364,12 +404,24 @@ def paged_attention(
         new_token_tile / cached_tile: query tiles of the dense new-token part and of the
             per-sequence cached part.
         cached_chunk_tokens: context tokens gathered per iteration of the per-sequence part.
+
+    Raises:
+        ValueError: heads that do not group over the KV heads, or a KVCache without `layer`.
     """
+    if not isinstance(kv_cache, KVCache):
+        out, cache = paged_attention(
+            q, k, v, KVCache(kv_cache[0][None], kv_cache[1][None]), batch, layer=0, scale=scale,
+            sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, kv_chunk_blocks=kv_chunk_blocks,
+            new_token_tile=new_token_tile, cached_tile=cached_tile, cached_chunk_tokens=cached_chunk_tokens,
+        )
+        return out, (cache.k[0], cache.v[0])
+    if layer is None:
+        raise ValueError("paged_attention on a stacked KVCache needs the layer to use")
     batch = jax.tree.map(jnp.asarray, batch)
-    k_cache, v_cache = write_kv(*layer_cache, k, v, batch.slot_mapping)
+    k_cache, v_cache = write_kv(kv_cache.k, kv_cache.v, k, v, batch.slot_mapping, layer)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     num_tokens, num_heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
+    _, _, block_size, kv_heads, _ = k_cache.shape
     if num_heads % kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of kv_heads={kv_heads}")
     group = num_heads // kv_heads
@@ -388,7 +440,7 @@ def paged_attention(
     # Decodes (and whatever else is among the first S tokens): per token.
     head = min(num_seqs, num_tokens)
     state = _paged_context(
-        qg[:head], k_cache, v_cache, batch.block_tables[seq_of_token[:head]], q_pos[:head],
+        qg[:head], k_cache, v_cache, layer, batch.block_tables[seq_of_token[:head]], q_pos[:head],
         cached_len[:head], jax.tree.map(lambda x: x[:head], empty),
         chunk=chunk, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
     )
@@ -396,7 +448,7 @@ def paged_attention(
     # Multi-token sequences with cached context beyond them: per sequence and query tile.
     if head < num_tokens:
         state = _paged_context_by_sequence(
-            qg, k_cache, v_cache, batch.block_tables, seq_of_token, q_pos, cached_len,
+            qg, k_cache, v_cache, layer, batch.block_tables, seq_of_token, q_pos, cached_len,
             seq_cached_len, head, state,
             tile=min(cached_tile, num_tokens), chunk=max(1, cached_chunk_tokens // block_size),
             sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
@@ -405,4 +457,4 @@ def paged_attention(
         qg, k, v, seq_of_token, q_pos, is_real, seq_start, state,
         tile=new_token_tile, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
     )
-    return _finish(state, num_heads, q.dtype), (k_cache, v_cache)
+    return _finish(state, num_heads, q.dtype), KVCache(k_cache, v_cache)

@@ -6,12 +6,30 @@ this object, with vLLM's names where vLLM has one.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ModelImpl = Literal["auto", "jax", "torchax"]
+
+# vLLM engine arguments that cannot mean anything in servax: why, and what to use instead.
+NOT_APPLICABLE = {
+    "pipeline_parallel_size": "pipeline parallelism is not implemented; use tensor_parallel_size, "
+                              "and Serve replicas to scale out",
+    "max_seq_len_to_capture": "servax precompiles every (tokens, sequences) bucket up to "
+                              "max_num_batched_tokens / max_num_seqs; lower those to compile fewer programs",
+    "cuda_graph_sizes": "there are no CUDA graphs: every bucket up to max_num_batched_tokens is precompiled",
+    "swap_space": "preempted sequences are recomputed, never swapped to host memory",
+    "cpu_offload_gb": "weights are not offloaded; use a smaller dtype or tensor_parallel_size",
+    "enable_lora": "LoRA adapters are not supported yet",
+    "speculative_config": "speculative decoding is not supported yet",
+    "distributed_executor_backend": "servax runs one process per engine over a JAX mesh; "
+                                    "use tensor_parallel_size and Serve replicas",
+    "device": "JAX picks the platform (CPU, GPU or TPU); set JAX_PLATFORMS to choose",
+    "load_format": "servax reads safetensors folders and GGUF files by what they are; drop load_format",
+}
 DType = Literal["float32", "bfloat16", "float16", "auto"]
 
 
@@ -52,6 +70,44 @@ class EngineConfig(BaseModel):
     seed: int = 0
     max_logprobs: int = Field(20, ge=0)
     show_progress: bool = True
+    # vLLM's engine arguments, with their meanings where they have one on JAX.
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1,
+        description="Share of device memory for the whole engine (weights + KV cache); on CPU a share of "
+                    "host memory. The KV cache gets what the weights leave (capped at what max_num_seqs "
+                    "full-length sequences need, twice over). Default: kv_cache_memory_fraction of free memory.",
+    )
+    enforce_eager: bool = Field(
+        False, description="Skip precompiling the buckets (debugging): programs compile on first use."
+    )
+    generation_config: str = Field(
+        "auto", description="auto: the model's generation_config.json sets sampling defaults for fields a "
+                            "request leaves unset (vLLM's default); vllm: no model defaults; or a folder "
+                            "holding a generation_config.json.",
+    )
+    kv_cache_dtype: str = Field("auto", description="auto: the model's dtype (the only one supported today).")
+    quantization: str | None = Field(None, description="None only: no weight quantization is implemented yet.")
+    tokenizer_mode: Literal["auto", "hf", "slow"] = "auto"
+    skip_tokenizer_init: bool = Field(False, description="Load no tokenizer: prompts must be token ids.")
+    hf_overrides: dict[str, Any] | None = Field(None, description="Config attributes to override.")
+    served_model_name: str | list[str] | None = Field(
+        None, description="The name in responses and metrics (the first one, if a list); default the model."
+    )
+    disable_log_stats: bool = Field(False, description="Accepted for vLLM scripts; servax logs no periodic stats.")
+    # Tool calling on the OpenAI routes (vLLM's names; read by app/, see app/tool_parsers.py).
+    enable_auto_tool_choice: bool = Field(
+        False, description='Let the model decide to call tools (tool_choice "auto"); needs tool_call_parser.')
+    tool_call_parser: str | None = Field(
+        None, description="How tool calls are read from replies: hermes (Hermes, Qwen 2/2.5/3) or llama3_json.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_args_that_do_not_apply(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in data:
+                if name in NOT_APPLICABLE:
+                    raise ValueError(f"{name}: {NOT_APPLICABLE[name]}")
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -83,6 +139,41 @@ class EngineConfig(BaseModel):
                 "Serve replicas (deployment_config.num_replicas or autoscaling_config)"
             )
         return v
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _kv_cache_dtype_is_the_model_dtype(cls, v: str) -> str:
+        if v != "auto":
+            raise ValueError(
+                f"kv_cache_dtype={v!r} is not supported yet: the KV cache is kept in the model's dtype; "
+                "use kv_cache_dtype='auto' (and dtype='bfloat16' for a half-size cache)"
+            )
+        return v
+
+    @field_validator("quantization")
+    @classmethod
+    def _no_quantization_yet(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise ValueError(
+                f"quantization={v!r} is not supported yet: weights run in `dtype`; quantized GGUF "
+                "checkpoints are dequantized when loaded"
+            )
+        return v
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config_source(cls, v: str) -> str:
+        if v not in ("auto", "vllm") and not os.path.isfile(os.path.join(os.path.expanduser(v), "generation_config.json")):
+            raise ValueError(
+                f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, got {v!r}"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _auto_tool_choice_needs_parser(self) -> "EngineConfig":
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (e.g. hermes or llama3_json)")
+        return self
 
     @model_validator(mode="after")
     def _check_budget(self) -> "EngineConfig":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import time
 from typing import Any
 
@@ -94,6 +95,8 @@ class Engine:
             )
         self.model = model
         self.tokenizer = model.tokenizer
+        names = config.served_model_name
+        self.served_model_name = (names if isinstance(names, str) else names[0]) if names else model.model_id
         self.max_model_len = config.max_model_len or model.max_model_len
         if self.max_model_len > model.max_model_len:
             raise ValueError(
@@ -108,6 +111,8 @@ class Engine:
         self.processor = InputProcessor(
             self.tokenizer, vocab_size=model.vocab_size, max_model_len=self.max_model_len,
             max_logprobs=config.max_logprobs, max_num_seqs=config.max_num_seqs,
+            sampling_defaults=model.generation_config if config.generation_config != "vllm" else {},
+            eos_token_ids=model.eos_token_ids,
         )
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
@@ -122,8 +127,12 @@ class Engine:
             seq_buckets=seq_buckets(config.max_num_seqs), max_logprobs=config.max_logprobs,
         )
         self.compile_counter = CompileCounter()
-        with self.compile_counter.track():
-            warmup_s = self.runner.warmup(config.show_progress)
+        if config.enforce_eager:
+            warmup_s = 0.0
+            logger.warning("enforce_eager: no bucket is precompiled; each compiles on first use (debugging only)")
+        else:
+            with self.compile_counter.track():
+                warmup_s = self.runner.warmup(config.show_progress)
         self.compile_counter.mark_warm()
         self.warmup_seconds = warmup_s
         logger.info(
@@ -151,6 +160,8 @@ class Engine:
             num, source = cfg.num_kv_blocks, "num_kv_blocks"
         elif cfg.kv_cache_memory_bytes is not None:
             num, source = cfg.kv_cache_memory_bytes // per_block, f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes}"
+        elif cfg.gpu_memory_utilization is not None:
+            num, source = self._blocks_for_memory_share(per_block)
         else:
             devices = list(self.mesh.devices.flat)
             stats = devices[0].memory_stats()
@@ -180,6 +191,30 @@ class Engine:
         )
         return int(num)
 
+    def _blocks_for_memory_share(self, per_block: int) -> tuple[int, str]:
+        """KV blocks under gpu_memory_utilization: the share of device (on CPU, host) memory
+        the whole engine may use, less the weights, capped at twice what max_num_seqs
+        full-length sequences need (the rest would only ever hold prefix-cache entries)."""
+        share = self.config.gpu_memory_utilization
+        devices = list(self.mesh.devices.flat)
+        stats = devices[0].memory_stats()
+        if stats and "bytes_limit" in stats:
+            total, where = min(d.memory_stats()["bytes_limit"] for d in devices), "device"
+        else:
+            total, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host"
+        shards = num_shards(self.model.kv_partition_spec, self.mesh)
+        weights = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.model.params))
+        budget = int(total * share) - weights  # per device
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization={share} of {total / 2**30:.1f} GiB of {where} memory leaves nothing "
+                f"for the KV cache after the weights ({weights / 2**30:.2f} GiB per device); raise it"
+            )
+        wanted = 2 * self.config.max_num_seqs * _cdiv(self.max_model_len, self.block_size) + 1
+        num = min(budget * shards // per_block, wanted)
+        return num, (f"gpu_memory_utilization={share} of {total / 2**30:.1f} GiB {where} memory, "
+                     f"less {weights / 2**20:.0f} MiB of weights, capped at {wanted} blocks")
+
     @property
     def model_config(self) -> dict[str, Any]:
         return dict(
@@ -189,6 +224,7 @@ class Engine:
             kv_blocks=self.num_blocks, block_size=self.block_size,
             token_buckets=self.runner.token_buckets, seq_buckets=self.runner.seq_buckets,
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
+            served_model_name=self.served_model_name,
             enable_prefix_caching=self.config.enable_prefix_caching,
             compilation_cache_dir=self.compilation_cache_dir, warmup_seconds=round(self.warmup_seconds, 2),
         )
@@ -239,6 +275,7 @@ class Engine:
                 child_id, req.prompt_token_ids, params, eos_token_ids=eos, block_size=self.block_size,
                 max_model_len=self.max_model_len, sample_seed=seed, parent_id=req.request_id, index=i,
                 arrival_time=req.arrival_time,
+                token_constraints=req.constraints.start() if req.constraints is not None else None,
             )
             child.wants_prompt_logprobs = child.wants_prompt_logprobs and i == 0
             state.child_ids.append(child_id)

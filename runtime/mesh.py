@@ -32,7 +32,9 @@ SHARDING_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": MODEL_AXIS,  # also the KV cache's head axis
     "head_dim": None,
     "mlp": MODEL_AXIS,
-    # the paged KV cache, [num_blocks, block_size, kv_heads, head_dim] (runtime.step.KV_CACHE_AXES)
+    # Stacked decoder layers (weights and KV cache): the forward scans over it, so it stays whole.
+    "layers": None,
+    # the paged KV cache, [layers, num_blocks, block_size, kv_heads, head_dim] (runtime.step.KV_CACHE_AXES)
     "kv_blocks": None,
     "kv_block_tokens": None,
     # The torchax fallback knows a weight only by its module's name, not whether its

@@ -28,6 +28,7 @@ from runtime.sampler import BIAS_WIDTH, SamplingBatch, empty_sampling_batch, sam
 from runtime.scheduler import SchedulerOutput
 from runtime.step import LoadedModel, allocate_kv_cache, make_step_input
 from runtime.stop import suppressed_token_ids
+from runtime.structured_output import fill_token_masks, mask_words
 
 logger = logging.getLogger("servax.engine")
 _SUPPRESS = -1e30
@@ -87,7 +88,8 @@ class ModelRunner:
         kv_sharding = NamedSharding(mesh, model.kv_partition_spec)
         self.kv_cache = allocate_kv_cache(model.kv_spec, num_blocks, block_size, kv_sharding)
         self._step = jax.jit(model.step_fn, donate_argnums=(1,))
-        self._sample = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "all_greedy"))
+        self.mask_words = mask_words(model.vocab_size)  # packed token-mask row of the logits' vocabulary
+        self._sample = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "all_greedy", "use_mask"))
 
     # -- warmup --------------------------------------------------------------------------
     def bucket_pairs(self) -> list[tuple[int, int]]:
@@ -119,10 +121,11 @@ class ModelRunner:
         logits, self.kv_cache = self._step(self.model.params, self.kv_cache, batch)
         for penalties in (False, True):
             for greedy in (False, True):
-                out = self._sample(
-                    logits, self._sampling_batch_padding(s, penalties), num_logprobs=self.num_logprobs,
-                    use_penalties=penalties, all_greedy=greedy,
-                )
+                for masked in (False, True):
+                    out = self._sample(
+                        logits, self._sampling_batch_padding(s, penalties, masked), num_logprobs=self.num_logprobs,
+                        use_penalties=penalties, all_greedy=greedy, use_mask=masked,
+                    )
         jax.block_until_ready(out)
 
     def _padding_step_input(self, t: int, s: int):
@@ -134,8 +137,9 @@ class ModelRunner:
             logits_indices=np.zeros(s, np.int32), num_seqs=0, num_tokens=0,
         )
 
-    def _sampling_batch_padding(self, s: int, penalties: bool) -> SamplingBatch:
-        return SamplingBatch(**empty_sampling_batch(s, self.max_model_len if penalties else 1))
+    def _sampling_batch_padding(self, s: int, penalties: bool, masked: bool = False) -> SamplingBatch:
+        return SamplingBatch(**empty_sampling_batch(
+            s, self.max_model_len if penalties else 1, self.mask_words if masked else 1))
 
     # -- one step ------------------------------------------------------------------------
     def dispatch(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> "InFlightStep":
@@ -154,7 +158,10 @@ class ModelRunner:
         logits_indices = np.zeros(s_pad, np.int32)
         use_penalties = any(e.request.sampling_params.uses_penalties for e in sched.scheduled)
         all_greedy = all(e.request.sampling_params.is_greedy for e in sched.scheduled)
-        sb = empty_sampling_batch(s_pad, self.max_model_len if use_penalties else 1)
+        use_mask = any(e.request.token_constraints is not None for e in sched.scheduled)
+        sb = empty_sampling_batch(s_pad, self.max_model_len if use_penalties else 1,
+                                  self.mask_words if use_mask else 1)
+        masked_rows = []  # (row, constraints, output token ids) of constrained requests
 
         sample_rows: list[int] = []  # per scheduled request, the row whose sample counts
         prompt_rows: list[tuple[str, int, int]] = []  # (request id, row, prompt token index)
@@ -188,6 +195,8 @@ class ModelRunner:
                 last = row
                 row += 1
             self._fill_sampling_row(sb, last, req)
+            if req.token_constraints is not None:
+                masked_rows.append((last, req.token_constraints, req.output_token_ids))
             sample_rows.append(last)
             t += n
         query_start_loc[row + 1:] = t
@@ -198,9 +207,11 @@ class ModelRunner:
             num_seqs=row, num_tokens=t,
         )
         logits, self.kv_cache = self._step(self.model.params, self.kv_cache, batch)
+        # Filled while the device runs the step (llguidance releases the GIL).
+        fill_token_masks(sb["token_mask"], masked_rows)
         out = self._sample(
             logits, SamplingBatch(**sb), num_logprobs=self.num_logprobs, use_penalties=use_penalties,
-            all_greedy=all_greedy,
+            all_greedy=all_greedy, use_mask=use_mask,
         )
         return InFlightStep(sched, out, sample_rows, prompt_rows)
 

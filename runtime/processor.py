@@ -9,7 +9,10 @@ the offline `LLM`), so a request is judged by one set of rules wherever it comes
 - sampling settings are a `SamplingParams` or a dict of its fields (validated by
   SamplingParams itself: the value ranges live in runtime/sampling_params.py);
 - the limits that depend on the model and the engine (vocabulary, context length,
-  max_logprobs, max_num_seqs) are checked here.
+  max_logprobs, max_num_seqs) are checked here;
+- token constraints (structured outputs, allowed_token_ids, bad_words) are compiled here,
+  so a bad grammar is refused before anything is queued and compiling never holds up the
+  engine loop (runtime/structured_output.py).
 
 Bad input raises `InvalidRequestError` (with `.param`) or `PromptTooLongError`, before
 anything is queued. Runs on the caller's thread, never the engine loop's.
@@ -18,6 +21,7 @@ anything is queued. Runs on the caller's thread, never the engine loop's.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -26,6 +30,7 @@ import numpy as np
 
 from runtime.errors import InvalidRequestError, PromptTooLongError
 from runtime.sampling_params import SamplingParams
+from runtime.structured_output import CompiledConstraints, TokenMaskCompiler
 
 # A prompt in any of the accepted forms (chat messages are a list of dicts with a role).
 PromptType = str | Sequence[int] | Mapping[str, Any] | Sequence[Mapping[str, Any]]
@@ -40,6 +45,23 @@ class ProcessedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    constraints: CompiledConstraints | None = None  # the token mask's grammar / allowed ids / bad words
+
+
+def to_sampling_params(fields: Mapping[str, Any]) -> SamplingParams:
+    """SamplingParams(**fields), with an unknown field refused by name.
+
+    Raises:
+        InvalidRequestError: an unknown field or a value out of range (.param names it).
+    """
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise InvalidRequestError(
+            f"unknown sampling parameter(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}",
+            param=unknown[0],
+        )
+    return SamplingParams(**fields)
 
 
 def is_chat(prompt: Any) -> bool:
@@ -58,57 +80,69 @@ class InputProcessor:
         max_model_len: the engine's context limit.
         max_logprobs: the most logprobs / prompt_logprobs a request may ask for.
         max_num_seqs: the most sequences in a step; a request's `n` may not exceed it.
+        sampling_defaults: SamplingParams fields for settings a request leaves unset (the
+            model's generation_config.json under generation_config="auto", as vLLM does).
+        eos_token_ids: the model's end-of-sequence ids (a complete grammar allows them).
     """
 
     def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int, max_logprobs: int,
-                 max_num_seqs: int):
+                 max_num_seqs: int, sampling_defaults: Mapping[str, Any] | None = None,
+                 eos_token_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
+        self.token_masks = TokenMaskCompiler(tokenizer, vocab_size=vocab_size, eos_token_ids=eos_token_ids)
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self.max_num_seqs = max_num_seqs
 
     # -- sampling ------------------------------------------------------------------------
-    @staticmethod
-    def sampling_params(sampling: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
-        """A SamplingParams from itself, a dict of its fields (vLLM's names), or None (defaults).
+    def sampling_params(self, sampling: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
+        """A SamplingParams from itself, a dict of its fields (vLLM's names), or None.
+
+        A dict or None gets the model's sampling defaults for the fields it leaves unset;
+        a SamplingParams is taken as given.
 
         Raises:
             InvalidRequestError: an unknown field or a value out of range (.param names it).
         """
-        if sampling is None:
-            return SamplingParams()
         if isinstance(sampling, SamplingParams):
             return sampling
-        if not isinstance(sampling, Mapping):
+        if sampling is not None and not isinstance(sampling, Mapping):
             raise InvalidRequestError("sampling params must be a SamplingParams or a dict", param="sampling_params")
-        known = {f.name for f in dataclasses.fields(SamplingParams)}
-        unknown = sorted(set(sampling) - known)
-        if unknown:
-            raise InvalidRequestError(
-                f"unknown sampling parameter(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}",
-                param=unknown[0],
-            )
-        return SamplingParams(**sampling)
+        return to_sampling_params({**self.sampling_defaults, **(sampling or {})})
 
     # -- prompts -------------------------------------------------------------------------
     def render_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                    chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list[int]]:
-        """Chat messages rendered by the model's chat template: (text, token ids).
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    chat_template_kwargs: Mapping[str, Any] | None = None,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[str, list[int]]:
+        """Chat messages rendered by the model's chat template (or `chat_template`): (text, token ids).
 
         Content is a string or a list of text parts; the `developer` role is the `system`
-        role to templates (as OpenAI defines it).
+        role to templates (as OpenAI defines it). `continue_final_message` leaves the last
+        (assistant) message open for the model to continue, instead of a generation prompt.
+        `tools` (OpenAI's `{"type": "function", "function": {...}}` entries) reach the
+        template as `tools`; assistant `tool_calls` arguments reach it as objects.
 
         Raises:
-            InvalidRequestError: no chat template, a non-text part, or the template failed.
+            InvalidRequestError: no chat template, a non-text part, contradicting options, or
+                the template failed.
         """
-        if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
-            raise InvalidRequestError("this model has no chat template; send a plain prompt", param="messages")
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer; send token ids", param="messages")
+        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidRequestError("this model has no chat template; send a plain prompt or a chat_template",
+                                      param="messages")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
+                                      param="continue_final_message")
         rendered = [template_message(m) for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(
                 rendered, tokenize=False, add_generation_prompt=add_generation_prompt,
-                **dict(chat_template_kwargs or {}),
+                continue_final_message=continue_final_message, chat_template=chat_template,
+                tools=list(tools) if tools else None, **dict(chat_template_kwargs or {}),
             )
         except Exception as e:  # jinja raises many kinds (TemplateError, TypeError, ...)
             raise InvalidRequestError(f"chat template failed: {e}", param="messages") from None
@@ -169,7 +203,8 @@ class InputProcessor:
                 param="prompt",
             )
         self.check_limits(params)
-        return ProcessedRequest(request_id, text, token_ids, params, arrival_time or time.time())
+        constraints = self.token_masks.compile(params)
+        return ProcessedRequest(request_id, text, token_ids, params, arrival_time or time.time(), constraints)
 
     def check_limits(self, params: SamplingParams) -> None:
         """The checks of `params` that depend on this model and engine.
@@ -213,4 +248,20 @@ def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
         out["content"] = ""
     elif not isinstance(content, str):
         raise InvalidRequestError("message content must be a string or a list of text parts", param="messages")
+    if out.get("tool_calls"):
+        out["tool_calls"] = [_template_tool_call(c) for c in out["tool_calls"]]
     return out
+
+
+def _template_tool_call(call: Any) -> Any:
+    """A tool call of an assistant message, its JSON-text arguments decoded (as vLLM does:
+    templates write `arguments | tojson`)."""
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return call
+    function = dict(call["function"])
+    if isinstance(function.get("arguments"), str):
+        try:
+            function["arguments"] = json.loads(function["arguments"])
+        except ValueError:
+            pass
+    return {**call, "function": function}

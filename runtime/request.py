@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.structured_output import TokenConstraints
 
 
 class RequestStatus(enum.Enum):
@@ -57,6 +61,8 @@ class Request:
         num_computed_tokens: tokens whose K/V are in the cache (prefix hits included).
         block_hashes: prefix-cache keys of every full block of all_token_ids.
         sample_seed: the seed this sequence's rows are sampled with.
+        token_constraints: the grammar / allowed ids / bad words of this sequence, advanced
+            with every output token (None: unconstrained).
     """
 
     def __init__(
@@ -72,6 +78,7 @@ class Request:
         parent_id: str | None = None,
         index: int = 0,
         arrival_time: float | None = None,
+        token_constraints: TokenConstraints | None = None,
     ):
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -89,6 +96,7 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        self.token_constraints = token_constraints
         self.block_hashes: list[int] = []
         limit = max_model_len - len(prompt_token_ids)
         self.max_tokens = min(sampling_params.max_tokens or limit, limit)
@@ -129,6 +137,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.token_constraints is not None:
+            self.token_constraints.accept(token_id)
         self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:

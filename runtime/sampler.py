@@ -3,6 +3,7 @@
 Every row carries its own settings, so greedy and sampled, penalized and plain requests
 share one compiled program per sequence bucket. Order (as vLLM): logit bias (and the
 min_tokens suppression of stop tokens) -> repetition / frequency / presence penalties ->
+the token mask (grammars, allowed_token_ids, bad_words; see runtime/structured_output.py) ->
 greedy argmax, or temperature -> top-k -> top-p -> min-p -> a Gumbel-max draw whose key
 is derived from (row seed, tokens generated so far) only, so a seeded request gets the
 same tokens whatever else shares its batch.
@@ -43,6 +44,9 @@ class SamplingBatch:
     token_history: jax.Array  # [S, H] int32 prompt then output tokens, -1 padded (penalties)
     prompt_lens: jax.Array  # [S] int32, history entries before this index are prompt
     target_ids: jax.Array  # [S] int32, token whose logprob to report instead of the sample, -1 = none
+    # [S, ceil(vocab/32)] int32 packed bits, bit t%32 of word t//32 set = token t allowed
+    # (all-ones rows are unconstrained); a [S, 1] placeholder without use_mask.
+    token_mask: jax.Array
 
 
 @flax.struct.dataclass
@@ -54,8 +58,9 @@ class SamplerOutput:
     top_logprobs: jax.Array  # [S, K] float32
 
 
-def empty_sampling_batch(num_rows: int, history_len: int) -> dict[str, np.ndarray]:
-    """Host arrays for `num_rows` greedy rows without penalties; fill in, then SamplingBatch(**d)."""
+def empty_sampling_batch(num_rows: int, history_len: int, mask_words: int = 1) -> dict[str, np.ndarray]:
+    """Host arrays for `num_rows` greedy, unconstrained rows without penalties; fill in, then
+    SamplingBatch(**d). `mask_words` is ceil(vocab/32) when the batch uses the token mask."""
     s = num_rows
     return dict(
         temperature=np.zeros(s, np.float32),
@@ -72,6 +77,7 @@ def empty_sampling_batch(num_rows: int, history_len: int) -> dict[str, np.ndarra
         token_history=np.full((s, history_len), -1, np.int32),
         prompt_lens=np.zeros(s, np.int32),
         target_ids=np.full(s, -1, np.int32),
+        token_mask=np.full((s, mask_words), -1, np.int32),
     )
 
 
@@ -98,6 +104,14 @@ def _apply_penalties(logits: jax.Array, b: SamplingBatch) -> jax.Array:
     logits = logits - b.frequency_penalty[:, None] * counts
     logits = logits - b.presence_penalty[:, None] * (counts > 0).astype(logits.dtype)
     return logits
+
+
+def _apply_token_mask(logits: jax.Array, token_mask: jax.Array) -> jax.Array:
+    """-inf where the packed mask's bit is clear (ids past the mask's last word are allowed)."""
+    num_rows, vocab = logits.shape
+    bits = (token_mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    allowed = bits.reshape(num_rows, -1)[:, :vocab].astype(jnp.bool_)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _truncate(logits: jax.Array, b: SamplingBatch) -> jax.Array:
@@ -127,7 +141,7 @@ def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
 
 def sample(
     logits: jax.Array, batch: SamplingBatch, *, num_logprobs: int, use_penalties: bool = True,
-    all_greedy: bool = False,
+    all_greedy: bool = False, use_mask: bool = False,
 ) -> SamplerOutput:
     """Choose one token per row and report logprobs.
 
@@ -140,12 +154,16 @@ def sample(
             penalties neither ship nor scan a [S, max_model_len] history.
         all_greedy: every row is greedy (static): skip the sort over the vocabulary and
             the random draw.
+        use_mask: apply `token_mask` (static). Without it `token_mask` is a [S, 1]
+            placeholder and the program has no trace of it.
     """
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     processed = _apply_bias(logits, batch)
     if use_penalties:
         processed = _apply_penalties(processed, batch)
+    if use_mask:
+        processed = _apply_token_mask(processed, batch.token_mask)
     greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     if all_greedy:
         return _report(raw_logprobs, greedy, batch, num_logprobs)

@@ -8,7 +8,9 @@ and what is allowed, so the app can return it to the user as an HTTP 400 unchang
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from runtime.errors import InvalidRequestError
@@ -19,6 +21,102 @@ MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit); the sampler gets a fixed-width
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request (they share the sampler's bias table)
+MAX_BAD_WORDS = 128  # bad_words entries per request (vLLM's VLLM_MAX_NUM_BAD_WORDS)
+
+# StructuredOutputsParams fields that each name one kind of constraint (exactly one is set).
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """A grammar the output must follow (vLLM's StructuredOutputsParams; exactly one kind).
+
+    Attributes:
+        json: a JSON schema (a dict, or its JSON text): the output is one JSON value it accepts.
+        regex: a regular expression (Rust `regex` syntax) the whole output matches.
+        choice: the output is exactly one of these strings.
+        grammar: a Lark grammar, or a GBNF / EBNF one (`root ::= ...`).
+        json_object: True: the output is any JSON object.
+        disable_any_whitespace: JSON without whitespace between tokens (compact).
+        disable_additional_properties: objects of the schema that do not say otherwise get
+            `additionalProperties: false`.
+        whitespace_pattern: a regex for the whitespace JSON may hold between tokens.
+        structural_tag: vLLM's structural tags are not supported (a 400 says so).
+
+    The grammar is compiled (and its errors found) when a request is admitted, see
+    runtime/structured_output.py.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        def fail(name: str, message: str) -> None:
+            raise InvalidRequestError(f"structured_outputs.{name} {message}", param=f"structured_outputs.{name}")
+
+        if self.structural_tag is not None:
+            fail("structural_tag", "is not supported; use json, regex, choice or grammar")
+        kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise InvalidRequestError(
+                f"structured_outputs needs exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, got "
+                f"{', '.join(kinds) or 'none'}", param="structured_outputs",
+            )
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                fail("json", f"is not valid JSON: {e}")
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            fail("json", "must be a JSON schema (an object)")
+        if self.regex is not None and not isinstance(self.regex, str):
+            fail("regex", "must be a string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            fail("choice", "must be a non-empty list of strings")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            fail("grammar", "must be a non-empty Lark or EBNF grammar")
+        if self.json_object is not None and self.json_object is not True:
+            fail("json_object", "must be true when set")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "must be a boolean")
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            fail("whitespace_pattern", "must be a string")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, regex, choice, grammar or json_object."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) is not None)
+
+    @classmethod
+    def from_any(cls, value: "StructuredOutputsParams | Mapping[str, Any]") -> "StructuredOutputsParams":
+        """Itself, or one built from a dict of its fields (an unknown field is refused by name).
+
+        Raises:
+            InvalidRequestError: not a dict, an unknown field, or a bad value.
+        """
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise InvalidRequestError("structured_outputs must be an object", param="structured_outputs")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown structured_outputs field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}",
+                param=f"structured_outputs.{unknown[0]}",
+            )
+        return cls(**value)
 
 
 @dataclasses.dataclass
@@ -47,6 +145,11 @@ class SamplingParams:
         prompt_logprobs: return the top-N logprobs of each prompt token.
         logit_bias: token id -> value added to its logit [-100, 100].
         skip_special_tokens: leave special tokens out of the text.
+        structured_outputs: a grammar the output follows (StructuredOutputsParams or a dict
+            of its fields).
+        allowed_token_ids: only these token ids may be generated.
+        bad_words: words that may not be generated: a token that would complete one (as the
+            tokenizer spells it, with and without a leading space) is masked out.
     """
 
     n: int = 1
@@ -68,9 +171,18 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         self._validate()
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        if self.bad_words is not None:
+            self.bad_words = list(dict.fromkeys(self.bad_words))
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -87,6 +199,11 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @property
+    def uses_token_mask(self) -> bool:
+        """The sampler must mask tokens for this request (a grammar, allowed ids or bad words)."""
+        return self.structured_outputs is not None or self.allowed_token_ids is not None or bool(self.bad_words)
 
     def clone(self, **changes: Any) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
@@ -166,3 +283,13 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "a boolean")
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
+            or not all(is_int(t) and t >= 0 for t in self.allowed_token_ids)
+        ):
+            fail("allowed_token_ids", "a non-empty list of token ids >= 0")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, (list, tuple)) or len(self.bad_words) > MAX_BAD_WORDS
+            or not all(isinstance(w, str) and w.strip() for w in self.bad_words)
+        ):
+            fail("bad_words", f"a list of at most {MAX_BAD_WORDS} non-empty strings")

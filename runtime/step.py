@@ -22,10 +22,26 @@ import numpy as np
 from runtime.mesh import logical_to_spec
 
 PyTree = Any
-# One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
-KVCache = list[tuple[jax.Array, jax.Array]]
 # The logical axes of one cache array (runtime.mesh.SHARDING_RULES maps them to mesh axes).
-KV_CACHE_AXES = ("kv_blocks", "kv_block_tokens", "kv_heads", "head_dim")
+KV_CACHE_AXES = ("layers", "kv_blocks", "kv_block_tokens", "kv_heads", "head_dim")
+
+
+@flax.struct.dataclass
+class KVCache:
+    """The paged KV cache of every layer: one stacked K and one stacked V array.
+
+    Stacked over layers so that a forward pass scanning its layers carries the whole cache
+    through the scan and updates layer i in place (a scatter into the loop's carry); the
+    torchax path indexes it with each layer's static index. Donated into every step.
+    """
+
+    k: jax.Array  # [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+    v: jax.Array  # [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
 
 
 @flax.struct.dataclass
@@ -73,9 +89,10 @@ class KVCacheSpec:
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
 
     def partition_spec(self, mesh: jax.sharding.Mesh) -> jax.sharding.PartitionSpec:
-        """The PartitionSpec of one cache array under `mesh`: KV_CACHE_AXES through the
-        sharding rules (the KV heads split where they divide the mesh axis)."""
-        shape = (None, None, self.num_kv_heads, self.head_dim)  # blocks are counted later
+        """The PartitionSpec of one stacked cache array (KVCache.k or .v) under `mesh`:
+        KV_CACHE_AXES through the sharding rules (the KV heads split where they divide the
+        mesh axis)."""
+        shape = (self.num_layers, None, None, self.num_kv_heads, self.head_dim)  # blocks are counted later
         return logical_to_spec(KV_CACHE_AXES, shape, mesh)
 
 
@@ -88,14 +105,17 @@ class LoadedModel:
         params: the weights as jax.Arrays, placed with `param_shardings` on the mesh.
         kv_spec: what the KV cache must look like.
         param_shardings: PartitionSpecs for params (same tree structure as params).
-        kv_partition_spec: PartitionSpec for one [num_blocks, block_size, kv_heads, head_dim]
-            cache array under the mesh the params were placed on (kv_spec.partition_spec(mesh)).
+        kv_partition_spec: PartitionSpec for one [num_layers, num_blocks, block_size, kv_heads,
+            head_dim] cache array under the mesh the params were placed on (kv_spec.partition_spec(mesh)).
         tokenizer: the checkpoint's Hugging Face tokenizer (None if it has none).
         hf_config: the transformers PretrainedConfig.
         impl: "jax" (native models_jax) or "torchax" (wrapped transformers model).
         model_id: the ID or path it was resolved from.
         max_model_len: the context length the model supports (max_position_embeddings).
         vocab_size: rows of the logits.
+        eos_token_ids: the end-of-sequence ids (generation_config.json, else config.json).
+        generation_config: sampling defaults from generation_config.json, under SamplingParams'
+            names (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens).
     """
 
     step_fn: Callable[..., tuple[jax.Array, KVCache]]
@@ -110,20 +130,16 @@ class LoadedModel:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...] = ()
+    generation_config: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def allocate_kv_cache(
     spec: KVCacheSpec, num_blocks: int, block_size: int, sharding: jax.sharding.Sharding | None = None
 ) -> KVCache:
-    """Zero-filled paged KV cache: per layer (k, v), each [num_blocks, block_size, kv_heads, head_dim]."""
-    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-
-    def zeros() -> jax.Array:
-        if sharding is None:
-            return jnp.zeros(shape, spec.dtype)
-        return jax.jit(lambda: jnp.zeros(shape, spec.dtype), out_shardings=sharding)()
-
-    return [(zeros(), zeros()) for _ in range(spec.num_layers)]
+    """Zero-filled paged KV cache: K and V, each [num_layers, num_blocks, block_size, kv_heads, head_dim]."""
+    shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    zeros = lambda: KVCache(jnp.zeros(shape, spec.dtype), jnp.zeros(shape, spec.dtype))  # noqa: E731
+    return jax.jit(zeros)() if sharding is None else jax.jit(zeros, out_shardings=sharding)()
 
 
 def make_step_input(

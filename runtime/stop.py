@@ -7,7 +7,9 @@ Everything that can end a sequence is asked here, in vLLM's order of precedence:
    `suppressed_token_ids`);
 2. an end-of-sequence token (unless `ignore_eos`), a `stop_token_ids` entry, or a stop
    string the new text completed: finish_reason "stop";
-3. `max_tokens` reached, or the context full: finish_reason "length".
+3. the request's grammar (structured outputs) is complete, so no token may follow:
+   finish_reason "stop", whatever min_tokens says;
+4. `max_tokens` reached, or the context full: finish_reason "length".
 
 The scheduler asks with the new token alone (it frees blocks before the next step is
 scheduled); the engine asks again, after detokenizing, when the detokenizer found a stop
@@ -58,6 +60,8 @@ def check_stop(request: Request, token: int, stop_string: str | None = None) -> 
             return StopDecision(RequestStatus.FINISHED_STOPPED, token)
         if stop_string is not None:
             return StopDecision(RequestStatus.FINISHED_STOPPED, stop_string)
+    if request.token_constraints is not None and request.token_constraints.is_finished:
+        return StopDecision(RequestStatus.FINISHED_STOPPED)
     if request.num_output_tokens >= request.max_tokens:
         return StopDecision(RequestStatus.FINISHED_LENGTH_CAPPED)
     return None

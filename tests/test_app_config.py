@@ -219,11 +219,11 @@ def test_completion_prompt_forms():
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "tempreature": 1}, "tempreature"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": []}, "prompt"),
 ])
 def test_completion_request_refusals_name_the_param(body, param):
+    # (An unknown field such as `tempreature` is not refused: vLLM ignores it, and so does servax.)
     with pytest.raises(ValidationError) as info:
         CompletionRequest.model_validate(body)
     assert info.value.errors()[0]["loc"][0] == param
@@ -242,11 +242,11 @@ def test_value_ranges_are_sampling_params_own(body, param):
     # The HTTP schema types the fields; the ranges are checked once, by SamplingParams,
     # for HTTP, handles and the offline LLM alike.
     from runtime.errors import InvalidRequestError
-    from runtime.processor import InputProcessor
+    from runtime.processor import to_sampling_params
 
     kwargs = CompletionRequest.model_validate({"prompt": "x", **body}).sampling_kwargs()
     with pytest.raises(InvalidRequestError) as info:
-        InputProcessor.sampling_params(kwargs)
+        to_sampling_params(kwargs)
     assert info.value.param == param
 
 
@@ -270,3 +270,8 @@ def test_chat_request_text_parts_are_joined():
     req = ChatCompletionRequest(messages=[{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
     assert [template_message(m) for m in req.chat_messages()] == [{"role": "user", "content": "ab"}]
+
+
+def test_unknown_request_fields_are_listed_as_ignored():
+    req = CompletionRequest.model_validate({"prompt": "x", "tempreature": 1, "vendor": {}})
+    assert req.ignored_fields == ["tempreature", "vendor"] and "tempreature" not in req.sampling_kwargs()

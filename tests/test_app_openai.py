@@ -266,7 +266,6 @@ def test_bad_json_is_400(http):
     ({"best_of": 2}, "best_of"),
     ({"logit_bias": {"not-a-token": 1}}, "logit_bias"),
     ({"logprobs": 50}, "logprobs"),
-    ({"tempreature": 1}, "tempreature"),
     ({"prompt": None}, "prompt"),
 ])
 def test_bad_completion_params_are_400_naming_the_param(http, body, param):
@@ -378,6 +377,93 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(base_url, handles)
     after = _wait_idle(handles, timeout=20)
     assert after["kv_blocks_used"] == before["kv_blocks_used"]
     assert after["generation_tokens_total"] - before["generation_tokens_total"] < 300  # it stopped early
+
+
+# ---- drop-in for vLLM users: unknown fields, /tokenize, /detokenize, /version, /metrics --------
+
+def test_unknown_fields_are_ignored_with_a_warning_header(http):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, **GREEDY}
+    plain = http.post("/v1/completions", json=body)
+    odd = http.post("/v1/completions", json={**body, "frobnicate": 3, "vendor_flag": True})
+    assert odd.status_code == 200 and odd.headers["x-servax-ignored-fields"] == "frobnicate,vendor_flag"
+    assert "x-servax-ignored-fields" not in plain.headers
+    assert odd.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("field, value", [("audio", {"voice": "alloy", "format": "wav"}),
+                                          ("prediction", {"type": "content", "content": "x"}),
+                                          ("functions", [{"name": "f"}]), ("modalities", ["text", "audio"])])
+def test_known_but_unsupported_chat_fields_are_400_saying_so(http, field, value):
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                 field: value})
+    assert "supported" in assert_openai_error(r, 400, param=field)["message"]
+
+
+def test_tokenize_and_detokenize_round_trip(http):
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": "Hello world", "return_token_strs": True}).json()
+    assert r["count"] == len(r["tokens"]) == len(r["token_strs"]) and r["max_model_len"] == 512
+    assert http.post("/detokenize", json={"model": MODEL, "tokens": r["tokens"]}).json() == {"prompt": "Hello world"}
+    chat = http.post("/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert http.post("/detokenize", json={"model": MODEL, "tokens": chat["tokens"]}).json()["prompt"] == \
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert_openai_error(http.post("/detokenize", json={"model": MODEL, "tokens": [10**6]}), 400, param="tokens")
+    assert_openai_error(http.post("/tokenize", json={"model": "nope", "prompt": "x"}), 404, param="model")
+
+
+def test_version(http):
+    import importlib.metadata
+
+    assert http.get("/version").json() == {"version": importlib.metadata.version("servax")}
+
+
+def test_chat_continue_final_message_and_echo(http):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once upon"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 4, "add_generation_prompt": False,
+            "continue_final_message": True, **GREEDY}
+    plain = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    echoed = http.post("/v1/chat/completions", json={**body, "echo": True}).json()["choices"][0]["message"]["content"]
+    assert echoed == "Once upon" + plain
+    prompt = http.post("/tokenize", json={"model": MODEL, "messages": messages, "add_generation_prompt": False,
+                                          "continue_final_message": True}).json()["tokens"]
+    completion = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4, **GREEDY})
+    assert completion.json()["choices"][0]["text"] == plain  # the open assistant turn is continued
+    assert_openai_error(http.post("/v1/chat/completions", json={**body, "add_generation_prompt": True}), 400,
+                        param="continue_final_message")
+
+
+def test_metrics_endpoint_counts_add_up(http, base_url):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict[tuple[str, str], float]:
+        text = httpx.get(base_url + "/metrics").text
+        return {(s.name, s.labels.get("finished_reason", "")): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples
+                if s.labels.get("model_name") == MODEL}
+
+    before = scrape()
+    bodies = [http.post("/v1/completions", json={"model": MODEL, "prompt": "count " * (i + 1), "max_tokens": 3 + i,
+                                                  **GREEDY}).json() for i in range(4)]
+    after = scrape()
+
+    def delta(name: str, reason: str = "") -> float:
+        return after[(name, reason)] - before.get((name, reason), 0.0)
+
+    assert delta("servax:request_success_total", "length") == 4
+    assert delta("servax:prompt_tokens_total") == sum(b["usage"]["prompt_tokens"] for b in bodies)
+    assert delta("servax:generation_tokens_total") == sum(b["usage"]["completion_tokens"] for b in bodies)
+    assert delta("servax:time_to_first_token_seconds_count") == 4
+    assert delta("servax:prefix_cache_queries_total") >= sum(b["usage"]["prompt_tokens"] for b in bodies)
+    assert 0 <= after[("servax:kv_cache_usage_perc", "")] <= 1
+    assert ("servax:num_requests_running", "") in after and ("servax:num_requests_waiting", "") in after
+
+
+def test_handle_completions_is_rays_name_for_completion(handles):
+    from app.protocol import CompletionRequest
+
+    body = CompletionRequest(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, ignore_eos=True)
+    ours = list(handles[MODEL].options(stream=True).completion.remote(body))
+    rays = list(handles[MODEL].options(stream=True).completions.remote(body))
+    assert ours[0]["choices"][0]["text"] == rays[0]["choices"][0]["text"]
 
 
 # ---- last: a dead engine --------------------------------------------------------------------

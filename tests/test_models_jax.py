@@ -193,22 +193,23 @@ def test_unknown_rope_type_is_rejected():
 def test_weight_table_is_megatron_sharded(tiny_checkpoint):
     model = registry.load(str(tiny_checkpoint("qwen2")), model_impl="jax")
     P = jax.sharding.PartitionSpec
-    layer = model.param_shardings["layers"][0]
-    assert layer["q"] == P(None, "model", None) and layer["k"] == P(None, "model", None)
-    assert layer["o"] == P("model", None, None)
-    assert layer["mlp"]["gate"] == P(None, "model") and layer["mlp"]["down"] == P("model", None)
-    assert layer["q_bias"] == P("model", None) and layer["input_norm"] == P()
+    layer = model.param_shardings["layers"]  # stacked: a leading layers axis, never split
+    assert layer["q"] == P(None, None, "model", None) and layer["k"] == P(None, None, "model", None)
+    assert layer["o"] == P(None, "model", None, None)
+    assert layer["mlp"]["gate"] == P(None, None, "model") and layer["mlp"]["down"] == P(None, "model", None)
+    assert layer["q_bias"] == P(None, "model", None) and layer["input_norm"] == P()
     assert model.param_shardings["embed"] == P("model", None)
     assert model.param_shardings["lm_head"] == P(None, "model")
     assert jax.tree.structure(model.params) == jax.tree.structure(
         model.param_shardings, is_leaf=lambda x: isinstance(x, P))
 
 
-def _hf_layout(w, native: np.ndarray) -> np.ndarray:
-    """The inverse of WeightSpec.to_native for a weight without repeated heads."""
+def _hf_layout(w, native: np.ndarray) -> dict[str, np.ndarray]:
+    """The inverse of WeightSpec.to_native for a weight without repeated heads: its checkpoint tensors."""
     assert w.repeat is None
-    hf = native.transpose(np.argsort(w.perm)) if w.perm else native
-    return np.ascontiguousarray(hf.reshape(w.hf_shape))
+    per_layer = native if w.num_layers else [native]
+    hf = [x.transpose(np.argsort(w.perm)) if w.perm else x for x in per_layer]
+    return {name: np.ascontiguousarray(x.reshape(w.hf_shape)) for name, x in zip(w.hf_names, hf)}
 
 
 @pytest.mark.slow
@@ -231,17 +232,19 @@ def test_random_params_from_the_weight_table_load_back_and_match_transformers(tm
     table = ENTRY.weight_table(args)
     params, specs = init_params(table, make_mesh(), np.float32, jax.random.key(7))
     assert jax.tree.structure(params) == jax.tree.structure(table, is_leaf=is_weight_spec)
-    layer = params["layers"][0]
-    assert params["layers"][0]["q"].shape == (64, 4, 32) and specs["layers"][0]["q"] == jax.sharding.PartitionSpec(
-        None, "model", None)
-    np.testing.assert_array_equal(np.asarray(layer["input_norm"]), np.ones(64, np.float32))  # norms: ones
+    layer = params["layers"]
+    assert layer["q"].shape == (2, 64, 4, 32) and specs["layers"]["q"] == jax.sharding.PartitionSpec(
+        None, None, "model", None)  # [layers, hidden, heads, head_dim]
+    np.testing.assert_array_equal(np.asarray(layer["input_norm"]), np.ones((2, 64), np.float32))  # norms: ones
     assert abs(float(np.asarray(layer["mlp"]["up"]).std()) - 0.2) < 0.02  # normal(initializer_range)
 
     out = tmp_path / "random-qwen3"
     config.save_pretrained(out)
     flat = jax.tree.leaves(table, is_leaf=is_weight_spec)
-    save_file({w.hf_name: _hf_layout(w, np.asarray(p)) for w, p in zip(flat, jax.tree.leaves(params))},
-              str(out / "model.safetensors"))
+    tensors = {}
+    for w, p in zip(flat, jax.tree.leaves(params)):
+        tensors.update(_hf_layout(w, np.asarray(p)))
+    save_file(tensors, str(out / "model.safetensors"))
 
     loaded = registry.load(str(out), model_impl="jax")
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded.params)):

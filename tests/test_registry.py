@@ -117,7 +117,7 @@ def test_load_fills_loaded_model(tiny_checkpoint):
     model = registry.load(str(tiny_checkpoint("llama3")))
     assert isinstance(model, LoadedModel) and model.impl == "jax"
     assert model.kv_spec == KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=jax.numpy.float32)
-    assert model.kv_partition_spec == P(None, None, "model", None)
+    assert model.kv_partition_spec == P(None, None, None, "model", None)  # [layers, blocks, tokens, heads, dim]
     assert model.max_model_len == 1024 and model.vocab_size == 512
     assert model.eos_token_ids == (0,)
     assert model.tokenizer is not None
@@ -125,7 +125,7 @@ def test_load_fills_loaded_model(tiny_checkpoint):
     assert model.hf_config.model_type == "llama"
     assert jax.tree.structure(model.params) == jax.tree.structure(
         model.param_shardings, is_leaf=lambda x: isinstance(x, P))
-    assert model.params["layers"][0]["q"].shape == (64, 4, 16)  # [hidden, heads, head_dim]
+    assert model.params["layers"]["q"].shape == (2, 64, 4, 16)  # [layers, hidden, heads, head_dim]
 
 
 def prefill_last_logits(model, ids: np.ndarray) -> np.ndarray:  # [V], one sequence in one step
@@ -174,9 +174,9 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     ref = run(registry.load("servax-tiny/mistral", mesh=mesh(1)), mesh(1))
     for n in (2, 4):
         model = registry.load("servax-tiny/mistral", mesh=mesh(n))
-        q = model.params["layers"][0]["q"]
-        assert q.sharding.spec == P(None, "model", None), q.sharding
-        assert q.addressable_shards[0].data.shape == (64, 4 // n, 16)
+        q = model.params["layers"]["q"]
+        assert q.sharding.spec == P(None, None, "model", None), q.sharding
+        assert q.addressable_shards[0].data.shape == (2, 64, 4 // n, 16)
         print(n, "kv_spec", model.kv_partition_spec, "max diff", np.abs(run(model, mesh(n)) - ref).max())
         assert np.abs(run(model, mesh(n)) - ref).max() < 1e-4
         # random params from the same table land with the loaded params' shardings
@@ -184,7 +184,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
         params, specs = init_params(ENTRY.weight_table(args), mesh(n), np.float32, jax.random.key(0))
         assert specs == model.param_shardings
         assert jax.tree.map(lambda a: a.sharding, params) == jax.tree.map(lambda a: a.sharding, model.params)
-        assert params["layers"][0]["q"].addressable_shards[0].data.shape == (64, 4 // n, 16)
+        assert params["layers"]["q"].addressable_shards[0].data.shape == (2, 64, 4 // n, 16)
         assert np.isfinite(run(dataclasses.replace(model, params=params), mesh(n))).all()
     try:
         registry.load("servax-tiny/mistral", mesh=mesh(8))
@@ -201,9 +201,9 @@ def test_load_shards_params_over_a_model_axis(servax_cache):
     out = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, capture_output=True, text=True,
                          cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "2 kv_spec P(None, None, 'model', None)" in out.stdout
+    assert "2 kv_spec P(None, None, None, 'model', None)" in out.stdout
     # 2 kv heads on 4 devices: each stored twice (registry.native.kv_repeat), so the cache still splits
-    assert "4 kv_spec P(None, None, 'model', None)" in out.stdout
+    assert "4 kv_spec P(None, None, None, 'model', None)" in out.stdout
     assert "num_attention_heads=4 is not divisible by the model axis size 8" in out.stdout
 
 

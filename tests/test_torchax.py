@@ -183,7 +183,7 @@ def test_repeated_kv_heads_attend_like_grouped_query_attention(kv_repeat):
         ctx = StepContext(batch, allocate_kv_cache(spec, 4, 4), kv_repeat=repeat)
         with step_context(ctx):
             out, _ = paged_attention_interface(layer, *(torch_view(x) for x in (q, k, v)), None)
-        return np.asarray(jax_view(out)), np.asarray(ctx.updated[0][0])
+        return np.asarray(jax_view(out)), np.asarray(ctx.collect().k[0])  # layer 0's K [blocks, bs, kv, D]
 
     out, _ = attend(1)
     out_repeated, k_cache = attend(kv_repeat)
@@ -245,7 +245,7 @@ def test_bfloat16_weights_and_cache(checkpoints):
     runner = PagedRunner(loaded, jax.jit(loaded.step_fn, donate_argnums=1))
     prompt = make_prompt(7)
     ours = runner.run([(0, 0, prompt)])[0]
-    assert runner.cache[0][0].dtype == jnp.bfloat16
+    assert runner.cache.k.dtype == runner.cache.v.dtype == jnp.bfloat16
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ref = hf_logits(hf, prompt)[-1]
     # bfloat16 keeps ~3 significant digits; compare against the float32 model.
@@ -346,5 +346,5 @@ def test_tensor_parallel_rules_shard_weights_and_keep_logits(checkpoints, tmp_pa
     assert not {"transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias"} & set(gpt2["split"])
     assert {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
             "model.layers.0.self_attn.o_proj.weight", "lm_head.weight"} <= set(mixtral["split"])
-    assert mixtral["kv"] == str(jax.sharding.PartitionSpec(None, None, "model", None))
+    assert mixtral["kv"] == str(jax.sharding.PartitionSpec(None, None, None, "model", None))
     assert gpt2["diff"] < 1e-4 and mixtral["diff"] < 1e-4
