@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from app.tool_parsers import named_tool_call_schema, required_tool_calls_schema
 from runtime.errors import InvalidRequestError
 
 
@@ -334,8 +335,6 @@ class ChatCompletionRequest(_Request):
 
     def forced_tool_call_schema(self) -> dict[str, Any] | None:
         """The JSON schema that tool_choice "required" or a named function forces, else None."""
-        from app.tool_parsers import named_tool_call_schema, required_tool_calls_schema
-
         choice = self.effective_tool_choice
         functions = [t.function.model_dump(exclude_none=True) for t in self.tools or []]
         if choice == "required":

@@ -116,7 +116,9 @@ class LLMServer:
                 {"prompt_token_ids": [...]}), or chat messages ([{"role": ..., "content": ...}],
                 rendered with the model's chat template).
             sampling: a runtime.SamplingParams, or a dict of its fields (vLLM's names:
-                max_tokens, temperature, top_p, n, seed, stop, logprobs, ...).
+                max_tokens, temperature, top_p, n, seed, stop, logprobs, ...; and
+                structured_outputs={"json": schema} / {"regex": ...} / {"choice": [...]} /
+                {"grammar": ...}, allowed_token_ids, bad_words).
 
         Returns:
             GenerateResult with `.text` (first generation) and `.outputs` (all n).

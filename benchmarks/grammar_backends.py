@@ -7,6 +7,7 @@ Each row of the batch runs its own matcher of the same schema, advanced by rando
 tokens (so the rows sit at different places in the JSON); per step the whole [32, V/32]
 mask is filled with the library's batch call (its thread pool), then every matcher
 accepts one token. Prints a table; the choice and its reasons are in README.md.
+xgrammar is not a servax dependency: `pip install xgrammar` to run this.
 """
 
 from __future__ import annotations

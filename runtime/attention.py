@@ -5,9 +5,9 @@ mid-sequence, and single-token decodes. Keys and values live in a paged cache, s
 over layers ([num_layers, num_blocks, block_size, kv_heads, head_dim], runtime.step.KVCache);
 a call writes and reads the layer `layer` (a traced index under the models' scan over
 layers, a static one on the torchax path), and each sequence reaches its blocks through
-its row of `block_tables`. Blocks are addressed as rows of the flattened
-[num_layers * num_blocks, ...] cache, so a read gathers just the blocks it needs and a
-write scatters just the new slots, whatever the layer: the cache is never sliced per layer.
+its row of `block_tables`. A read gathers just the blocks it needs and a write scatters
+just the new slots, indexing (layer, block, offset) at once: the cache is never sliced
+per layer, and never reshaped (a reshaped view of the scan's carry makes XLA copy it).
 
 `paged_attention` (what the models call) splits each token's context in two and merges
 the halves with an online softmax (flash-attention style):
@@ -59,8 +59,7 @@ def _read_blocks(
     blocks: jax.Array,  # [...] int32, block ids of `layer`
 ) -> jax.Array:  # [..., block_size, kv_heads, head_dim], float32
     """One gather of the given blocks of one layer (no copy of the layer's whole cache)."""
-    flat = cache.reshape(-1, *cache.shape[2:])  # [num_layers * num_blocks, block_size, kv_heads, head_dim]
-    return flat[layer * cache.shape[1] + blocks].astype(jnp.float32)
+    return cache[layer, blocks].astype(jnp.float32)
 
 
 def write_kv(
@@ -79,15 +78,13 @@ def write_kv(
     if layer is None:
         k_cache, v_cache = write_kv(k_cache[None], v_cache[None], k, v, slot_mapping, 0)
         return k_cache[0], v_cache[0]
-    num_layers, num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-    layer_slots = num_blocks * block_size
+    num_blocks, block_size = k_cache.shape[1:3]
     # Out-of-range indices are dropped by the scatter; negative ones would wrap around.
-    slots = jnp.where(slot_mapping < 0, num_layers * layer_slots, layer * layer_slots + slot_mapping)
+    blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)  # [T]
+    offsets = slot_mapping % block_size  # [T]
 
     def scatter(cache: jax.Array, new: jax.Array) -> jax.Array:
-        flat = cache.reshape(num_layers * layer_slots, kv_heads, head_dim)
-        flat = flat.at[slots].set(new.astype(cache.dtype), mode="drop")
-        return flat.reshape(cache.shape)
+        return cache.at[layer, blocks, offsets].set(new.astype(cache.dtype), mode="drop")
 
     return scatter(k_cache, k), scatter(v_cache, v)
 

@@ -123,7 +123,7 @@ class CompiledConstraints:
     num_words: int
     grammar_words: int  # words of the grammar's own masks (its tokenizer may be wider)
 
-    def start(self) -> "TokenConstraints":
+    def start(self) -> TokenConstraints:
         """The constraints of one new sequence (its own grammar state)."""
         matcher = self.grammar.deep_copy() if self.grammar is not None else None
         return TokenConstraints(self, matcher)

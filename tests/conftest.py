@@ -130,6 +130,32 @@ def shutdown_local_engines(model_ids: set[str]) -> None:
             obj.engine.shutdown()
 
 
+@contextlib.contextmanager
+def openai_api_server(handles: dict, api_key: str | None = None) -> Iterator[str]:
+    """The OpenAI ingress over `handles` ({model_id: handle}) served by uvicorn on a free
+    local port, in a thread; yields its base URL."""
+    import threading
+
+    import uvicorn
+
+    from app.ingress import OpenAIRouter, build_openai_api
+
+    api = build_openai_api(OpenAIRouter(handles, api_key=api_key))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
 @dataclasses.dataclass
 class ServeRun:
     """A `serve run` of a config on its own local Ray cluster (see `serve_run`)."""

@@ -7,7 +7,7 @@ XLA_FLAGS must be set before jax is imported, which is why this runs in its own 
 
     {"model_impl": "jax", "prompts": [[ids...], ...], "max_tokens": 24,
      "engine": {EngineConfig fields},
-     "runs": [{"model": "servax-tiny/llama", "tp": [1, 2, 4], "params": {"q": "layers.0.q", ...}},
+     "runs": [{"model": "servax-tiny/llama", "tp": [1, 2, 4], "params": {"q": "layers.q", ...}},
               {"model": "servax-tiny/llama", "tp": [8], "expect_error": true}]}
 
 For every (model, tp) the output holds the greedy tokens of all prompts batched, of each
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _find(params, path: str):
-    """A leaf of a params tree by dotted path ("layers.0.q"), or by its full key (torchax dicts)."""
+    """A leaf of a params tree by dotted path ("layers.q"), or by its full key (torchax dicts)."""
     if isinstance(params, dict) and path in params:
         return params[path]
     node = params
@@ -78,7 +78,7 @@ def run_one(spec: dict, run: dict, tp: int) -> dict:
     short = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"] // 2, ignore_eos=True)
     pair = tokens(llm.generate(prompts[-2:], [greedy, short]))
     engine = llm.engine
-    k_cache = engine.runner.kv_cache[0][0]
+    k_cache = engine.runner.kv_cache.k  # stacked over layers
     return dict(
         batched=batched, alone=alone, pair=pair,
         compilations_since_warmup=engine.stats().compilations_since_warmup,

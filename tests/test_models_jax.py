@@ -10,11 +10,15 @@ Spec (float32 unless stated):
 Mistral's sliding window (24 in the tiny config) is crossed: prompts + 40 tokens > 24.
 The weight table alone (no checkpoint) makes random params that load back unchanged from
 a safetensors folder and match transformers on those weights.
+The layers run as one loop (jax.lax.scan): the step program does not grow with depth, and
+layers with different sliding windows (Qwen2's `max_window_layers`) share that loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 import types
 
 import jax
@@ -254,3 +258,69 @@ def test_random_params_from_the_weight_table_load_back_and_match_transformers(tm
                                         step_input([(prompt, 0)]))
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     assert np.abs(np.asarray(logits[0]) - hf_last_logits(hf, prompt)).max() < TOL
+
+
+def _lowered_llama_step(num_layers: int) -> jax.stages.Lowered:
+    """The native step of a random Llama of `num_layers` layers, lowered for one prefill bucket."""
+    import transformers
+
+    from models_jax.llama import ENTRY
+    from models_jax.weights import init_params
+    from runtime.mesh import make_mesh
+    from runtime.step import KVCacheSpec
+
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, architectures=["LlamaForCausalLM"],
+    )
+    args = ENTRY.config_from_hf(config)
+    params, _ = init_params(ENTRY.weight_table(args), make_mesh(), np.float32, jax.random.key(0))
+    cache = allocate_kv_cache(KVCacheSpec(num_layers, 2, 16, np.float32), NUM_BLOCKS, BLOCK_SIZE)
+    step = jax.jit(functools.partial(ENTRY.forward, args=args), donate_argnums=1)
+    return step.lower(params, cache, step_input([(PROMPTS[0], 0)]))
+
+
+def test_layers_run_as_one_loop_whatever_the_depth():
+    """2 and 8 layers lower to the same program (up to the sizes in its shapes); compiled, the
+    8-layer step has one while loop over the layers, run 8 times."""
+    shallow, deep = _lowered_llama_step(2), _lowered_llama_step(8)
+    assert abs(len(deep.as_text()) - len(shallow.as_text())) < 0.01 * len(shallow.as_text())
+    compiled = deep.compile().as_text()
+    loops = [line for line in compiled.splitlines()
+             if re.search(r"= .*\swhile\(", line) and 'op_name="jit(forward)/layers/while"' in line]
+    assert len(loops) == 1 and '"known_trip_count":{"n":"8"}' in loops[0], loops
+
+
+@pytest.mark.slow
+def test_layers_with_different_sliding_windows_match_transformers(tmp_path):
+    """Qwen2 with max_window_layers=1: layer 0 attends to everything, layer 1 through a window of 8.
+    Both run in one scan (the window is a per-layer array); greedy decode crosses the window."""
+    from registry.tiny import make_tiny_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from models_jax.llama import layer_windows
+
+    path = make_tiny_checkpoint("qwen2", tmp_path / "ckpt", use_sliding_window=True, sliding_window=8,
+                                max_window_layers=1)
+    model = registry.load(str(path), model_impl="jax")
+    args = model.step_fn.keywords["args"]
+    assert args.sliding_windows == (None, 8)
+    static, per_layer = layer_windows(args)
+    assert static is None and per_layer.tolist()[1] == 8 and per_layer.tolist()[0] > 10_000
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    hf.generation_config.eos_token_id = None
+    tokens, _ = greedy(model, jax.jit(model.step_fn, donate_argnames="kv_cache"), PROMPTS, 16)
+    for i, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16,
+                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):]
+        np.testing.assert_array_equal(tokens[i], want.numpy(), err_msg=f"prompt {i}")
+    # and the window matters: with it ignored, the last layer's logits change
+    unwindowed = dataclasses.replace(model, step_fn=functools.partial(
+        model.step_fn.func, args=dataclasses.replace(args, sliding_windows=(None, None))))
+    cache = lambda: allocate_kv_cache(model.kv_spec, NUM_BLOCKS, BLOCK_SIZE)  # noqa: E731
+    batch = step_input([(PROMPTS[0], 0)])
+    windowed = np.asarray(jax.jit(model.step_fn)(model.params, cache(), batch)[0][0])
+    full = np.asarray(jax.jit(unwindowed.step_fn)(model.params, cache(), batch)[0][0])
+    assert np.abs(windowed - full).max() > 1e-3
+    assert np.abs(windowed - hf_last_logits(hf, PROMPTS[0])).max() < TOL

@@ -34,9 +34,9 @@ GPT2 = "servax-tiny/gpt2"  # fused block-major q|k|v (c_attn, Conv1D [in, 3 * hi
 MHA8 = "llama-8-heads"  # 8 query and 8 KV heads: the one model here that splits 8 ways
 GQA3 = "llama-12-heads-3-kv"  # 3 KV heads on 4 devices: stored 4 times each, 3 per device
 
-NATIVE_PARAMS = {
-    "q": "layers.0.q", "k": "layers.0.k", "v": "layers.0.v", "o": "layers.0.o",
-    "gate": "layers.0.mlp.gate", "up": "layers.0.mlp.up", "down": "layers.0.mlp.down",
+NATIVE_PARAMS = {  # layer weights are stacked: [layers, ...]
+    "q": "layers.q", "k": "layers.k", "v": "layers.v", "o": "layers.o",
+    "gate": "layers.mlp.gate", "up": "layers.mlp.up", "down": "layers.mlp.down",
     "embed": "embed", "lm_head": "lm_head",
 }
 _HF_LLAMA = "model.layers.0."
@@ -153,22 +153,23 @@ def check_params(params: dict, expected: dict, tp: int) -> None:
 
 @pytest.mark.slow
 def test_native_params_are_sharded_at_tp4(native):
-    # tiny llama: hidden 64, 4 heads x 16, 2 KV heads, intermediate 128, vocab 512.
+    # tiny llama: 2 layers, hidden 64, 4 heads x 16, 2 KV heads, intermediate 128, vocab 512.
+    # Layer weights are stacked on a leading layers axis, never split.
     check_params(native[("servax-tiny/llama", 4)]["params"], {
-        "q": ("P(None, 'model', None)", (64, 1, 16)),  # [in, heads, head_dim], one head per device
-        # 2 KV heads stored twice each ([64, 4, 16]): each device holds the KV head its query head reads
-        "k": ("P(None, 'model', None)", (64, 1, 16)),
-        "v": ("P(None, 'model', None)", (64, 1, 16)),
-        "o": ("P('model', None, None)", (1, 16, 64)),  # [heads, head_dim, out]
-        "gate": ("P(None, 'model')", (64, 32)),
-        "up": ("P(None, 'model')", (64, 32)),
-        "down": ("P('model', None)", (32, 64)),
+        "q": ("P(None, None, 'model', None)", (2, 64, 1, 16)),  # [layers, in, heads, head_dim], one head per device
+        # 2 KV heads stored twice each ([2, 64, 4, 16]): each device holds the KV head its query head reads
+        "k": ("P(None, None, 'model', None)", (2, 64, 1, 16)),
+        "v": ("P(None, None, 'model', None)", (2, 64, 1, 16)),
+        "o": ("P(None, 'model', None, None)", (2, 1, 16, 64)),  # [layers, heads, head_dim, out]
+        "gate": ("P(None, None, 'model')", (2, 64, 32)),
+        "up": ("P(None, None, 'model')", (2, 64, 32)),
+        "down": ("P(None, 'model', None)", (2, 32, 64)),
         "embed": ("P('model', None)", (128, 64)),  # vocab split
         "lm_head": ("P(None, 'model')", (64, 128)),
     }, 4)
     # where KV heads do divide the axis, k and v are split by head too
     check_params(native[("servax-tiny/llama", 2)]["params"], {
-        "k": ("P(None, 'model', None)", (64, 1, 16)), "v": ("P(None, 'model', None)", (64, 1, 16)),
+        "k": ("P(None, None, 'model', None)", (2, 64, 1, 16)), "v": ("P(None, None, 'model', None)", (2, 64, 1, 16)),
     }, 2)
 
 
@@ -221,11 +222,11 @@ def test_fallback_params_are_sharded_at_tp4(fallback):
 def test_kv_cache_is_sharded_on_kv_heads(request, path, name, tp, kv_heads_per_device):
     """Both paths always split the cache (repeating KV heads where tp does not divide them)."""
     run = request.getfixturevalue(path)[(name, tp)]
-    kv = run["kv"]
+    kv = run["kv"]  # the stacked K cache, [layers, blocks, block_size, kv_heads, head_dim]
     assert run["kv_heads"] == kv_heads_per_device * tp
-    assert kv["partition_spec"] == "P(None, None, 'model', None)"
-    num_blocks, block_size, _, head_dim = kv["shape"]
-    assert kv["shard_shape"] == [num_blocks, block_size, kv_heads_per_device, head_dim]
+    assert kv["partition_spec"] == "P(None, None, None, 'model', None)"
+    num_layers, num_blocks, block_size, _, head_dim = kv["shape"]
+    assert kv["shard_shape"] == [num_layers, num_blocks, block_size, kv_heads_per_device, head_dim]
     assert kv["num_devices"] == tp
 
 
@@ -234,7 +235,7 @@ def test_native_kv_heads_are_repeated_when_fewer_than_devices(native):
     """2 KV heads on 4 devices: stored 4 times in all, one per device, tokens unchanged."""
     assert native[("servax-tiny/llama", 1)]["kv_heads"] == 2
     run = native[("servax-tiny/llama", 4)]
-    assert run["kv_heads"] == 4 and run["kv"]["shape"][2] == 4 and run["kv"]["shard_shape"][2] == 1
+    assert run["kv_heads"] == 4 and run["kv"]["shape"][3] == 4 and run["kv"]["shard_shape"][3] == 1
     assert native[(GQA3, 1)]["kv_heads"] == 3 and native[(GQA3, 4)]["kv_heads"] == 12
 
 
@@ -243,15 +244,16 @@ def test_fallback_kv_heads_are_repeated_when_fewer_than_devices(fallback):
     """As on the native path: 2 KV heads on 4 devices are stored 4 times in all, one per device."""
     assert fallback[("llama-torchax", 1)]["kv_heads"] == 2
     run = fallback[("llama-torchax", 4)]
-    assert run["kv_heads"] == 4 and run["kv"]["shape"][2] == 4 and run["kv"]["shard_shape"][2] == 1
+    assert run["kv_heads"] == 4 and run["kv"]["shape"][3] == 4 and run["kv"]["shard_shape"][3] == 1
     assert run["batched"] == fallback[("llama-torchax", 1)]["batched"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path,name,tp,all_reduces", [
-    ("native", "servax-tiny/llama", 2, 5),  # embedding + (attention out, MLP down) x 2 layers
-    ("native", "servax-tiny/llama", 4, 5),
-    ("native", GQA3, 4, 5),
+    # embedding + (attention out, MLP down) once, in the body of the scan over layers
+    ("native", "servax-tiny/llama", 2, 3),
+    ("native", "servax-tiny/llama", 4, 3),
+    ("native", GQA3, 4, 3),
     ("fallback", "servax-tiny/gpt_neox", 4, 3),  # parallel residual: one per layer, + embedding
     # before KV heads were repeated: + 20 all-gathers (each layer's K/V cache), 10 all-to-alls
     # and 4 collective-permutes (k/v split mid-head)
@@ -333,9 +335,10 @@ def test_sharding_rules_map_logical_axes_to_the_model_axis():
     with pytest.raises(KeyError, match="unknown logical axis 'heads'"):
         logical_to_spec(("heads",), (8,), mesh)
     # the KV cache: kv heads on the model axis, split only where they divide it
-    assert KV_CACHE_AXES[2] == "kv_heads" and SHARDING_RULES["kv_heads"] == "model"
+    assert KV_CACHE_AXES[3] == "kv_heads" and SHARDING_RULES["kv_heads"] == "model"
+    assert KV_CACHE_AXES[0] == "layers" and SHARDING_RULES["layers"] is None  # scanned, never split
     spec = KVCacheSpec(num_layers=2, num_kv_heads=8, head_dim=16, dtype=np.float32).partition_spec(mesh)
-    assert spec == P(None, None, "model", None) and num_shards(spec, mesh) == 4
+    assert spec == P(None, None, None, "model", None) and num_shards(spec, mesh) == 4
     assert KVCacheSpec(2, 2, 16, np.float32).partition_spec(mesh) == P()
     with pytest.raises(ValueError, match=r"must have the axes \['model'\]"):
         check_mesh(AbstractMesh((4,), ("tp",)))
