@@ -23,6 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import record, table  # noqa: E402
+
 SCHEMA_20 = {
     "type": "object",
     "properties": {
@@ -148,13 +150,11 @@ def main() -> None:
         for lib, fn in (("llguidance", run_llguidance), ("xgrammar", run_xgrammar)):
             r = fn(tok, args.batch, args.steps, np.random.default_rng(0))
             rows.append((lib, f"{name} (V={len(tok)})", r))
-    header = ("library", "tokenizer", "tokenizer s", "compile s (20-prop schema)",
-              f"mask ms (batch {args.batch}, median)", "mask ms p90", "accept us/token")
-    print("| " + " | ".join(header) + " |")
-    print("|" + "|".join("---" for _ in header) + "|")
-    for lib, name, r in rows:
-        print(f"| {lib} | {name} | {r['tokenizer_s']:.3f} | {r['compile_s']:.4f} | {r['mask_ms']:.3f} | "
-              f"{r['mask_p90_ms']:.3f} | {r['accept_us']:.1f} |")
+    header = ["library", "tokenizer", "tokenizer view s", "compile ms (20-property schema)",
+              f"mask ms (batch {args.batch}, median)", "mask ms p90", "accept us/token"]
+    body = table(header, [[lib, name, f"{r['tokenizer_s']:.3f}", f"{1e3 * r['compile_s']:.1f}", f"{r['mask_ms']:.3f}",
+                           f"{r['mask_p90_ms']:.3f}", f"{r['accept_us']:.1f}"] for lib, name, r in rows])
+    record(f"Grammar libraries: llguidance vs xgrammar (batch {args.batch}, {args.steps} steps)", body)
 
 
 if __name__ == "__main__":
