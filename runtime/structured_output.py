@@ -156,7 +156,7 @@ class TokenConstraints:
             self.failed = True
             logger.warning("grammar refused token %d: %s", token_id, self.matcher.get_error())
 
-    def apply_static(self, row: np.ndarray, output_token_ids: Sequence[int]) -> None:
+    def apply_token_lists(self, row: np.ndarray, output_token_ids: Sequence[int]) -> None:
         """AND `row` with allowed_token_ids and clear tokens that would complete a bad word."""
         if self.compiled.allowed is not None:
             row &= self.compiled.allowed
@@ -202,7 +202,7 @@ def fill_token_masks(mask: np.ndarray, rows: Sequence[tuple[int, TokenConstraint
             for _, r in grammar_rows:
                 mask[r] = target[r, :mask.shape[1]]
     for r, c, output_ids in rows:
-        c.apply_static(mask[r], output_ids)
+        c.apply_token_lists(mask[r], output_ids)
 
 
 class TokenMaskCompiler:

@@ -266,6 +266,20 @@ def test_a_refused_request_leaves_the_batch_alone(llm):
     assert llm.generate([PROMPT], good, use_tqdm=False)[0].outputs[0].text in ("x", "y")
 
 
+@pytest.mark.slow
+def test_torchax_path_follows_the_grammar(servax_cache):
+    """The mask lives in the sampler, after either path's step function."""
+    fallback = LLM(MODEL, model_impl="torchax", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                   num_kv_blocks=128, show_progress=False)
+    assert fallback.engine.model.impl == "torchax"
+    params = [constrained("json", schema, seed=i, disable_additional_properties=True)
+              for i, schema in enumerate(SCHEMAS[:4])]
+    for schema, out in zip(SCHEMAS, fallback.generate([PROMPT] * 4, params, use_tqdm=False)):
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    assert fallback.engine.stats().compilations_since_warmup == 0
+
+
 # ---- a real model ----------------------------------------------------------------------------
 
 @pytest.mark.slow
