@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 
 import httpx
 import pytest
 from conftest import (
-    assert_openai_error, free_port, local_llm_server, local_llm_servers, openai_client, sse_events,
+    assert_openai_error, local_llm_server, local_llm_servers, openai_api_server, openai_client, sse_events,
 )
 
 pytestmark = pytest.mark.slow
@@ -52,22 +51,8 @@ def handles(servax_cache):
 
 @pytest.fixture(scope="module")
 def base_url(handles):
-    import uvicorn
-
-    from app.ingress import OpenAIRouter, build_openai_api
-
-    api = build_openai_api(OpenAIRouter(handles, api_key=API_KEY))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with openai_api_server(handles, api_key=API_KEY) as url:
+        yield url
 
 
 @pytest.fixture
