@@ -91,6 +91,16 @@ def assert_openai_error(response, status: int, param: str | None = None, code: s
     return error
 
 
+_LOCAL_SERVERS: dict[str, object] = {}  # model_id -> the live in-process LLMServer of local_llm_servers
+
+
+def _llm_server_objects() -> list:
+    from app.server import LLMServer
+
+    cls = getattr(LLMServer, "func_or_class", LLMServer)
+    return [o for o in gc.get_objects() if isinstance(o, cls)]
+
+
 @contextlib.contextmanager
 def local_llm_servers(llm_configs: list[dict]) -> Iterator[dict]:
     """LLMServer deployments in this process (Serve's local testing mode): {model_id: handle}.
@@ -103,31 +113,25 @@ def local_llm_servers(llm_configs: list[dict]) -> Iterator[dict]:
     from app.config import load_app_config
 
     config = load_app_config({"llm_configs": llm_configs})
+    before = {id(o) for o in _llm_server_objects()}
     handles = {b.model_id: serve.run(build_llm_deployment(b), name=b.deployment_name(), route_prefix=None,
                                      _local_testing_mode=True) for b in config.llm_configs}
+    # Earlier tests' replicas of the same model may still be alive in this process: remember
+    # the ones this block created.
+    created = [o for o in _llm_server_objects() if id(o) not in before and o.model_id in handles]
+    _LOCAL_SERVERS.update({o.model_id: o for o in created})
     try:
         yield handles
     finally:
-        shutdown_local_engines(set(handles))
+        for obj in created:
+            obj.engine.shutdown()
+            _LOCAL_SERVERS.pop(obj.model_id, None)
 
 
 def local_llm_server(model_id: str):
-    """The in-process LLMServer object of `model_id` (local testing mode), to reach its engine."""
-    from app.server import LLMServer
-
-    cls = getattr(LLMServer, "func_or_class", LLMServer)
-    (server,) = [o for o in gc.get_objects() if isinstance(o, cls) and o.model_id == model_id]
-    return server
-
-
-def shutdown_local_engines(model_ids: set[str]) -> None:
-    """Stop the engine threads of in-process (local testing mode) replicas."""
-    from app.server import LLMServer
-
-    cls = getattr(LLMServer, "func_or_class", LLMServer)
-    for obj in gc.get_objects():
-        if isinstance(obj, cls) and obj.model_id in model_ids:
-            obj.engine.shutdown()
+    """The in-process LLMServer object of `model_id` from the enclosing `local_llm_servers`
+    block (local testing mode), to reach its engine."""
+    return _LOCAL_SERVERS[model_id]
 
 
 @contextlib.contextmanager
