@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from runtime.errors import InvalidRequestError
-from runtime.sampler import BIAS_WIDTH, SamplingBatch, empty_sampling_batch, sample
+from runtime.sampler import BIAS_WIDTH, SamplingBatch, _truncate, empty_sampling_batch, sample
 from runtime.sampling_params import SamplingParams
 
 ROWS = 2048
@@ -60,6 +60,48 @@ def test_top_k_never_leaves_the_top_k():
     top3 = np.argsort(-logits, axis=-1)[:, :3]
     assert all(out[i] in top3[i] for i in range(ROWS))
     assert len({(i, out[i]) for i in range(ROWS)}) == ROWS and len(set((out == top3[:, 1]).tolist())) == 2
+
+
+def _truncate_by_sorting(logits, top_k, top_p, min_p):
+    """The textbook top-k -> top-p -> min-p filter (vLLM's order) in NumPy, with a full sort."""
+    out = logits.copy()
+    for r, row in enumerate(logits):
+        order = np.argsort(-row, kind="stable")
+        k = top_k[r] if top_k[r] > 0 else len(row)
+        keep = np.zeros(len(row), bool)
+        keep[order[:k]] = True
+        kept = np.where(keep, row, -np.inf)
+        probs = np.exp(kept - kept.max())
+        probs /= probs.sum()
+        mass_before = np.cumsum(probs[order]) - probs[order]
+        nucleus = order[mass_before < top_p[r]] if top_p[r] < 1 else order
+        keep &= np.isin(np.arange(len(row)), nucleus[: max(len(nucleus), 1)])
+        kept = np.where(keep, row, -np.inf)
+        probs = np.exp(kept - kept.max())
+        probs /= probs.sum()
+        keep &= probs >= min_p[r] * probs.max()
+        out[r] = np.where(keep, row, -np.inf)
+    return out
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 49152])
+def test_sort_free_truncation_equals_sorting(vocab):
+    """The bisection over bit patterns keeps exactly the tokens a full sort would keep."""
+    rng = np.random.default_rng(vocab)
+    rows = 12
+    logits = (rng.normal(size=(rows, vocab)) * rng.uniform(0.5, 8, size=(rows, 1))).astype(np.float32)
+    logits[0, : vocab // 2] = -np.inf  # a constrained row
+    top_k = rng.choice([0, 1, 5, 50, vocab], size=rows).astype(np.int32)
+    top_p = rng.choice([1.0, 0.9, 0.5, 0.05, 1e-6], size=rows).astype(np.float32)
+    min_p = rng.choice([0.0, 0.0, 0.1], size=rows).astype(np.float32)
+    b = empty_sampling_batch(rows, 1)
+    b.update(top_k=top_k, top_p=top_p, min_p=min_p)
+    got = np.asarray(jax.jit(_truncate)(logits, SamplingBatch(**b)))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(_truncate_by_sorting(logits, top_k, top_p, min_p)))
+    np.testing.assert_array_equal(got[np.isfinite(got)], logits[np.isfinite(got)])
+    # Each search runs only when some row asks for it: no top-k / top-p rows keep everything finite.
+    b.update(top_k=np.zeros(rows, np.int32), top_p=np.ones(rows, np.float32), min_p=np.zeros(rows, np.float32))
+    np.testing.assert_array_equal(np.asarray(jax.jit(_truncate)(logits, SamplingBatch(**b))), logits)
 
 
 def test_top_p_keeps_the_smallest_set_reaching_the_mass():

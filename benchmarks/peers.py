@@ -1,0 +1,402 @@
+"""servax against its peers on this machine, in one run: vLLM, `vllm serve`, Ray Serve LLM.
+
+Three measures, each printed as one table and appended to RESULTS.md:
+
+- **offline**: the realistic workload (48 requests, prompts of 16-200 tokens, outputs of
+  8-160, greedy, EOS ignored) through servax's `LLM.generate`, vLLM's `LLM.generate` and
+  transformers `generate()`, each in a fresh process, servax and vLLM alternating for
+  `--rounds` rounds; greedy tokens of the first request are compared.
+- **http**: one server at a time (`serve run` of servax's YAML, `vllm serve`, Ray Serve
+  LLM's `build_openai_app`), loaded by vLLM's own client, `vllm bench serve`, on its random
+  dataset (64 prompts, input 100±80, output 80±64 tokens, ignore_eos) at each
+  `--concurrency`; output tokens/s, median TPOT and TTFT from its result file.
+- **startup**: `LLM(...)` to ready in a fresh process, with an empty then a warm
+  compilation cache, for servax and vLLM.
+
+vLLM and Ray Serve LLM run from a separate virtual environment given by `--vllm-python`
+(`../shared/tools/vllm-reference` makes one and prints its python); without it the peers
+are skipped with a message, and `vllm bench serve` is needed for the HTTP part.
+
+    PY=$(../shared/tools/vllm-reference | tail -1)
+    python benchmarks/peers.py --vllm-python "$PY"                        # everything, demo model
+    python benchmarks/peers.py --vllm-python "$PY" --parts http --concurrency 32
+    python benchmarks/peers.py --model servax-tiny/llama --parts offline    # servax and HF only
+
+Run it with nothing else on the machine; compare only ratios from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import record, table  # noqa: E402
+
+DEMO = "servax-demo/smollm2-135m-instruct"
+SERVED = "bench"
+PORT = 8234
+MAX_MODEL_LEN = 1024
+# Same engine limits for every system: one batch of up to 32 sequences, 512 tokens per step.
+MAX_NUM_SEQS = 32
+MAX_NUM_BATCHED_TOKENS = 512
+VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def realistic_workload(vocab: int, num_requests: int = 48, seed: int = 0):
+    """Prompts of 16-200 token ids and 8-160 output tokens each (ids 100.. avoid special tokens)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(100, vocab, size=int(n)).tolist() for n in rng.integers(16, 201, num_requests)]
+    max_tokens = [int(m) for m in rng.integers(8, 161, num_requests)]
+    return prompts, max_tokens
+
+
+# ---- offline ---------------------------------------------------------------------------------
+
+_SERVAX_OFFLINE = """
+import json, sys, time
+spec = json.load(open(sys.argv[1]))
+t0 = time.perf_counter()
+from app import LLM, SamplingParams
+llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
+          max_num_batched_tokens=spec["max_num_batched_tokens"], show_progress=False,
+          **({"compilation_cache_dir": spec["cache_dir"]} if spec.get("cache_dir") else {}))
+ready = time.perf_counter() - t0
+out = {"ready_s": ready}
+if spec["prompts"]:
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in spec["max_tokens"]]
+    t0 = time.perf_counter()
+    outs = llm.generate(spec["prompts"], params, use_tqdm=False)
+    out["elapsed_s"] = time.perf_counter() - t0
+    out["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+    out["compiled_while_serving"] = llm.engine.stats().compilations_since_warmup
+print("RESULT " + json.dumps(out))
+"""
+
+_VLLM_OFFLINE = """
+import json, sys, time
+if __name__ == "__main__":
+    spec = json.load(open(sys.argv[1]))
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
+              max_num_batched_tokens=spec["max_num_batched_tokens"], seed=0)
+    ready = time.perf_counter() - t0
+    out = {"ready_s": ready}
+    if spec["prompts"]:
+        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in spec["max_tokens"]]
+        prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        out["elapsed_s"] = time.perf_counter() - t0
+        out["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+    print("RESULT " + json.dumps(out))
+"""
+
+_HF_OFFLINE = """
+import json, sys, time
+import torch
+from transformers import AutoModelForCausalLM
+spec = json.load(open(sys.argv[1]))
+model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
+prompts, max_tokens = spec["prompts"], spec["max_tokens"]
+order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), max_tokens[i]))
+tokens = {}
+t0 = time.perf_counter()
+for start in range(0, len(order), spec["batch_size"]):
+    idx = order[start:start + spec["batch_size"]]
+    width = max(len(prompts[i]) for i in idx)
+    ids = torch.zeros((len(idx), width), dtype=torch.long)
+    mask = torch.zeros((len(idx), width), dtype=torch.long)
+    for row, i in enumerate(idx):  # left padding
+        ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+        mask[row, width - len(prompts[i]):] = 1
+    new = max(max_tokens[i] for i in idx)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, pad_token_id=0)
+    for row, i in enumerate(idx):
+        tokens[i] = out[row, width:width + max_tokens[i]].tolist()
+elapsed = time.perf_counter() - t0
+print("RESULT " + json.dumps({"elapsed_s": elapsed, "tokens": [tokens[i] for i in range(len(prompts))]}))
+"""
+
+
+def run_child(python: str, script: str, spec: dict, env: dict | None = None, timeout: float = 1800) -> dict:
+    """Run `script` with `python` in a fresh process on `spec`; its RESULT line as a dict."""
+    with tempfile.TemporaryDirectory() as folder:
+        spec_path, script_path = Path(folder) / "spec.json", Path(folder) / "child.py"
+        spec_path.write_text(json.dumps(spec))
+        script_path.write_text(textwrap.dedent(script))
+        done = subprocess.run(
+            [python, str(script_path), str(spec_path)], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+            env={**os.environ, **(env or {})},
+        )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{python} {script.strip().splitlines()[0]}... failed:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def offline(args, folder: str, vocab: int) -> None:
+    prompts, max_tokens = realistic_workload(vocab)
+    total = sum(max_tokens)
+    spec = dict(model=folder, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+                max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, prompts=prompts, max_tokens=max_tokens)
+    runs: dict[str, list[dict]] = {"servax": [], "vLLM": []}
+    for r in range(args.rounds):
+        print(f"offline round {r + 1}/{args.rounds}: servax", flush=True)
+        runs["servax"].append(run_child(sys.executable, _SERVAX_OFFLINE, spec))
+        if args.vllm_python:
+            print(f"offline round {r + 1}/{args.rounds}: vLLM", flush=True)
+            runs["vLLM"].append(run_child(args.vllm_python, _VLLM_OFFLINE, spec, VLLM_ENV))
+    if not args.skip_hf:
+        print("offline: transformers generate()", flush=True)
+        runs["transformers generate()"] = [run_child(sys.executable, _HF_OFFLINE, dict(spec, batch_size=16))]
+
+    best = {name: max(total / r["elapsed_s"] for r in rs) for name, rs in runs.items() if rs}
+    rows = []
+    for name, rs in runs.items():
+        if not rs:
+            continue
+        rates = ", ".join(f"{total / r['elapsed_s']:.1f}" for r in rs)
+        same = "-" if name == "servax" else ("yes" if rs[0]["tokens"][0] == runs["servax"][0]["tokens"][0] else "NO")
+        rows.append([name, rates, f"{best[name]:.1f}", f"{best[name] / best['servax']:.2f}x", same])
+    if args.vllm_python:
+        pairs = [s["elapsed_s"] and v["elapsed_s"] / s["elapsed_s"] for s, v in zip(runs["servax"], runs["vLLM"])]
+        note = "servax/vLLM tokens/s per alternating pair: " + ", ".join(f"{p:.2f}" for p in pairs)
+    else:
+        note = "vLLM skipped: no --vllm-python (make one with ../shared/tools/vllm-reference)"
+    compiled = max(r.get("compiled_while_serving", 0) for r in runs["servax"])
+    body = (table(["system", "tokens/s per run", "best tokens/s", "vs servax", "greedy tokens of request 0 = servax's"],
+                  rows)
+            + f"\n\n- {len(prompts)} requests, {total} output tokens, prompts 16-200, outputs 8-160, greedy, "
+            f"ignore_eos; max_num_seqs {MAX_NUM_SEQS}, max_num_batched_tokens {MAX_NUM_BATCHED_TOKENS}, "
+            f"float32\n- {note}\n- servax programs compiled while serving: {compiled}")
+    record(f"Peers offline: realistic workload ({args.model})", body)
+
+
+# ---- HTTP ------------------------------------------------------------------------------------
+
+def wait_ready(base: str, proc: subprocess.Popen, timeout: float) -> float:
+    """Seconds until `base`/v1/models answers and a one-token completion succeeds."""
+    t0 = time.perf_counter()
+    body = json.dumps({"model": SERVED, "prompt": "Hello", "max_tokens": 1}).encode()
+    while time.perf_counter() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(base + "/v1/models", timeout=2).read()
+            request = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+            urllib.request.urlopen(request, timeout=60).read()
+            return time.perf_counter() - t0
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(f"{base} not ready after {timeout:.0f} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (a background shell's children ignore SIGINT)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@contextlib.contextmanager
+def server(name: str, args, folder: str, work: Path):
+    """Start one server on PORT; yields (base URL, seconds to ready)."""
+    venv_bin = Path(args.vllm_python).parent if args.vllm_python else None
+    env = dict(os.environ)
+    log = open(work / f"{name.replace(' ', '_')}.log", "w")
+    cleanup = []
+    if name == "servax":
+        config = {
+            "http_options": {"host": "127.0.0.1", "port": PORT},
+            "applications": [{"name": "bench", "route_prefix": "/", "import_path": "app.builder:build_app",
+                              "args": {"llm_configs": [{
+                                  "model_loading_config": {"model_id": SERVED, "model_source": folder},
+                                  "engine_kwargs": {"dtype": "float32", "max_model_len": MAX_MODEL_LEN,
+                                                    "max_num_seqs": MAX_NUM_SEQS,
+                                                    "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+                                                    "show_progress": False},
+                                  "deployment_config": {"max_ongoing_requests": 256},
+                              }]}}],
+        }
+        path = work / "servax.yaml"
+        path.write_text(yaml.safe_dump(config))
+        cmd = [str(Path(sys.executable).parent / "serve"), "run", str(path)]
+    elif name == "vllm serve":
+        cmd = [str(venv_bin / "vllm"), "serve", folder, "--served-model-name", SERVED, "--dtype", "float32",
+               "--host", "127.0.0.1", "--port", str(PORT), "--max-model-len", str(MAX_MODEL_LEN),
+               "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+               "--disable-log-requests"]
+        env.update(VLLM_ENV)
+    else:  # Ray Serve LLM, with the settings the reference venv's header gives for 2 cores
+        config = {
+            "http_options": {"host": "127.0.0.1", "port": PORT},
+            "applications": [{"name": "bench", "route_prefix": "/",
+                              "import_path": "ray.serve.llm:build_openai_app",
+                              "args": {"llm_configs": [{
+                                  "model_loading_config": {"model_id": SERVED, "model_source": folder},
+                                  "engine_kwargs": {"dtype": "float32", "max_model_len": MAX_MODEL_LEN,
+                                                    "max_num_seqs": MAX_NUM_SEQS,
+                                                    "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS},
+                                  "placement_group_config": {"bundles": [{"CPU": 1}]},
+                                  "runtime_env": {"env_vars": VLLM_ENV},
+                                  "deployment_config": {"max_ongoing_requests": 256},
+                                  "experimental_configs": {"num_ingress_replicas": 1},
+                              }]}}],
+        }
+        path = work / "ray_serve_llm.yaml"
+        path.write_text(yaml.safe_dump(config))
+        ray_env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}
+        subprocess.run([str(venv_bin / "ray"), "start", "--head", "--num-cpus", "8", "--disable-usage-stats"],
+                       check=True, capture_output=True, env=ray_env)
+        cleanup.append(lambda: subprocess.run([str(venv_bin / "ray"), "stop", "--force"], capture_output=True,
+                                              env=ray_env))
+        env.update(VLLM_ENV, RAY_ADDRESS="auto")
+        cmd = [str(venv_bin / "serve"), "run", str(path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{PORT}"
+        ready = wait_ready(base, proc, args.server_timeout)
+        yield base, ready
+    finally:
+        stop(proc)
+        for step in cleanup:
+            step()
+        log.close()
+
+
+def bench_serve(args, base: str, folder: str, concurrency: int, work: Path, tag: str) -> dict:
+    """vLLM's client on vLLM's random dataset; its saved result as a dict."""
+    bench = Path(args.vllm_python).parent / "vllm"
+    name = f"{tag}-c{concurrency}.json"
+    cmd = [str(bench), "bench", "serve", "--backend", "openai", "--base-url", base, "--model", SERVED,
+           "--tokenizer", folder, "--dataset-name", "random", "--num-prompts", str(args.num_prompts),
+           "--random-input-len", "100", "--random-output-len", "80", "--random-range-ratio", "0.8",
+           "--ignore-eos", "--max-concurrency", str(concurrency), "--seed", "0", "--disable-tqdm",
+           "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+           "--save-result", "--result-dir", str(work), "--result-filename", name]
+    done = subprocess.run(cmd, cwd=work, capture_output=True, text=True, env={**os.environ, **VLLM_ENV},
+                          timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    return json.loads((work / name).read_text())
+
+
+def http(args, folder: str) -> None:
+    if not args.vllm_python:
+        print("http: skipped, it needs vLLM's client `vllm bench serve` (--vllm-python)")
+        return
+    names = ["servax", "vllm serve", "Ray Serve LLM"]
+    rows, ready = [], {}
+    results: dict[tuple[str, int], dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for name in names:
+            print(f"http: {name}", flush=True)
+            try:
+                with server(name, args, folder, work) as (base, ready[name]):
+                    bench_serve(args, base, folder, 2, work, "warmup")  # first-request costs out of the way
+                    for c in args.concurrency:
+                        results[name, c] = bench_serve(args, base, folder, c, work, name.replace(" ", "_"))
+            except Exception as e:  # noqa: BLE001 - one peer failing must not lose the others' figures
+                print(f"http: {name} failed: {e}")
+                logs = sorted(work.glob("*.log"))
+                for log in logs:
+                    if log.stem == name.replace(" ", "_"):
+                        print(log.read_text()[-3000:])
+    for c in args.concurrency:
+        base_rate = results.get(("servax", c), {}).get("output_throughput")
+        for name in names:
+            r = results.get((name, c))
+            if r is None:
+                rows.append([c, name, "failed", "", "", "", "", ""])
+                continue
+            rate = r["output_throughput"]
+            rows.append([c, name, f"{rate:.1f}", f"{base_rate / rate:.2f}" if base_rate else "-",
+                         f"{r['median_tpot_ms']:.0f}", f"{r['median_ttft_ms']:.0f}", f"{r['p99_tpot_ms']:.0f}",
+                         f"{r['completed']}/{args.num_prompts}"])
+    body = (table(["concurrency", "server", "output tok/s", "servax / this", "median TPOT ms", "median TTFT ms",
+                   "p99 TPOT ms", "completed"], rows)
+            + f"\n\n- `vllm bench serve --backend openai --dataset-name random --num-prompts {args.num_prompts} "
+            "--random-input-len 100 --random-output-len 80 --random-range-ratio 0.8 --ignore-eos "
+            "--max-concurrency C` (vLLM's client) against each server in turn, after 2-concurrent warmup"
+            "\n- seconds from start to the first answered completion: "
+            + ", ".join(f"{n} {s:.0f}" for n, s in ready.items()))
+    record(f"Peers over HTTP: vllm bench serve ({args.model})", body)
+
+
+# ---- startup ---------------------------------------------------------------------------------
+
+def startup(args, folder: str) -> None:
+    spec = dict(model=folder, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+                max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, prompts=[], max_tokens=[])
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        for phase in ("cold", "warm"):
+            t0 = time.perf_counter()
+            r = run_child(sys.executable, _SERVAX_OFFLINE, dict(spec, cache_dir=cache))
+            rows.append(["servax", phase, f"{r['ready_s']:.1f}", f"{time.perf_counter() - t0:.1f}"])
+    if args.vllm_python:
+        with tempfile.TemporaryDirectory() as cache:
+            for phase in ("cold", "warm"):
+                t0 = time.perf_counter()
+                r = run_child(args.vllm_python, _VLLM_OFFLINE, spec, dict(VLLM_ENV, VLLM_CACHE_ROOT=cache))
+                rows.append(["vLLM", phase, f"{r['ready_s']:.1f}", f"{time.perf_counter() - t0:.1f}"])
+    body = table(["system", "compile cache", "LLM(...) to ready s", "process s"], rows)
+    if not args.vllm_python:
+        body += "\n\n- vLLM skipped: no --vllm-python"
+    record(f"Peers startup: LLM(...) cold and warm ({args.model})", body)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEMO, help="a servax model ID (converted to a folder every peer reads)")
+    parser.add_argument("--vllm-python", default=os.environ.get("SERVAX_VLLM_PYTHON"),
+                        help="python of the reference venv with vLLM and Ray Serve LLM (../shared/tools/vllm-reference)")
+    parser.add_argument("--parts", default="offline,http,startup")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating offline rounds")
+    parser.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[8, 32])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--server-timeout", type=float, default=900)
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    if args.vllm_python and not Path(args.vllm_python).exists():
+        parser.error(f"--vllm-python {args.vllm_python} does not exist")
+
+    from registry import resolve
+
+    folder = str(resolve(args.model).path)  # a float32 safetensors folder that every system reads
+    vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+    parts = args.parts.split(",")
+    if "offline" in parts:
+        offline(args, folder, vocab)
+    if "http" in parts:
+        http(args, folder)
+    if "startup" in parts:
+        startup(args, folder)
+
+
+if __name__ == "__main__":
+    main()
