@@ -6,6 +6,7 @@ took (host work included). Prints only; nothing is recorded.
 
     python benchmarks/engine_profile.py
     python benchmarks/engine_profile.py --impl torchax --max-num-seqs 16
+    python benchmarks/engine_profile.py --model servax-demo/smollm2-135m-instruct   # peers.py's workload
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from benchmarks.common import bench_checkpoint, table, workload  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--impl", default="jax")
+    parser.add_argument("--model", default=None, help="default: the ~100M benchmark Llama and workload 1; "
+                        "a model ID runs peers.py's realistic workload on it")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     args = parser.parse_args()
@@ -32,7 +35,8 @@ def main() -> None:
     from runtime.compilation import step_bucket
 
     llm = LLM(
-        model=str(bench_checkpoint()), model_impl=args.impl, dtype="float32", max_model_len=512,
+        model=args.model or str(bench_checkpoint()), model_impl=args.impl, dtype="float32",
+        max_model_len=1024 if args.model else 512,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         show_progress=False,
     )
@@ -46,7 +50,12 @@ def main() -> None:
         return dispatch(sched, block_ids)
 
     runner.dispatch = recording_dispatch
-    prompts, max_tokens = workload(64)
+    if args.model:
+        from benchmarks.peers import realistic_workload
+
+        prompts, max_tokens = realistic_workload(runner.model.vocab_size)
+    else:
+        prompts, max_tokens = workload(64)
     for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     times = []

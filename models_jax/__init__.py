@@ -10,6 +10,13 @@ module's three functions:
     weight_table(args) -> pytree of models_jax.weights.WeightSpec (same structure as params)
     forward(params, kv_cache, batch, *, args) -> (logits [S, vocab] float32, kv_cache)
 
+and, optionally, the same step in three stages (runtime.step.LayerStages), which the
+runtime calls one decoder layer at a time; `forward` should be their composition:
+
+    prologue(params, batch, *, args) -> carry                    # params without "layers"
+    layer(layer_params, carry, kv_cache, i, batch, *, args) -> (carry, kv_cache)
+    epilogue(params, carry, batch, *, args) -> logits
+
 `kv_repeat` (default 1) is set by registry.native from the mesh: with a model axis of
 size tp, each KV head is stored kv_repeat = tp // gcd(num_kv_heads, tp) times (in the k/v
 weights and so in the KV cache), so the cache always splits evenly on its head axis.
@@ -36,9 +43,12 @@ class ModelEntry:
         config_from_hf: HF config -> static args; raises ValueError on features it lacks.
         weight_table: args -> pytree of WeightSpec.
         forward: the step function, (params, kv_cache, batch, *, args) -> (logits, kv_cache).
+        stages: (prologue, layer, epilogue), the step split at its decoder layers, whose
+            stacked weights are params["layers"]; None if the model does not offer it.
     """
 
     architectures: tuple[str, ...]
     config_from_hf: Callable[[Any], Any]
     weight_table: Callable[[Any], Any]
     forward: Callable[..., Any]
+    stages: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None = None

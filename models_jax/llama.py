@@ -193,41 +193,63 @@ def layer(
 
 def layer_windows(a: LlamaArgs) -> tuple[int | None, jax.Array | None]:
     """The sliding window of the layers: (static window, None) when all layers share one
-    (None: no window), else (None, per-layer windows [num_layers] int32, scanned with the
-    weights; NO_SLIDING_WINDOW where a layer has none)."""
+    (None: no window), else (None, per-layer windows [num_layers] int32, indexed by the
+    layer; NO_SLIDING_WINDOW where a layer has none)."""
     if len(set(a.sliding_windows)) == 1:
         return a.sliding_windows[0], None
     return None, jnp.asarray([w or NO_SLIDING_WINDOW for w in a.sliding_windows], jnp.int32)
 
 
-def forward(params: dict, kv_cache: KVCache, batch: StepInput, *, args: LlamaArgs) -> tuple[jax.Array, KVCache]:
-    """One serving step. Returns (logits [S, vocab] float32, the updated kv_cache)."""
-    a = args
+# The step in three stages (runtime.step.LayerStages): what runs before the decoder layers,
+# one decoder layer (any of them: the layer index is an argument), and what runs after.
+# `forward` composes them under a scan; the runtime may instead call the layer stage once
+# per layer (see runtime.step.LayerStages for why).
+
+def prologue(params: dict, batch: StepInput, *, args: LlamaArgs) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Embeddings and rotary tables: the carry (x [T, D], cos [T, hd], sin [T, hd])."""
     with jax.named_scope("embed"):
         x = params["embed"][batch.input_ids]  # [T, D]
     with jax.named_scope("rope"):
         tok = jnp.arange(batch.input_ids.shape[0])
         seq = jnp.searchsorted(batch.query_start_loc[1:], tok, side="right")
         seq = jnp.minimum(seq, batch.seq_lens.shape[0] - 1)  # [T], padding tokens -> last slot
-        cos, sin = layers.rope_cos_sin(a.rope, batch.positions, batch.seq_lens[seq])  # [T, hd]
-    window, windows = layer_windows(a)
+        cos, sin = layers.rope_cos_sin(args.rope, batch.positions, batch.seq_lens[seq])  # [T, hd]
+    return x, cos, sin
 
-    def one_layer(carry, per_layer):
-        x, kv_cache = carry
-        p, i, layer_window = per_layer
-        x, kv_cache = layer(x, p, kv_cache, i, batch, cos, sin, a, window if windows is None else layer_window)
-        return (x, kv_cache), None
+
+def decoder_layer(
+    p: dict, carry: tuple, kv_cache: KVCache, i: jax.Array, batch: StepInput, *, args: LlamaArgs,
+) -> tuple[tuple, KVCache]:
+    """Decoder layer `i` (a traced int32) with its weights `p`: (carry, kv_cache) updated."""
+    x, cos, sin = carry
+    window, windows = layer_windows(args)
+    x, kv_cache = layer(x, p, kv_cache, i, batch, cos, sin, args, window if windows is None else windows[i])
+    return (x, cos, sin), kv_cache
+
+
+def epilogue(params: dict, carry: tuple, batch: StepInput, *, args: LlamaArgs) -> jax.Array:
+    """Final norm and LM head on the rows at `batch.logits_indices`: logits [S, vocab] float32."""
+    x = carry[0]
+    with jax.named_scope("lm_head"):
+        x = layers.rms_norm(x[batch.logits_indices], params["final_norm"], args.rms_norm_eps)  # [S, D]
+        if args.tie_word_embeddings:
+            return jnp.einsum("sd,vd->sv", x, params["embed"], preferred_element_type=jnp.float32)
+        return jnp.einsum("sd,dv->sv", x, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def forward(params: dict, kv_cache: KVCache, batch: StepInput, *, args: LlamaArgs) -> tuple[jax.Array, KVCache]:
+    """One serving step. Returns (logits [S, vocab] float32, the updated kv_cache)."""
+    carry = prologue(params, batch, args=args)
+
+    def one_layer(state, per_layer):
+        carry, kv_cache = state
+        p, i = per_layer
+        return decoder_layer(p, carry, kv_cache, i, batch, args=args), None
 
     with jax.named_scope("layers"):
-        per_layer = (params["layers"], jnp.arange(a.num_layers, dtype=jnp.int32), windows)
-        (x, kv_cache), _ = jax.lax.scan(one_layer, (x, kv_cache), per_layer)
-    with jax.named_scope("lm_head"):
-        x = layers.rms_norm(x[batch.logits_indices], params["final_norm"], a.rms_norm_eps)  # [S, D]
-        if a.tie_word_embeddings:
-            logits = jnp.einsum("sd,vd->sv", x, params["embed"], preferred_element_type=jnp.float32)
-        else:
-            logits = jnp.einsum("sd,dv->sv", x, params["lm_head"], preferred_element_type=jnp.float32)
-    return logits, kv_cache
+        per_layer = (params["layers"], jnp.arange(args.num_layers, dtype=jnp.int32))
+        (carry, kv_cache), _ = jax.lax.scan(one_layer, (carry, kv_cache), per_layer)
+    return epilogue(params, carry, batch, args=args), kv_cache
 
 
 # The Hugging Face architectures this module serves (registry.native builds its table from these).
@@ -236,4 +258,5 @@ ENTRY = ModelEntry(
     config_from_hf=LlamaArgs.from_hf,
     weight_table=weight_table,
     forward=forward,
+    stages=(prologue, decoder_layer, epilogue),
 )

@@ -22,7 +22,7 @@ from registry.errors import ModelLoadError
 from registry.model_info import ModelInfo
 from registry.weights import load_params
 from runtime.mesh import logical_axis_size
-from runtime.step import KVCacheSpec, LoadedModel
+from runtime.step import KVCacheSpec, LayerStages, LoadedModel
 
 if TYPE_CHECKING:
     from registry.resolve import ResolvedModel
@@ -65,8 +65,12 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: 
     args = dataclasses.replace(args, kv_repeat=kv_repeat(args.num_kv_heads, logical_axis_size("kv_heads", mesh)))
     params, shardings = load_params(resolved.path, entry.weight_table(args), mesh, dtype)
     kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads * args.kv_repeat, args.head_dim, dtype)
+    stages = None
+    if entry.stages is not None:
+        stages = LayerStages(*(functools.partial(fn, args=args) for fn in entry.stages), num_layers=args.num_layers)
     return LoadedModel(
         step_fn=functools.partial(entry.forward, args=args),
+        stages=stages,
         params=params,
         param_shardings=shardings,
         kv_spec=kv_spec,

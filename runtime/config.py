@@ -80,6 +80,11 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(
         False, description="Skip precompiling the buckets (debugging): programs compile on first use."
     )
+    layerwise: bool = Field(
+        True, description="Step native models one decoder layer per call (one compiled layer program, "
+                          "weights read in place; runtime/layered.py). False: one program per step with a "
+                          "scan over stacked layer weights (XLA:CPU then copies each layer's weights per step).",
+    )
     generation_config: str = Field(
         "auto", description="auto: the model's generation_config.json sets sampling defaults for fields a "
                             "request leaves unset (vLLM's default); vllm: no model defaults; or a folder "

@@ -125,6 +125,7 @@ class Engine:
             model, self.mesh, num_blocks=self.num_blocks, block_size=self.block_size,
             max_model_len=self.max_model_len, token_buckets=token_buckets(config.max_num_batched_tokens),
             seq_buckets=seq_buckets(config.max_num_seqs), max_logprobs=config.max_logprobs,
+            layerwise=config.layerwise,
         )
         self.compile_counter = CompileCounter()
         if config.enforce_eager:

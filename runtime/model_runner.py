@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from runtime.compilation import step_bucket, step_buckets
+from runtime.layered import LayeredStep
 from runtime.sampler import BIAS_WIDTH, SamplingBatch, empty_sampling_batch, sample
 from runtime.scheduler import SchedulerOutput
 from runtime.step import LoadedModel, allocate_kv_cache, make_step_input
@@ -71,11 +72,13 @@ class ModelRunner:
         num_blocks, block_size, max_model_len: the KV cache geometry.
         token_buckets, seq_buckets: padded sizes to compile.
         max_logprobs: K of the sampler's top-K logprobs.
+        layerwise: step a model that offers LayerStages one decoder layer per call
+            (runtime/layered.py; it takes over the model's params), else one program.
     """
 
     def __init__(
         self, model: LoadedModel, mesh: Mesh, *, num_blocks: int, block_size: int, max_model_len: int,
-        token_buckets: list[int], seq_buckets: list[int], max_logprobs: int,
+        token_buckets: list[int], seq_buckets: list[int], max_logprobs: int, layerwise: bool = True,
     ):
         self.model = model
         self.mesh = mesh
@@ -87,6 +90,7 @@ class ModelRunner:
         self.num_logprobs = max(1, min(max_logprobs, model.vocab_size))
         kv_sharding = NamedSharding(mesh, model.kv_partition_spec)
         self.kv_cache = allocate_kv_cache(model.kv_spec, num_blocks, block_size, kv_sharding)
+        self.layered = LayeredStep(model, mesh, kv_sharding) if layerwise and model.stages is not None else None
         self._step = jax.jit(model.step_fn, donate_argnums=(1,))
         self.mask_words = mask_words(model.vocab_size)  # packed token-mask row of the logits' vocabulary
         self._sample = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "all_greedy", "use_mask"))
@@ -116,9 +120,12 @@ class ModelRunner:
     def _warm_bucket(self, t: int, s: int, *, run: bool) -> None:
         batch = self._padding_step_input(t, s)
         if not run:
-            self._step.lower(self.model.params, self.kv_cache, batch).compile()
+            if self.layered is not None:
+                self.layered.compile(self.kv_cache, batch)
+            else:
+                self._step.lower(self.model.params, self.kv_cache, batch).compile()
             return
-        logits, self.kv_cache = self._step(self.model.params, self.kv_cache, batch)
+        logits = self._run_step(batch)
         for penalties in (False, True):
             for greedy in (False, True):
                 for masked in (False, True):
@@ -127,6 +134,14 @@ class ModelRunner:
                         use_penalties=penalties, all_greedy=greedy, use_mask=masked,
                     )
         jax.block_until_ready(out)
+
+    def _run_step(self, batch) -> jax.Array:
+        """Enqueue the model's step on `batch`; the logits (the KV cache is updated)."""
+        if self.layered is not None:
+            logits, self.kv_cache = self.layered(self.kv_cache, batch)
+        else:
+            logits, self.kv_cache = self._step(self.model.params, self.kv_cache, batch)
+        return logits
 
     def _padding_step_input(self, t: int, s: int):
         return make_step_input(
@@ -206,7 +221,7 @@ class ModelRunner:
             seq_lens=seq_lens, query_start_loc=query_start_loc, logits_indices=logits_indices,
             num_seqs=row, num_tokens=t,
         )
-        logits, self.kv_cache = self._step(self.model.params, self.kv_cache, batch)
+        logits = self._run_step(batch)
         # Filled while the device runs the step (llguidance releases the GIL).
         fill_token_masks(sb["token_mask"], masked_rows)
         out = self._sample(

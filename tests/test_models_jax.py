@@ -324,3 +324,33 @@ def test_layers_with_different_sliding_windows_match_transformers(tmp_path):
     full = np.asarray(jax.jit(unwindowed.step_fn)(model.params, cache(), batch)[0][0])
     assert np.abs(windowed - full).max() > 1e-3
     assert np.abs(windowed - hf_last_logits(hf, PROMPTS[0])).max() < TOL
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2-windows"])
+def test_layer_by_layer_step_equals_the_scan(tmp_path, family):
+    """runtime.layered runs the same LayerStages one layer per call, with per-layer weight
+    arrays: logits and every layer's cache equal the one-program scan (prefill, then decode)."""
+    from registry.tiny import make_tiny_checkpoint
+    from runtime.layered import LayeredStep
+    from runtime.mesh import make_mesh
+
+    kwargs = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1) if family != "llama" else {}
+    path = make_tiny_checkpoint(family.split("-")[0], tmp_path / "ckpt", **kwargs)
+    scan_model, layered_model = registry.load(str(path)), registry.load(str(path))
+    mesh = make_mesh()
+    scan_step = jax.jit(scan_model.step_fn, donate_argnums=1)
+    cache = lambda: allocate_kv_cache(scan_model.kv_spec, NUM_BLOCKS, BLOCK_SIZE)  # noqa: E731
+    kv_sharding = jax.sharding.NamedSharding(mesh, layered_model.kv_partition_spec)
+    layered = LayeredStep(layered_model, mesh, kv_sharding)
+    assert isinstance(layered_model.params["layers"], list) and len(layered.layers) == scan_model.kv_spec.num_layers
+    scan_cache, layered_cache = cache(), cache()
+    prompt = PROMPTS[1]
+    for batch in (step_input([(prompt, 0)]), step_input([(prompt + [7], len(prompt))])):
+        want, scan_cache = scan_step(scan_model.params, scan_cache, batch)
+        got, layered_cache = layered(layered_cache, batch)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(layered_cache.k), np.asarray(scan_cache.k), atol=1e-6)
+    # The model left behind computes the same whole, from its per-layer weights.
+    whole, _ = jax.jit(layered_model.step_fn)(layered_model.params, cache(), step_input([(prompt, 0)]))
+    first, _ = jax.jit(scan_model.step_fn)(scan_model.params, cache(), step_input([(prompt, 0)]))
+    np.testing.assert_allclose(np.asarray(whole), np.asarray(first), atol=1e-5, rtol=1e-5)
