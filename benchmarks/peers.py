@@ -14,10 +14,10 @@ Three measures, each printed as one table and appended to RESULTS.md:
   compilation cache, for servax and vLLM.
 
 vLLM and Ray Serve LLM run from a separate virtual environment given by `--vllm-python`
-(`../shared/tools/vllm-reference` makes one and prints its python); without it the peers
+(`benchmarks/vllm_venv.sh` makes one and prints its python); without it the peers
 are skipped with a message, and `vllm bench serve` is needed for the HTTP part.
 
-    PY=$(../shared/tools/vllm-reference | tail -1)
+    PY=$(benchmarks/vllm_venv.sh | tail -1)
     python benchmarks/peers.py --vllm-python "$PY"                        # everything, demo model
     python benchmarks/peers.py --vllm-python "$PY" --parts http --concurrency 32
     python benchmarks/peers.py --model servax-tiny/llama --parts offline    # servax and HF only
@@ -181,7 +181,7 @@ def offline(args, folder: str, vocab: int) -> None:
         pairs = [s["elapsed_s"] and v["elapsed_s"] / s["elapsed_s"] for s, v in zip(runs["servax"], runs["vLLM"])]
         note = "servax/vLLM tokens/s per alternating pair: " + ", ".join(f"{p:.2f}" for p in pairs)
     else:
-        note = "vLLM skipped: no --vllm-python (make one with ../shared/tools/vllm-reference)"
+        note = "vLLM skipped: no --vllm-python (make one with benchmarks/vllm_venv.sh)"
     compiled = max(r.get("compiled_while_serving", 0) for r in runs["servax"])
     body = (table(["system", "tokens/s per run", "best tokens/s", "vs servax", "greedy tokens of request 0 = servax's"],
                   rows)
@@ -327,11 +327,11 @@ def http(args, folder: str) -> None:
                     if log.stem == name.replace(" ", "_"):
                         print(log.read_text()[-3000:])
     for c in args.concurrency:
-        base_rate = results.get(("servax", c), {}).get("output_throughput")
+        base_rate = results.get(("servax", c), {}).get("output_throughput") or None
         for name in names:
             r = results.get((name, c))
-            if r is None:
-                rows.append([c, name, "failed", "", "", "", "", ""])
+            if r is None or not r.get("completed"):
+                rows.append([c, name, "failed", "", "", "", "", f"{(r or {}).get('completed', 0)}/{args.num_prompts}"])
                 continue
             rate = r["output_throughput"]
             rows.append([c, name, f"{rate:.1f}", f"{base_rate / rate:.2f}" if base_rate else "-",
@@ -374,7 +374,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEMO, help="a servax model ID (converted to a folder every peer reads)")
     parser.add_argument("--vllm-python", default=os.environ.get("SERVAX_VLLM_PYTHON"),
-                        help="python of the reference venv with vLLM and Ray Serve LLM (../shared/tools/vllm-reference)")
+                        help="python of the reference venv with vLLM and Ray Serve LLM (benchmarks/vllm_venv.sh)")
     parser.add_argument("--parts", default="offline,http,startup")
     parser.add_argument("--rounds", type=int, default=2, help="alternating offline rounds")
     parser.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[8, 32])

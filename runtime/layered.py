@@ -101,11 +101,13 @@ class LayeredStep:
             carry, kv_cache = self._layer(layer_params, carry, kv_cache, i, batch)
         return self._epilogue(self.outer, carry, batch), kv_cache
 
-    def compile(self, kv_cache: KVCache, batch: StepInput) -> None:
-        """Compile the bucket of `batch` (its shapes) ahead of time, without running it."""
+    def lower(self, kv_cache: KVCache, batch: StepInput) -> list:
+        """The bucket of `batch` (its shapes) lowered, not yet compiled: three programs."""
         batch = jax.device_put(batch, self.replicated)
         carry = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.replicated),
                              jax.eval_shape(self._prologue, self.outer, batch))
-        self._prologue.lower(self.outer, batch).compile()
-        self._layer.lower(self.layers[0], carry, kv_cache, self._index[0], batch).compile()
-        self._epilogue.lower(self.outer, carry, batch).compile()
+        return [
+            self._prologue.lower(self.outer, batch),
+            self._layer.lower(self.layers[0], carry, kv_cache, self._index[0], batch),
+            self._epilogue.lower(self.outer, carry, batch),
+        ]

@@ -14,20 +14,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from runtime.compilation import step_bucket, step_buckets
 from runtime.layered import LayeredStep
 from runtime.sampler import BIAS_WIDTH, SamplingBatch, empty_sampling_batch, sample
 from runtime.scheduler import SchedulerOutput
-from runtime.step import LoadedModel, allocate_kv_cache, make_step_input
+from runtime.step import KVCache, LoadedModel, allocate_kv_cache, make_step_input
 from runtime.stop import suppressed_token_ids
 from runtime.structured_output import fill_token_masks, mask_words
 
@@ -90,8 +93,12 @@ class ModelRunner:
         self.num_logprobs = max(1, min(max_logprobs, model.vocab_size))
         kv_sharding = NamedSharding(mesh, model.kv_partition_spec)
         self.kv_cache = allocate_kv_cache(model.kv_spec, num_blocks, block_size, kv_sharding)
+        # Logits come out replicated whichever way the step runs, so the sampler programs
+        # compiled ahead of time for that sharding are the ones serving calls.
+        self.replicated = NamedSharding(mesh, PartitionSpec())
         self.layered = LayeredStep(model, mesh, kv_sharding) if layerwise and model.stages is not None else None
-        self._step = jax.jit(model.step_fn, donate_argnums=(1,))
+        self._step = jax.jit(model.step_fn, donate_argnums=(1,),
+                             out_shardings=(self.replicated, KVCache(kv_sharding, kv_sharding)))
         self.mask_words = mask_words(model.vocab_size)  # packed token-mask row of the logits' vocabulary
         self._sample = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "all_greedy", "use_mask"))
 
@@ -101,39 +108,51 @@ class ModelRunner:
         return step_buckets(self.token_buckets, self.seq_buckets)
 
     def warmup(self, show_progress: bool = True) -> float:
-        """Compile (or load from the persistent cache) every bucket; returns seconds taken.
+        """Compile (or load from the persistent cache) every program serving can call:
+        the step of every bucket and the sampler variants of every sequence bucket.
+        Returns the seconds taken.
 
-        Only the smallest step program of each sequence bucket runs (to give the sampler
-        programs real logits); the others are compiled ahead of time without running, so
-        a warm start costs little more than loading the programs.
+        Programs are traced and lowered one by one (Python), then compiled ahead of time on
+        a thread pool (XLA compiles outside the GIL, so the cores share the work); nothing
+        runs but one smallest step and sampler at the end, as a check.
         """
         start = time.perf_counter()
         pairs = self.bucket_pairs()
-        run_for_seqs = {s: min(t for t, s2 in pairs if s2 == s) for _, s in pairs}
         with warnings.catch_warnings():
             # The CPU backend cannot donate the KV cache; its lowering-time warning is noise.
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            for t, s in tqdm(pairs, desc="servax: compiling buckets", disable=not show_progress):
-                self._warm_bucket(t, s, run=run_for_seqs[s] == t)
+            lowered = []
+            for t, s in tqdm(pairs, desc="servax: tracing buckets", disable=not show_progress):
+                lowered += self._lower_step(self._padding_step_input(t, s))
+            for s in sorted({s for _, s in pairs}):
+                lowered += self._lower_samplers(s)
+            workers = max(1, min(8, os.cpu_count() or 1))
+            with ThreadPoolExecutor(workers, thread_name_prefix="servax-compile") as pool:
+                done = pool.map(lambda program: program.compile(), lowered)
+                for _ in tqdm(done, total=len(lowered), desc="servax: compiling programs",
+                              disable=not show_progress):
+                    pass
+            t, s = pairs[0]
+            logits = self._run_step(self._padding_step_input(t, s))
+            jax.block_until_ready(self._sample(logits, self._sampling_batch_padding(s, False),
+                                               num_logprobs=self.num_logprobs, use_penalties=False,
+                                               all_greedy=True, use_mask=False))
         return time.perf_counter() - start
 
-    def _warm_bucket(self, t: int, s: int, *, run: bool) -> None:
-        batch = self._padding_step_input(t, s)
-        if not run:
-            if self.layered is not None:
-                self.layered.compile(self.kv_cache, batch)
-            else:
-                self._step.lower(self.model.params, self.kv_cache, batch).compile()
-            return
-        logits = self._run_step(batch)
-        for penalties in (False, True):
-            for greedy in (False, True):
-                for masked in (False, True):
-                    out = self._sample(
-                        logits, self._sampling_batch_padding(s, penalties, masked), num_logprobs=self.num_logprobs,
-                        use_penalties=penalties, all_greedy=greedy, use_mask=masked,
-                    )
-        jax.block_until_ready(out)
+    def _lower_step(self, batch) -> list:
+        if self.layered is not None:
+            return self.layered.lower(self.kv_cache, batch)
+        return [self._step.lower(self.model.params, self.kv_cache, batch)]
+
+    def _lower_samplers(self, s: int) -> list:
+        """The sampler variants of sequence bucket `s` (logits as the step leaves them)."""
+        logits = jax.ShapeDtypeStruct((s, self.model.vocab_size), jnp.float32, sharding=self.replicated)
+        return [
+            self._sample.lower(logits, self._sampling_batch_padding(s, penalties, masked),
+                               num_logprobs=self.num_logprobs, use_penalties=penalties, all_greedy=greedy,
+                               use_mask=masked)
+            for penalties in (False, True) for greedy in (False, True) for masked in (False, True)
+        ]
 
     def _run_step(self, batch) -> jax.Array:
         """Enqueue the model's step on `batch`; the logits (the KV cache is updated)."""
