@@ -311,21 +311,25 @@ def http(args, folder: str) -> None:
     names = ["servax", "vllm serve", "Ray Serve LLM"]
     rows, ready = [], {}
     results: dict[tuple[str, int], dict] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        for name in names:
-            print(f"http: {name}", flush=True)
-            try:
-                with server(name, args, folder, work) as (base, ready[name]):
-                    bench_serve(args, base, folder, 2, work, "warmup")  # first-request costs out of the way
-                    for c in args.concurrency:
-                        results[name, c] = bench_serve(args, base, folder, c, work, name.replace(" ", "_"))
-            except Exception as e:  # noqa: BLE001 - one peer failing must not lose the others' figures
-                print(f"http: {name} failed: {e}")
-                logs = sorted(work.glob("*.log"))
-                for log in logs:
-                    if log.stem == name.replace(" ", "_"):
-                        print(log.read_text()[-3000:])
+    work = Path(tempfile.mkdtemp(prefix="servax-peers-"))  # kept: server logs and vllm bench results
+    print(f"http: server logs and result files in {work}")
+    for name in names:
+        print(f"http: {name}", flush=True)
+        try:
+            with server(name, args, folder, work) as (base, ready[name]):
+                bench_serve(args, base, folder, 2, work, "warmup")  # first-request costs out of the way
+                for c in args.concurrency:
+                    r = results[name, c] = bench_serve(args, base, folder, c, work, name.replace(" ", "_"))
+                    if r.get("completed", 0) < args.num_prompts:
+                        errors = [e for e in r.get("errors") or [] if e][:3]
+                        print(f"http: {name} at {c}: {r.get('completed', 0)}/{args.num_prompts} completed; "
+                              f"errors: {errors}")
+        except Exception as e:  # noqa: BLE001 - one peer failing must not lose the others' figures
+            print(f"http: {name} failed: {e}")
+            logs = sorted(work.glob("*.log"))
+            for log in logs:
+                if log.stem == name.replace(" ", "_"):
+                    print(log.read_text()[-3000:])
     for c in args.concurrency:
         base_rate = results.get(("servax", c), {}).get("output_throughput") or None
         for name in names:

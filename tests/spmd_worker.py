@@ -31,12 +31,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _find(params, path: str):
-    """A leaf of a params tree by dotted path ("layers.q"), or by its full key (torchax dicts)."""
+    """A leaf of a params tree by dotted path ("layers.q"), or by its full key (torchax dicts).
+
+    Layers served one per call (runtime/layered.py) hold a list of per-layer trees: "layers.q"
+    then names layer 0's q.
+    """
     if isinstance(params, dict) and path in params:
         return params[path]
     node = params
     for part in path.split("."):
-        node = node[int(part)] if isinstance(node, (list, tuple)) else node[part]
+        if isinstance(node, (list, tuple)):
+            node = node[int(part)] if part.isdigit() else node[0][part]
+        else:
+            node = node[part]
     return node
 
 
@@ -51,10 +58,13 @@ _COLLECTIVE = re.compile(r"=.*\s(all-reduce|all-gather|reduce-scatter|all-to-all
 
 
 def step_collectives(runner) -> dict[str, int]:
-    """Collective ops in the compiled step program of the smallest bucket."""
+    """Collective ops in the compiled programs a step of the smallest bucket runs (one step
+    program, or prologue + one layer + epilogue when layers run one per call)."""
     batch = runner._padding_step_input(runner.token_buckets[0], runner.seq_buckets[0])
-    text = runner._step.lower(runner.model.params, runner.kv_cache, batch).compile().as_text()
-    found = [m.group(1) for line in text.splitlines() if (m := _COLLECTIVE.search(line))]
+    found = []
+    for lowered in runner._lower_step(batch):
+        text = lowered.compile().as_text()
+        found += [m.group(1) for line in text.splitlines() if (m := _COLLECTIVE.search(line))]
     return dict(collections.Counter(found))
 
 

@@ -34,7 +34,7 @@ GPT2 = "servax-tiny/gpt2"  # fused block-major q|k|v (c_attn, Conv1D [in, 3 * hi
 MHA8 = "llama-8-heads"  # 8 query and 8 KV heads: the one model here that splits 8 ways
 GQA3 = "llama-12-heads-3-kv"  # 3 KV heads on 4 devices: stored 4 times each, 3 per device
 
-NATIVE_PARAMS = {  # layer weights are stacked: [layers, ...]
+NATIVE_PARAMS = {  # layer 0 of the per-layer weights (runtime/layered.py)
     "q": "layers.q", "k": "layers.k", "v": "layers.v", "o": "layers.o",
     "gate": "layers.mlp.gate", "up": "layers.mlp.up", "down": "layers.mlp.down",
     "embed": "embed", "lm_head": "lm_head",
@@ -154,22 +154,22 @@ def check_params(params: dict, expected: dict, tp: int) -> None:
 @pytest.mark.slow
 def test_native_params_are_sharded_at_tp4(native):
     # tiny llama: 2 layers, hidden 64, 4 heads x 16, 2 KV heads, intermediate 128, vocab 512.
-    # Layer weights are stacked on a leading layers axis, never split.
+    # Layers are served one per call from per-layer arrays (runtime/layered.py): layer 0's.
     check_params(native[("servax-tiny/llama", 4)]["params"], {
-        "q": ("P(None, None, 'model', None)", (2, 64, 1, 16)),  # [layers, in, heads, head_dim], one head per device
-        # 2 KV heads stored twice each ([2, 64, 4, 16]): each device holds the KV head its query head reads
-        "k": ("P(None, None, 'model', None)", (2, 64, 1, 16)),
-        "v": ("P(None, None, 'model', None)", (2, 64, 1, 16)),
-        "o": ("P(None, 'model', None, None)", (2, 1, 16, 64)),  # [layers, heads, head_dim, out]
-        "gate": ("P(None, None, 'model')", (2, 64, 32)),
-        "up": ("P(None, None, 'model')", (2, 64, 32)),
-        "down": ("P(None, 'model', None)", (2, 32, 64)),
+        "q": ("P(None, 'model', None)", (64, 1, 16)),  # [in, heads, head_dim], one head per device
+        # 2 KV heads stored twice each ([64, 4, 16]): each device holds the KV head its query head reads
+        "k": ("P(None, 'model', None)", (64, 1, 16)),
+        "v": ("P(None, 'model', None)", (64, 1, 16)),
+        "o": ("P('model', None, None)", (1, 16, 64)),  # [heads, head_dim, out]
+        "gate": ("P(None, 'model')", (64, 32)),
+        "up": ("P(None, 'model')", (64, 32)),
+        "down": ("P('model', None)", (32, 64)),
         "embed": ("P('model', None)", (128, 64)),  # vocab split
         "lm_head": ("P(None, 'model')", (64, 128)),
     }, 4)
     # where KV heads do divide the axis, k and v are split by head too
     check_params(native[("servax-tiny/llama", 2)]["params"], {
-        "k": ("P(None, None, 'model', None)", (2, 64, 1, 16)), "v": ("P(None, None, 'model', None)", (2, 64, 1, 16)),
+        "k": ("P(None, 'model', None)", (64, 1, 16)), "v": ("P(None, 'model', None)", (64, 1, 16)),
     }, 2)
 
 
@@ -250,7 +250,7 @@ def test_fallback_kv_heads_are_repeated_when_fewer_than_devices(fallback):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path,name,tp,all_reduces", [
-    # embedding + (attention out, MLP down) once, in the body of the scan over layers
+    # embedding + (attention out, MLP down) once, in the layer program (or the body of the scan)
     ("native", "servax-tiny/llama", 2, 3),
     ("native", "servax-tiny/llama", 4, 3),
     ("native", GQA3, 4, 3),
@@ -261,11 +261,12 @@ def test_fallback_kv_heads_are_repeated_when_fewer_than_devices(fallback):
     ("fallback", GPT2, 4, 5),  # before c_attn was kept whole: + 14 collective-permutes
 ])
 def test_step_communicates_only_megatron_all_reduces(request, path, name, tp, all_reduces):
-    """No all-gather: in particular the KV cache is never gathered (it was, when replicated).
+    """One all-gather, of the logits (split by vocabulary) for the sampler; in particular the
+    KV cache is never gathered (it was, when replicated).
 
     Nor any collective-permute: q, k and v never move between devices.
     """
-    assert request.getfixturevalue(path)[(name, tp)]["collectives"] == {"all-reduce": all_reduces}
+    assert request.getfixturevalue(path)[(name, tp)]["collectives"] == {"all-reduce": all_reduces, "all-gather": 1}
 
 
 @pytest.mark.slow
