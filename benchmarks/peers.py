@@ -20,6 +20,7 @@ are skipped with a message, and `vllm bench serve` is needed for the HTTP part.
     PY=$(benchmarks/vllm_venv.sh | tail -1)
     python benchmarks/peers.py --vllm-python "$PY"                        # everything, demo model
     python benchmarks/peers.py --vllm-python "$PY" --parts http --concurrency 32
+    python benchmarks/peers.py --vllm-python "$PY" --parts http --servers servax   # servax alone
     python benchmarks/peers.py --model servax-tiny/llama --parts offline    # servax and HF only
 
 Run it with nothing else on the machine; compare only ratios from one run.
@@ -304,11 +305,14 @@ def bench_serve(args, base: str, folder: str, concurrency: int, work: Path, tag:
     return json.loads((work / name).read_text())
 
 
+SERVERS = ("servax", "vllm serve", "Ray Serve LLM")
+
+
 def http(args, folder: str) -> None:
     if not args.vllm_python:
         print("http: skipped, it needs vLLM's client `vllm bench serve` (--vllm-python)")
         return
-    names = ["servax", "vllm serve", "Ray Serve LLM"]
+    names = [n for n in SERVERS if n in args.servers]
     rows, ready = [], {}
     results: dict[tuple[str, int], dict] = {}
     work = Path(tempfile.mkdtemp(prefix="servax-peers-"))  # kept: server logs and vllm bench results
@@ -383,6 +387,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternating offline rounds")
     parser.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[8, 32])
     parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--servers", type=lambda s: s.split(","), default=list(SERVERS),
+                        help=f"HTTP part: which of {','.join(SERVERS)} to load (comma-separated)")
     parser.add_argument("--server-timeout", type=float, default=900)
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()

@@ -34,7 +34,7 @@ SHARDING_RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": MODEL_AXIS,
     # Stacked decoder layers (weights and KV cache): the forward scans over it, so it stays whole.
     "layers": None,
-    # the paged KV cache, [layers, num_blocks, block_size, kv_heads, head_dim] (runtime.step.KV_CACHE_AXES)
+    # the paged KV cache, [layers, num_blocks, kv_heads, block_size, head_dim] (runtime.step.KV_CACHE_AXES)
     "kv_blocks": None,
     "kv_block_tokens": None,
     # The torchax fallback knows a weight only by its module's name, not whether its

@@ -23,7 +23,9 @@ from runtime.mesh import logical_to_spec
 
 PyTree = Any
 # The logical axes of one cache array (runtime.mesh.SHARDING_RULES maps them to mesh axes).
-KV_CACHE_AXES = ("layers", "kv_blocks", "kv_block_tokens", "kv_heads", "head_dim")
+# Heads before block offsets: a gathered block is [kv_heads, block_size, head_dim], each head's
+# keys contiguous, which is the operand layout attention's batched dots want (no transpose copy).
+KV_CACHE_AXES = ("layers", "kv_blocks", "kv_heads", "kv_block_tokens", "head_dim")
 
 
 @flax.struct.dataclass
@@ -35,8 +37,8 @@ class KVCache:
     torchax path indexes it with each layer's static index. Donated into every step.
     """
 
-    k: jax.Array  # [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
-    v: jax.Array  # [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+    k: jax.Array  # [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
+    v: jax.Array  # [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
 
     @property
     def num_layers(self) -> int:
@@ -92,7 +94,7 @@ class KVCacheSpec:
         """The PartitionSpec of one stacked cache array (KVCache.k or .v) under `mesh`:
         KV_CACHE_AXES through the sharding rules (the KV heads split where they divide the
         mesh axis)."""
-        shape = (self.num_layers, None, None, self.num_kv_heads, self.head_dim)  # blocks are counted later
+        shape = (self.num_layers, None, self.num_kv_heads, None, self.head_dim)  # blocks are counted later
         return logical_to_spec(KV_CACHE_AXES, shape, mesh)
 
 
@@ -129,7 +131,7 @@ class LoadedModel:
         params: the weights as jax.Arrays, placed with `param_shardings` on the mesh.
         kv_spec: what the KV cache must look like.
         param_shardings: PartitionSpecs for params (same tree structure as params).
-        kv_partition_spec: PartitionSpec for one [num_layers, num_blocks, block_size, kv_heads,
+        kv_partition_spec: PartitionSpec for one [num_layers, num_blocks, kv_heads, block_size,
             head_dim] cache array under the mesh the params were placed on (kv_spec.partition_spec(mesh)).
         tokenizer: the checkpoint's Hugging Face tokenizer (None if it has none).
         hf_config: the transformers PretrainedConfig.
@@ -162,8 +164,8 @@ class LoadedModel:
 def allocate_kv_cache(
     spec: KVCacheSpec, num_blocks: int, block_size: int, sharding: jax.sharding.Sharding | None = None
 ) -> KVCache:
-    """Zero-filled paged KV cache: K and V, each [num_layers, num_blocks, block_size, kv_heads, head_dim]."""
-    shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    """Zero-filled paged KV cache: K and V, each [num_layers, num_blocks, kv_heads, block_size, head_dim]."""
+    shape = (spec.num_layers, num_blocks, spec.num_kv_heads, block_size, spec.head_dim)
     zeros = lambda: KVCache(jnp.zeros(shape, spec.dtype), jnp.zeros(shape, spec.dtype))  # noqa: E731
     return jax.jit(zeros)() if sharding is None else jax.jit(zeros, out_shardings=sharding)()
 

@@ -15,12 +15,12 @@ TOL = 2e-5  # float32, max abs diff against the float64 oracle
 
 def oracle(q, k_cache, v_cache, seqs, *, scale, sliding_window=None, soft_cap=None):
     """Loop over sequences and tokens; seqs: list of (query_positions, block_ids, seq_len)."""
-    _, block_size, kv_heads, _ = k_cache.shape
+    _, kv_heads, block_size, _ = k_cache.shape  # [blocks, kv_heads, block_size, head_dim]
     group = q.shape[1] // kv_heads
     out, t = np.zeros_like(q, dtype=np.float64), 0
     for positions, blocks, seq_len in seqs:
-        keys = np.concatenate([k_cache[b] for b in blocks])[:seq_len].astype(np.float64)
-        vals = np.concatenate([v_cache[b] for b in blocks])[:seq_len].astype(np.float64)
+        keys = np.concatenate([k_cache[b].swapaxes(0, 1) for b in blocks])[:seq_len].astype(np.float64)
+        vals = np.concatenate([v_cache[b].swapaxes(0, 1) for b in blocks])[:seq_len].astype(np.float64)
         for pos in positions:
             for h in range(q.shape[1]):
                 kh = h // group
@@ -89,7 +89,7 @@ def test_mixed_batch_matches_numpy_oracle(block_size, heads, kv_heads, window, s
         rng, MIXED, block_size=block_size, num_blocks=num_blocks, max_blocks=max_blocks,
         pad_tokens=128, pad_seqs=8,
     )
-    shape = (num_blocks, block_size, kv_heads, head_dim)
+    shape = (num_blocks, kv_heads, block_size, head_dim)
     k_cache = rng.standard_normal(shape).astype(np.float32)
     v_cache = rng.standard_normal(shape).astype(np.float32)
     q = rng.standard_normal((128, heads, head_dim)).astype(np.float32)
@@ -115,11 +115,12 @@ def _paged_attention_case(rng, specs, *, heads, kv_heads, block_size, window, so
         rng, specs, block_size=block_size, num_blocks=num_blocks, max_blocks=max_blocks,
         pad_tokens=pad_tokens, pad_seqs=pad_seqs,
     )
-    shape = (num_blocks, block_size, kv_heads, head_dim)
+    shape = (num_blocks, kv_heads, block_size, head_dim)
     k_full = rng.standard_normal(shape).astype(np.float32)
     v_full = rng.standard_normal(shape).astype(np.float32)
     slots = np.asarray(batch.slot_mapping)
-    flat = lambda c: c.reshape(-1, kv_heads, head_dim)
+    flat = lambda c: c.swapaxes(1, 2).reshape(-1, kv_heads, head_dim)  # [slots, kv_heads, head_dim]
+    unflat = lambda f: f.reshape(num_blocks, block_size, kv_heads, head_dim).swapaxes(1, 2)
     k_new = np.zeros((pad_tokens, kv_heads, head_dim), np.float32)
     v_new = np.zeros_like(k_new)
     k_new[:n], v_new[:n] = flat(k_full)[slots[:n]], flat(v_full)[slots[:n]]
@@ -135,7 +136,7 @@ def _paged_attention_case(rng, specs, *, heads, kv_heads, block_size, window, so
                          "new_token_tile", "cached_tile", "cached_chunk_tokens"),
     )
     got, (k_out, v_out) = attend(
-        q, k_new, v_new, (k_stale.reshape(shape), v_stale.reshape(shape)), batch,
+        q, k_new, v_new, (unflat(k_stale), unflat(v_stale)), batch,
         scale=scale, sliding_window=window, logit_soft_cap=soft_cap, new_token_tile=tile, **tiles,
     )
     want = oracle(q, k_full, v_full, seqs, scale=scale, sliding_window=window, soft_cap=soft_cap)
@@ -187,8 +188,8 @@ def test_chunk_size_does_not_change_result():
     batch, _, n = build_batch(
         rng, MIXED, block_size=4, num_blocks=64, max_blocks=16, pad_tokens=96, pad_seqs=8
     )
-    k_cache = rng.standard_normal((64, 4, 2, 8)).astype(np.float32)
-    v_cache = rng.standard_normal((64, 4, 2, 8)).astype(np.float32)
+    k_cache = rng.standard_normal((64, 2, 4, 8)).astype(np.float32)
+    v_cache = rng.standard_normal((64, 2, 4, 8)).astype(np.float32)
     q = rng.standard_normal((96, 4, 8)).astype(np.float32)
     outs = [
         np.asarray(ragged_paged_attention(q, k_cache, v_cache, batch, scale=0.3, kv_chunk_blocks=c))[:n]
@@ -199,14 +200,14 @@ def test_chunk_size_does_not_change_result():
 
 
 def test_write_kv_fills_slots_and_drops_padding():
-    k_cache = jnp.zeros((4, 2, 1, 3))
-    v_cache = jnp.zeros((4, 2, 1, 3))
+    k_cache = jnp.zeros((4, 1, 2, 3))  # [blocks, kv_heads, block_size, head_dim]
+    v_cache = jnp.zeros((4, 1, 2, 3))
     k = jnp.arange(3 * 3, dtype=jnp.float32).reshape(3, 1, 3) + 1
     slots = jnp.array([5, 0, -1], jnp.int32)  # block 2 offset 1, block 0 offset 0, padding
     new_k, new_v = write_kv(k_cache, v_cache, k, -k, slots)
-    np.testing.assert_array_equal(new_k[2, 1, 0], k[0, 0])
+    np.testing.assert_array_equal(new_k[2, 0, 1], k[0, 0])
     np.testing.assert_array_equal(new_k[0, 0, 0], k[1, 0])
-    np.testing.assert_array_equal(new_v[2, 1, 0], -k[0, 0])
+    np.testing.assert_array_equal(new_v[2, 0, 1], -k[0, 0])
     # The padding token's values appear nowhere, in particular not in the last slot.
     assert float(jnp.abs(new_k).sum()) == float(jnp.abs(k[:2]).sum())
 
@@ -234,7 +235,7 @@ def test_prefill_then_decode_through_cache_equals_one_prefill():
         )
         return paged_attention(q[start:end], k[start:end], v[start:end], cache, batch, scale=0.5)
 
-    empty = (jnp.zeros((16, bs, kv_heads, d)), jnp.zeros((16, bs, kv_heads, d)))
+    empty = (jnp.zeros((16, kv_heads, bs, d)), jnp.zeros((16, kv_heads, bs, d)))
     whole, _ = step(empty, 0, total)
     out1, cache = step(empty, 0, 7)
     out2, cache = step(cache, 7, 18)
@@ -252,7 +253,7 @@ def test_memory_does_not_grow_with_max_context():
             rng, [(0, 30), (40, 1)], block_size=16, num_blocks=max_blocks + 8,
             max_blocks=max_blocks, pad_tokens=64, pad_seqs=4,
         )
-        shape = (max_blocks + 8, 16, 2, 8)
+        shape = (max_blocks + 8, 2, 16, 8)
         cache = jax.ShapeDtypeStruct(shape, jnp.float32)
         q = jax.ShapeDtypeStruct((64, 4, 8), jnp.float32)
         fn = jax.jit(lambda q, k, v, b: ragged_paged_attention(q, k, v, b, scale=1.0))

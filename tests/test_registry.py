@@ -117,7 +117,7 @@ def test_load_fills_loaded_model(tiny_checkpoint):
     model = registry.load(str(tiny_checkpoint("llama3")))
     assert isinstance(model, LoadedModel) and model.impl == "jax"
     assert model.kv_spec == KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=jax.numpy.float32)
-    assert model.kv_partition_spec == P(None, None, None, "model", None)  # [layers, blocks, tokens, heads, dim]
+    assert model.kv_partition_spec == P(None, None, "model", None, None)  # [layers, blocks, heads, tokens, dim]
     assert model.max_model_len == 1024 and model.vocab_size == 512
     assert model.eos_token_ids == (0,)
     assert model.tokenizer is not None
@@ -227,9 +227,9 @@ def test_load_shards_params_over_a_model_axis(servax_cache):
     out = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, capture_output=True, text=True,
                          cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "2 kv_spec P(None, None, None, 'model', None)" in out.stdout
+    assert "2 kv_spec P(None, None, 'model', None, None)" in out.stdout
     # 2 kv heads on 4 devices: each stored twice (registry.native.kv_repeat), so the cache still splits
-    assert "4 kv_spec P(None, None, None, 'model', None)" in out.stdout
+    assert "4 kv_spec P(None, None, 'model', None, None)" in out.stdout
     assert "num_attention_heads=4 is not divisible by the model axis size 8" in out.stdout
 
 

@@ -222,11 +222,11 @@ def test_fallback_params_are_sharded_at_tp4(fallback):
 def test_kv_cache_is_sharded_on_kv_heads(request, path, name, tp, kv_heads_per_device):
     """Both paths always split the cache (repeating KV heads where tp does not divide them)."""
     run = request.getfixturevalue(path)[(name, tp)]
-    kv = run["kv"]  # the stacked K cache, [layers, blocks, block_size, kv_heads, head_dim]
+    kv = run["kv"]  # the stacked K cache, [layers, blocks, kv_heads, block_size, head_dim]
     assert run["kv_heads"] == kv_heads_per_device * tp
-    assert kv["partition_spec"] == "P(None, None, None, 'model', None)"
-    num_layers, num_blocks, block_size, _, head_dim = kv["shape"]
-    assert kv["shard_shape"] == [num_layers, num_blocks, block_size, kv_heads_per_device, head_dim]
+    assert kv["partition_spec"] == "P(None, None, 'model', None, None)"
+    num_layers, num_blocks, _, block_size, head_dim = kv["shape"]
+    assert kv["shard_shape"] == [num_layers, num_blocks, kv_heads_per_device, block_size, head_dim]
     assert kv["num_devices"] == tp
 
 
@@ -235,7 +235,7 @@ def test_native_kv_heads_are_repeated_when_fewer_than_devices(native):
     """2 KV heads on 4 devices: stored 4 times in all, one per device, tokens unchanged."""
     assert native[("servax-tiny/llama", 1)]["kv_heads"] == 2
     run = native[("servax-tiny/llama", 4)]
-    assert run["kv_heads"] == 4 and run["kv"]["shape"][3] == 4 and run["kv"]["shard_shape"][3] == 1
+    assert run["kv_heads"] == 4 and run["kv"]["shape"][2] == 4 and run["kv"]["shard_shape"][2] == 1
     assert native[(GQA3, 1)]["kv_heads"] == 3 and native[(GQA3, 4)]["kv_heads"] == 12
 
 
@@ -244,7 +244,7 @@ def test_fallback_kv_heads_are_repeated_when_fewer_than_devices(fallback):
     """As on the native path: 2 KV heads on 4 devices are stored 4 times in all, one per device."""
     assert fallback[("llama-torchax", 1)]["kv_heads"] == 2
     run = fallback[("llama-torchax", 4)]
-    assert run["kv_heads"] == 4 and run["kv"]["shape"][3] == 4 and run["kv"]["shard_shape"][3] == 1
+    assert run["kv_heads"] == 4 and run["kv"]["shape"][2] == 4 and run["kv"]["shard_shape"][2] == 1
     assert run["batched"] == fallback[("llama-torchax", 1)]["batched"]
 
 
@@ -336,10 +336,10 @@ def test_sharding_rules_map_logical_axes_to_the_model_axis():
     with pytest.raises(KeyError, match="unknown logical axis 'heads'"):
         logical_to_spec(("heads",), (8,), mesh)
     # the KV cache: kv heads on the model axis, split only where they divide it
-    assert KV_CACHE_AXES[3] == "kv_heads" and SHARDING_RULES["kv_heads"] == "model"
+    assert KV_CACHE_AXES[2] == "kv_heads" and SHARDING_RULES["kv_heads"] == "model"
     assert KV_CACHE_AXES[0] == "layers" and SHARDING_RULES["layers"] is None  # scanned, never split
     spec = KVCacheSpec(num_layers=2, num_kv_heads=8, head_dim=16, dtype=np.float32).partition_spec(mesh)
-    assert spec == P(None, None, None, "model", None) and num_shards(spec, mesh) == 4
+    assert spec == P(None, None, "model", None, None) and num_shards(spec, mesh) == 4
     assert KVCacheSpec(2, 2, 16, np.float32).partition_spec(mesh) == P()
     with pytest.raises(ValueError, match=r"must have the axes \['model'\]"):
         check_mesh(AbstractMesh((4,), ("tp",)))

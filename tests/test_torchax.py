@@ -183,13 +183,13 @@ def test_repeated_kv_heads_attend_like_grouped_query_attention(kv_repeat):
         ctx = StepContext(batch, allocate_kv_cache(spec, 4, 4), kv_repeat=repeat)
         with step_context(ctx):
             out, _ = paged_attention_interface(layer, *(torch_view(x) for x in (q, k, v)), None)
-        return np.asarray(jax_view(out)), np.asarray(ctx.collect().k[0])  # layer 0's K [blocks, bs, kv, D]
+        return np.asarray(jax_view(out)), np.asarray(ctx.collect().k[0])  # layer 0's K [blocks, kv, bs, D]
 
     out, _ = attend(1)
     out_repeated, k_cache = attend(kv_repeat)
     np.testing.assert_allclose(out_repeated, out, rtol=1e-6, atol=1e-6)
     # cache head j holds KV head j // kv_repeat: a head's copies are adjacent
-    stored = k_cache.reshape(-1, kv_heads * kv_repeat, head_dim)[:num_tokens]  # [T, kv * r, D]
+    stored = k_cache.swapaxes(1, 2).reshape(-1, kv_heads * kv_repeat, head_dim)[:num_tokens]  # [T, kv * r, D]
     expected = np.repeat(np.asarray(k)[0].swapaxes(0, 1), kv_repeat, axis=1)
     np.testing.assert_array_equal(stored, expected)
 
@@ -346,5 +346,5 @@ def test_tensor_parallel_rules_shard_weights_and_keep_logits(checkpoints, tmp_pa
     assert not {"transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias"} & set(gpt2["split"])
     assert {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
             "model.layers.0.self_attn.o_proj.weight", "lm_head.weight"} <= set(mixtral["split"])
-    assert mixtral["kv"] == str(jax.sharding.PartitionSpec(None, None, None, "model", None))
+    assert mixtral["kv"] == str(jax.sharding.PartitionSpec(None, None, "model", None, None))
     assert gpt2["diff"] < 1e-4 and mixtral["diff"] < 1e-4
