@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -211,6 +212,17 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float) -> float:
     raise TimeoutError(f"{base} not ready after {timeout:.0f} s")
 
 
+def wait_port_free(port: int, timeout: float = 120) -> None:
+    """Wait until nothing accepts connections on `port`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                return
+        time.sleep(1)
+    raise RuntimeError(f"port {port} is still taken after {timeout:.0f} s")
+
+
 def stop(proc: subprocess.Popen) -> None:
     """SIGTERM the server's process group (a background shell's children ignore SIGINT)."""
     with contextlib.suppress(ProcessLookupError):
@@ -248,8 +260,8 @@ def server(name: str, args, folder: str, work: Path):
     elif name == "vllm serve":
         cmd = [str(venv_bin / "vllm"), "serve", folder, "--served-model-name", SERVED, "--dtype", "float32",
                "--host", "127.0.0.1", "--port", str(PORT), "--max-model-len", str(MAX_MODEL_LEN),
-               "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
-               "--disable-log-requests"]
+               "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
+        # (vLLM 0.32 logs no requests by default; --disable-log-requests is gone)
         env.update(VLLM_ENV)
     else:  # Ray Serve LLM, with the settings the reference venv's header gives for 2 cores
         config = {
@@ -276,6 +288,7 @@ def server(name: str, args, folder: str, work: Path):
                                               env=ray_env))
         env.update(VLLM_ENV, RAY_ADDRESS="auto")
         cmd = [str(venv_bin / "serve"), "run", str(path)]
+    wait_port_free(PORT)  # the previous server must not answer for this one
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{PORT}"
