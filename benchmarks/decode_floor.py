@@ -7,6 +7,9 @@ time (`LLMEngine.step()`, host work included) at batch 1 and 32, timed over step
 every request is decoding (after all prompts were prefilled).
 
     python benchmarks/decode_floor.py
+    python benchmarks/decode_floor.py --attention-backends xla,pallas   # side by side (on a TPU)
+
+On CPU the Pallas backend runs interpreted (a correctness mode): its times there mean nothing.
 """
 
 from __future__ import annotations
@@ -27,33 +30,52 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--attention-backends", default="auto",
+                        help="comma-separated attention_backend values (auto, xla, pallas), timed in turn")
     args = parser.parse_args()
 
-    import numpy as np
-
-    from app import LLM, SamplingParams
+    from app import LLM
 
     path = bench_checkpoint()
     batches = [int(b) for b in args.batches.split(",")]
-    llm = LLM(
-        model=str(path), model_impl=args.impl, dtype="float32", max_model_len=512,
-        max_num_seqs=max(batches), max_num_batched_tokens=512, show_progress=False,
-        enable_prefix_caching=False,
-    )
     weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    spec = llm.engine.model.kv_spec
-    kv_bytes_per_token = spec.bytes_per_block(1)
     bandwidth = memory_read_bandwidth()
+    rows = []
+    for backend in args.attention_backends.split(","):
+        llm = LLM(
+            model=str(path), model_impl=args.impl, dtype="float32", max_model_len=512,
+            max_num_seqs=max(batches), max_num_batched_tokens=512, show_progress=False,
+            enable_prefix_caching=False, attention_backend=backend,
+        )
+        rows += _decode_rows(llm, backend, batches, args, weight_bytes, bandwidth)
+        assert llm.engine.stats().compilations_since_warmup == 0
+        del llm
+    body = (
+        f"read bandwidth measured: {bandwidth / 1e9:.1f} GB/s; impl={args.impl}; prompt {args.prompt_len}, "
+        f"{args.new_tokens} new tokens\n\n"
+        + table(["attention", "batch", "weights MB", "KV read MB", "floor ms", "step ms", "step/floor", "tokens/s"],
+                rows)
+    )
+    record("Decode step against the bandwidth floor (~100M Llama float32)", body)
 
-    rng = np.random.default_rng(0)
+
+def _decode_rows(llm, backend: str, batches: list[int], args, weight_bytes: int, bandwidth: float) -> list[list]:
+    """One engine's table rows: its pure-decode step time at each batch size."""
+    import numpy as np
+
+    from app import SamplingParams
+
     engine = llm.engine
+    kv_bytes_per_token = engine.model.kv_spec.bytes_per_block(1)
+    label = f"{engine.runner.kv_cache.attention_backend} ({backend})"
+    rng = np.random.default_rng(0)
     rows = []
     for batch in batches:
         prompts = [rng.integers(4, 500, args.prompt_len).tolist() for _ in range(batch)]
         sp = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # settle
         for i, prompt in enumerate(prompts):
-            engine.add_request(f"b{batch}-{i}", prompt, sp)
+            engine.add_request(f"{backend}-b{batch}-{i}", prompt, sp)
         # Step until every request has its first token: from then on each step is pure decode.
         started: set[str] = set()
         while len(started) < batch:
@@ -69,17 +91,10 @@ def main() -> None:
         kv_read = batch * context * kv_bytes_per_token
         floor = (weight_bytes + kv_read) / bandwidth
         rows.append([
-            batch, f"{weight_bytes / 1e6:.0f}", f"{kv_read / 1e6:.1f}",
+            label, batch, f"{weight_bytes / 1e6:.0f}", f"{kv_read / 1e6:.1f}",
             f"{floor * 1e3:.1f}", f"{step_s * 1e3:.1f}", f"{step_s / floor:.2f}", f"{batch / step_s:.0f}",
         ])
-    assert llm.engine.stats().compilations_since_warmup == 0
-    body = (
-        f"read bandwidth measured: {bandwidth / 1e9:.1f} GB/s; impl={args.impl}; prompt {args.prompt_len}, "
-        f"{args.new_tokens} new tokens\n\n"
-        + table(["batch", "weights MB", "KV read MB", "floor ms", "step ms", "step/floor", "tokens/s"], rows)
-    )
-    record("Decode step against the bandwidth floor (~100M Llama float32)", body)
-
+    return rows
 
 if __name__ == "__main__":
     main()

@@ -29,10 +29,15 @@ with NO_SLIDING_WINDOW for a layer without one; None (static) leaves the mask ou
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import jax
 import jax.numpy as jnp
 
 from runtime.step import KVCache, StepInput
+
+logger = logging.getLogger("servax.engine")
 
 # A finite stand-in for -inf keeps exp() and max() free of NaNs on fully masked rows.
 _MASK_VALUE = -1e30
@@ -375,6 +380,33 @@ def ragged_paged_attention(
     return _finish(state, num_heads, q.dtype)
 
 
+def resolve_attention_backend(requested: str, platform: str) -> str:
+    """The attention backend an engine on `platform` ("cpu", "gpu", "tpu") runs for the
+    `attention_backend` setting: "xla" or "pallas".
+
+    auto takes the Pallas kernel (runtime/pallas_attention.py) on TPU and this module's XLA
+    implementation elsewhere. pallas on CPU runs the kernel in Pallas' TPU interpret mode
+    (for tests: correct and slow).
+
+    Raises:
+        ValueError: pallas on a GPU (the kernel is written for TPU's Mosaic compiler: async
+            copies and scalar prefetch; it has no GPU lowering).
+    """
+    if requested not in ("auto", "xla", "pallas"):
+        raise ValueError(f"attention_backend must be auto, xla or pallas, got {requested!r}")
+    if requested == "pallas" and platform not in ("tpu", "cpu"):
+        raise ValueError(
+            f"attention_backend='pallas' runs on TPU (and on CPU in interpret mode), not on {platform}: servax's "
+            "Pallas kernel uses TPU async copies and scalar prefetch; use attention_backend='xla' or 'auto'"
+        )
+    backend = "pallas" if requested == "pallas" or (requested == "auto" and platform == "tpu") else "xla"
+    if backend == "pallas" and platform == "cpu":
+        logger.warning("attention_backend='pallas' on CPU: the Pallas kernel runs in interpret mode (slow; for tests)")
+    else:
+        logger.info("attention backend: %s (%s requested, %s platform)", backend, requested, platform)
+    return backend
+
+
 def paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
     k: jax.Array,  # [T, kv_heads, head_dim]
@@ -427,6 +459,14 @@ def paged_attention(
         raise ValueError("paged_attention on a stacked KVCache needs the layer to use")
     batch = jax.tree.map(jnp.asarray, batch)
     k_cache, v_cache = write_kv(kv_cache.k, kv_cache.v, k, v, batch.slot_mapping, layer)
+    if kv_cache.attention_backend == "pallas":
+        from runtime.pallas_attention import pallas_ragged_paged_attention
+
+        out = pallas_ragged_paged_attention(
+            jnp.asarray(q), k_cache, v_cache, layer, batch, scale=scale, sliding_window=sliding_window,
+            logit_soft_cap=logit_soft_cap, mesh=kv_cache.mesh, cache_spec=kv_cache.partition_spec,
+        )
+        return out, dataclasses.replace(kv_cache, k=k_cache, v=v_cache)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     num_tokens, num_heads, head_dim = q.shape
     _, _, kv_heads, block_size, _ = k_cache.shape
@@ -465,4 +505,4 @@ def paged_attention(
         qg, k, v, seq_of_token, q_pos, is_real, seq_start, state,
         tile=new_token_tile, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
     )
-    return _finish(state, num_heads, q.dtype), KVCache(k_cache, v_cache)
+    return _finish(state, num_heads, q.dtype), dataclasses.replace(kv_cache, k=k_cache, v=v_cache)

@@ -80,6 +80,11 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(
         False, description="Skip precompiling the buckets (debugging): programs compile on first use."
     )
+    attention_backend: Literal["auto", "xla", "pallas"] = Field(
+        "auto", description="Paged attention implementation: xla (pure JAX, every platform), pallas (servax's "
+                            "Pallas kernel: TPU; on CPU it runs in Pallas interpret mode, slow, for tests), or "
+                            "auto (pallas on TPU, xla elsewhere).",
+    )
     layerwise: bool = Field(
         True, description="Step native models one decoder layer per call (one compiled layer program, "
                           "weights read in place; runtime/layered.py). False: one program per step with a "

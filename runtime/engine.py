@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from runtime.attention import resolve_attention_backend
 from runtime.compilation import CompileCounter, enable_persistent_cache, seq_buckets, token_buckets
 from runtime.config import EngineConfig
 from runtime.errors import EngineOverloadedError, InvalidRequestError
@@ -126,6 +127,7 @@ class Engine:
             max_model_len=self.max_model_len, token_buckets=token_buckets(config.max_num_batched_tokens),
             seq_buckets=seq_buckets(config.max_num_seqs), max_logprobs=config.max_logprobs,
             layerwise=config.layerwise,
+            attention_backend=resolve_attention_backend(config.attention_backend, self.mesh.devices.flat[0].platform),
         )
         self.compile_counter = CompileCounter()
         if config.enforce_eager:

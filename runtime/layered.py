@@ -67,7 +67,7 @@ class LayeredStep:
     already in that form (a second engine on the same LoadedModel) is used as it is.
     """
 
-    def __init__(self, model: LoadedModel, mesh: Mesh, kv_sharding: NamedSharding):
+    def __init__(self, model: LoadedModel, mesh: Mesh, kv_sharding: NamedSharding | KVCache):
         stages = model.stages
         assert stages is not None
         key, n = stages.layers_key, stages.num_layers
@@ -86,7 +86,8 @@ class LayeredStep:
         rep = self.replicated
         outer_shardings = jax.tree.map(lambda a: a.sharding, self.outer)
         layer_shardings = jax.tree.map(lambda a: a.sharding, self.layers[0])
-        kv = KVCache(kv_sharding, kv_sharding)
+        # A KVCache of shardings carries the cache's static metadata (attention backend, mesh).
+        kv = kv_sharding if isinstance(kv_sharding, KVCache) else KVCache(kv_sharding, kv_sharding)
         self._prologue = jax.jit(stages.prologue, in_shardings=(outer_shardings, rep), out_shardings=rep)
         self._layer = jax.jit(stages.layer, in_shardings=(layer_shardings, rep, kv, rep, rep),
                               out_shardings=(rep, kv), donate_argnums=(2,))

@@ -30,7 +30,7 @@ from runtime.compilation import step_bucket, step_buckets
 from runtime.layered import LayeredStep
 from runtime.sampler import BIAS_WIDTH, SamplingBatch, empty_sampling_batch, sample
 from runtime.scheduler import SchedulerOutput
-from runtime.step import KVCache, LoadedModel, allocate_kv_cache, make_step_input
+from runtime.step import LoadedModel, allocate_kv_cache, make_step_input
 from runtime.stop import suppressed_token_ids
 from runtime.structured_output import fill_token_masks, mask_words
 
@@ -77,11 +77,14 @@ class ModelRunner:
         max_logprobs: K of the sampler's top-K logprobs.
         layerwise: step a model that offers LayerStages one decoder layer per call
             (runtime/layered.py; it takes over the model's params), else one program.
+        attention_backend: "xla" or "pallas" (resolved: see runtime.attention.resolve_backend);
+            the KV cache is allocated for it.
     """
 
     def __init__(
         self, model: LoadedModel, mesh: Mesh, *, num_blocks: int, block_size: int, max_model_len: int,
         token_buckets: list[int], seq_buckets: list[int], max_logprobs: int, layerwise: bool = True,
+        attention_backend: str = "xla",
     ):
         self.model = model
         self.mesh = mesh
@@ -92,13 +95,14 @@ class ModelRunner:
         self.seq_buckets = seq_buckets
         self.num_logprobs = max(1, min(max_logprobs, model.vocab_size))
         kv_sharding = NamedSharding(mesh, model.kv_partition_spec)
-        self.kv_cache = allocate_kv_cache(model.kv_spec, num_blocks, block_size, kv_sharding)
+        self.kv_cache = allocate_kv_cache(model.kv_spec, num_blocks, block_size, kv_sharding, attention_backend)
+        kv_shardings = jax.tree.map(lambda _: kv_sharding, self.kv_cache)  # with the cache's static fields
         # Logits come out replicated whichever way the step runs, so the sampler programs
         # compiled ahead of time for that sharding are the ones serving calls.
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        self.layered = LayeredStep(model, mesh, kv_sharding) if layerwise and model.stages is not None else None
+        self.layered = LayeredStep(model, mesh, kv_shardings) if layerwise and model.stages is not None else None
         self._step = jax.jit(model.step_fn, donate_argnums=(1,),
-                             out_shardings=(self.replicated, KVCache(kv_sharding, kv_sharding)))
+                             out_shardings=(self.replicated, kv_shardings))
         self.mask_words = mask_words(model.vocab_size)  # packed token-mask row of the logits' vocabulary
         self._sample = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "all_greedy", "use_mask"))
 

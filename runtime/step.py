@@ -39,6 +39,14 @@ class KVCache:
 
     k: jax.Array  # [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
     v: jax.Array  # [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
+    # Which attention implementation reads and writes this cache ("xla" or "pallas", see
+    # runtime.attention.paged_attention): chosen once, when the cache is allocated, and
+    # carried as static metadata so that a model's step function needs no setting of its own.
+    attention_backend: str = flax.struct.field(pytree_node=False, default="xla")
+    # The mesh the cache is sharded over and the PartitionSpec of k and v on it (None: one
+    # device): what a kernel that runs per shard (under shard_map) needs to know.
+    mesh: Any = flax.struct.field(pytree_node=False, default=None)
+    partition_spec: Any = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def num_layers(self) -> int:
@@ -162,12 +170,20 @@ class LoadedModel:
 
 
 def allocate_kv_cache(
-    spec: KVCacheSpec, num_blocks: int, block_size: int, sharding: jax.sharding.Sharding | None = None
+    spec: KVCacheSpec, num_blocks: int, block_size: int, sharding: jax.sharding.Sharding | None = None,
+    attention_backend: str = "xla",
 ) -> KVCache:
-    """Zero-filled paged KV cache: K and V, each [num_layers, num_blocks, kv_heads, block_size, head_dim]."""
+    """Zero-filled paged KV cache: K and V, each [num_layers, num_blocks, kv_heads, block_size, head_dim],
+    for the given attention backend (both backends read this one layout)."""
     shape = (spec.num_layers, num_blocks, spec.num_kv_heads, block_size, spec.head_dim)
-    zeros = lambda: KVCache(jnp.zeros(shape, spec.dtype), jnp.zeros(shape, spec.dtype))  # noqa: E731
-    return jax.jit(zeros)() if sharding is None else jax.jit(zeros, out_shardings=sharding)()
+    mesh = partition_spec = None
+    if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
+        mesh, partition_spec = sharding.mesh, sharding.spec
+    zeros = lambda: KVCache(jnp.zeros(shape, spec.dtype), jnp.zeros(shape, spec.dtype),  # noqa: E731
+                            attention_backend=attention_backend, mesh=mesh, partition_spec=partition_spec)
+    if sharding is None:
+        return jax.jit(zeros)()
+    return jax.jit(zeros, out_shardings=jax.tree.map(lambda _: sharding, jax.eval_shape(zeros)))()
 
 
 def make_step_input(

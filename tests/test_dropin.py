@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -63,7 +64,10 @@ def test_vllm_offline_example_runs_unchanged_and_matches_servax_spelling(llm, se
             by_ids = llm.generate({{"prompt_token_ids": ids}}, sampling_params)
             print(json.dumps([o.outputs[0].token_ids for o in outputs + chat + by_ids]))
     """))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=REPO, timeout=600)
+    # The checkout under test, whatever servax the interpreter has installed (if any).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=REPO, env=env,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     theirs = json.loads(done.stdout.strip().splitlines()[-1])
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
