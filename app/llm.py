@@ -24,6 +24,7 @@ import registry
 from registry.model_info import sampling_defaults
 from runtime.config import EngineConfig
 from runtime.engine import Engine
+from runtime.lora import LoRARequest
 from runtime.mesh import make_mesh
 from runtime.outputs import RequestOutput
 from runtime.processor import PromptType, is_chat
@@ -84,12 +85,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns final outputs in prompt order.
 
         A prompt is text, token ids, or a prompt dict ({"prompt": ...} or
         {"prompt_token_ids": [...]}); pass one or a list. `sampling_params` is one
         SamplingParams for all, or one per prompt; None takes get_default_sampling_params().
+        `lora_request`: a LoRA adapter for all prompts, or one (or None) per prompt (needs
+        enable_lora).
 
         Raises:
             InvalidRequestError / PromptTooLongError: before anything is queued.
@@ -97,7 +101,7 @@ class LLM:
         single = isinstance(prompts, (str, Mapping)) or (
             isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], int)
         )
-        return self._run([prompts] if single else list(prompts), sampling_params, use_tqdm)
+        return self._run([prompts] if single else list(prompts), sampling_params, use_tqdm, lora_request)
 
     def chat(
         self,
@@ -110,6 +114,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the chat
         template (the model's, or `chat_template`), as vLLM's LLM.chat. `tools` (OpenAI's
@@ -127,9 +132,10 @@ class LLM:
                 chat_template_kwargs=chat_template_kwargs, tools=tools,
             )
             prompts.append({"prompt_token_ids": ids})
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._run(prompts, sampling_params, use_tqdm, lora_request)
 
-    def _run(self, prompt_list: list[PromptType], sampling_params: Any, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompt_list: list[PromptType], sampling_params: Any, use_tqdm: bool,
+             lora_request: Any = None) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:
@@ -138,9 +144,15 @@ class LLM:
                 raise ValueError(f"{len(prompt_list)} prompts but {len(params_list)} sampling params")
         # Validate everything first so that a bad prompt queues nothing. Offline batches may
         # be larger than the serving queue limit.
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * len(prompt_list)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompt_list):
+                raise ValueError(f"{len(prompt_list)} prompts but {len(lora_list)} lora requests")
         processed = [
-            self.engine.process_inputs(f"llm-{next(self._ids)}", p, sp, enforce_queue_limit=False)
-            for p, sp in zip(prompt_list, params_list)
+            self.engine.process_inputs(f"llm-{next(self._ids)}", p, sp, enforce_queue_limit=False, lora_request=lora)
+            for p, sp, lora in zip(prompt_list, params_list, lora_list)
         ]
         for req in processed:
             self.engine.add_processed(req)

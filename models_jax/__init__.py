@@ -45,6 +45,9 @@ class ModelEntry:
         forward: the step function, (params, kv_cache, batch, *, args) -> (logits, kv_cache).
         stages: (prologue, layer, epilogue), the step split at its decoder layers, whose
             stacked weights are params["layers"]; None if the model does not offer it.
+        lora_targets: args -> {PEFT module name: runtime.lora.LoRATarget}, the projections
+            LoRA adapters may adapt; the layer then reads the adapter slots from
+            layer_params["lora"] (see runtime/lora.py). None: no LoRA for this model.
     """
 
     architectures: tuple[str, ...]
@@ -52,3 +55,4 @@ class ModelEntry:
     weight_table: Callable[[Any], Any]
     forward: Callable[..., Any]
     stages: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None = None
+    lora_targets: Callable[[Any], dict[str, Any]] | None = None

@@ -129,11 +129,46 @@ def project_from_heads(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -
     return y if b is None else y + b
 
 
-def gated_mlp(x: jax.Array, p: dict) -> jax.Array:
-    """SwiGLU: down(silu(gate(x)) * up(x)). x: [T, D]; p: gate/up [D, F], down [F, D], optional biases."""
+def gated_mlp(x: jax.Array, p: dict, lora: Any = None) -> jax.Array:
+    """SwiGLU: down(silu(gate(x)) * up(x)). x: [T, D]; p: gate/up [D, F], down [F, D], optional biases.
+
+    lora: a LoRA delta function (name, input) -> [T, out] or None (see lora_delta).
+    """
     gate = jnp.einsum("td,df->tf", x, p["gate"])
     up = jnp.einsum("td,df->tf", x, p["up"])
     if "gate_bias" in p:
         gate, up = gate + p["gate_bias"], up + p["up_bias"]
-    y = jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, p["down"])
+    if lora is not None:
+        gate, up = add_delta(gate, lora("gate_proj", x)), add_delta(up, lora("up_proj", x))
+    h = jax.nn.silu(gate) * up
+    y = jnp.einsum("tf,fd->td", h, p["down"])
+    if lora is not None:
+        y = add_delta(y, lora("down_proj", h))
     return y + p["down_bias"] if "down_bias" in p else y
+
+
+def add_delta(y: jax.Array, delta: jax.Array | None) -> jax.Array:
+    """y + delta (reshaped to y; None adds nothing)."""
+    return y if delta is None else y + delta.reshape(y.shape).astype(y.dtype)
+
+
+def lora_delta(slots: dict, slot_of_token: jax.Array) -> Any:
+    """The LoRA delta function of one layer: (name, x [T, in]) -> [T, out], or None where no
+    adapter slot table exists for `name`.
+
+    slots: {PEFT module name: {"a": [S, in, r], "b": [S, r, out]}} (runtime/lora.py; slot 0
+    is zeros); slot_of_token: [T] int32. Each token's x @ a[s] is kept for its own slot only
+    and the result meets b as one matmul over (slot, rank): two dense matmuls per projection
+    whatever mix of adapters the step holds.
+    """
+    num_slots = next(iter(slots.values()))["a"].shape[0]
+    onehot = slot_of_token[:, None] == jnp.arange(1, num_slots)[None, :]  # [T, S - 1]; slot 0 adds nothing
+
+    def delta(name: str, x: jax.Array) -> jax.Array | None:
+        if name not in slots:
+            return None
+        a, b = slots[name]["a"][1:], slots[name]["b"][1:]
+        xa = jnp.einsum("ti,sir->tsr", x, a) * onehot[:, :, None].astype(x.dtype)
+        return jnp.einsum("tsr,sro->to", xa, b)
+
+    return delta

@@ -28,6 +28,7 @@ from models_jax.weights import (
     embedding, head_bias, linear, linear_from_heads, linear_to_heads, stacked, vector, zeros,
 )
 from runtime.attention import NO_SLIDING_WINDOW, paged_attention
+from runtime.lora import LoRATarget
 from runtime.step import KVCache, StepInput
 
 
@@ -155,10 +156,13 @@ def attention_block(
     a: LlamaArgs,
     window: int | jax.Array | None,
 ) -> tuple[jax.Array, KVCache]:  # [T, D], the cache with layer i written
+    lora = _lora(p, batch)
     with jax.named_scope("qkv"):
         q = layers.project_to_heads(x, p["q"], p.get("q_bias"))  # [T, H, hd]
         k = layers.project_to_heads(x, p["k"], p.get("k_bias"))  # [T, KV, hd]
         v = layers.project_to_heads(x, p["v"], p.get("v_bias"))
+        if lora is not None:
+            q, k, v = (layers.add_delta(y, lora(name, x)) for y, name in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
         if a.qk_norm:
             q = layers.rms_norm(q, p["q_norm"], a.rms_norm_eps)
             k = layers.rms_norm(k, p["k_norm"], a.rms_norm_eps)
@@ -168,7 +172,17 @@ def attention_block(
             q, k, v, kv_cache, batch, layer=i, scale=a.head_dim**-0.5, sliding_window=window
         )
     with jax.named_scope("o"):
-        return layers.project_from_heads(out, p["o"], p.get("o_bias")), kv_cache
+        y = layers.project_from_heads(out, p["o"], p.get("o_bias"))
+        if lora is not None:
+            y = layers.add_delta(y, lora("o_proj", out.reshape(out.shape[0], -1)))
+        return y, kv_cache
+
+
+def _lora(p: dict, batch: StepInput):
+    """The layer's LoRA delta function, or None (no adapter slots, or a batch without slots)."""
+    if "lora" not in p or batch.lora_slots is None:
+        return None
+    return layers.lora_delta(p["lora"], batch.lora_slots)
 
 
 def layer(
@@ -187,7 +201,7 @@ def layer(
     h, kv_cache = attention_block(h, p, kv_cache, i, batch, cos, sin, a, window)
     x = x + h
     with jax.named_scope("mlp"):
-        x = x + layers.gated_mlp(layers.rms_norm(x, p["post_attn_norm"], a.rms_norm_eps), p["mlp"])
+        x = x + layers.gated_mlp(layers.rms_norm(x, p["post_attn_norm"], a.rms_norm_eps), p["mlp"], _lora(p, batch))
     return x, kv_cache
 
 
@@ -252,6 +266,21 @@ def forward(params: dict, kv_cache: KVCache, batch: StepInput, *, args: LlamaArg
     return epilogue(params, carry, batch, args=args), kv_cache
 
 
+def lora_targets(a: LlamaArgs) -> dict[str, LoRATarget]:
+    """The projections LoRA adapters may adapt, by PEFT module name (attention and MLP)."""
+    d, f, hd = a.hidden_size, a.intermediate_size, a.head_dim
+    q_out, kv_out = a.num_heads * hd, a.num_kv_heads * hd
+    return {
+        "q_proj": LoRATarget(d, q_out, "embed", "q_heads", hd),
+        "k_proj": LoRATarget(d, kv_out, "embed", "kv_heads", hd, a.kv_repeat),
+        "v_proj": LoRATarget(d, kv_out, "embed", "kv_heads", hd, a.kv_repeat),
+        "o_proj": LoRATarget(q_out, d, "q_heads", "embed"),
+        "gate_proj": LoRATarget(d, f, "embed", "mlp"),
+        "up_proj": LoRATarget(d, f, "embed", "mlp"),
+        "down_proj": LoRATarget(f, d, "mlp", "embed"),
+    }
+
+
 # The Hugging Face architectures this module serves (registry.native builds its table from these).
 ENTRY = ModelEntry(
     architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
@@ -259,4 +288,5 @@ ENTRY = ModelEntry(
     weight_table=weight_table,
     forward=forward,
     stages=(prologue, decoder_layer, epilogue),
+    lora_targets=lora_targets,
 )

@@ -76,6 +76,7 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: 
         kv_spec=kv_spec,
         kv_partition_spec=kv_spec.partition_spec(mesh),
         impl="jax",
+        lora_targets=entry.lora_targets(args) if entry.lora_targets is not None else None,
         vocab_size=int(resolved.hf_config.vocab_size),
         **vars(info),
     )

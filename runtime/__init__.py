@@ -19,6 +19,7 @@ _EXPORTS = {
     "KVCacheSpec": "runtime.step",
     "LoadedModel": "runtime.step",
     "SamplingParams": "runtime.sampling_params",
+    "LoRARequest": "runtime.lora",
     "RequestOutput": "runtime.outputs",
     "CompletionOutput": "runtime.outputs",
     "Logprob": "runtime.outputs",

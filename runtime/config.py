@@ -23,7 +23,6 @@ NOT_APPLICABLE = {
     "cuda_graph_sizes": "there are no CUDA graphs: every bucket up to max_num_batched_tokens is precompiled",
     "swap_space": "preempted sequences are recomputed, never swapped to host memory",
     "cpu_offload_gb": "weights are not offloaded; use a smaller dtype or tensor_parallel_size",
-    "enable_lora": "LoRA adapters are not supported yet",
     "speculative_config": "speculative decoding is not supported yet",
     "distributed_executor_backend": "servax runs one process per engine over a JAX mesh; "
                                     "use tensor_parallel_size and Serve replicas",
@@ -95,6 +94,11 @@ class EngineConfig(BaseModel):
                             "request leaves unset (vLLM's default); vllm: no model defaults; or a folder "
                             "holding a generation_config.json.",
     )
+    # LoRA adapters (vLLM's names; runtime/lora.py).
+    enable_lora: bool = Field(False, description="Serve LoRA adapters (native JAX models) beside the base model.")
+    max_loras: int = Field(1, gt=0, description="Adapters resident at once, so the most in one step.")
+    max_lora_rank: int = Field(16, gt=0, description="Highest adapter rank accepted (the slots' rank).")
+    max_cpu_loras: int | None = Field(None, gt=0, description="Adapters kept read in host memory (>= max_loras).")
     kv_cache_dtype: str = Field("auto", description="auto: the model's dtype (the only one supported today).")
     quantization: str | None = Field(None, description="None only: no weight quantization is implemented yet.")
     tokenizer_mode: Literal["auto", "hf", "slow"] = "auto"

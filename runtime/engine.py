@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ from runtime.compilation import CompileCounter, enable_persistent_cache, seq_buc
 from runtime.config import EngineConfig
 from runtime.errors import EngineOverloadedError, InvalidRequestError
 from runtime.kv_cache_manager import KVCacheManager
+from runtime.lora import LoRAError, LoRAManager, LoRARequest, add_lora_slots, load_peft_adapter
 from runtime.mesh import make_mesh, num_shards
 from runtime.model_runner import InFlightStep, ModelRunner
 from runtime.output_processor import RequestState, TokenTexts
@@ -122,6 +124,11 @@ class Engine:
             self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
+        if config.enable_lora:
+            try:
+                add_lora_slots(model, max_loras=config.max_loras, max_rank=config.max_lora_rank, mesh=self.mesh)
+            except LoRAError as e:
+                raise ValueError(f"enable_lora: {e}") from e
         self.runner = ModelRunner(
             model, self.mesh, num_blocks=self.num_blocks, block_size=self.block_size,
             max_model_len=self.max_model_len, token_buckets=token_buckets(config.max_num_batched_tokens),
@@ -129,6 +136,13 @@ class Engine:
             layerwise=config.layerwise,
             attention_backend=resolve_attention_backend(config.attention_backend, self.mesh.devices.flat[0].platform),
         )
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            load = functools.partial(load_peft_adapter, targets=model.lora_targets, num_layers=model.kv_spec.num_layers,
+                                     max_rank=config.max_lora_rank, dtype=model.kv_spec.dtype)
+            self.lora = LoRAManager(load, self.runner.write_lora_slot, max_loras=config.max_loras,
+                                    max_cpu_loras=config.max_cpu_loras)
+            self.scheduler.lora = self.lora
         self.compile_counter = CompileCounter()
         if config.enforce_eager:
             warmup_s = 0.0
@@ -236,6 +250,7 @@ class Engine:
     def process_inputs(
         self, request_id: str, prompt: PromptType, params: SamplingParams | dict[str, Any] | None = None,
         *, arrival_time: float | None = None, num_pending: int = 0, enforce_queue_limit: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Validate and tokenize a request without touching the scheduler (any thread).
 
@@ -245,6 +260,8 @@ class Engine:
             EngineOverloadedError: the waiting queue is full.
         """
         processed = self.processor.process(request_id, prompt, params, arrival_time=arrival_time)
+        if lora_request is not None:
+            processed.lora_request = self.check_lora_request(lora_request)
         if enforce_queue_limit and self.scheduler.num_waiting + num_pending >= self.config.max_queue_size:
             raise EngineOverloadedError(
                 f"{self.scheduler.num_waiting + num_pending} requests are waiting "
@@ -254,10 +271,49 @@ class Engine:
 
     def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams | dict[str, Any] | None = None,
-        arrival_time: float | None = None,
+        arrival_time: float | None = None, lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue a request (raises as process_inputs, or on a duplicate id)."""
-        self.add_processed(self.process_inputs(request_id, prompt, params, arrival_time=arrival_time))
+        """Validate and queue a request (raises as process_inputs, or on a duplicate id).
+
+        lora_request: generate with this LoRA adapter (needs enable_lora; read on first use).
+        """
+        self.add_processed(self.process_inputs(request_id, prompt, params, arrival_time=arrival_time,
+                                               lora_request=lora_request))
+
+    # -- LoRA adapters -------------------------------------------------------------------
+    def check_lora_request(self, lora_request: LoRARequest) -> LoRARequest:
+        """The adapter, read and validated (any thread). Raises InvalidRequestError saying why not."""
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}",
+                                      param="lora_request")
+        if self.lora is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (start it with enable_lora=True)",
+                                      param="lora_request")
+        try:
+            self.lora.add(lora_request)
+        except LoRAError as e:
+            raise InvalidRequestError(str(e), param="lora_request") from e
+        return lora_request
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and register an adapter ahead of its requests (vLLM's LLMEngine.add_lora)."""
+        self.check_lora_request(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (vLLM's remove_lora). False if unknown; raises InvalidRequestError while in use."""
+        if self.lora is None or lora_int_id not in self.lora.registered:
+            return False
+        try:
+            self.lora.remove(lora_int_id, self.scheduler.adapters_in_use()
+                             | {r.lora_request.lora_int_id for r in self.scheduler.waiting if r.lora_request})
+        except LoRAError as e:
+            raise InvalidRequestError(str(e), param="lora_name") from e
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The registered adapters (vLLM's list_loras returns their ids)."""
+        return [] if self.lora is None else list(self.lora.registered.values())
 
     def add_processed(self, req: ProcessedRequest) -> None:
         """Queue a request that process_inputs built (raises InvalidRequestError on a duplicate id)."""
@@ -279,12 +335,15 @@ class Engine:
                 max_model_len=self.max_model_len, sample_seed=seed, parent_id=req.request_id, index=i,
                 arrival_time=req.arrival_time,
                 token_constraints=req.constraints.start() if req.constraints is not None else None,
+                lora_request=req.lora_request,
             )
             child.wants_prompt_logprobs = child.wants_prompt_logprobs and i == 0
             state.child_ids.append(child_id)
             self.scheduler.add_request(child)
         self._states[req.request_id] = state
         self._prompt_tokens += len(req.prompt_token_ids)
+        if self.lora is not None:
+            self.lora.count_request(req.lora_request)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Stop requests and free their blocks; returns their final snapshots (unknown ids ignored)."""

@@ -103,8 +103,43 @@ class ModelRunner:
         self.layered = LayeredStep(model, mesh, kv_shardings) if layerwise and model.stages is not None else None
         self._step = jax.jit(model.step_fn, donate_argnums=(1,),
                              out_shardings=(self.replicated, kv_shardings))
+        self.lora_targets = model.lora_targets if self._has_lora_slots() else None
+        self._slot_writers: dict[Any, Any] = {}
         self.mask_words = mask_words(model.vocab_size)  # packed token-mask row of the logits' vocabulary
         self._sample = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "all_greedy", "use_mask"))
+
+    # -- LoRA slots ----------------------------------------------------------------------
+    def _layers(self):
+        return self.model.params[self.model.stages.layers_key if self.model.stages is not None else "layers"]
+
+    def _has_lora_slots(self) -> bool:
+        layers = self._layers()
+        return "lora" in (layers[0] if isinstance(layers, list) else layers)
+
+    def write_lora_slot(self, slot: int, adapter) -> None:
+        """Write an adapter (runtime.lora.LoRAAdapter; None: zeros) into device slot `slot` of
+        every layer's tables. Same shapes every time: nothing compiles after warmup."""
+        layers = self._layers()
+        for name in self.lora_targets:
+            for j, ab in enumerate(("a", "b")):
+                stacked = None if adapter is None else adapter.weights[name][j]  # [layers, ...]
+                if isinstance(layers, list):  # one table per layer (runtime/layered.py)
+                    for i, lp in enumerate(layers):
+                        table = lp["lora"][name][ab]
+                        value = np.zeros(table.shape[1:], table.dtype) if stacked is None else stacked[i]
+                        lp["lora"][name][ab] = self._slot_writer(table, 0)(table, np.int32(slot), value)
+                else:  # stacked [layers, slots, ...]
+                    table = layers["lora"][name][ab]
+                    value = np.zeros(table.shape[:1] + table.shape[2:], table.dtype) if stacked is None else stacked
+                    layers["lora"][name][ab] = self._slot_writer(table, 1)(table, np.int32(slot), value)
+
+    def _slot_writer(self, table: jax.Array, axis: int):
+        key = (table.shape, table.dtype, table.sharding, axis)
+        if key not in self._slot_writers:
+            def write(table, slot, value):
+                return jax.lax.dynamic_update_index_in_dim(table, value.astype(table.dtype), slot, axis)
+            self._slot_writers[key] = jax.jit(write, out_shardings=table.sharding)
+        return self._slot_writers[key]
 
     # -- warmup --------------------------------------------------------------------------
     def bucket_pairs(self) -> list[tuple[int, int]]:
@@ -136,6 +171,8 @@ class ModelRunner:
                 for _ in tqdm(done, total=len(lowered), desc="servax: compiling programs",
                               disable=not show_progress):
                     pass
+            if self.lora_targets:
+                self.write_lora_slot(1, None)  # compiles the slot writers (slot 1 is empty anyway)
             t, s = pairs[0]
             logits = self._run_step(self._padding_step_input(t, s))
             jax.block_until_ready(self._sample(logits, self._sampling_batch_padding(s, False),
@@ -173,6 +210,7 @@ class ModelRunner:
             block_tables=np.zeros((s, self.max_blocks_per_seq), np.int32),
             seq_lens=np.zeros(s, np.int32), query_start_loc=np.zeros(s + 1, np.int32),
             logits_indices=np.zeros(s, np.int32), num_seqs=0, num_tokens=0,
+            lora_slots=np.zeros(t, np.int32) if self.lora_targets else None,
         )
 
     def _sampling_batch_padding(self, s: int, penalties: bool, masked: bool = False) -> SamplingBatch:
@@ -194,6 +232,7 @@ class ModelRunner:
         seq_lens = np.zeros(s_pad, np.int32)
         query_start_loc = np.zeros(s_pad + 1, np.int32)
         logits_indices = np.zeros(s_pad, np.int32)
+        lora_slots = np.zeros(t_pad, np.int32) if self.lora_targets else None
         use_penalties = any(e.request.sampling_params.uses_penalties for e in sched.scheduled)
         all_greedy = all(e.request.sampling_params.is_greedy for e in sched.scheduled)
         use_mask = any(e.request.token_constraints is not None for e in sched.scheduled)
@@ -212,6 +251,8 @@ class ModelRunner:
             input_ids[t:t + n] = req.all_token_ids[c:c + n]
             positions[t:t + n] = pos
             slot_mapping[t:t + n] = table[pos // bs] * bs + pos % bs
+            if lora_slots is not None:
+                lora_slots[t:t + n] = req.lora_slot
             if entry.one_slot_per_token:
                 rows = np.arange(row, row + n)
                 block_tables[rows, :len(table)] = table
@@ -242,7 +283,7 @@ class ModelRunner:
         batch = make_step_input(
             input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_tables=block_tables,
             seq_lens=seq_lens, query_start_loc=query_start_loc, logits_indices=logits_indices,
-            num_seqs=row, num_tokens=t,
+            num_seqs=row, num_tokens=t, lora_slots=lora_slots,
         )
         logits = self._run_step(batch)
         # Filled while the device runs the step (llguidance releases the GIL).

@@ -46,6 +46,7 @@ class ProcessedRequest:
     params: SamplingParams
     arrival_time: float
     constraints: CompiledConstraints | None = None  # the token mask's grammar / allowed ids / bad words
+    lora_request: Any = None  # runtime.lora.LoRARequest of the adapter to generate with, or None
 
 
 def to_sampling_params(fields: Mapping[str, Any]) -> SamplingParams:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from runtime.lora import LoRARequest
     from runtime.structured_output import TokenConstraints
 
 
@@ -63,6 +64,7 @@ class Request:
         sample_seed: the seed this sequence's rows are sampled with.
         token_constraints: the grammar / allowed ids / bad words of this sequence, advanced
             with every output token (None: unconstrained).
+        lora_request: the LoRA adapter it generates with (None: the base model).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class Request:
         index: int = 0,
         arrival_time: float | None = None,
         token_constraints: TokenConstraints | None = None,
+        lora_request: LoRARequest | None = None,
     ):
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -98,6 +101,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.token_constraints = token_constraints
         self.block_hashes: list[int] = []
+        self.lora_request = lora_request
+        self.lora_slot = 0  # the adapter's device slot while running (runtime.lora.LoRAManager)
         limit = max_model_len - len(prompt_token_ids)
         self.max_tokens = min(sampling_params.max_tokens or limit, limit)
         # Prompt logprobs of prompt tokens 1..P-1 are computed while the prompt is prefilled;
@@ -141,9 +146,14 @@ class Request:
             self.token_constraints.accept(token_id)
         self._update_block_hashes()
 
+    @property
+    def _hash_seed(self) -> int | None:
+        return None if self.lora_request is None else hash(("lora", self.lora_request.lora_int_id))
+
     def _update_block_hashes(self) -> None:
         bs = self.block_size
         while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
             i = len(self.block_hashes)
-            parent = self.block_hashes[-1] if i else None
+            # Blocks computed under an adapter hold other K/V: their chain starts from the adapter.
+            parent = self.block_hashes[-1] if i else self._hash_seed
             self.block_hashes.append(hash_block(parent, tuple(self.all_token_ids[i * bs:(i + 1) * bs])))

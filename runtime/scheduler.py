@@ -16,6 +16,7 @@ import dataclasses
 from collections import deque
 
 from runtime.kv_cache_manager import KVCacheManager
+from runtime.lora import LoRAManager
 from runtime.request import Request, RequestStatus
 from runtime.stop import check_stop
 
@@ -71,6 +72,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # LoRA: admits a waiting request only once its adapter has a device slot (runtime.lora).
+        self.lora: LoRAManager | None = None
 
     # -- queue ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -146,6 +149,8 @@ class Scheduler:
             per_token = request.needs_prompt_logprobs
             if per_token:
                 num_new = min(num_new, slots_left)
+            if self.lora is not None and not self.lora.acquire(request, self.adapters_in_use()):
+                break  # every adapter slot serves running requests: wait for one to free up
             if not self.kv.allocate_slots(request, num_new, hit_blocks):
                 break
             self.waiting.popleft()
@@ -160,6 +165,10 @@ class Scheduler:
             slots_left -= entry.num_slots
 
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
+
+    def adapters_in_use(self) -> set[int]:
+        """lora_int_ids of the running requests' adapters (their slots must stay)."""
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -74,6 +74,8 @@ class StepInput:
     logits_indices: jax.Array  # [S] int32, the token whose logits each sequence needs
     num_seqs: jax.Array  # [] int32, real sequences (<= S)
     num_tokens: jax.Array  # [] int32, real tokens (<= T)
+    # [T] int32, each token's LoRA adapter slot (0: none); None when the engine serves no adapters.
+    lora_slots: jax.Array | None = None
 
     @property
     def padded_num_tokens(self) -> int:
@@ -151,6 +153,8 @@ class LoadedModel:
         generation_config: sampling defaults from generation_config.json, under SamplingParams'
             names (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens).
         stages: the same step split at its decoder layers (native models), or None.
+        lora_targets: {PEFT module name: runtime.lora.LoRATarget} the model can adapt with
+            LoRA (native models), or None (LoRA not supported on this path).
     """
 
     step_fn: Callable[..., tuple[jax.Array, KVCache]]
@@ -167,6 +171,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...] = ()
     generation_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     stages: LayerStages | None = None
+    lora_targets: dict[str, Any] | None = None
 
 
 def allocate_kv_cache(
@@ -197,6 +202,7 @@ def make_step_input(
     logits_indices: np.ndarray,
     num_seqs: int,
     num_tokens: int,
+    lora_slots: np.ndarray | None = None,
 ) -> StepInput:
     """A StepInput from host arrays (int32).
 
@@ -222,4 +228,5 @@ def make_step_input(
         logits_indices=i32(logits_indices),
         num_seqs=np.int32(num_seqs),
         num_tokens=np.int32(num_tokens),
+        lora_slots=None if lora_slots is None else i32(lora_slots),
     )
