@@ -1,0 +1,168 @@
+"""LoRA adapters (runtime/lora.py) against transformers + PEFT on the tiny models."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app import LLM, LoRARequest, SamplingParams
+from conftest import hf_greedy, hf_model
+from runtime.errors import InvalidRequestError
+
+PROMPT = [(7 * i + 3) % 500 + 4 for i in range(12)]
+NEW = 16
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# (name, seed, rank, target modules, rsLoRA): all projections; attention only with rsLoRA; MLP only.
+ADAPTERS = [("all", 1, 8, ALL, False), ("qv-rslora", 2, 4, ("q_proj", "v_proj"), True),
+            ("mlp", 3, 8, ("gate_proj", "up_proj", "down_proj"), False)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, min_tokens=NEW)  # EOS held back, as hf_greedy does
+
+
+def _peft_adapter(base_path: Path, out: Path, seed: int, rank: int, targets, rslora: bool):
+    """A random PEFT LoRA adapter (non-zero A and B) saved to `out`; returns the PEFT model."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(hf_model(base_path), LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=list(targets), init_lora_weights=False, use_rslora=rslora))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.mul_(0.5)  # deltas that change the greedy tokens, small enough to stay a fine-tune
+    model.save_pretrained(out)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_checkpoint, tmp_path_factory):
+    """{name: (LoRARequest, PEFT greedy tokens, PEFT log-softmax of the prompt)} + the base's tokens."""
+    import torch
+
+    base_path = tiny_checkpoint("llama")
+    root = tmp_path_factory.mktemp("lora")
+    made = {}
+    for i, (name, seed, rank, targets, rslora) in enumerate(ADAPTERS):
+        peft_model = _peft_adapter(base_path, root / name, seed, rank, targets, rslora)
+        with torch.no_grad():
+            logits = peft_model(torch.tensor([PROMPT])).logits[0].float()
+        made[name] = (LoRARequest(name, i + 1, str(root / name)), hf_greedy(peft_model, PROMPT, NEW),
+                      torch.log_softmax(logits, -1).numpy())
+    return base_path, made, hf_greedy(hf_model(base_path), PROMPT, NEW)
+
+
+@pytest.fixture(scope="module")
+def lora_llm(adapters):
+    base_path, _, _ = adapters
+    return LLM(model=str(base_path), enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=128,
+               max_num_seqs=4, max_num_batched_tokens=64, show_progress=False, compilation_cache_dir="")
+
+
+def test_greedy_tokens_and_logprobs_equal_peft(lora_llm, adapters):
+    """Each adapter's greedy tokens equal transformers+PEFT; its prompt logprobs are close."""
+    _, made, base_tokens = adapters
+    for name, (lora, want, log_softmax) in made.items():
+        params = SamplingParams(temperature=0.0, max_tokens=NEW, min_tokens=NEW, prompt_logprobs=0)
+        out = lora_llm.generate({"prompt_token_ids": PROMPT}, params, lora_request=lora, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == want, name
+        assert out.outputs[0].token_ids != base_tokens, f"{name}: the adapter changed nothing"
+        got = np.array([next(iter(lp.values())).logprob for lp in out.prompt_logprobs[1:]])
+        ref = log_softmax[np.arange(len(PROMPT) - 1), PROMPT[1:]]
+        np.testing.assert_allclose(got, ref, atol=2e-4)
+
+
+def test_one_batch_mixes_adapters_and_base_and_equals_each_alone(lora_llm, adapters):
+    """3 adapters and the base in one call (2 slots: adapters are evicted and reloaded while
+    it runs), each equal to its run alone and to PEFT; nothing compiles."""
+    _, made, base_tokens = adapters
+    loras = [made[name][0] for name in ("all", "qv-rslora", "mlp")] + [None]
+    loads_before = lora_llm.engine.lora.num_loads
+    prompts = [{"prompt_token_ids": PROMPT}] * 8
+    outs = lora_llm.generate(prompts, GREEDY, lora_request=loras * 2, use_tqdm=False)
+    want = [made[name][1] for name in ("all", "qv-rslora", "mlp")] + [base_tokens]
+    assert [o.outputs[0].token_ids for o in outs] == want * 2
+    alone = [lora_llm.generate({"prompt_token_ids": PROMPT}, GREEDY, lora_request=lr, use_tqdm=False)[0]
+             for lr in loras]
+    assert [o.outputs[0].token_ids for o in alone] == want
+    assert lora_llm.engine.lora.num_loads > loads_before  # slots were rewritten
+    assert lora_llm.engine.stats().compilations_since_warmup == 0
+    assert lora_llm.engine.kv.num_free_blocks == lora_llm.engine.kv.num_usable_blocks  # nothing leaked
+
+
+def test_prefix_cache_does_not_cross_adapters(lora_llm, adapters):
+    """The same prompt under another adapter hits no cached block (its K/V differ)."""
+    _, made, base_tokens = adapters
+    long_prompt = {"prompt_token_ids": PROMPT * 4}
+    first = lora_llm.generate(long_prompt, GREEDY, use_tqdm=False)[0]
+    again = lora_llm.generate(long_prompt, GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0  # the base's own blocks are reused
+    under = lora_llm.generate(long_prompt, GREEDY, lora_request=made["all"][0], use_tqdm=False)[0]
+    assert under.num_cached_tokens == 0
+    assert under.outputs[0].token_ids != first.outputs[0].token_ids
+
+
+def test_bad_adapters_are_refused_saying_why(lora_llm, adapters, tmp_path):
+    base_path, made, _ = adapters
+    greedy = SamplingParams(max_tokens=2)
+    # Rank above max_lora_rank.
+    big = tmp_path / "rank16"
+    _peft_adapter(base_path, big, 4, 16, ("q_proj",), False)
+    with pytest.raises(InvalidRequestError, match="rank 16 > max_lora_rank=8"):
+        lora_llm.generate("hi", greedy, lora_request=LoRARequest("big", 10, str(big)))
+    # An adapter of another base: the shapes of a wider model.
+    other = tmp_path / "other-base"
+    shutil.copytree(made["all"][0].lora_path, other)
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(other / "adapter_model.safetensors"))
+    save_file({k: np.concatenate([v, v], axis=-1) if "lora_A" in k else v for k, v in tensors.items()},
+              str(other / "adapter_model.safetensors"))
+    with pytest.raises(InvalidRequestError, match="another base model"):
+        lora_llm.generate("hi", greedy, lora_request=LoRARequest("other", 11, str(other)))
+    # A module the model cannot adapt.
+    odd = tmp_path / "odd"
+    shutil.copytree(made["all"][0].lora_path, odd)
+    tensors = load_file(str(odd / "adapter_model.safetensors"))
+    key = next(k for k in tensors if "q_proj.lora_A" in k)
+    tensors[key.replace("q_proj", "rotary_proj")] = tensors[key]
+    save_file(tensors, str(odd / "adapter_model.safetensors"))
+    with pytest.raises(InvalidRequestError, match="rotary_proj"):
+        lora_llm.generate("hi", greedy, lora_request=LoRARequest("odd", 12, str(odd)))
+    # Not an adapter at all; a name taken by another id.
+    with pytest.raises(InvalidRequestError, match="neither a local folder nor a reachable hub repo|adapter_config"):
+        lora_llm.generate("hi", greedy, lora_request=LoRARequest("none", 13, str(tmp_path / "missing")))
+    with pytest.raises(InvalidRequestError, match="already loaded"):
+        lora_llm.generate("hi", greedy, lora_request=LoRARequest("all", 99, made["all"][0].lora_path))
+    # The engine still serves, adapters and base alike.
+    out = lora_llm.generate({"prompt_token_ids": PROMPT}, GREEDY, lora_request=made["all"][0], use_tqdm=False)
+    assert out[0].outputs[0].token_ids == made["all"][1]
+    with pytest.raises(ValueError):
+        LoRARequest("x", 0, "/nowhere")
+    assert json.loads((Path(made["all"][0].lora_path) / "adapter_config.json").read_text())["r"] == 8
+
+
+def test_remove_and_readd_adapter(lora_llm, adapters):
+    _, made, _ = adapters
+    lora = made["mlp"][0]
+    assert lora_llm.engine.add_lora(lora)
+    assert lora.lora_int_id in {r.lora_int_id for r in lora_llm.engine.list_loras()}
+    assert lora_llm.engine.remove_lora(lora.lora_int_id)
+    assert lora.lora_int_id not in {r.lora_int_id for r in lora_llm.engine.list_loras()}
+    assert not lora_llm.engine.remove_lora(lora.lora_int_id)
+    out = lora_llm.generate({"prompt_token_ids": PROMPT}, GREEDY, lora_request=lora, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == made["mlp"][1]
+
+
+def test_lora_needs_enable_lora_and_a_native_model(tiny_checkpoint, adapters):
+    _, made, _ = adapters
+    plain = LLM(model="servax-tiny/llama", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
+                enforce_eager=True, show_progress=False, compilation_cache_dir="")
+    with pytest.raises(InvalidRequestError, match="enable_lora"):
+        plain.generate("hi", SamplingParams(max_tokens=2), lora_request=made["all"][0])
+    with pytest.raises(ValueError, match="native JAX models"):
+        LLM(model="servax-tiny/llama", model_impl="torchax", enable_lora=True, max_model_len=64,
+            enforce_eager=True, show_progress=False, compilation_cache_dir="")
