@@ -36,7 +36,21 @@ def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:
     handles = {block.model_id: build_llm_deployment(block) for block in config.llm_configs}
     ingress = config.ingress_config
     return OpenAIIngress.options(name="OpenAIIngress", **ingress.serve_options()).bind(
-        handles, ingress.resolved_api_key())
+        handles, ingress.resolved_api_key(), lora_routes(config))
+
+
+def lora_routes(config: AppConfig) -> dict[str, Any]:
+    """What the ingress needs to route LoRA adapters (app.ingress.OpenAIRouter's `lora`):
+    the static lora_modules by name, the bases with Serve-multiplexed adapters, the bases
+    that serve adapters at all, and whether adapters may be loaded at run time."""
+    return {
+        "adapters": {m.name: {"base": block.model_id, "path": m.path}
+                     for block in config.llm_configs for m in block.lora_modules},
+        "multiplexed_bases": [block.model_id for block in config.llm_configs
+                              if block.lora_config is not None and block.lora_config.dynamic_lora_loading_path],
+        "lora_bases": [block.model_id for block in config.llm_configs if block.engine_config().enable_lora],
+        "allow_runtime_updating": config.ingress_config.runtime_lora_updating(),
+    }
 
 
 # Ray Serve LLM's builder name, so that `import_path: app.builder:build_openai_app` works too.

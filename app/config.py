@@ -136,6 +136,39 @@ class DeploymentConfig(_Strict):
         return opts
 
 
+class LoraConfig(_Strict):
+    """Ray Serve LLM's lora_config: adapters loaded on demand, per replica, by model id
+    "<model_id>:<adapter>" from `dynamic_lora_loading_path/<adapter>` (Serve model multiplexing
+    routes a request to a replica that has its adapter)."""
+
+    dynamic_lora_loading_path: str | None = Field(
+        None, description="Folder holding one PEFT adapter folder per adapter name (local path or file:// URI).")
+    max_num_adapters_per_replica: int = Field(16, gt=0, description="Adapters one replica keeps loaded (LRU).")
+    download_timeout_s: float | None = Field(None, gt=0, description="Accepted for Ray Serve LLM YAML.")
+    max_download_tries: int = Field(3, gt=0, description="Accepted for Ray Serve LLM YAML.")
+
+    @field_validator("dynamic_lora_loading_path")
+    @classmethod
+    def _local(cls, v: str | None) -> str | None:
+        if v is not None and re.match(r"^(s3|gs|abfss|azure)://", v):
+            raise ValueError(f"{v}: servax reads adapters from a local (or mounted) folder; cloud storage "
+                             "URIs are not supported: sync the adapters to a local path")
+        return v.removeprefix("file://") if v else v
+
+    def adapter_path(self, adapter: str) -> str:
+        if self.dynamic_lora_loading_path is None:
+            raise ValueError("lora_config.dynamic_lora_loading_path is not set")
+        return os.path.join(os.path.expanduser(self.dynamic_lora_loading_path), adapter)
+
+
+class LoRAModule(_Strict):
+    """A statically served adapter (vLLM's --lora-modules entry): requests name it as `model`."""
+
+    name: str = Field(min_length=1)
+    path: str = Field(min_length=1, description="PEFT adapter folder (or hub id, when online).")
+    base_model_name: str | None = None
+
+
 class LLMConfig(_Strict):
     """One model behind the endpoint (the shape of Ray Serve LLM's LLMConfig)."""
 
@@ -152,7 +185,9 @@ class LLMConfig(_Strict):
     placement_group_config: dict[str, Any] | None = Field(
         None, description="{bundles: [...]} or {bundle_per_worker: {...}}, and an optional strategy (Ray's shape)."
     )
-    lora_config: dict[str, Any] | None = None
+    lora_config: LoraConfig | None = None
+    lora_modules: list[LoRAModule] = Field(
+        default_factory=list, description="Adapters served by name from startup (vLLM's --lora-modules).")
     log_engine_metrics: bool = Field(True, description="Export the replica's metrics through Ray.")
     experimental_configs: dict[str, Any] = Field(
         default_factory=dict, description="Ray Serve LLM's: num_ingress_replicas is honoured.",
@@ -166,12 +201,14 @@ class LLMConfig(_Strict):
                              "leave llm_engine out (or 'vLLM', as Ray Serve LLM YAML has it)")
         return v
 
-    @field_validator("lora_config")
-    @classmethod
-    def _no_lora_yet(cls, v: dict[str, Any] | None) -> None:
-        if v is not None:
-            raise ValueError("LoRA adapters are not supported yet; remove lora_config to serve the base model")
-        return None
+    @model_validator(mode="after")
+    def _lora_needs_enable_lora(self) -> LLMConfig:
+        if (self.lora_config is not None or self.lora_modules) and self.engine_kwargs.get("enable_lora") is False:
+            raise ValueError("lora_config / lora_modules need engine_kwargs.enable_lora (leave it out: it is implied)")
+        names = [m.name for m in self.lora_modules]
+        if len(set(names)) != len(names) or self.model_id in names:
+            raise ValueError(f"lora_modules names must be unique and differ from the model_id: {names}")
+        return self
 
     @field_validator("experimental_configs")
     @classmethod
@@ -232,6 +269,10 @@ class LLMConfig(_Strict):
         if self.model_loading_config.tokenizer_source and "tokenizer" not in kwargs:
             kwargs["tokenizer"] = self.model_loading_config.tokenizer_source
         kwargs.setdefault("served_model_name", self.model_id)
+        if self.lora_config is not None or self.lora_modules:
+            kwargs.setdefault("enable_lora", True)
+            if self.lora_config is not None:
+                kwargs.setdefault("max_cpu_loras", self.lora_config.max_num_adapters_per_replica)
         if self.model_impl is not None:
             kwargs.pop("impl", None)
             kwargs["model_impl"] = self.model_impl
@@ -266,6 +307,13 @@ class IngressConfig(_Strict):
     max_ongoing_requests: int = Field(1024, ge=1)
     max_queued_requests: int = Field(-1, ge=-1)
     ray_actor_options: RayActorOptions = Field(default_factory=lambda: RayActorOptions(num_cpus=0))
+    allow_runtime_lora_updating: bool = Field(
+        False, description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; vLLM's "
+                           "switch is VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, which servax honours too).")
+
+    def runtime_lora_updating(self) -> bool:
+        return self.allow_runtime_lora_updating or os.environ.get(
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
 
     def resolved_api_key(self) -> str | None:
         """The key to require, or None for an open endpoint.

@@ -29,9 +29,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.metrics import render_families
 from app.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, ModelCard, ModelList, TokenizeRequest,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, LoadLoRAAdapterRequest, ModelCard,
+    ModelList, TokenizeRequest, UnloadLoRAAdapterRequest,
 )
 from app.serving import error_response
+from runtime.lora import stable_lora_id
 
 logger = logging.getLogger("ray.serve")
 
@@ -61,10 +63,18 @@ def _unwrap(exc: BaseException) -> BaseException:
 class OpenAIRouter:
     """Picks the model's handle, checks the API key, and relays LLMServer's answers."""
 
-    def __init__(self, handles: dict[str, DeploymentHandle], api_key: str | None = None):
+    def __init__(self, handles: dict[str, DeploymentHandle], api_key: str | None = None,
+                 lora: dict[str, Any] | None = None):
         self.handles = handles
         self.api_key = api_key
         self._cards: dict[str, ModelCard] = {}
+        lora = lora or {}
+        # LoRA adapters by name -> {"base": model id, "path": folder}: the static lora_modules,
+        # then those loaded through /v1/load_lora_adapter.
+        self.adapters: dict[str, dict[str, str]] = dict(lora.get("adapters") or {})
+        self.multiplexed_bases: set[str] = set(lora.get("multiplexed_bases") or ())
+        self.lora_bases: list[str] = list(lora.get("lora_bases") or ())
+        self.allow_runtime_lora_updating = bool(lora.get("allow_runtime_updating"))
 
     def authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -76,23 +86,89 @@ class OpenAIRouter:
                 401, "missing or incorrect API key (send Authorization: Bearer <key>)", code="invalid_api_key"))
 
     def handle_for(self, model: str | None) -> DeploymentHandle:
+        return self.route(model)[0]
+
+    def route(self, model: str | None) -> tuple[DeploymentHandle, dict[str, Any] | None]:
+        """The handle serving `model` and the LoRA adapter to apply (None: the base model).
+
+        `model` is a base model id, a LoRA adapter's name (lora_modules or a loaded adapter),
+        or Ray Serve LLM's "<base model id>:<adapter>" for a base with a lora_config (the
+        handle then asks Serve's model multiplexing for a replica that has the adapter).
+        """
         if model is None:
             if len(self.handles) == 1:
-                return next(iter(self.handles.values()))
+                return next(iter(self.handles.values())), None
             raise APIError(ErrorResponse.make(
-                400, f"`model` is required; available: {sorted(self.handles)}", param="model"))
-        if model not in self.handles:
-            raise APIError(ErrorResponse.make(
-                404, f"The model `{model}` does not exist; available: {sorted(self.handles)}",
-                param="model", code="model_not_found"))
-        return self.handles[model]
+                400, f"`model` is required; available: {self._available()}", param="model"))
+        if model in self.handles:
+            return self.handles[model], None
+        if model in self.adapters:
+            adapter = self.adapters[model]
+            lora = {"lora_name": model, "lora_int_id": stable_lora_id(model, adapter["path"]),
+                    "lora_path": adapter["path"], "base_model_name": adapter["base"]}
+            return self.handles[adapter["base"]], lora
+        base, sep, adapter = model.partition(":")
+        if sep and adapter and base in self.multiplexed_bases:
+            return self.handles[base].options(multiplexed_model_id=model), None
+        raise APIError(ErrorResponse.make(
+            404, f"The model `{model}` does not exist; available: {self._available()}",
+            param="model", code="model_not_found"))
+
+    def _available(self) -> list[str]:
+        return sorted(self.handles) + sorted(self.adapters)
 
     async def models(self) -> ModelList:
         missing = [m for m in self.handles if m not in self._cards]
         infos = await asyncio.gather(*(self.handles[m].model_info.remote() for m in missing))
         for model_id, info in zip(missing, infos):
             self._cards[model_id] = ModelCard(**info)
-        return ModelList(data=[self._cards[m] for m in self.handles])
+        adapters = [ModelCard(id=name, root=a["path"], parent=a["base"],
+                              max_model_len=self._cards[a["base"]].max_model_len)
+                    for name, a in sorted(self.adapters.items())]
+        return ModelList(data=[self._cards[m] for m in self.handles] + adapters)
+
+    # ---- LoRA adapters at run time (vLLM's routes) ----------------------------------------
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
+        """Validate the adapter on a replica of its base, then serve it by name."""
+        if not body.lora_name or not body.lora_path:
+            raise APIError(ErrorResponse.make(400, "Both 'lora_name' and 'lora_path' must be provided.",
+                                              type="InvalidUserInput"))
+        if body.lora_name in self.adapters or body.lora_name in self.handles:
+            raise APIError(ErrorResponse.make(
+                400, f"The lora adapter '{body.lora_name}' has already been loaded.", type="InvalidUserInput"))
+        base = body.base_model_name or (self.lora_bases[0] if len(self.lora_bases) == 1 else None)
+        if base not in self.lora_bases:
+            raise APIError(ErrorResponse.make(
+                400, f"base_model_name must name a model served with enable_lora: {self.lora_bases}",
+                param="base_model_name"))
+        lora = {"lora_name": body.lora_name, "lora_int_id": stable_lora_id(body.lora_name, body.lora_path),
+                "lora_path": body.lora_path, "base_model_name": base}
+        try:
+            result = await self.handles[base].load_lora_adapter.remote(lora)
+        except Exception as e:
+            raise APIError(_server_error(e)) from e
+        if isinstance(result, ErrorResponse):
+            return _json_error(result)
+        self.adapters[body.lora_name] = {"base": base, "path": body.lora_path}
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
+        """Stop serving an adapter by name (replicas drop it from their caches as they evict)."""
+        if not body.lora_name and body.lora_int_id is None:
+            raise APIError(ErrorResponse.make(400, "either 'lora_name' and 'lora_int_id' needs to be provided.",
+                                              type="InvalidUserInput"))
+        adapter = self.adapters.get(body.lora_name or "")
+        if adapter is None:
+            raise APIError(ErrorResponse.make(404, f"The lora adapter '{body.lora_name}' cannot be found.",
+                                              type="NotFoundError", code="model_not_found"))
+        del self.adapters[body.lora_name]
+        lora_id = stable_lora_id(body.lora_name, adapter["path"])
+        try:  # free it on the replica the call reaches; others forget it when their LRU evicts it
+            await self.handles[adapter["base"]].unload_lora_adapter.remote(lora_id)
+        except Exception:  # noqa: BLE001 - the adapter is already unreachable by name
+            logger.warning("servax: unloading LoRA adapter %r on its replica failed", body.lora_name, exc_info=True)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     async def health(self) -> dict[str, str]:
         results = await asyncio.gather(*(h.check_health.remote() for h in self.handles.values()),
@@ -111,12 +187,12 @@ class OpenAIRouter:
 
     async def relay(self, method: str, body: CompletionRequest | ChatCompletionRequest) -> Any:
         """Call LLMServer.<method>(body) and turn what it yields into the HTTP response."""
-        handle = self.handle_for(body.model)
+        handle, lora = self.route(body.model)
         ignored = body.ignored_fields
         headers = {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {}
         if ignored:
             logger.warning("The following fields were present in the request but ignored: %s", ignored)
-        gen = getattr(handle.options(stream=True), method).remote(body)
+        gen = getattr(handle.options(stream=True), method).remote(body, lora)
         try:
             first = await gen.__anext__()
         except asyncio.CancelledError:  # the client left before the first token
@@ -224,6 +300,17 @@ def build_openai_api(router: OpenAIRouter) -> FastAPI:
         router.authorize(request)
         return await router.relay("chat", body)
 
+    if router.allow_runtime_lora_updating:
+        @api.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> Response:
+            router.authorize(request)
+            return await router.load_lora_adapter(body)
+
+        @api.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> Response:
+            router.authorize(request)
+            return await router.unload_lora_adapter(body)
+
     @api.get("/health")
     async def health() -> JSONResponse:
         status = await router.health()
@@ -259,8 +346,9 @@ def build_openai_api(router: OpenAIRouter) -> FastAPI:
 class OpenAIIngress:
     """The HTTP ingress deployment; bound by app.builder to one LLMServer handle per model."""
 
-    def __init__(self, llm_handles: dict[str, DeploymentHandle], api_key: str | None = None):
-        self.router = OpenAIRouter(llm_handles, api_key)
+    def __init__(self, llm_handles: dict[str, DeploymentHandle], api_key: str | None = None,
+                 lora: dict[str, Any] | None = None):
+        self.router = OpenAIRouter(llm_handles, api_key, lora)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_openai_api(self.router)

@@ -482,10 +482,26 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "servax"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
     impl: str | None = None
     dtype: str | None = None
     tensor_parallel_size: int | None = None
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body; base_model_name picks the base when several serve LoRA)."""
+
+    lora_name: str = ""
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's body)."""
+
+    lora_name: str = ""
+    lora_int_id: int | None = None
 
 
 class ModelList(BaseModel):

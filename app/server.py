@@ -15,6 +15,7 @@ engine loop has died.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -28,7 +29,9 @@ from ray import serve
 from app.config import LLMConfig
 from app.metrics import ServerMetrics
 from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, TokenizeRequest
-from app.serving import OpenAIServing
+from app.serving import OpenAIServing, error_response
+from runtime.errors import InvalidRequestError
+from runtime.lora import LoRARequest, stable_lora_id
 
 logger = logging.getLogger("ray.serve")
 
@@ -92,7 +95,56 @@ class LLMServer:
         self.startup_s = time.perf_counter() - start
         self.metrics = ServerMetrics(self.model_id, enabled=self.llm_config.log_engine_metrics)
         self.serving = OpenAIServing(self.engine, self.model_id, self.metrics)
+        self._load_multiplexed = None
+        lora_config = self.llm_config.lora_config
+        if lora_config is not None and lora_config.dynamic_lora_loading_path:
+            # Ray Serve LLM's model multiplexing: Serve keeps max_num_adapters_per_replica
+            # adapters per replica (LRU) and routes "<model_id>:<adapter>" to a replica that has it.
+            self._load_multiplexed = serve.multiplexed(
+                max_num_models_per_replica=lora_config.max_num_adapters_per_replica)(self._read_adapter)
+        for module in self.llm_config.lora_modules:  # read (and validated) at startup
+            self.engine.add_lora(LoRARequest(module.name, stable_lora_id(module.name, module.path),
+                                                    module.path, self.model_id))
         logger.info("servax LLMServer ready: %s", self._startup_summary())
+
+    # ---- LoRA adapters -------------------------------------------------------------------
+
+    async def _read_adapter(self, multiplexed_model_id: str) -> "_ResidentAdapter":
+        """Serve's multiplexed loader: "<model_id>:<adapter>" -> the adapter, read into the engine."""
+        adapter = multiplexed_model_id.partition(":")[2]
+        path = self.llm_config.lora_config.adapter_path(adapter)
+        lora = LoRARequest(multiplexed_model_id, stable_lora_id(multiplexed_model_id, path), path, self.model_id)
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.add_lora, lora)
+        return _ResidentAdapter(lora, self.engine)
+
+    async def _lora_for(self, lora: dict[str, Any] | LoRARequest | None) -> LoRARequest | None:
+        if isinstance(lora, dict):
+            return LoRARequest(**lora)
+        if lora is not None:
+            return lora
+        multiplexed = serve.get_multiplexed_model_id()
+        if multiplexed and self._load_multiplexed is not None:
+            return (await self._load_multiplexed(multiplexed)).lora
+        return None
+
+    async def load_lora_adapter(self, lora: dict[str, Any]) -> None | ErrorResponse:
+        """Read and validate an adapter into this replica's engine (POST /v1/load_lora_adapter)."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.engine.add_lora, LoRARequest(**lora))
+        except Exception as e:  # noqa: BLE001 - answered in OpenAI's shape
+            err = error_response(e, "lora_path")
+            if err is None:
+                raise
+            return err
+        return None
+
+    def unload_lora_adapter(self, lora_int_id: int) -> bool:
+        """Drop an adapter from this replica's engine (False if it was not here)."""
+        try:
+            return self.engine.remove_lora(lora_int_id)
+        except InvalidRequestError:
+            return False  # still serving requests: it leaves the slots when they finish and it is evicted
 
     def _startup_summary(self) -> str:
         mc = dict(self.engine.model_config)
@@ -108,7 +160,8 @@ class LLMServer:
     # ---- Python handle API ---------------------------------------------------------------
 
     async def generate(self, prompt_or_messages: PromptOrMessages,
-                       sampling: dict[str, Any] | Any | None = None) -> GenerateResult:
+                       sampling: dict[str, Any] | Any | None = None,
+                       lora_request: LoRARequest | None = None) -> GenerateResult:
         """Generate to completion.
 
         Args:
@@ -119,6 +172,9 @@ class LLMServer:
                 max_tokens, temperature, top_p, n, seed, stop, logprobs, ...; and
                 structured_outputs={"json": schema} / {"regex": ...} / {"choice": [...]} /
                 {"grammar": ...}, allowed_token_ids, bad_words).
+            lora_request: a runtime.LoRARequest to generate with (the model needs enable_lora),
+                or None; with Serve multiplexing, handle.options(multiplexed_model_id=
+                "<model_id>:<adapter>") picks the adapter instead.
 
         Returns:
             GenerateResult with `.text` (first generation) and `.outputs` (all n).
@@ -129,7 +185,7 @@ class LLMServer:
             also an instance of the original class.
         """
         request_id = f"gen-{uuid.uuid4().hex}"
-        stream = await self.serving.submit(prompt_or_messages, sampling, request_id)
+        stream = await self.serving.submit(prompt_or_messages, sampling, request_id, await self._lora_for(lora_request))
         out = None
         async with aclosing(stream):
             async for out in stream:
@@ -142,14 +198,15 @@ class LLMServer:
         )
 
     async def stream(self, prompt_or_messages: PromptOrMessages,
-                     sampling: dict[str, Any] | Any | None = None) -> AsyncIterator[StreamDelta]:
+                     sampling: dict[str, Any] | Any | None = None,
+                     lora_request: LoRARequest | None = None) -> AsyncIterator[StreamDelta]:
         """Generate, yielding StreamDelta increments; call via `handle.options(stream=True)`.
 
         Same arguments and errors as `generate`. Cancelling the handle call (or closing the
         generator) aborts the request in the engine.
         """
         request_id = f"gen-{uuid.uuid4().hex}"
-        stream = await self.serving.submit(prompt_or_messages, sampling, request_id)
+        stream = await self.serving.submit(prompt_or_messages, sampling, request_id, await self._lora_for(lora_request))
         async with aclosing(stream):
             async for out in stream:
                 for c in out.outputs:
@@ -159,22 +216,36 @@ class LLMServer:
 
     # ---- used by the OpenAI ingress ------------------------------------------------------
 
-    async def completion(self, request: CompletionRequest) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
-        """OpenAI /v1/completions bodies (see app.serving.OpenAIServing.completion)."""
-        async with aclosing(self.serving.completion(request)) as items:
+    async def completion(self, request: CompletionRequest, lora: dict[str, Any] | None = None
+                         ) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
+        """OpenAI /v1/completions bodies (see app.serving.OpenAIServing.completion); `lora`: the
+        adapter the ingress resolved from `model` (or the multiplexed model id's)."""
+        try:
+            lora_request = await self._lora_for(lora)
+        except Exception as e:  # noqa: BLE001
+            yield _lora_error(e)
+            return
+        async with aclosing(self.serving.completion(request, lora_request)) as items:
             async for item in items:
                 yield item
         self._update_gauges()
 
-    async def completions(self, request: CompletionRequest) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
+    async def completions(self, request: CompletionRequest, lora: dict[str, Any] | None = None
+                          ) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
         """Ray Serve LLM's name for `completion`."""
-        async with aclosing(self.completion(request)) as items:
+        async with aclosing(self.completion(request, lora)) as items:
             async for item in items:
                 yield item
 
-    async def chat(self, request: ChatCompletionRequest) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
+    async def chat(self, request: ChatCompletionRequest, lora: dict[str, Any] | None = None
+                   ) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
         """OpenAI /v1/chat/completions bodies (see app.serving.OpenAIServing.chat)."""
-        async with aclosing(self.serving.chat(request)) as items:
+        try:
+            lora_request = await self._lora_for(lora)
+        except Exception as e:  # noqa: BLE001
+            yield _lora_error(e)
+            return
+        async with aclosing(self.serving.chat(request, lora_request)) as items:
             async for item in items:
                 yield item
         self._update_gauges()
@@ -191,6 +262,11 @@ class LLMServer:
         """This replica's Prometheus metric families (for the ingress' GET /metrics)."""
         self._update_gauges()
         return self.metrics.prom.families()
+
+    def lora_adapters(self) -> list[dict[str, Any]]:
+        """The adapters this replica's engine has read (name, id, path) and its slot counters."""
+        return [dict(lora_name=r.lora_name, lora_int_id=r.lora_int_id, lora_path=r.lora_path)
+                for r in self.engine.list_loras()]
 
     def model_info(self) -> dict[str, Any]:
         """The model's card for /v1/models: id, source, impl, dtype, max_model_len, ..."""
@@ -226,3 +302,25 @@ class LLMServer:
                 engine.shutdown()
             except Exception:
                 pass
+
+
+class _ResidentAdapter:
+    """What Serve's multiplexing holds per loaded adapter; evicting it drops the adapter from
+    the engine (unless requests still use it: then the engine's own LRU drops it later)."""
+
+    def __init__(self, lora: LoRARequest, engine: Any):
+        self.lora = lora
+        self._engine = engine
+
+    def __del__(self) -> None:
+        try:
+            self._engine.remove_lora(self.lora.lora_int_id)
+        except Exception:  # noqa: BLE001 - in use, or the engine is gone
+            pass
+
+
+def _lora_error(exc: BaseException) -> ErrorResponse:
+    err = error_response(exc, "model")
+    if err is None:
+        return ErrorResponse.make(400, f"cannot load the LoRA adapter: {exc}", param="model")
+    return err

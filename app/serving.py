@@ -78,7 +78,7 @@ class OpenAIServing:
 
     # ---- engine access shared by the OpenAI routes and the Python handle methods -------
 
-    async def submit(self, prompt: Any, sampling: Any, request_id: str) -> RequestStream:
+    async def submit(self, prompt: Any, sampling: Any, request_id: str, lora_request: Any = None) -> RequestStream:
         """Start a request and wait for its first output, so that a refusal raises here.
 
         `prompt` and `sampling` take every form the engine's InputProcessor accepts (text,
@@ -88,7 +88,7 @@ class OpenAIServing:
             A RequestStream over all its RequestOutput snapshots (the first included);
             closing it aborts the request if it has not finished.
         """
-        gen = self.engine.generate(prompt, sampling, request_id)
+        gen = self.engine.generate(prompt, sampling, request_id, lora_request=lora_request)
         start = time.perf_counter()
         try:
             first = await gen.__anext__()
@@ -110,15 +110,16 @@ class OpenAIServing:
                      "ttft=%.3fs e2e=%.3fs", stream.request_id, self.model_id, len(out.prompt_token_ids or ()),
                      n_gen, getattr(out, "num_cached_tokens", None), reason, stream.ttft or -1.0, e2e)
 
-    async def submit_all(self, prompts: list[str | list[int]], sampling: Any, request_id: str
+    async def submit_all(self, prompts: list[str | list[int]], sampling: Any, request_id: str, lora_request: Any = None
                          ) -> AsyncIterator[tuple[int, Any]]:
         """Start one request per prompt (all at once); yield (prompt index, RequestOutput) as they come.
 
         If any prompt is refused, the others are aborted and the first refusal is raised.
         """
         if len(prompts) == 1:
-            return _merge([await self.submit(prompts[0], sampling, f"{request_id}-0")])
-        results = await asyncio.gather(*(self.submit(p, sampling, f"{request_id}-{i}") for i, p in enumerate(prompts)),
+            return _merge([await self.submit(prompts[0], sampling, f"{request_id}-0", lora_request)])
+        results = await asyncio.gather(*(self.submit(p, sampling, f"{request_id}-{i}", lora_request)
+                                         for i, p in enumerate(prompts)),
                                        return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -134,13 +135,18 @@ class OpenAIServing:
 
     # ---- /v1/completions ----------------------------------------------------------------
 
-    async def completion(self, request: CompletionRequest) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
-        """Yield the response body (or, with stream, each chunk body); or one ErrorResponse."""
+    async def completion(self, request: CompletionRequest, lora_request: Any = None
+                         ) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
+        """Yield the response body (or, with stream, each chunk body); or one ErrorResponse.
+
+        lora_request: generate with this LoRA adapter; responses then name the adapter as `model`.
+        """
         request_id = new_id("cmpl")
+        model = lora_request.lora_name if lora_request is not None else self.model_id
         prompts = request.prompts()
         try:
             sampling = self.engine.processor.sampling_params(request.sampling_kwargs())
-            outputs = await self.submit_all(prompts, sampling, request_id)
+            outputs = await self.submit_all(prompts, sampling, request_id, lora_request)
         except Exception as e:
             _name_constraint_param(e, request)
             err = error_response(e, "prompt")
@@ -149,7 +155,7 @@ class OpenAIServing:
             yield err
             return
         n = request.n
-        chunk = dict(id=request_id, object="text_completion", created=int(time.time()), model=self.model_id)
+        chunk = dict(id=request_id, object="text_completion", created=int(time.time()), model=model)
         async with aclosing(outputs):
             if not request.stream:
                 last: dict[int, Any] = {}
@@ -157,7 +163,7 @@ class OpenAIServing:
                     last[i] = out
                 choices = [self._completion_choice(request, i * n + c.index, last[i], c)
                            for i in range(len(prompts)) for c in last[i].outputs]
-                yield CompletionResponse(id=request_id, created=chunk["created"], model=self.model_id,
+                yield CompletionResponse(id=request_id, created=chunk["created"], model=model,
                                          choices=sorted(choices, key=lambda c: c.index),
                                          usage=_usage(last.values())).model_dump(exclude_none=True)
                 return
@@ -239,9 +245,14 @@ class OpenAIServing:
 
     # ---- /v1/chat/completions -----------------------------------------------------------
 
-    async def chat(self, request: ChatCompletionRequest) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
-        """Yield the response body (or, with stream, each chunk body); or one ErrorResponse."""
+    async def chat(self, request: ChatCompletionRequest, lora_request: Any = None
+                   ) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
+        """Yield the response body (or, with stream, each chunk body); or one ErrorResponse.
+
+        lora_request: generate with this LoRA adapter; responses then name the adapter as `model`.
+        """
         request_id = new_id("chatcmpl")
+        model = lora_request.lora_name if lora_request is not None else self.model_id
         try:
             processor = self.engine.processor
             messages = request.chat_messages()
@@ -257,7 +268,7 @@ class OpenAIServing:
             if tool_parser is not None and tool_parser.keeps_special_tokens:
                 kwargs["skip_special_tokens"] = False  # the call markers may be special tokens
             self._default_max_tokens(kwargs, len(prompt_ids))
-            outputs = await self.submit(prompt_ids, processor.sampling_params(kwargs), request_id)
+            outputs = await self.submit(prompt_ids, processor.sampling_params(kwargs), request_id, lora_request)
         except Exception as e:
             _name_constraint_param(e, request)
             err = error_response(e, "messages")
@@ -281,7 +292,7 @@ class OpenAIServing:
                     choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
                                               logprobs=self._chat_logprobs(c.token_ids, c.logprobs, request),
                                               stop_reason=c.stop_reason))
-                yield ChatCompletionResponse(id=request_id, created=created, model=self.model_id,
+                yield ChatCompletionResponse(id=request_id, created=created, model=model,
                                              choices=choices, usage=_usage([out])).model_dump(exclude_none=True)
                 return
             usage_field = {"usage": None} if request.include_usage else {}
@@ -309,10 +320,10 @@ class OpenAIServing:
                         index=c.index, delta=delta, finish_reason=finish_reason,
                         logprobs=self._chat_logprobs(c.delta_token_ids, c.delta_logprobs, request)))
                 if choices:
-                    body = ChatCompletionChunk(id=request_id, created=created, model=self.model_id, choices=choices)
+                    body = ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices)
                     yield {**body.model_dump(exclude_none=True), **usage_field}
             if request.include_usage:
-                yield {**ChatCompletionChunk(id=request_id, created=created, model=self.model_id,
+                yield {**ChatCompletionChunk(id=request_id, created=created, model=model,
                                              choices=[]).model_dump(exclude_none=True),
                        "usage": _usage([out]).model_dump(exclude_none=True)}
 

@@ -110,6 +110,21 @@ class AsyncLLMEngine:
         with self._engine_lock:
             return self.engine.stats()
 
+    # -- LoRA adapters (any thread; they wait for the loop's current step) ---------------
+    def add_lora(self, lora_request: Any) -> bool:
+        """Read, validate and register an adapter (Engine.add_lora); raises InvalidRequestError."""
+        with self._engine_lock:
+            return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (Engine.remove_lora); raises InvalidRequestError while it is in use."""
+        with self._engine_lock:
+            return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[Any]:
+        with self._engine_lock:
+            return self.engine.list_loras()
+
     def check_health(self) -> None:
         """Raises EngineDeadError if the loop thread has stopped."""
         if self._error is not None:
@@ -119,14 +134,18 @@ class AsyncLLMEngine:
 
     async def generate(
         self, prompt: PromptType, sampling_params: SamplingParams | dict[str, Any] | None, request_id: str,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutput snapshots of one request; the last has finished=True.
+
+        lora_request: a runtime.lora.LoRARequest to generate with (needs enable_lora).
 
         Raises (before the first output): InvalidRequestError, PromptTooLongError,
         EngineOverloadedError, EngineDeadError.
         """
         self.check_health()
-        processed = self.engine.process_inputs(request_id, prompt, sampling_params, num_pending=self._num_pending)
+        processed = self.engine.process_inputs(request_id, prompt, sampling_params, num_pending=self._num_pending,
+                                               lora_request=lora_request)
         stream = _Stream(asyncio.get_running_loop())
         with self._streams_lock:
             if request_id in self._streams:

@@ -289,6 +289,9 @@ class Engine:
         if self.lora is None:
             raise InvalidRequestError("this engine serves no LoRA adapters (start it with enable_lora=True)",
                                       param="lora_request")
+        for other in list(self.lora.registered.values()):
+            if other.lora_name == lora_request.lora_name and other.lora_int_id != lora_request.lora_int_id:
+                self.remove_lora(other.lora_int_id)  # the name was loaded again from elsewhere: replace it
         try:
             self.lora.add(lora_request)
         except LoRAError as e:

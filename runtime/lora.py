@@ -30,6 +30,7 @@ import math
 import os
 import re
 import threading
+import zlib
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -70,6 +71,13 @@ class LoRARequest:
             raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
         if not self.lora_name:
             raise ValueError("lora_name must not be empty")
+
+
+def stable_lora_id(name: str, path: str) -> int:
+    """A positive lora_int_id derived from an adapter's name and path, the same in every
+    process (the ingress and each replica agree without talking), different when a name is
+    loaded again from another path."""
+    return zlib.crc32(f"{name}\0{path}".encode()) % (2**31 - 2) + 1
 
 
 class LoRAError(ValueError):

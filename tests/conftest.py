@@ -135,7 +135,7 @@ def local_llm_server(model_id: str):
 
 
 @contextlib.contextmanager
-def openai_api_server(handles: dict, api_key: str | None = None) -> Iterator[str]:
+def openai_api_server(handles: dict, api_key: str | None = None, lora: dict | None = None) -> Iterator[str]:
     """The OpenAI ingress over `handles` ({model_id: handle}) served by uvicorn on a free
     local port, in a thread; yields its base URL."""
     import threading
@@ -144,7 +144,7 @@ def openai_api_server(handles: dict, api_key: str | None = None) -> Iterator[str
 
     from app.ingress import OpenAIRouter, build_openai_api
 
-    api = build_openai_api(OpenAIRouter(handles, api_key=api_key))
+    api = build_openai_api(OpenAIRouter(handles, api_key=api_key, lora=lora))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -135,8 +135,9 @@ def test_bad_adapters_are_refused_saying_why(lora_llm, adapters, tmp_path):
     # Not an adapter at all; a name taken by another id.
     with pytest.raises(InvalidRequestError, match="neither a local folder nor a reachable hub repo|adapter_config"):
         lora_llm.generate("hi", greedy, lora_request=LoRARequest("none", 13, str(tmp_path / "missing")))
-    with pytest.raises(InvalidRequestError, match="already loaded"):
-        lora_llm.generate("hi", greedy, lora_request=LoRARequest("all", 99, made["all"][0].lora_path))
+    # The same name under another id (loaded again from elsewhere) replaces the old entry.
+    lora_llm.generate("hi", greedy, lora_request=LoRARequest("all", 99, made["all"][0].lora_path))
+    assert [r.lora_int_id for r in lora_llm.engine.list_loras() if r.lora_name == "all"] == [99]
     # The engine still serves, adapters and base alike.
     out = lora_llm.generate({"prompt_token_ids": PROMPT}, GREEDY, lora_request=made["all"][0], use_tqdm=False)
     assert out[0].outputs[0].token_ids == made["all"][1]
@@ -166,3 +167,87 @@ def test_lora_needs_enable_lora_and_a_native_model(tiny_checkpoint, adapters):
     with pytest.raises(ValueError, match="native JAX models"):
         LLM(model="servax-tiny/llama", model_impl="torchax", enable_lora=True, max_model_len=64,
             enforce_eager=True, show_progress=False, compilation_cache_dir="")
+
+
+# ---- over HTTP (Serve's local testing mode, uvicorn, the openai client) -----------------------------
+
+@pytest.fixture(scope="module")
+def lora_http(adapters, tmp_path_factory):
+    """The tiny Llama with a static adapter (lora_modules) behind the OpenAI ingress, runtime
+    loading allowed: (base URL, PEFT-made adapters)."""
+    from app.builder import lora_routes
+    from app.config import load_app_config
+    from conftest import local_llm_servers, openai_api_server
+
+    base_path, made, base_tokens = adapters
+    block = {
+        "model_loading_config": {"model_id": "tiny", "model_source": str(base_path)},
+        "engine_kwargs": {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 64, "max_loras": 2,
+                          "max_lora_rank": 8, "show_progress": False, "compilation_cache_dir": ""},
+        "lora_modules": [{"name": "static-all", "path": made["all"][0].lora_path}],
+    }
+    config = load_app_config({"llm_configs": [block], "ingress_config": {"allow_runtime_lora_updating": True}})
+    with local_llm_servers([block]) as handles, openai_api_server(handles, lora=lora_routes(config)) as url:
+        yield url, made, base_tokens
+
+
+def _completion(client, model: str) -> tuple[str, str]:
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=NEW, temperature=0.0,
+                                    extra_body={"min_tokens": NEW})
+    return out.model, out.choices[0].text
+
+
+def _text(made, tokens: list[int]) -> str:
+    from transformers import AutoTokenizer
+
+    base = json.loads((Path(made["all"][0].lora_path) / "adapter_config.json").read_text())["base_model_name_or_path"]
+    return AutoTokenizer.from_pretrained(base).decode(tokens, skip_special_tokens=True)
+
+
+def test_http_serves_static_and_runtime_loaded_adapters(lora_http):
+    import requests
+
+    from conftest import assert_openai_error, openai_client
+
+    url, made, base_tokens = lora_http
+    client = openai_client(url)
+    # A static adapter (lora_modules): PEFT's tokens, the adapter named in the response.
+    assert _completion(client, "static-all") == ("static-all", _text(made, made["all"][1]))
+    # Load another at run time, use it, list it, unload it.
+    r = requests.post(f"{url}/v1/load_lora_adapter",
+                      json={"lora_name": "qv", "lora_path": made["qv-rslora"][0].lora_path}, timeout=60)
+    assert r.status_code == 200 and "added successfully" in r.text, r.text
+    assert _completion(client, "qv") == ("qv", _text(made, made["qv-rslora"][1]))
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {"tiny", "static-all", "qv"}
+    assert cards["qv"].parent == "tiny" and cards["qv"].root == made["qv-rslora"][0].lora_path
+    again = requests.post(f"{url}/v1/load_lora_adapter",
+                          json={"lora_name": "qv", "lora_path": made["qv-rslora"][0].lora_path}, timeout=60)
+    assert_openai_error(again, 400)
+    r = requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "qv"}, timeout=60)
+    assert r.status_code == 200 and "removed successfully" in r.text
+    gone = requests.post(f"{url}/v1/completions", json={"model": "qv", "prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert_openai_error(gone, 404, param="model", code="model_not_found")
+    assert_openai_error(requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "qv"}, timeout=60), 404)
+    # The base model is still the base model.
+    assert _completion(client, "tiny") == ("tiny", _text(made, base_tokens))
+
+
+def test_http_bad_adapter_is_a_400_and_nothing_else_is_disturbed(lora_http, tmp_path):
+    import requests
+
+    from conftest import assert_openai_error, openai_client
+
+    url, made, _ = lora_http
+    base_path = Path(json.loads((Path(made["all"][0].lora_path) / "adapter_config.json").read_text())
+                     ["base_model_name_or_path"])
+    big = tmp_path / "rank16"
+    _peft_adapter(base_path, big, 5, 16, ("q_proj",), False)
+    r = requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(big)}, timeout=60)
+    assert "max_lora_rank" in assert_openai_error(r, 400)["message"]
+    r = requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "nowhere", "lora_path": str(tmp_path / "no")},
+                      timeout=60)
+    assert_openai_error(r, 400)
+    assert {m.id for m in openai_client(url).models.list().data} == {"tiny", "static-all"}
+    assert_openai_error(requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "x"}, timeout=60), 400)
+    assert _completion(openai_client(url), "static-all") == ("static-all", _text(made, made["all"][1]))
