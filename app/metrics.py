@@ -23,6 +23,8 @@ exact names with servax's prefix (`servax:time_to_first_token_seconds`,
 `servax:prompt_tokens_total`, ... labelled `model_name`), which the ingress serves at
 `GET /metrics` on the HTTP port (`ServerMetrics.families`, `render_families`), so a
 Prometheus job or a dashboard made for vLLM scrapes servax by changing the prefix.
+With LoRA adapters that endpoint also has `servax:lora_adapters_loaded`, `servax:lora_slot_loads`
+and `servax:lora_requests{lora_name}` (requests per adapter so far).
 """
 
 from __future__ import annotations
@@ -154,6 +156,12 @@ class PrometheusMetrics:
                                               keys, registry=r),
             "num_preemptions": prom.Counter("servax:num_preemptions", "Sequences preempted.", keys, registry=r),
         }
+        self.lora_loaded = prom.Gauge("servax:lora_adapters_loaded", "LoRA adapters read into the engine.", keys,
+                                      registry=r)
+        self.lora_slot_loads = prom.Gauge("servax:lora_slot_loads", "LoRA adapter writes into device slots so far.",
+                                          keys, registry=r)
+        self.lora_requests = prom.Gauge("servax:lora_requests", "Requests per LoRA adapter so far.",
+                                        keys + ["lora_name"], registry=r)
 
     def observe_request(self, *, ttft_s: float | None, e2e_s: float, prompt_tokens: int,
                         generation_tokens: int, finish_reason: str | None) -> None:
@@ -175,6 +183,11 @@ class PrometheusMetrics:
         for field, counter in self.engine_counters.items():
             if deltas[field] > 0:
                 counter.labels(**labels).inc(deltas[field])
+        if getattr(stats, "lora_adapters_loaded", 0) or getattr(stats, "lora_requests", None):
+            self.lora_loaded.labels(**labels).set(stats.lora_adapters_loaded)
+            self.lora_slot_loads.labels(**labels).set(stats.lora_slot_loads)
+            for name, count in stats.lora_requests.items():
+                self.lora_requests.labels(**labels, lora_name=name).set(count)
 
     def families(self) -> list[Metric]:
         """The registry's metric families (picklable), for the ingress to merge and render."""

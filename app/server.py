@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -100,8 +101,11 @@ class LLMServer:
         if lora_config is not None and lora_config.dynamic_lora_loading_path:
             # Ray Serve LLM's model multiplexing: Serve keeps max_num_adapters_per_replica
             # adapters per replica (LRU) and routes "<model_id>:<adapter>" to a replica that has it.
+            async def read_adapter(model_id: str) -> _ResidentAdapter:  # a function: Serve tags it
+                return await self._read_adapter(model_id)
+
             self._load_multiplexed = serve.multiplexed(
-                max_num_models_per_replica=lora_config.max_num_adapters_per_replica)(self._read_adapter)
+                max_num_models_per_replica=lora_config.max_num_adapters_per_replica)(read_adapter)
         for module in self.llm_config.lora_modules:  # read (and validated) at startup
             self.engine.add_lora(LoRARequest(module.name, stable_lora_id(module.name, module.path),
                                                     module.path, self.model_id))
@@ -113,6 +117,8 @@ class LLMServer:
         """Serve's multiplexed loader: "<model_id>:<adapter>" -> the adapter, read into the engine."""
         adapter = multiplexed_model_id.partition(":")[2]
         path = self.llm_config.lora_config.adapter_path(adapter)
+        if not os.path.isdir(path):
+            raise _AdapterNotFound(f"The model `{multiplexed_model_id}` does not exist: no adapter folder {path}")
         lora = LoRARequest(multiplexed_model_id, stable_lora_id(multiplexed_model_id, path), path, self.model_id)
         await asyncio.get_running_loop().run_in_executor(None, self.engine.add_lora, lora)
         return _ResidentAdapter(lora, self.engine)
@@ -319,7 +325,13 @@ class _ResidentAdapter:
             pass
 
 
+class _AdapterNotFound(LookupError):
+    """A "<model_id>:<adapter>" whose adapter is not under lora_config.dynamic_lora_loading_path."""
+
+
 def _lora_error(exc: BaseException) -> ErrorResponse:
+    if isinstance(exc, _AdapterNotFound):
+        return ErrorResponse.make(404, str(exc), param="model", code="model_not_found")
     err = error_response(exc, "model")
     if err is None:
         return ErrorResponse.make(400, f"cannot load the LoRA adapter: {exc}", param="model")

@@ -65,6 +65,9 @@ class EngineStats:
     num_requests_finished: int
     num_preemptions: int
     compilations_since_warmup: int
+    lora_adapters_loaded: int = 0  # adapters read and registered (enable_lora)
+    lora_slot_loads: int = 0  # adapter writes into a device slot
+    lora_requests: dict[str, int] = dataclasses.field(default_factory=dict)  # adapter name -> requests so far
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -447,4 +450,7 @@ class Engine:
             generation_tokens_total=self._generation_tokens, num_requests_finished=self._finished,
             num_preemptions=self.scheduler.num_preemptions,
             compilations_since_warmup=self.compile_counter.since_warmup,
+            **({} if self.lora is None else dict(
+                lora_adapters_loaded=len(self.lora.registered), lora_slot_loads=self.lora.num_loads,
+                lora_requests=dict(self.lora.requests_per_adapter))),
         )

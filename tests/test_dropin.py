@@ -35,7 +35,6 @@ def llm(servax_cache):
     ("kv_cache_dtype", "fp8", "model's dtype"),
     ("quantization", "awq", "not supported yet"),
     ("generation_config", "/no/such/folder", "'auto', 'vllm' or a folder"),
-    ("enable_lora", True, "LoRA"),
     ("load_format", "dummy", "drop load_format"),
 ])
 def test_vllm_args_that_cannot_apply_are_refused_saying_why(arg, value, says):
@@ -167,7 +166,7 @@ def test_ray_serve_llm_yaml_validates_and_places_like_ray(tmp_path):
 
 
 @pytest.mark.parametrize("key, value, says", [
-    ("lora_config", {"dynamic_lora_loading_path": "s3://x"}, "LoRA adapters are not supported yet"),
+    ("lora_config", {"dynamic_lora_loading_path": "s3://x"}, "cloud storage URIs are not supported"),
     ("llm_engine", "SGLang", "its own JAX engine"),
     ("placement_group_config", {"bundle": [{"CPU": 1}]}, "bundles"),
     ("experimental_configs", {"warp_speed": 9}, "unknown experimental_configs"),

@@ -231,6 +231,9 @@ def test_http_serves_static_and_runtime_loaded_adapters(lora_http):
     assert_openai_error(requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "qv"}, timeout=60), 404)
     # The base model is still the base model.
     assert _completion(client, "tiny") == ("tiny", _text(made, base_tokens))
+    metrics = requests.get(f"{url}/metrics", timeout=30).text
+    assert 'servax:lora_requests{lora_name="static-all",model_name="tiny"}' in metrics, metrics[-2000:]
+    assert "servax:lora_adapters_loaded" in metrics
 
 
 def test_http_bad_adapter_is_a_400_and_nothing_else_is_disturbed(lora_http, tmp_path):
@@ -251,3 +254,47 @@ def test_http_bad_adapter_is_a_400_and_nothing_else_is_disturbed(lora_http, tmp_
     assert {m.id for m in openai_client(url).models.list().data} == {"tiny", "static-all"}
     assert_openai_error(requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "x"}, timeout=60), 400)
     assert _completion(openai_client(url), "static-all") == ("static-all", _text(made, made["all"][1]))
+
+
+RAY_SERVE_LLM_LORA_YAML = """
+applications:
+- name: llm-app
+  route_prefix: /
+  import_path: app.builder:build_openai_app
+  args:
+    llm_configs:
+    - model_loading_config: {{model_id: tiny-lora, model_source: {base}}}
+      engine_kwargs: {{max_model_len: 128, max_num_seqs: 4, max_num_batched_tokens: 32, max_loras: 1,
+                      max_lora_rank: 8, show_progress: false}}
+      lora_config: {{dynamic_lora_loading_path: {adapters}, max_num_adapters_per_replica: 2}}
+      deployment_config: {{num_replicas: 2, ray_actor_options: {{num_cpus: 0.5}}}}
+"""
+
+
+@pytest.mark.cluster
+def test_ray_serve_llm_yaml_with_lora_config_serves_base_colon_adapter_on_two_replicas(adapters, tmp_path_factory):
+    """Ray Serve LLM's lora_config: "<model_id>:<adapter>" loads the adapter folder on demand on
+    a replica (Serve multiplexing); PEFT's tokens over HTTP; an unknown adapter is a 404."""
+    import requests
+
+    from conftest import assert_openai_error, openai_client, serve_run
+
+    base_path, made, base_tokens = adapters
+    root = tmp_path_factory.mktemp("lora-serve")
+    for name in ("all", "mlp"):
+        shutil.copytree(made[name][0].lora_path, root / "adapters" / name)
+    config = root / "lora.yaml"
+    config.write_text(RAY_SERVE_LLM_LORA_YAML.format(base=base_path, adapters=root / "adapters"))
+    with serve_run(config, root) as run:
+        client = openai_client(run.base_url)
+        for _ in range(2):  # the second round finds the adapters loaded
+            for name in ("all", "mlp"):
+                assert _completion(client, f"tiny-lora:{name}") == (f"tiny-lora:{name}", _text(made, made[name][1]))
+            assert _completion(client, "tiny-lora") == ("tiny-lora", _text(made, base_tokens))
+        stream = client.chat.completions.create(model="tiny-lora:all", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=4, stream=True)
+        assert [c.model for c in stream][0] == "tiny-lora:all"
+        missing = requests.post(f"{run.base_url}/v1/completions",
+                                json={"model": "tiny-lora:nope", "prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert_openai_error(missing, 404, param="model", code="model_not_found")
+        assert _completion(client, "tiny-lora:mlp")[1] == _text(made, made["mlp"][1])
