@@ -298,3 +298,41 @@ def test_ray_serve_llm_yaml_with_lora_config_serves_base_colon_adapter_on_two_re
                                 json={"model": "tiny-lora:nope", "prompt": "hi", "max_tokens": 2}, timeout=60)
         assert_openai_error(missing, 404, param="model", code="model_not_found")
         assert _completion(client, "tiny-lora:mlp")[1] == _text(made, made["mlp"][1])
+
+
+_TP_SCRIPT = """
+import json, sys
+from app import LLM, LoRARequest, SamplingParams
+base, a_path, a_tokens, tokens_base = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+llm = LLM(model=base, enable_lora=True, max_loras=1, max_lora_rank=8, max_model_len=128, max_num_seqs=4,
+          max_num_batched_tokens=64, show_progress=False, compilation_cache_dir="", tensor_parallel_size=2,
+          enforce_eager=True)
+prompt = {"prompt_token_ids": json.loads(sys.argv[5])}
+g = SamplingParams(temperature=0.0, max_tokens=len(a_tokens), min_tokens=len(a_tokens))
+outs = llm.generate([prompt, prompt], g, lora_request=[LoRARequest("a", 1, a_path), None], use_tqdm=False)
+layer = llm.engine.model.params["layers"][0]["lora"]
+print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs],
+                  "q_b": str(layer["q_proj"]["b"].sharding.spec), "o_a": str(layer["o_proj"]["a"].sharding.spec)}))
+"""
+
+
+def test_adapters_shard_like_their_weights_under_tensor_parallelism(adapters):
+    """tp=2 on fake devices: the slot tables split as the base weights do (q's output, o's
+    input), and the tokens are PEFT's."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    base_path, made, base_tokens = adapters
+    lora, want, _ = made["all"]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT, str(base_path), lora.lora_path, json.dumps(want),
+                           json.dumps(base_tokens), json.dumps(PROMPT)], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["tokens"] == [want, base_tokens]
+    assert out["q_b"] == "P(None, None, 'model')" and out["o_a"] == "P(None, 'model', None)"
