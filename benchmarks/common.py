@@ -6,6 +6,7 @@ import datetime
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,12 +36,24 @@ def bench_checkpoint(name: str = "llama", **overrides) -> Path:
     return out
 
 
+def cpu_model() -> str:
+    """lscpu's model name (what RESULTS.md puts beside every figure), else the platform's."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine() -> str:
     import jax
     import torch
 
     return (
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"{cpu_model()}, {os.cpu_count()} cores, "
         f"jax {jax.__version__} on {jax.devices()[0].platform} x{len(jax.devices())}, torch {torch.__version__}"
     )
 

@@ -163,12 +163,18 @@ def lora_delta(slots: dict, slot_of_token: jax.Array) -> Any:
     """
     num_slots = next(iter(slots.values()))["a"].shape[0]
     onehot = slot_of_token[:, None] == jnp.arange(1, num_slots)[None, :]  # [T, S - 1]; slot 0 adds nothing
+    any_adapter = jnp.any(slot_of_token > 0)
 
     def delta(name: str, x: jax.Array) -> jax.Array | None:
         if name not in slots:
             return None
         a, b = slots[name]["a"][1:], slots[name]["b"][1:]
-        xa = jnp.einsum("ti,sir->tsr", x, a) * onehot[:, :, None].astype(x.dtype)
-        return jnp.einsum("tsr,sro->to", xa, b)
+
+        def apply() -> jax.Array:
+            xa = jnp.einsum("ti,sir->tsr", x, a) * onehot[:, :, None].astype(x.dtype)
+            return jnp.einsum("tsr,sro->to", xa, b)
+
+        # A step of base-model requests only skips the adapter matmuls (and their weight reads).
+        return jax.lax.cond(any_adapter, apply, lambda: jnp.zeros((x.shape[0], b.shape[-1]), x.dtype))
 
     return delta
