@@ -188,7 +188,7 @@ def lora_http(adapters, tmp_path_factory):
     }
     config = load_app_config({"llm_configs": [block], "ingress_config": {"allow_runtime_lora_updating": True}})
     with local_llm_servers([block]) as handles, openai_api_server(handles, lora=lora_routes(config)) as url:
-        yield url, made, base_tokens
+        yield url, made, base_tokens, handles["tiny"]
 
 
 def _completion(client, model: str) -> tuple[str, str]:
@@ -209,7 +209,7 @@ def test_http_serves_static_and_runtime_loaded_adapters(lora_http):
 
     from conftest import assert_openai_error, openai_client
 
-    url, made, base_tokens = lora_http
+    url, made, base_tokens, handle = lora_http
     client = openai_client(url)
     # A static adapter (lora_modules): PEFT's tokens, the adapter named in the response.
     assert _completion(client, "static-all") == ("static-all", _text(made, made["all"][1]))
@@ -231,6 +231,13 @@ def test_http_serves_static_and_runtime_loaded_adapters(lora_http):
     assert_openai_error(requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "qv"}, timeout=60), 404)
     # The base model is still the base model.
     assert _completion(client, "tiny") == ("tiny", _text(made, base_tokens))
+    # Python handle calls take the LoRARequest itself.
+    sampling = {"temperature": 0.0, "max_tokens": NEW, "min_tokens": NEW}
+    result = handle.generate.remote({"prompt_token_ids": PROMPT}, sampling, made["mlp"][0]).result()
+    assert result.outputs[0].token_ids == made["mlp"][1]
+    deltas = list(handle.options(stream=True).stream.remote({"prompt_token_ids": PROMPT}, sampling,
+                                                            lora_request=made["all"][0]))
+    assert [t for d in deltas for t in d.token_ids] == made["all"][1]
     metrics = requests.get(f"{url}/metrics", timeout=30).text
     assert 'servax:lora_requests{lora_name="static-all",model_name="tiny"}' in metrics, metrics[-2000:]
     assert "servax:lora_adapters_loaded" in metrics
@@ -241,7 +248,7 @@ def test_http_bad_adapter_is_a_400_and_nothing_else_is_disturbed(lora_http, tmp_
 
     from conftest import assert_openai_error, openai_client
 
-    url, made, _ = lora_http
+    url, made, _, _ = lora_http
     base_path = Path(json.loads((Path(made["all"][0].lora_path) / "adapter_config.json").read_text())
                      ["base_model_name_or_path"])
     big = tmp_path / "rank16"
