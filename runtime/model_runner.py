@@ -113,6 +113,9 @@ class ModelRunner:
         return self.model.params[self.model.stages.layers_key if self.model.stages is not None else "layers"]
 
     def _has_lora_slots(self) -> bool:
+        key = self.model.stages.layers_key if self.model.stages is not None else "layers"
+        if not self.model.lora_targets or key not in self.model.params:
+            return False  # the torchax path: no adapter slots
         layers = self._layers()
         return "lora" in (layers[0] if isinstance(layers, list) else layers)
 
