@@ -44,7 +44,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         mesh=make_mesh(config.tensor_parallel_size, config.data_parallel_size),
         revision=config.revision, trust_remote_code=config.trust_remote_code, tokenizer=config.tokenizer,
         tokenizer_mode=config.tokenizer_mode, skip_tokenizer_init=config.skip_tokenizer_init,
-        hf_overrides=config.hf_overrides,
+        hf_overrides=config.hf_overrides, quantization=config.quantization,
     )
     if config.generation_config not in ("auto", "vllm"):  # a folder holding generation_config.json
         model.generation_config = sampling_defaults(Path(config.generation_config).expanduser())

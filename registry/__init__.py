@@ -34,7 +34,7 @@ def load(
     model: str | os.PathLike | ResolvedModel, *, model_impl: str = "auto", dtype: str = "float32",
     mesh: Mesh | None = None, revision: str | None = None, trust_remote_code: bool = False,
     tokenizer: str | os.PathLike | None = None, tokenizer_mode: str = "auto", skip_tokenizer_init: bool = False,
-    hf_overrides: dict[str, Any] | None = None, impl: str | None = None,
+    hf_overrides: dict[str, Any] | None = None, impl: str | None = None, quantization: str | None = None,
 ) -> LoadedModel:
     """Resolve (unless given a ResolvedModel) and load a model, params placed on `mesh`.
 
@@ -50,6 +50,8 @@ def load(
         skip_tokenizer_init: load no tokenizer; the model serves token ids only.
         hf_overrides: config attributes to set before the model is built (vLLM's hf_overrides).
         impl: deprecated alias of model_impl (DeprecationWarning).
+        quantization: None, or "int8": the matrices stored as per-output-channel int8
+            (runtime/quantization.py), on either path.
 
     Raises:
         ModelLoadError: anything that stops the model from loading, with what to change
@@ -80,8 +82,47 @@ def load(
                 f"{resolved.model_id}: architecture {resolved.architecture} needs the torchax fallback, "
                 f"which is not available ({e}); native: {', '.join(sorted(NATIVE_MODELS))}"
             ) from e
-        return load_torchax(resolved, dtype=jdtype, mesh=mesh, info=info)
-    return load_native(resolved, dtype=jdtype, mesh=mesh, info=info)
+        loaded = load_torchax(resolved, dtype=jdtype, mesh=mesh, info=info)
+        reduce_axes = _torchax_quant_axes
+    else:
+        loaded = load_native(resolved, dtype=jdtype, mesh=mesh, info=info)
+        reduce_axes = _native_quant_axes
+    if quantization is not None:
+        from runtime.quantization import quantize_model
+
+        try:
+            quantize_model(loaded, quantization, mesh, reduce_axes)
+        except ValueError as e:
+            raise ModelLoadError(f"{resolved.model_id}: {e}") from e
+        logger.info("%s: weights quantized to %s", resolved.model_id, quantization)
+    return loaded
+
+
+def _native_quant_axes(name: str, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The input axes of a native (models_jax) matrix, by its param path; None: keep it float.
+
+    Stacked layer weights have a leading layer axis: layers.q [L, D, H, hd] reduces D,
+    layers.o [L, H, hd, D] reduces (H, hd); the embedding [V, D] one scale per row.
+    """
+    leaf = name.rsplit(".", 1)[-1]
+    if name == "embed":
+        return (1,)
+    if name == "lm_head":
+        return (0,)
+    if name.startswith("layers.") and len(shape) >= 3:
+        if leaf in ("q", "k", "v", "gate", "up", "down"):
+            return (1,)
+        if leaf == "o":
+            return (1, 2)
+    return None
+
+
+def _torchax_quant_axes(name: str, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """transformers' 2-D weights: Linear [out, in] and Embedding [vocab, D] reduce axis 1
+    (one scale per output channel / row); norms and biases stay float."""
+    if len(shape) == 2 and name.endswith("weight") and "norm" not in name.lower():
+        return (1,)
+    return None
 
 
 def check_tensor_parallel(resolved: ResolvedModel, tp: int) -> None:

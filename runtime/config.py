@@ -100,7 +100,10 @@ class EngineConfig(BaseModel):
     max_lora_rank: int = Field(16, gt=0, description="Highest adapter rank accepted (the slots' rank).")
     max_cpu_loras: int | None = Field(None, gt=0, description="Adapters kept read in host memory (>= max_loras).")
     kv_cache_dtype: str = Field("auto", description="auto: the model's dtype (the only one supported today).")
-    quantization: str | None = Field(None, description="None only: no weight quantization is implemented yet.")
+    quantization: str | None = Field(
+        None, description="None (weights in `dtype`) or int8: symmetric per-output-channel int8 weights, "
+                          "dequantized inside the step (runtime/quantization.py); quantized GGUF tensors are "
+                          "dequantized when loaded, then quantized again.")
     tokenizer_mode: Literal["auto", "hf", "slow"] = "auto"
     skip_tokenizer_init: bool = Field(False, description="Load no tokenizer: prompts must be token ids.")
     hf_overrides: dict[str, Any] | None = Field(None, description="Config attributes to override.")
@@ -166,11 +169,11 @@ class EngineConfig(BaseModel):
 
     @field_validator("quantization")
     @classmethod
-    def _no_quantization_yet(cls, v: str | None) -> str | None:
-        if v is not None:
+    def _known_quantization(cls, v: str | None) -> str | None:
+        if v is not None and v not in ("int8",):
             raise ValueError(
-                f"quantization={v!r} is not supported yet: weights run in `dtype`; quantized GGUF "
-                "checkpoints are dequantized when loaded"
+                f"quantization={v!r} is not supported yet; supported: int8 (per-output-channel int8 weights), "
+                "or None for weights in `dtype`"
             )
         return v
 

@@ -33,7 +33,7 @@ def llm(servax_cache):
     ("swap_space", 4, "recomputed"),
     ("cpu_offload_gb", 2, "not offloaded"),
     ("kv_cache_dtype", "fp8", "model's dtype"),
-    ("quantization", "awq", "not supported yet"),
+    ("quantization", "awq", "supported: int8"),
     ("generation_config", "/no/such/folder", "'auto', 'vllm' or a folder"),
     ("load_format", "dummy", "drop load_format"),
 ])

@@ -1,0 +1,111 @@
+"""Weight quantization: `quantization="int8"`.
+
+Every matrix of a loaded model (projections, MLP, embedding, LM head; >= 2 dimensions) is
+stored as symmetric int8 with float scales, `QuantizedWeight(q, scale)`: per output channel
+(the maximum |w| over the input axes / 127). The step function dequantizes its weights as it
+uses them (`q.astype(dtype) * scale`, inside the jitted program, layer by layer when the
+runtime steps layer by layer), so both model paths serve quantized weights through the same
+step contract; XLA fuses the dequantization into the matmul's operand where the backend can
+(GPU/TPU). Weights take ~1/4 of their float32 bytes; shardings are the float weight's (the
+scale's reduced axes are whole).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from runtime.step import LayerStages, LoadedModel
+
+QUANTIZATIONS = ("int8",)
+
+
+@flax.struct.dataclass
+class QuantizedWeight:
+    """A weight as int8 values and float scales: w ~= q * scale (scale broadcasts over q)."""
+
+    q: jax.Array  # int8, the weight's shape
+    scale: jax.Array  # the weight's dtype; size 1 on the reduced (input) axes
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+    def dequantize(self) -> jax.Array:
+        return self.q.astype(self.scale.dtype) * self.scale
+
+
+def _is_quantized(x: Any) -> bool:
+    return isinstance(x, QuantizedWeight)
+
+
+def dequantize(tree: Any) -> Any:
+    """The tree with every QuantizedWeight replaced by its float weight."""
+    return jax.tree.map(lambda x: x.dequantize() if _is_quantized(x) else x, tree, is_leaf=_is_quantized)
+
+
+def quantize_int8(w: jax.Array, reduce_axes: tuple[int, ...]) -> QuantizedWeight:
+    """Symmetric int8 over `reduce_axes` (the input axes: one scale per output channel)."""
+    wf = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(wf), axis=reduce_axes, keepdims=True)
+    scale = jnp.where(amax == 0, 1.0, amax / 127.0)
+    q = jnp.clip(jnp.round(wf / scale), -127, 127).astype(jnp.int8)
+    return QuantizedWeight(q, scale.astype(w.dtype))
+
+
+def quantize_model(model: LoadedModel, method: str, mesh: Mesh,
+                   reduce_axes: Callable[[str, tuple[int, ...]], tuple[int, ...] | None]) -> None:
+    """Quantize a loaded model's matrices in place (params, param_shardings, step functions).
+
+    Args:
+        reduce_axes: (dotted param path, shape) -> the input axes to take each scale over,
+            or None to leave that param in float (norms, biases: any < 2-D param is left).
+
+    Raises:
+        ValueError: an unknown method.
+    """
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization={method!r} is not supported; supported: {', '.join(QUANTIZATIONS)}")
+    flat, treedef = jax.tree_util.tree_flatten_with_path(model.params)
+    specs = treedef.flatten_up_to(model.param_shardings)
+    new_params, new_specs = [], []
+    for (path, w), spec in zip(flat, specs):
+        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        axes = reduce_axes(name, w.shape) if w.ndim >= 2 and jnp.issubdtype(w.dtype, jnp.floating) else None
+        if axes is None:
+            new_params.append(w)
+            new_specs.append(spec)
+            continue
+        entries = tuple(spec) + (None,) * (w.ndim - len(tuple(spec)))
+        scale_spec = PartitionSpec(*(None if i in axes else e for i, e in enumerate(entries)))
+        out = QuantizedWeight(NamedSharding(mesh, PartitionSpec(*entries)), NamedSharding(mesh, scale_spec))
+        new_params.append(jax.jit(functools.partial(quantize_int8, reduce_axes=axes), out_shardings=out)(w))
+        new_specs.append(QuantizedWeight(PartitionSpec(*entries), scale_spec))
+        del w
+    model.params = jax.tree.unflatten(treedef, new_params)
+    model.param_shardings = jax.tree.unflatten(treedef, new_specs)
+    step_fn = model.step_fn
+    model.step_fn = lambda params, kv_cache, batch: step_fn(dequantize(params), kv_cache, batch)
+    if model.stages is not None:
+        model.stages = _dequantizing_stages(model.stages)
+
+
+def _dequantizing_stages(stages: LayerStages) -> LayerStages:
+    prologue, layer, epilogue = stages.prologue, stages.layer, stages.epilogue
+    return dataclasses.replace(
+        stages,
+        prologue=lambda outer, batch: prologue(dequantize(outer), batch),
+        layer=lambda p, carry, kv_cache, i, batch: layer(dequantize(p), carry, kv_cache, i, batch),
+        epilogue=lambda outer, carry, batch: epilogue(dequantize(outer), carry, batch),
+    )
+
+
+def param_bytes(params: Any) -> int:
+    """Bytes of a params tree (int8 values and scales counted as stored)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))

@@ -1,0 +1,97 @@
+"""int8 weight quantization (runtime/quantization.py) on both model paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from app import LLM, SamplingParams
+from conftest import REPO
+from runtime.quantization import QuantizedWeight, param_bytes, quantize_int8
+
+PROMPT = [(7 * i + 3) % 500 + 4 for i in range(24)]
+ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, show_progress=False,
+              compilation_cache_dir="")
+
+
+def test_quantizer_is_symmetric_per_output_channel_and_bounded():
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((64, 4, 8)) * np.linspace(0.1, 3, 32).reshape(1, 4, 8), jnp.float32)
+    qw = quantize_int8(w, (0,))
+    assert qw.q.dtype == jnp.int8 and qw.scale.shape == (1, 4, 8)
+    assert int(jnp.max(jnp.abs(qw.q))) == 127  # each channel's largest weight maps to +-127
+    err = np.abs(np.asarray(qw.dequantize()) - np.asarray(w))
+    assert np.all(err <= np.asarray(qw.scale) / 2 + 1e-7)  # round-to-nearest: half a step at most
+    zero = quantize_int8(jnp.zeros((3, 2)), (0,))
+    assert np.all(np.asarray(zero.dequantize()) == 0)
+
+
+def _run(model: str, quantization: str | None, **extra):
+    llm = LLM(model=model, quantization=quantization, **ENGINE, **extra)
+    out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16,
+                                                                    prompt_logprobs=0), use_tqdm=False)[0]
+    logprobs = np.array([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
+    return llm, out.outputs[0].token_ids, logprobs
+
+
+@pytest.mark.parametrize("model", ["servax-tiny/llama", "servax-tiny/gpt2"], ids=["native", "torchax"])
+def test_int8_weights_are_a_quarter_of_the_bytes_and_logits_stay_close(model):
+    llm_f, tokens_f, lp_f = _run(model, None, enforce_eager=True)
+    warm = model.endswith("llama")  # one int8 engine precompiles its buckets, to check nothing compiles later
+    llm_q, tokens_q, lp_q = _run(model, "int8", enforce_eager=not warm)
+    ratio = param_bytes(llm_q.engine.model.params) / param_bytes(llm_f.engine.model.params)
+    assert ratio <= 0.3, ratio
+    leaves = [x for x in _leaves(llm_q.engine.model.params) if isinstance(x, QuantizedWeight)]
+    assert leaves and all(x.q.dtype == jnp.int8 for x in leaves)
+    diff = np.abs(lp_q - lp_f)
+    assert diff.max() < 0.25 and diff.mean() < 0.08, (diff.max(), diff.mean())
+    assert len(tokens_q) == 16
+    if warm:
+        assert llm_q.engine.stats().compilations_since_warmup == 0
+
+
+def _leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+
+
+_TP = """
+import json, sys
+from app import LLM, SamplingParams
+prompt = json.loads(sys.argv[1])
+out = {}
+for tp in (1, 2):
+    llm = LLM(model="servax-tiny/llama", quantization="int8", tensor_parallel_size=tp, max_model_len=128,
+              max_num_seqs=4, max_num_batched_tokens=64, show_progress=False, compilation_cache_dir="",
+              enforce_eager=True)
+    o = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16),
+                     use_tqdm=False)[0]
+    q = llm.engine.model.params["layers"][0]["q"]
+    out[tp] = {"tokens": o.outputs[0].token_ids, "q": str(q.q.sharding.spec), "scale": str(q.scale.sharding.spec)}
+print(json.dumps(out))
+"""
+
+
+def test_int8_under_tensor_parallelism_gives_the_same_tokens():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", _TP, json.dumps(PROMPT)], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["1"]["tokens"] == out["2"]["tokens"]
+    assert "model" in out["2"]["q"] and "model" in out["2"]["scale"]  # split by heads, as the float weight
+
+
+def test_unknown_quantization_is_refused():
+    from runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match="supported: int8"):
+        EngineConfig(model="servax-tiny/llama", quantization="awq")
