@@ -61,13 +61,59 @@ _State = tuple[jax.Array, jax.Array, jax.Array]
 Window = int | jax.Array | None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Scaled:
+    """A quantized cache array and its per-token-head scales, read as float (kv_cache_dtype int8/fp8)."""
+
+    values: jax.Array  # [num_layers, num_blocks, kv_heads, block_size, head_dim], int8 / float8
+    scales: jax.Array  # [num_layers, num_blocks, kv_heads, block_size] float32
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+
 def _read_blocks(
-    cache: jax.Array,  # [num_layers, num_blocks, kv_heads, block_size, head_dim]
+    cache: jax.Array | _Scaled,  # [num_layers, num_blocks, kv_heads, block_size, head_dim]
     layer: int | jax.Array,
     blocks: jax.Array,  # [...] int32, block ids of `layer`
 ) -> jax.Array:  # [..., kv_heads, block_size, head_dim], float32
-    """One gather of the given blocks of one layer (no copy of the layer's whole cache)."""
+    """One gather of the given blocks of one layer (no copy of the layer's whole cache);
+    a quantized cache is dequantized as it is read."""
+    if isinstance(cache, _Scaled):
+        return cache.values[layer, blocks].astype(jnp.float32) * cache.scales[layer, blocks][..., None]
     return cache[layer, blocks].astype(jnp.float32)
+
+
+# Largest magnitude each quantized cache dtype holds (a token-head's largest |value| maps to it).
+_QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+
+
+def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """x [T, kv_heads, head_dim] -> (stored values, float32 scales [T, kv_heads]), one scale per
+    token and head (its largest |value| / the dtype's largest)."""
+    qmax = _QMAX[jnp.dtype(dtype)]
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    scale = jnp.where(amax == 0, 1.0, amax / qmax)
+    scaled = xf / scale[..., None]
+    if jnp.issubdtype(jnp.dtype(dtype), jnp.integer):
+        scaled = jnp.clip(jnp.round(scaled), -qmax, qmax)
+    return scaled.astype(dtype), scale
+
+
+def write_kv_quantized(cache: KVCache, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
+                       layer: int | jax.Array) -> KVCache:
+    """write_kv for a quantized cache: values and their per-token-head scales, in place."""
+    num_blocks, block_size = cache.k.shape[1], cache.k.shape[3]
+    blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
+    offsets = slot_mapping % block_size
+    out = {}
+    for name, new in (("k", k), ("v", v)):
+        values, scales = quantize_kv(new, getattr(cache, name).dtype)
+        out[name] = getattr(cache, name).at[layer, blocks, :, offsets].set(values, mode="drop")
+        out[name + "_scale"] = getattr(cache, name + "_scale").at[layer, blocks, :, offsets].set(scales, mode="drop")
+    return dataclasses.replace(cache, **out)
 
 
 def write_kv(
@@ -458,7 +504,15 @@ def paged_attention(
     if layer is None:
         raise ValueError("paged_attention on a stacked KVCache needs the layer to use")
     batch = jax.tree.map(jnp.asarray, batch)
-    k_cache, v_cache = write_kv(kv_cache.k, kv_cache.v, k, v, batch.slot_mapping, layer)
+    if kv_cache.k_scale is not None:  # a quantized cache: read back through its scales
+        if kv_cache.attention_backend == "pallas":
+            raise NotImplementedError("a quantized KV cache (kv_cache_dtype) runs on the xla attention backend")
+        kv_cache = write_kv_quantized(kv_cache, k, v, batch.slot_mapping, layer)
+        k_cache, v_cache = _Scaled(kv_cache.k, kv_cache.k_scale), _Scaled(kv_cache.v, kv_cache.v_scale)
+        written = {}
+    else:
+        k_cache, v_cache = write_kv(kv_cache.k, kv_cache.v, k, v, batch.slot_mapping, layer)
+        written = {"k": k_cache, "v": v_cache}
     if kv_cache.attention_backend == "pallas":
         from runtime.pallas_attention import pallas_ragged_paged_attention
 
@@ -505,4 +559,4 @@ def paged_attention(
         qg, k, v, seq_of_token, q_pos, is_real, seq_start, state,
         tile=new_token_tile, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
     )
-    return _finish(state, num_heads, q.dtype), dataclasses.replace(kv_cache, k=k_cache, v=v_cache)
+    return _finish(state, num_heads, q.dtype), dataclasses.replace(kv_cache, **written)

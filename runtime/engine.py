@@ -121,6 +121,12 @@ class Engine:
             eos_token_ids=model.eos_token_ids,
         )
         self.block_size = config.block_size
+        self.kv_spec = model.kv_spec  # what this engine's cache stores (the model may be shared)
+        if config.kv_cache_dtype != "auto":
+            import jax.numpy as jnp
+
+            stored = jnp.int8 if config.kv_cache_dtype == "int8" else jnp.float8_e4m3fn
+            self.kv_spec = dataclasses.replace(model.kv_spec, cache_dtype=stored)
         self.num_blocks = self._num_kv_blocks()
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -137,7 +143,7 @@ class Engine:
             max_model_len=self.max_model_len, token_buckets=token_buckets(config.max_num_batched_tokens),
             seq_buckets=seq_buckets(config.max_num_seqs), max_logprobs=config.max_logprobs,
             layerwise=config.layerwise,
-            attention_backend=resolve_attention_backend(config.attention_backend, self.mesh.devices.flat[0].platform),
+            attention_backend=self._attention_backend(), kv_spec=self.kv_spec,
         )
         self.lora: LoRAManager | None = None
         if config.enable_lora:
@@ -173,8 +179,18 @@ class Engine:
         self._finished = 0
 
     # -- sizing --------------------------------------------------------------------------
+    def _attention_backend(self) -> str:
+        backend = resolve_attention_backend(self.config.attention_backend, self.mesh.devices.flat[0].platform)
+        if backend == "pallas" and self.kv_spec.quantized:
+            if self.config.attention_backend == "pallas":
+                raise ValueError(f"kv_cache_dtype={self.config.kv_cache_dtype} runs on attention_backend='xla' "
+                                 "(the Pallas kernel reads an unquantized cache)")
+            logger.info("kv_cache_dtype=%s: attention backend xla", self.config.kv_cache_dtype)
+            return "xla"
+        return backend
+
     def _num_kv_blocks(self) -> int:
-        cfg, spec = self.config, self.model.kv_spec
+        cfg, spec = self.config, self.kv_spec
         per_block = spec.bytes_per_block(self.block_size)
         if cfg.num_kv_blocks is not None:
             num, source = cfg.num_kv_blocks, "num_kv_blocks"

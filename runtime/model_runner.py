@@ -79,12 +79,14 @@ class ModelRunner:
             (runtime/layered.py; it takes over the model's params), else one program.
         attention_backend: "xla" or "pallas" (resolved: see runtime.attention.resolve_backend);
             the KV cache is allocated for it.
+        kv_spec: the cache to allocate (default the model's; the engine's kv_cache_dtype may
+            make it a quantized one).
     """
 
     def __init__(
         self, model: LoadedModel, mesh: Mesh, *, num_blocks: int, block_size: int, max_model_len: int,
         token_buckets: list[int], seq_buckets: list[int], max_logprobs: int, layerwise: bool = True,
-        attention_backend: str = "xla",
+        attention_backend: str = "xla", kv_spec: Any = None,
     ):
         self.model = model
         self.mesh = mesh
@@ -95,8 +97,9 @@ class ModelRunner:
         self.seq_buckets = seq_buckets
         self.num_logprobs = max(1, min(max_logprobs, model.vocab_size))
         kv_sharding = NamedSharding(mesh, model.kv_partition_spec)
-        self.kv_cache = allocate_kv_cache(model.kv_spec, num_blocks, block_size, kv_sharding, attention_backend)
-        kv_shardings = jax.tree.map(lambda _: kv_sharding, self.kv_cache)  # with the cache's static fields
+        self.kv_cache = allocate_kv_cache(kv_spec or model.kv_spec, num_blocks, block_size, kv_sharding,
+                                          attention_backend)
+        kv_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)  # with the cache's static fields
         # Logits come out replicated whichever way the step runs, so the sampler programs
         # compiled ahead of time for that sharding are the ones serving calls.
         self.replicated = NamedSharding(mesh, PartitionSpec())

@@ -47,6 +47,11 @@ class KVCache:
     # device): what a kernel that runs per shard (under shard_map) needs to know.
     mesh: Any = flax.struct.field(pytree_node=False, default=None)
     partition_spec: Any = flax.struct.field(pytree_node=False, default=None)
+    # A quantized cache (kv_cache_dtype int8 / fp8): k and v hold the quantized values and these
+    # one float32 scale per token and head, [num_layers, num_blocks, num_kv_heads, block_size]
+    # (value = stored * scale). None: k and v hold the values themselves.
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
 
     @property
     def num_layers(self) -> int:
@@ -93,12 +98,20 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: Any  # a jnp dtype
+    dtype: Any  # a jnp dtype: the model's (attention computes in it)
+    # What the cache stores: None (dtype itself), or a quantized dtype (jnp.int8,
+    # jnp.float8_e4m3fn) with a float32 scale per token and head (runtime.step.KVCache).
+    cache_dtype: Any = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.cache_dtype is not None
 
     def bytes_per_block(self, block_size: int) -> int:
-        """Bytes one block takes across all layers, K and V."""
-        itemsize = np.dtype(self.dtype).itemsize
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+        """Bytes one block takes across all layers, K and V (and their scales, quantized)."""
+        itemsize = np.dtype(self.cache_dtype if self.quantized else self.dtype).itemsize
+        per_token_head = self.head_dim * itemsize + (4 if self.quantized else 0)
+        return 2 * self.num_layers * block_size * self.num_kv_heads * per_token_head
 
     def partition_spec(self, mesh: jax.sharding.Mesh) -> jax.sharding.PartitionSpec:
         """The PartitionSpec of one stacked cache array (KVCache.k or .v) under `mesh`:
@@ -184,11 +197,23 @@ def allocate_kv_cache(
     mesh = partition_spec = None
     if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
         mesh, partition_spec = sharding.mesh, sharding.spec
-    zeros = lambda: KVCache(jnp.zeros(shape, spec.dtype), jnp.zeros(shape, spec.dtype),  # noqa: E731
-                            attention_backend=attention_backend, mesh=mesh, partition_spec=partition_spec)
+    stored = spec.cache_dtype if spec.quantized else spec.dtype
+
+    def zeros() -> KVCache:
+        scale = (lambda: jnp.ones(shape[:-1], jnp.float32)) if spec.quantized else (lambda: None)  # noqa: E731
+        return KVCache(jnp.zeros(shape, stored), jnp.zeros(shape, stored), attention_backend=attention_backend,
+                       mesh=mesh, partition_spec=partition_spec, k_scale=scale(), v_scale=scale())
+
     if sharding is None:
         return jax.jit(zeros)()
-    return jax.jit(zeros, out_shardings=jax.tree.map(lambda _: sharding, jax.eval_shape(zeros)))()
+    scale_sharding = None
+    if isinstance(sharding, jax.sharding.NamedSharding):  # the values' spec without head_dim
+        entries = tuple(sharding.spec) + (None,) * (5 - len(tuple(sharding.spec)))
+        scale_sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*entries[:4]))
+    shardings = jax.tree.map(lambda _: sharding, jax.eval_shape(zeros))
+    if spec.quantized:
+        shardings = dataclasses.replace(shardings, k_scale=scale_sharding or sharding, v_scale=scale_sharding or sharding)
+    return jax.jit(zeros, out_shardings=shardings)()
 
 
 def make_step_input(

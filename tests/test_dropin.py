@@ -32,7 +32,7 @@ def llm(servax_cache):
     ("max_seq_len_to_capture", 8192, "precompiles every"),
     ("swap_space", 4, "recomputed"),
     ("cpu_offload_gb", 2, "not offloaded"),
-    ("kv_cache_dtype", "fp8", "model's dtype"),
+    ("kv_cache_dtype", "fp8_e5m2", "not supported"),
     ("quantization", "awq", "supported: int8"),
     ("generation_config", "/no/such/folder", "'auto', 'vllm' or a folder"),
     ("load_format", "dummy", "drop load_format"),

@@ -95,3 +95,71 @@ def test_unknown_quantization_is_refused():
 
     with pytest.raises(ValueError, match="supported: int8"):
         EngineConfig(model="servax-tiny/llama", quantization="awq")
+
+
+# ---- quantized KV cache (kv_cache_dtype) ------------------------------------------------------
+
+@pytest.mark.parametrize("kv_dtype, tol", [("int8", 0.03), ("float8_e4m3fn", 0.15)])
+def test_quantized_cache_attention_is_close_to_the_float_oracle(kv_dtype, tol):
+    """paged_attention on an int8 / fp8 cache (values and per-token-head scales written by the
+    step) against the float oracle: mixed prefills, chunks and decodes, GQA, a window."""
+    import jax
+
+    from runtime.attention import paged_attention
+    from runtime.step import KVCache
+    from test_attention import MIXED, build_batch, oracle
+
+    rng = np.random.default_rng(4)
+    kv_heads, block_size, head_dim, num_blocks = 2, 4, 8, 96
+    batch, seqs, n = build_batch(rng, MIXED, block_size=block_size, num_blocks=num_blocks, max_blocks=24,
+                                 pad_tokens=128, pad_seqs=8)
+    k_full = rng.standard_normal((num_blocks, kv_heads, block_size, head_dim)).astype(np.float32)
+    v_full = rng.standard_normal(k_full.shape).astype(np.float32)
+    q = rng.standard_normal((128, 8, head_dim)).astype(np.float32)
+    dtype = getattr(jnp, kv_dtype)
+    # Earlier steps wrote every slot (quantized); this step rewrites its own tokens' slots.
+    flat = lambda c: c.swapaxes(1, 2).reshape(-1, kv_heads, head_dim)  # noqa: E731
+    cache = KVCache(jnp.zeros((1, *k_full.shape), dtype), jnp.zeros((1, *k_full.shape), dtype),
+                    k_scale=jnp.ones((1, *k_full.shape[:-1]), jnp.float32),
+                    v_scale=jnp.ones((1, *k_full.shape[:-1]), jnp.float32))
+    all_slots = np.arange(num_blocks * block_size, dtype=np.int32)
+    from runtime.attention import write_kv_quantized
+
+    cache = jax.jit(write_kv_quantized)(cache, flat(k_full), flat(v_full), all_slots, 0)
+    slots = np.asarray(batch.slot_mapping)[:n]
+    k_new = np.zeros((128, kv_heads, head_dim), np.float32)
+    v_new = np.zeros_like(k_new)
+    k_new[:n], v_new[:n] = flat(k_full)[slots], flat(v_full)[slots]
+    step = jax.jit(lambda q, k, v, c, b: paged_attention(q, k, v, c, b, layer=0, scale=0.35, sliding_window=12))
+    out, cache = step(q, k_new, v_new, cache, batch)
+    assert cache.k.dtype == dtype and cache.k_scale.dtype == jnp.float32
+    want = oracle(q, k_full, v_full, seqs, scale=0.35, sliding_window=12)
+    err = np.abs(np.asarray(out)[:n] - want[:n])
+    assert err.max() < tol, err.max()
+    assert err.max() > 0  # it really read quantized values
+
+
+def test_int8_kv_cache_holds_more_tokens_and_keeps_logprobs_close():
+    """For one kv_cache_memory_bytes the int8 cache has >= 2x the blocks; prompts chunked over
+    several steps (later chunks read earlier ones from the cache) keep their logprobs close."""
+    prompt = {"prompt_token_ids": [(5 * i + 1) % 500 + 4 for i in range(60)]}
+    params = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=0)
+    engines, logprobs = {}, {}
+    for kv in ("auto", "int8"):
+        llm = LLM(model="servax-tiny/llama", kv_cache_dtype=kv, kv_cache_memory_bytes=1_000_000, block_size=4,
+                  max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, enforce_eager=True,
+                  show_progress=False, compilation_cache_dir="")
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        engines[kv] = llm.engine
+        logprobs[kv] = np.array([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
+    assert engines["int8"].num_blocks >= 2 * engines["auto"].num_blocks
+    assert engines["int8"].runner.kv_cache.k.dtype == jnp.int8
+    diff = np.abs(logprobs["int8"] - logprobs["auto"])
+    assert diff.max() < 0.15 and diff.mean() < 0.04, (diff.max(), diff.mean())
+    assert engines["int8"].kv.num_free_blocks == engines["int8"].kv.num_usable_blocks
+
+
+def test_quantized_kv_cache_refuses_the_pallas_backend():
+    with pytest.raises(ValueError, match="xla"):
+        LLM(model="servax-tiny/llama", kv_cache_dtype="int8", attention_backend="pallas", max_model_len=64,
+            enforce_eager=True, show_progress=False, compilation_cache_dir="")
