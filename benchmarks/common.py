@@ -98,3 +98,30 @@ def record(title: str, body: str) -> None:
     print(text)
     with RESULTS.open("a") as f:
         f.write(text)
+
+
+def decode_step_ms(llm, loras: list, prompt_len: int, new_tokens: int, tag: str) -> float:
+    """Mean pure-decode step time (ms) of len(loras) requests (request i under LoRA adapter
+    loras[i], None: the base), timed once every request has its first token; no compilation."""
+    import numpy as np
+
+    from app import SamplingParams
+
+    engine = llm.engine
+    rng = np.random.default_rng(0)
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate([rng.integers(4, 500, 8).tolist()], SamplingParams(max_tokens=4), use_tqdm=False)  # settle
+    for i, lora in enumerate(loras):
+        engine.add_request(f"{tag}-{i}", rng.integers(4, 500, prompt_len).tolist(), sp, lora_request=lora)
+    started: set[str] = set()
+    while len(started) < len(loras):
+        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+    steps = new_tokens // 2
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step_s = (time.perf_counter() - t0) / steps
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().compilations_since_warmup == 0
+    return step_s * 1e3

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import bench_checkpoint, record, table  # noqa: E402
+from benchmarks.common import bench_checkpoint, decode_step_ms, record, table  # noqa: E402
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -48,32 +48,6 @@ def write_adapter(folder: Path, config: dict, rank: int, seed: int) -> None:
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(MODULES), "bias": "none"}))
-
-
-def decode_step_ms(llm, loras: list, prompt_len: int, new_tokens: int, tag: str) -> float:
-    """Mean pure-decode step time (ms) of len(loras) requests, request i under loras[i]."""
-    import numpy as np
-
-    from app import SamplingParams
-
-    engine = llm.engine
-    rng = np.random.default_rng(0)
-    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate([rng.integers(4, 500, 8).tolist()], SamplingParams(max_tokens=4), use_tqdm=False)  # settle
-    for i, lora in enumerate(loras):
-        engine.add_request(f"{tag}-{i}", rng.integers(4, 500, prompt_len).tolist(), sp, lora_request=lora)
-    started: set[str] = set()
-    while len(started) < len(loras):
-        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
-    steps = new_tokens // 2
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    step_s = (time.perf_counter() - t0) / steps
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert engine.stats().compilations_since_warmup == 0
-    return step_s * 1e3
 
 
 def main() -> None:
