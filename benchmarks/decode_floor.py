@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import bench_checkpoint, memory_read_bandwidth, record, table  # noqa: E402
+from benchmarks.common import bench_checkpoint, decode_step_ms, memory_read_bandwidth, record, table  # noqa: E402
 
 
 def main() -> None:
@@ -61,32 +60,13 @@ def main() -> None:
 
 def _decode_rows(llm, backend: str, batches: list[int], args, weight_bytes: int, bandwidth: float) -> list[list]:
     """One engine's table rows: its pure-decode step time at each batch size."""
-    import numpy as np
-
-    from app import SamplingParams
-
     engine = llm.engine
-    kv_bytes_per_token = engine.model.kv_spec.bytes_per_block(1)
+    kv_bytes_per_token = engine.kv_spec.bytes_per_block(1)
     label = f"{engine.runner.kv_cache.attention_backend} ({backend})"
-    rng = np.random.default_rng(0)
     rows = []
     for batch in batches:
-        prompts = [rng.integers(4, 500, args.prompt_len).tolist() for _ in range(batch)]
-        sp = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-        llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # settle
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"{backend}-b{batch}-{i}", prompt, sp)
-        # Step until every request has its first token: from then on each step is pure decode.
-        started: set[str] = set()
-        while len(started) < batch:
-            started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+        step_s = decode_step_ms(llm, [None] * batch, args.prompt_len, args.new_tokens, f"{backend}-b{batch}") / 1e3
         steps = args.new_tokens // 2
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        step_s = (time.perf_counter() - t0) / steps
-        while engine.has_unfinished_requests():
-            engine.step()
         context = args.prompt_len + steps  # mean context over the timed steps (about)
         kv_read = batch * context * kv_bytes_per_token
         floor = (weight_bytes + kv_read) / bandwidth
@@ -95,6 +75,7 @@ def _decode_rows(llm, backend: str, batches: list[int], args, weight_bytes: int,
             f"{floor * 1e3:.1f}", f"{step_s * 1e3:.1f}", f"{step_s / floor:.2f}", f"{batch / step_s:.0f}",
         ])
     return rows
+
 
 if __name__ == "__main__":
     main()
