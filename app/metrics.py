@@ -14,6 +14,7 @@ replica and application tags; we add `model_id`):
 | servax_kv_cache_usage_perc | gauge | share of KV blocks in use (0..1) |
 | servax_prefix_cache_queries_total / servax_prefix_cache_hits_total | counter | prompt tokens looked up / found |
 | servax_num_preemptions_total | counter | sequences preempted for lack of KV blocks |
+| servax_spec_decode_num_drafts_total / _num_draft_tokens_total / _num_accepted_tokens_total | counter | n-gram speculation: verification steps with a proposal, tokens proposed, tokens accepted |
 
 Metrics are best-effort: outside a Ray worker (local testing mode, plain unit tests)
 recording to Ray is a no-op.
@@ -24,7 +25,9 @@ exact names with servax's prefix (`servax:time_to_first_token_seconds`,
 `GET /metrics` on the HTTP port (`ServerMetrics.families`, `render_families`), so a
 Prometheus job or a dashboard made for vLLM scrapes servax by changing the prefix.
 With LoRA adapters that endpoint also has `servax:lora_adapters_loaded`, `servax:lora_slot_loads`
-and `servax:lora_requests{lora_name}` (requests per adapter so far).
+and `servax:lora_requests{lora_name}` (requests per adapter so far); with speculation,
+`servax:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens` and
+`servax:spec_decode_num_accepted_tokens_per_pos{position}` (vLLM's acceptance counters).
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ logger = logging.getLogger("ray.serve")
 _LATENCY_BOUNDARIES = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0]
 # Engine counters mirrored into Serve counters: EngineStats field -> metric attribute.
 _ENGINE_COUNTERS = {"prefix_cache_queries": "prefix_queries", "prefix_cache_hits": "prefix_hits",
-                    "num_preemptions": "preemptions"}
+                    "num_preemptions": "preemptions", "spec_decode_num_drafts": "spec_drafts",
+                    "spec_decode_num_draft_tokens": "spec_draft_tokens",
+                    "spec_decode_num_accepted_tokens": "spec_accepted_tokens"}
 
 
 class ServerMetrics:
@@ -75,6 +80,12 @@ class ServerMetrics:
             self.prefix_hits = m.Counter("servax_prefix_cache_hits_total",
                                          "Prompt tokens found in the prefix cache.", tag_keys=keys)
             self.preemptions = m.Counter("servax_num_preemptions_total", "Sequences preempted.", tag_keys=keys)
+            self.spec_drafts = m.Counter("servax_spec_decode_num_drafts_total", "Speculative verification steps "
+                                         "of requests with a proposal.", tag_keys=keys)
+            self.spec_draft_tokens = m.Counter("servax_spec_decode_num_draft_tokens_total", "Draft tokens proposed.",
+                                               tag_keys=keys)
+            self.spec_accepted_tokens = m.Counter("servax_spec_decode_num_accepted_tokens_total",
+                                                  "Draft tokens accepted.", tag_keys=keys)
             self.enabled = True
         except Exception as e:  # no Ray worker, or an older Ray: serve without metrics
             logger.debug("servax metrics disabled: %s", e)
@@ -111,7 +122,7 @@ class ServerMetrics:
         """Copy the engine's point-in-time stats (runtime EngineStats) into gauges and counters."""
         deltas = {}
         for field in _ENGINE_COUNTERS:
-            total = getattr(stats, field)
+            total = getattr(stats, field, 0)
             deltas[field], self._engine_totals[field] = total - self._engine_totals[field], total
         self.prom.update_engine(stats, deltas)
         if not self.enabled:
@@ -155,7 +166,17 @@ class PrometheusMetrics:
             "prefix_cache_hits": prom.Counter("servax:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                               keys, registry=r),
             "num_preemptions": prom.Counter("servax:num_preemptions", "Sequences preempted.", keys, registry=r),
+            "spec_decode_num_drafts": prom.Counter("servax:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                                                   keys, registry=r),
+            "spec_decode_num_draft_tokens": prom.Counter("servax:spec_decode_num_draft_tokens",
+                                                         "Number of draft tokens.", keys, registry=r),
+            "spec_decode_num_accepted_tokens": prom.Counter("servax:spec_decode_num_accepted_tokens",
+                                                            "Number of accepted tokens.", keys, registry=r),
         }
+        self.spec_accepted_per_pos = prom.Counter("servax:spec_decode_num_accepted_tokens_per_pos",
+                                                  "Accepted tokens per draft position.", keys + ["position"],
+                                                  registry=r)
+        self._accepted_per_pos: list[int] = []
         self.lora_loaded = prom.Gauge("servax:lora_adapters_loaded", "LoRA adapters read into the engine.", keys,
                                       registry=r)
         self.lora_slot_loads = prom.Gauge("servax:lora_slot_loads", "LoRA adapter writes into device slots so far.",
@@ -183,6 +204,12 @@ class PrometheusMetrics:
         for field, counter in self.engine_counters.items():
             if deltas[field] > 0:
                 counter.labels(**labels).inc(deltas[field])
+        per_pos = getattr(stats, "spec_decode_accepted_per_position", [])
+        for pos, total in enumerate(per_pos):
+            before = self._accepted_per_pos[pos] if pos < len(self._accepted_per_pos) else 0
+            if total > before:
+                self.spec_accepted_per_pos.labels(**labels, position=str(pos)).inc(total - before)
+        self._accepted_per_pos = list(per_pos)
         if getattr(stats, "lora_adapters_loaded", 0) or getattr(stats, "lora_requests", None):
             self.lora_loaded.labels(**labels).set(stats.lora_adapters_loaded)
             self.lora_slot_loads.labels(**labels).set(stats.lora_slot_loads)

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from runtime.speculative import SpeculativeConfig
+
 ModelImpl = Literal["auto", "jax", "torchax"]
 
 # vLLM engine arguments that cannot mean anything in servax: why, and what to use instead.
@@ -23,7 +25,6 @@ NOT_APPLICABLE = {
     "cuda_graph_sizes": "there are no CUDA graphs: every bucket up to max_num_batched_tokens is precompiled",
     "swap_space": "preempted sequences are recomputed, never swapped to host memory",
     "cpu_offload_gb": "weights are not offloaded; use a smaller dtype or tensor_parallel_size",
-    "speculative_config": "speculative decoding is not supported yet",
     "distributed_executor_backend": "servax runs one process per engine over a JAX mesh; "
                                     "use tensor_parallel_size and Serve replicas",
     "device": "JAX picks the platform (CPU, GPU or TPU); set JAX_PLATFORMS to choose",
@@ -106,6 +107,9 @@ class EngineConfig(BaseModel):
         None, description="None (weights in `dtype`) or int8: symmetric per-output-channel int8 weights, "
                           "dequantized inside the step (runtime/quantization.py); quantized GGUF tensors are "
                           "dequantized when loaded, then quantized again.")
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description='n-gram speculative decoding, vLLM\'s dict: {"method": "ngram", "num_speculative_tokens": '
+                          'k, "prompt_lookup_max": n, "prompt_lookup_min": m} (runtime/speculative.py).')
     tokenizer_mode: Literal["auto", "hf", "slow"] = "auto"
     skip_tokenizer_init: bool = Field(False, description="Load no tokenizer: prompts must be token ids.")
     hf_overrides: dict[str, Any] | None = Field(None, description="Config attributes to override.")

@@ -68,6 +68,11 @@ class EngineStats:
     lora_adapters_loaded: int = 0  # adapters read and registered (enable_lora)
     lora_slot_loads: int = 0  # adapter writes into a device slot
     lora_requests: dict[str, int] = dataclasses.field(default_factory=dict)  # adapter name -> requests so far
+    # n-gram speculation (speculative_config): vLLM's spec-decode counters.
+    spec_decode_num_drafts: int = 0  # verification steps of requests with a proposal
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_position: list[int] = dataclasses.field(default_factory=list)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -131,7 +136,7 @@ class Engine:
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
+            enable_chunked_prefill=config.enable_chunked_prefill, speculative=config.speculative_config,
         )
         if config.enable_lora:
             try:
@@ -417,22 +422,26 @@ class Engine:
         self._inflight = self._dispatch_next()
 
         touched: dict[str, RequestState] = {}
-        for request in advanced:
+        for request, num_new in advanced:
             state = self._states[request.parent_id]
             touched[request.parent_id] = state
-            token = request.output_token_ids[-1]
-            self._generation_tokens += 1
-            stop_str = state.add_token(request, token, result.sample_logprobs.get(request.request_id), self._texts)
-            finish = (request.status, request.stop_reason) if request.is_finished else None
-            if stop_str is not None:
-                decision = check_stop(request, token, stop_str)
-                if decision is not None and decision.reason == stop_str:
-                    state.stop_at_match(request.index)
-                    if not request.is_finished:
-                        self.scheduler.finish_request(request.request_id, decision.status, decision.reason)
-                    finish = (decision.status, decision.reason)
-            if finish is not None:
-                state.finish_child(request.index, finish[0].finish_reason, finish[1])
+            rows = result.sample_logprobs.get(request.request_id)
+            new_tokens = request.output_token_ids[-num_new:]  # more than one: accepted drafts
+            for j, token in enumerate(new_tokens):
+                self._generation_tokens += 1
+                stop_str = state.add_token(request, token, rows[j] if rows else None, self._texts)
+                last = j == num_new - 1
+                finish = (request.status, request.stop_reason) if last and request.is_finished else None
+                if stop_str is not None:
+                    decision = check_stop(request, token, stop_str)
+                    if decision is not None and decision.reason == stop_str:
+                        state.stop_at_match(request.index)
+                        if not request.is_finished:
+                            self.scheduler.finish_request(request.request_id, decision.status, decision.reason)
+                        finish = (decision.status, decision.reason)
+                if finish is not None:
+                    state.finish_child(request.index, finish[0].finish_reason, finish[1])
+                    break
         outs = []
         for parent_id, state in touched.items():
             outs.append(state.snapshot())
@@ -457,7 +466,7 @@ class Engine:
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> EngineStats:
         total, free = self.kv.num_usable_blocks, self.kv.num_free_blocks
-        prefix = self.kv.prefix_cache_stats
+        prefix, spec = self.kv.prefix_cache_stats, self.scheduler.spec_stats
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_blocks_total=total, kv_blocks_used=total - free, kv_blocks_free=free,
@@ -466,6 +475,9 @@ class Engine:
             generation_tokens_total=self._generation_tokens, num_requests_finished=self._finished,
             num_preemptions=self.scheduler.num_preemptions,
             compilations_since_warmup=self.compile_counter.since_warmup,
+            spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_accepted_per_position=list(spec.accepted_per_position),
             **({} if self.lora is None else dict(
                 lora_adapters_loaded=len(self.lora.registered), lora_slot_loads=self.lora.num_loads,
                 lora_requests=dict(self.lora.requests_per_adapter))),

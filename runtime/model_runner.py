@@ -5,9 +5,10 @@ serving never compiles (see compilation.CompileCounter). The KV cache is donated
 step so that its update is in place.
 
 Rows: normally one sequence slot per scheduled request. A request that still needs prompt
-logprobs has each of its scheduled tokens in a slot of its own (same block table,
-seq_len = position + 1). Because a layer writes all new K/V before it attends, the result
-equals one ragged prefill, and every position yields logits.
+logprobs, or verifies draft tokens (runtime/speculative.py), has each of its scheduled
+tokens in a slot of its own (same block table, seq_len = position + 1). Because a layer
+writes all new K/V before it attends, the result equals one ragged prefill, and every
+position yields logits.
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ class RowResult:
 
 @dataclasses.dataclass
 class RunnerOutput:
-    sampled: list[int]  # one per scheduled request (meaningless for partial prefill chunks)
-    sample_logprobs: dict[str, RowResult]  # request id -> its sampled token's logprobs
+    # Per scheduled request its row's token (meaningless for partial prefill chunks), or with
+    # drafts one token per row.
+    sampled: list[list[int]]
+    sample_logprobs: dict[str, list[RowResult]]  # request id -> its sampled tokens' logprobs, as `sampled`
     # request id -> (prompt index of the token, result) for newly computed prompt logprobs
     prompt_logprobs: dict[str, list[tuple[int, RowResult]]]
 
@@ -62,7 +65,7 @@ class InFlightStep:
 
     sched: SchedulerOutput
     out: Any  # SamplerOutput of device arrays
-    sample_rows: list[int]
+    sample_rows: list[list[int]]  # per scheduled request, the rows whose samples count
     prompt_rows: list[tuple[str, int, int]]
 
 
@@ -246,7 +249,7 @@ class ModelRunner:
                                   self.mask_words if use_mask else 1)
         masked_rows = []  # (row, constraints, output token ids) of constrained requests
 
-        sample_rows: list[int] = []  # per scheduled request, the row whose sample counts
+        sample_rows: list[list[int]] = []  # per scheduled request, the rows whose samples count
         prompt_rows: list[tuple[str, int, int]] = []  # (request id, row, prompt token index)
         t = row = 0
         for entry in sched.scheduled:
@@ -254,7 +257,8 @@ class ModelRunner:
             c, n = entry.num_computed_tokens, entry.num_new_tokens
             table = np.asarray(block_ids[req.request_id], np.int32)
             pos = np.arange(c, c + n, dtype=np.int32)
-            input_ids[t:t + n] = req.all_token_ids[c:c + n]
+            drafts = entry.draft_token_ids
+            input_ids[t:t + n] = req.all_token_ids[c:c + n] + drafts
             positions[t:t + n] = pos
             slot_mapping[t:t + n] = table[pos // bs] * bs + pos % bs
             if lora_slots is not None:
@@ -270,7 +274,10 @@ class ModelRunner:
                     if req.num_prompt_logprobs < target < req.num_prompt_tokens:
                         sb["target_ids"][row + j] = req.prompt_token_ids[target]
                         prompt_rows.append((req.request_id, row + j, target))
+                    if drafts and j < n - 1:  # row j draws the token after drafts[:j]
+                        self._fill_sampling_row(sb, row + j, req, drafts[:j])
                 last = row + n - 1
+                rows_sampled = list(range(row, row + n)) if drafts else [last]
                 row += n
             else:
                 block_tables[row, :len(table)] = table
@@ -278,11 +285,12 @@ class ModelRunner:
                 query_start_loc[row + 1] = t + n
                 logits_indices[row] = t + n - 1
                 last = row
+                rows_sampled = [row]
                 row += 1
-            self._fill_sampling_row(sb, last, req)
+            self._fill_sampling_row(sb, last, req, drafts)
             if req.token_constraints is not None:
                 masked_rows.append((last, req.token_constraints, req.output_token_ids))
-            sample_rows.append(last)
+            sample_rows.append(rows_sampled)
             t += n
         query_start_loc[row + 1:] = t
 
@@ -308,10 +316,10 @@ class ModelRunner:
         def result(r: int) -> RowResult:
             return RowResult(float(out.chosen_logprob[r]), int(out.chosen_rank[r]), out.top_ids[r], out.top_logprobs[r])
 
-        sampled = [int(out.sampled[r]) for r in sample_rows]
+        sampled = [[int(out.sampled[r]) for r in rows] for rows in sample_rows]
         sample_logprobs = {
-            e.request.request_id: result(r)
-            for e, r in zip(sched.scheduled, sample_rows)
+            e.request.request_id: [result(r) for r in rows]
+            for e, rows in zip(sched.scheduled, sample_rows)
             if e.request.sampling_params.logprobs is not None
         }
         prompt_logprobs: dict[str, list[tuple[int, RowResult]]] = {}
@@ -319,14 +327,16 @@ class ModelRunner:
             prompt_logprobs.setdefault(rid, []).append((target, result(r)))
         return RunnerOutput(sampled, sample_logprobs, prompt_logprobs)
 
-    def _fill_sampling_row(self, sb: dict[str, np.ndarray], r: int, req) -> None:
+    def _fill_sampling_row(self, sb: dict[str, np.ndarray], r: int, req, drafts: list[int] = ()) -> None:
+        """Row r samples the request's next token after its tokens and then `drafts` (the
+        draft tokens before this row, when verifying a proposal)."""
         p = req.sampling_params
         sb["temperature"][r] = p.temperature
         sb["top_k"][r] = p.top_k
         sb["top_p"][r] = p.top_p
         sb["min_p"][r] = p.min_p
         sb["seeds"][r] = req.sample_seed
-        sb["steps"][r] = req.num_output_tokens
+        sb["steps"][r] = req.num_output_tokens + len(drafts)
         bias = list(p.logit_bias.items()) + [(tok, _SUPPRESS) for tok in suppressed_token_ids(req)]
         if bias:
             bias = bias[:BIAS_WIDTH]
@@ -336,6 +346,6 @@ class ModelRunner:
             sb["presence_penalty"][r] = p.presence_penalty
             sb["frequency_penalty"][r] = p.frequency_penalty
             sb["repetition_penalty"][r] = p.repetition_penalty
-            hist = req.all_token_ids[: self.max_model_len]
+            hist = (req.all_token_ids + list(drafts))[: self.max_model_len]
             sb["token_history"][r, :len(hist)] = hist
             sb["prompt_lens"][r] = req.num_prompt_tokens

@@ -8,6 +8,10 @@ is spread over several steps (chunked prefill) and a decode is one token.
 Order: running requests first (oldest first), then waiting ones (FIFO, preempted ones at
 the front). When the block pool runs dry the newest running request is preempted: its
 blocks are freed and it is recomputed later (its prefix may still be in the cache).
+
+With n-gram speculation (runtime/speculative.py) a decoding request may compute its last
+token plus draft tokens in one step, each in a sequence slot of its own; the drafts are
+the first thing dropped when tokens, slots or blocks run short.
 """
 
 from __future__ import annotations
@@ -15,9 +19,12 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
+import numpy as np
+
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.lora import LoRAManager
 from runtime.request import Request, RequestStatus
+from runtime.speculative import SpecDecodeStats, SpeculativeConfig, accept_drafts, propose_ngram
 from runtime.stop import check_stop
 
 
@@ -29,6 +36,9 @@ class ScheduledRequest:
     # Prompt-logprob prefill: each token gets its own sequence slot so that every
     # position yields logits (see ModelRunner).
     one_slot_per_token: bool = False
+    # Speculation: tokens proposed after the request's last token (computed this step, after
+    # it, each in its own slot); [] without a proposal.
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def num_slots(self) -> int:
@@ -58,11 +68,12 @@ class Scheduler:
         max_num_seqs: most sequence slots in one step.
         max_num_batched_tokens: token budget of one step.
         enable_chunked_prefill: allow a prompt to be split across steps.
+        speculative: n-gram speculation settings (None: off).
     """
 
     def __init__(
         self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-        enable_chunked_prefill: bool = True,
+        enable_chunked_prefill: bool = True, speculative: SpeculativeConfig | None = None,
     ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -72,6 +83,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.speculative = speculative
+        self.spec_stats = SpecDecodeStats()
         # LoRA: admits a waiting request only once its adapter has a device slot (runtime.lora).
         self.lora: LoRAManager | None = None
 
@@ -123,6 +136,14 @@ class Scheduler:
             per_token = request.needs_prompt_logprobs
             if per_token:
                 num_new = min(num_new, slots_left)
+            drafts = self._propose(request, min(budget, slots_left) - 1) if num_new == 1 and not per_token else []
+            if drafts and self.kv.allocate_slots(request, 1 + len(drafts)):
+                entry = ScheduledRequest(request, request.num_computed_tokens, 1 + len(drafts), True, drafts)
+                scheduled.append(entry)
+                budget -= entry.num_new_tokens
+                slots_left -= entry.num_slots
+                i += 1
+                continue
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -166,6 +187,19 @@ class Scheduler:
 
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
 
+    def _propose(self, request: Request, room: int) -> list[int]:
+        """Draft tokens for a decoding request (at most `room`, and none that would pass its
+        max_tokens); [] without speculation, below min_tokens or under a grammar."""
+        spec = self.speculative
+        if spec is None or room <= 0 or request.token_constraints is not None \
+                or request.num_output_tokens < request.sampling_params.min_tokens:
+            return []
+        k = min(spec.num_speculative_tokens, room, request.max_tokens - request.num_output_tokens - 1)
+        if k <= 0:
+            return []
+        return propose_ngram(np.asarray(request.all_token_ids, np.int64), min_n=spec.prompt_lookup_min,
+                             max_n=spec.prompt_lookup_max, k=k)
+
     def adapters_in_use(self) -> set[int]:
         """lora_int_ids of the running requests' adapters (their slots must stay)."""
         return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
@@ -178,27 +212,39 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update_from_output(self, output: SchedulerOutput, sampled: list[int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled: list[list[int]]) -> list[tuple[Request, int]]:
         """Advance each scheduled request by its computed tokens and append sampled tokens.
 
         Args:
-            sampled: one token per scheduled request (ignored for partial prefill chunks).
+            sampled: per scheduled request, its row's token (ignored for partial prefill
+                chunks), or with drafts one token per row (see runtime.speculative).
 
         Returns:
-            the requests that got a new token this step (finished ones included; their
-            status says why they finished and their blocks are already freed).
+            (request, number of tokens appended) for the requests that got new tokens this
+            step (finished ones included; their status says why they finished and their
+            blocks are already freed).
         """
         advanced = []
-        for entry, token in zip(output.scheduled, sampled):
+        for entry, tokens in zip(output.scheduled, sampled):
             request = entry.request
             if request.is_finished:
                 continue
-            request.num_computed_tokens += entry.num_new_tokens
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # a prefill chunk: its sample is not a real next token
-            request.append_output_token(int(token))
-            advanced.append(request)
-            decision = check_stop(request, int(token))
-            if decision is not None:
-                self.finish_request(request.request_id, decision.status, decision.reason)
+            if entry.draft_token_ids:
+                tokens = accept_drafts(entry.draft_token_ids, [int(t) for t in tokens])
+                self.spec_stats.observe(len(entry.draft_token_ids), len(tokens) - 1)
+                request.num_computed_tokens += len(tokens)  # the last token and the accepted drafts
+            else:
+                request.num_computed_tokens += entry.num_new_tokens
+                if request.num_computed_tokens < request.num_tokens:
+                    continue  # a prefill chunk: its sample is not a real next token
+                tokens = tokens[-1:]
+            appended = 0
+            for token in tokens:
+                request.append_output_token(int(token))
+                appended += 1
+                decision = check_stop(request, int(token))
+                if decision is not None:
+                    self.finish_request(request.request_id, decision.status, decision.reason)
+                    break
+            advanced.append((request, appended))
         return advanced

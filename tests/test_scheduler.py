@@ -25,7 +25,7 @@ def req(rid, n_prompt, max_tokens=8, start=1, **params):
 
 def step(s: Scheduler, token=7):
     out = s.schedule()
-    s.update_from_output(out, [token] * len(out.scheduled))
+    s.update_from_output(out, [[token]] * len(out.scheduled))
     return out
 
 
