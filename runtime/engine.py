@@ -39,6 +39,7 @@ from runtime.processor import InputProcessor, ProcessedRequest, PromptType
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler
+from runtime.speculative import DraftPolicy, SpeculativeConfig, candidate_draft_lengths
 from runtime.step import LoadedModel
 from runtime.stop import check_stop
 
@@ -166,6 +167,9 @@ class Engine:
                 warmup_s = self.runner.warmup(config.show_progress)
         self.compile_counter.mark_warm()
         self.warmup_seconds = warmup_s
+        spec = config.speculative_config
+        if spec is not None and spec.adaptive_drafts and not config.enforce_eager:
+            self.scheduler.draft_policy = self._measured_draft_policy(config.speculative_config)
         logger.info(
             "servax engine ready in %.1fs (warmup %.1fs, %d programs, %d compiled): %s",
             time.perf_counter() - t0, warmup_s, len(self.runner.bucket_pairs()), self.compile_counter.count,
@@ -182,6 +186,22 @@ class Engine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._finished = 0
+
+    def _measured_draft_policy(self, spec: SpeculativeConfig) -> DraftPolicy:
+        """Time verification steps of each candidate draft length against a one-token step
+        (compiled already), so that drafts are proposed only where they pay (DraftPolicy)."""
+        room = min(self.config.max_num_seqs, self.config.max_num_batched_tokens) - 1
+        lengths = [k for k in candidate_draft_lengths(spec.num_speculative_tokens) if k <= room]
+        rounds: dict[int, list[float]] = {n: [] for n in [1] + [1 + k for k in lengths]}
+        with self.compile_counter.track():
+            for _ in range(5):  # alternating, so that a slow moment does not bias one length
+                for n, times in rounds.items():
+                    times.append(self.runner.step_seconds(n, repeats=1))
+        one = float(np.median(rounds[1]))
+        cost = {k: max(1.0, float(np.median(rounds[1 + k])) / one) for k in lengths}
+        logger.info("n-gram speculation: a step verifying k drafts costs %s one-token steps (%.1f ms)",
+                    ", ".join(f"k={k}: {c:.2f}" for k, c in cost.items()), one * 1e3)
+        return DraftPolicy(spec.num_speculative_tokens, cost)
 
     # -- sizing --------------------------------------------------------------------------
     def _attention_backend(self) -> str:

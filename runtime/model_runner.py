@@ -189,6 +189,35 @@ class ModelRunner:
                                                all_greedy=True, use_mask=False))
         return time.perf_counter() - start
 
+    def step_seconds(self, num_tokens: int, context: int = 128, repeats: int = 3) -> float:
+        """Median time of a compiled step plus greedy sampling of `num_tokens` single-token
+        sequences with `context` tokens of context each (reads of the null block: cost, not
+        results), from dispatch to results on the host; what a verification step costs."""
+        t_pad, s_pad = step_bucket(num_tokens, num_tokens, self.token_buckets, self.seq_buckets)
+        n = num_tokens
+        block_tables = np.zeros((s_pad, self.max_blocks_per_seq), np.int32)
+        seq_lens = np.zeros(s_pad, np.int32)
+        seq_lens[:n] = min(context, self.max_model_len - n) + np.arange(1, n + 1)
+        query_start_loc = np.full(s_pad + 1, n, np.int32)
+        query_start_loc[:n + 1] = np.arange(n + 1)
+        positions = np.zeros(t_pad, np.int32)
+        positions[:n] = seq_lens[:n] - 1
+        batch = make_step_input(
+            input_ids=np.zeros(t_pad, np.int32), positions=positions, slot_mapping=np.full(t_pad, -1, np.int32),
+            block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
+            logits_indices=np.minimum(np.arange(s_pad), n - 1).astype(np.int32), num_seqs=n, num_tokens=n,
+            lora_slots=np.zeros(t_pad, np.int32) if self.lora_targets else None,
+        )
+        sb = self._sampling_batch_padding(s_pad, False)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = self._sample(self._run_step(batch), sb, num_logprobs=self.num_logprobs, use_penalties=False,
+                               all_greedy=True, use_mask=False)
+            jax.device_get(out.sampled)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
     def _lower_step(self, batch) -> list:
         if self.layered is not None:
             return self.layered.lower(self.kv_cache, batch)

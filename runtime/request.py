@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from runtime.sampling_params import SamplingParams
+from runtime.speculative import AcceptanceHistory
 
 if TYPE_CHECKING:
     from runtime.lora import LoRARequest
@@ -103,6 +104,7 @@ class Request:
         self.block_hashes: list[int] = []
         self.lora_request = lora_request
         self.lora_slot = 0  # the adapter's device slot while running (runtime.lora.LoRAManager)
+        self.draft_history = AcceptanceHistory()  # n-gram speculation's record (runtime.speculative)
         limit = max_model_len - len(prompt_token_ids)
         self.max_tokens = min(sampling_params.max_tokens or limit, limit)
         # Prompt logprobs of prompt tokens 1..P-1 are computed while the prompt is prefilled;

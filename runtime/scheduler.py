@@ -24,7 +24,7 @@ import numpy as np
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.lora import LoRAManager
 from runtime.request import Request, RequestStatus
-from runtime.speculative import SpecDecodeStats, SpeculativeConfig, accept_drafts, propose_ngram
+from runtime.speculative import DraftPolicy, SpecDecodeStats, SpeculativeConfig, accept_drafts, propose_ngram
 from runtime.stop import check_stop
 
 
@@ -85,6 +85,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.speculative = speculative
         self.spec_stats = SpecDecodeStats()
+        # Replaced by the engine once it has measured what verification steps cost.
+        self.draft_policy = DraftPolicy(speculative.num_speculative_tokens) if speculative else None
         # LoRA: admits a waiting request only once its adapter has a device slot (runtime.lora).
         self.lora: LoRAManager | None = None
 
@@ -194,7 +196,9 @@ class Scheduler:
         if spec is None or room <= 0 or request.token_constraints is not None \
                 or request.num_output_tokens < request.sampling_params.min_tokens:
             return []
-        k = min(spec.num_speculative_tokens, room, request.max_tokens - request.num_output_tokens - 1)
+        history = request.draft_history
+        history.decay()
+        k = self.draft_policy.draft_length(history, min(room, request.max_tokens - request.num_output_tokens - 1))
         if k <= 0:
             return []
         return propose_ngram(np.asarray(request.all_token_ids, np.int64), min_n=spec.prompt_lookup_min,
@@ -232,6 +236,7 @@ class Scheduler:
             if entry.draft_token_ids:
                 tokens = accept_drafts(entry.draft_token_ids, [int(t) for t in tokens])
                 self.spec_stats.observe(len(entry.draft_token_ids), len(tokens) - 1)
+                request.draft_history.observe(len(entry.draft_token_ids), len(tokens) - 1)
                 request.num_computed_tokens += len(tokens)  # the last token and the accepted drafts
             else:
                 request.num_computed_tokens += entry.num_new_tokens

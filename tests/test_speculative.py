@@ -14,11 +14,14 @@ from scipy.stats import chi2_contingency
 
 from app import LLM, SamplingParams
 from runtime.config import EngineConfig
-from runtime.speculative import SpeculativeConfig, accept_drafts, propose_ngram
+from runtime.speculative import (AcceptanceHistory, DraftPolicy, SpeculativeConfig, accept_drafts,
+                                 candidate_draft_lengths, propose_ngram)
 
 MODEL = "servax-tiny/llama"
 SMALL = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=128, show_progress=False)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# Drafts every time one is found (as vLLM), so that what is tested does not hang on timings.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "adaptive_drafts": False}
 
 
 def brute_force_proposal(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -49,6 +52,26 @@ def test_accepted_drafts_are_the_draws_up_to_the_first_miss():
     assert accept_drafts([5, 6, 7], [5, 6, 9, 1]) == [5, 6, 9]
     assert accept_drafts([5, 6, 7], [5, 6, 7, 1]) == [5, 6, 7, 1]  # all accepted: a bonus token
     assert accept_drafts([5, 6, 7], [4, 6, 7, 1]) == [4]
+
+
+def test_draft_policy_drafts_only_what_pays():
+    cpu = DraftPolicy(7, {1: 1.6, 3: 2.0, 7: 2.2})  # step costs as a 2-core CPU measures them
+    fresh, good, bad = AcceptanceHistory(), AcceptanceHistory(), AcceptanceHistory()
+    assert cpu.draft_length(fresh, room=15) == 7  # optimistic until it has evidence
+    assert cpu.draft_length(fresh, room=5) == 5  # never more than fits the step
+    for _ in range(4):
+        good.observe(drafted=7, accepted=6)
+        bad.observe(drafted=3, accepted=0)
+    assert good.rate() > 0.8 and cpu.draft_length(good, room=15) == 7
+    assert bad.rate() < 0.3 and cpu.draft_length(bad, room=15) == 0  # a plain step is cheaper
+    steps = 0
+    while cpu.draft_length(bad, room=15) == 0:  # silence makes it try again, with a short draft
+        bad.decay()
+        steps += 1
+    assert 10 < steps < 100 and cpu.draft_length(bad, room=15) < 7
+    # Where verification is as cheap as a plain step (an accelerator), every draft pays.
+    assert DraftPolicy(4).draft_length(bad, room=15) == 4
+    assert candidate_draft_lengths(16) == [1, 3, 7, 15, 16] and candidate_draft_lengths(3) == [1, 3]
 
 
 def test_speculative_config_as_vllm_reads_it():
