@@ -453,7 +453,8 @@ class Engine:
                 last = j == num_new - 1
                 finish = (request.status, request.stop_reason) if last and request.is_finished else None
                 if stop_str is not None:
-                    decision = check_stop(request, token, stop_str)
+                    count = request.num_output_tokens - num_new + j + 1  # output tokens through this one
+                    decision = check_stop(request, token, stop_str, num_output_tokens=count)
                     if decision is not None and decision.reason == stop_str:
                         state.stop_at_match(request.index)
                         if not request.is_finished:

@@ -342,6 +342,11 @@ def add_lora_slots(model: "LoadedModel", *, max_loras: int, max_rank: int, mesh:
             f"on the {model.impl} path, which cannot apply adapter slots"
         )
     key = model.stages.layers_key if model.stages is not None else "layers"
+    if isinstance(model.params[key], list) or "lora" in model.params[key]:
+        raise LoRAError(
+            f"{model.model_id}: this loaded model already serves an engine (its adapter slots or layers belong "
+            "to it); a second engine with enable_lora needs its own registry.load"
+        )
     num_layers = model.kv_spec.num_layers
     slots, tables, specs = max_loras + 1, {}, {}
     for name, t in model.lora_targets.items():

@@ -366,7 +366,7 @@ class ModelRunner:
         sb["min_p"][r] = p.min_p
         sb["seeds"][r] = req.sample_seed
         sb["steps"][r] = req.num_output_tokens + len(drafts)
-        bias = list(p.logit_bias.items()) + [(tok, _SUPPRESS) for tok in suppressed_token_ids(req)]
+        bias = list(p.logit_bias.items()) + [(tok, _SUPPRESS) for tok in suppressed_token_ids(req, req.num_output_tokens + len(drafts))]
         if bias:
             bias = bias[:BIAS_WIDTH]
             sb["bias_ids"][r, :len(bias)] = [b[0] for b in bias]

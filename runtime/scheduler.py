@@ -191,10 +191,9 @@ class Scheduler:
 
     def _propose(self, request: Request, room: int) -> list[int]:
         """Draft tokens for a decoding request (at most `room`, and none that would pass its
-        max_tokens); [] without speculation, below min_tokens or under a grammar."""
+        max_tokens); [] without speculation or under a grammar."""
         spec = self.speculative
-        if spec is None or room <= 0 or request.token_constraints is not None \
-                or request.num_output_tokens < request.sampling_params.min_tokens:
+        if spec is None or room <= 0 or request.token_constraints is not None:
             return []
         history = request.draft_history
         history.decay()

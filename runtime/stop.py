@@ -41,19 +41,23 @@ class StopDecision:
         return self.status.finish_reason
 
 
-def check_stop(request: Request, token: int, stop_string: str | None = None) -> StopDecision | None:
+def check_stop(request: Request, token: int, stop_string: str | None = None, *,
+               num_output_tokens: int | None = None) -> StopDecision | None:
     """Whether `request` finishes with its newest output token `token` (already appended).
 
     Args:
         request: the sequence; its output tokens include `token`.
         token: the token just generated.
         stop_string: a stop string the detokenizer found in the text `token` completed.
+        num_output_tokens: output tokens up to and including `token`, when tokens after it
+            were appended in the same step (accepted drafts); default all of them.
 
     Returns:
         the decision, or None to keep generating.
     """
     params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
+    count = request.num_output_tokens if num_output_tokens is None else num_output_tokens
+    if count >= params.min_tokens:
         if not params.ignore_eos and token in request.eos_token_ids:
             return StopDecision(RequestStatus.FINISHED_STOPPED)
         if token in params.stop_token_ids:
@@ -62,7 +66,7 @@ def check_stop(request: Request, token: int, stop_string: str | None = None) -> 
             return StopDecision(RequestStatus.FINISHED_STOPPED, stop_string)
     if request.token_constraints is not None and request.token_constraints.is_finished:
         return StopDecision(RequestStatus.FINISHED_STOPPED)
-    if request.num_output_tokens >= request.max_tokens:
+    if count >= request.max_tokens:
         return StopDecision(RequestStatus.FINISHED_LENGTH_CAPPED)
     return None
 
@@ -72,9 +76,10 @@ def is_stop_token(request: Request, token: int) -> bool:
     return token in request.eos_token_ids or token in request.sampling_params.stop_token_ids
 
 
-def suppressed_token_ids(request: Request) -> list[int]:
-    """Token ids the sampler must not pick now: the stop tokens, while below min_tokens."""
+def suppressed_token_ids(request: Request, num_output_tokens: int | None = None) -> list[int]:
+    """Token ids the sampler must not pick as output token number `num_output_tokens` + 1
+    (default: the next one): the stop tokens, while below min_tokens."""
     params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
+    if (request.num_output_tokens if num_output_tokens is None else num_output_tokens) >= params.min_tokens:
         return []
     return list(params.stop_token_ids) + ([] if params.ignore_eos else list(request.eos_token_ids))

@@ -343,3 +343,25 @@ def test_adapters_shard_like_their_weights_under_tensor_parallelism(adapters):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["tokens"] == [want, base_tokens]
     assert out["q_b"] == "P(None, None, 'model')" and out["o_a"] == "P(None, 'model', None)"
+
+
+def test_speculative_decoding_under_adapters_gives_each_adapters_tokens(lora_llm, adapters):
+    """n-gram drafts verified in one batch under a mix of adapters and the base: each sequence's
+    tokens are still its adapter's (PEFT's greedy tokens, or the engine's without drafts)."""
+    _, made, base_tokens = adapters
+    with pytest.raises(ValueError, match="needs its own registry.load"):
+        LLM(model=str(adapters[0]), loaded_model=lora_llm.engine.model, enable_lora=True, show_progress=False)
+    spec = LLM(model=str(adapters[0]), enable_lora=True, max_loras=2, compilation_cache_dir="",
+               max_lora_rank=8, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, show_progress=False,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                   "prompt_lookup_max": 2, "adaptive_drafts": False})
+    loras = [made[name][0] for name in ("all", "qv-rslora")] + [None, None]
+    loop = [229, 197, 197, 197]  # the tiny model loops after it: drafts are accepted
+    prompts = [{"prompt_token_ids": p} for p in (PROMPT, PROMPT, PROMPT, loop)]
+    want = [made["all"][1], made["qv-rslora"][1], base_tokens,
+            lora_llm.generate(prompts[3], GREEDY, lora_request=loras[3], use_tqdm=False)[0].outputs[0].token_ids]
+    outs = spec.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    stats = spec.engine.stats()
+    assert stats.spec_decode_num_accepted_tokens > 0, stats
+    print(f"\nacceptance under adapters: {stats.spec_decode_num_accepted_tokens}/{stats.spec_decode_num_draft_tokens}")

@@ -203,6 +203,14 @@ def test_speculative_logprobs_and_stop_strings_match_plain(plain):
             for t in lw:
                 assert lg[t].rank == lw[t].rank and abs(lg[t].logprob - lw[t].logprob) < 1e-4
         assert abs(g.cumulative_logprob - w.cumulative_logprob) < 1e-3
+    # min_tokens holds stop tokens back row by row: drafts below it see the same suppression.
+    held = [SamplingParams(temperature=0.0, max_tokens=20, min_tokens=m, stop_token_ids=[197, 463])
+            for m in (0, 3, 6, 9)]
+    want = plain.generate([prompts[0]] * 4, held)
+    got = spec.generate([prompts[0]] * 4, held)
+    assert [(o.outputs[0].token_ids, o.outputs[0].stop_reason) for o in got] == \
+        [(o.outputs[0].token_ids, o.outputs[0].stop_reason) for o in want]
+    assert len({len(o.outputs[0].token_ids) for o in want}) > 1  # min_tokens mattered
     # A stop string completed by an accepted draft (not the last token of its step) ends the
     # text there, as without speculation: find such a token in a streamed run.
     engine, greedy = spec.engine, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
