@@ -47,6 +47,9 @@ class APIError(Exception):
 
 
 SERVAX_VERSION = importlib.metadata.version("servax")
+# Largest request body accepted: 16 MiB holds a max-length prompt of any model many times
+# over; beyond it the ingress answers 413 before reading further.
+MAX_REQUEST_BODY_BYTES = 16 * 2**20
 # Lists the request fields servax did not know and ignored (vLLM only logs them).
 IGNORED_FIELDS_HEADER = "x-servax-ignored-fields"
 
@@ -252,9 +255,43 @@ def _param_of(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
+class _BodyTooLarge(StarletteHTTPException):
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body exceeds {limit} bytes")
+
+
+class BodySizeLimit:
+    """ASGI middleware: a 413 OpenAI error for bodies over `limit` bytes, by Content-Length
+    when the client sends one, else counted as the body streams in (nothing more is read)."""
+
+    def __init__(self, app: Any, limit: int = MAX_REQUEST_BODY_BYTES):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await _json_error(ErrorResponse.make(413, f"request body exceeds {self.limit} bytes"))(
+                scope, receive, send)
+        received = 0
+
+        async def limited() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise _BodyTooLarge(self.limit)
+            return message
+
+        await self.app(scope, limited, send)
+
+
 def build_openai_api(router: OpenAIRouter) -> FastAPI:
     """The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /health."""
     api = FastAPI(title="servax", description="OpenAI-compatible LLM serving on JAX")
+    api.add_middleware(BodySizeLimit)
 
     @api.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:

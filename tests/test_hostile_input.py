@@ -1,0 +1,182 @@
+"""Hostile input against the running OpenAI app: oversized and deeply nested bodies, invalid
+UTF-8, absurd counts, token ids outside the vocabulary, NaN, wrong types, and a property-based
+fuzz (hypothesis) of completion and chat bodies. Always a 4xx with an OpenAI error body, never
+a 500, and the server keeps serving with no KV block held afterwards."""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import assert_openai_error, local_llm_server, local_llm_servers, openai_api_server
+
+MODEL = "fuzz-tiny"
+ENGINE = dict(model_impl="jax", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=128, num_kv_blocks=64,
+              show_progress=False)
+VOCAB = 512  # servax-tiny/llama's
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    with local_llm_servers([{"model_loading_config": {"model_id": MODEL, "model_source": "servax-tiny/llama"},
+                             "engine_kwargs": ENGINE}]) as handles, openai_api_server(handles) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        yield client
+
+
+def assert_still_serving(http) -> None:
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    engine = local_llm_server(MODEL).engine
+    deadline = time.time() + 10
+    while (stats := engine.stats()).kv_blocks_used and time.time() < deadline:  # aborts land in the loop
+        time.sleep(0.05)
+    assert stats.kv_blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0, stats
+
+
+def test_oversized_body_is_413(http):
+    from app.ingress import MAX_REQUEST_BODY_BYTES
+
+    junk = "x" * (MAX_REQUEST_BODY_BYTES + 1)
+    assert_openai_error(http.post("/v1/completions", content=json.dumps({"model": MODEL, "prompt": junk}),
+                                  headers={"content-type": "application/json"}), 413)
+
+    def chunks():  # no Content-Length: the limit holds while the body streams in
+        for _ in range(MAX_REQUEST_BODY_BYTES // 65536 + 2):
+            yield b" " * 65536
+
+    assert_openai_error(http.post("/v1/chat/completions", content=chunks(),
+                                  headers={"content-type": "application/json"}), 413)
+    assert_still_serving(http)
+
+
+def test_deeply_nested_json_is_400(http):
+    depth = 100_000
+    body = '{"model": "%s", "prompt": %s1%s}' % (MODEL, "[" * depth, "]" * depth)
+    assert_openai_error(http.post("/v1/completions", content=body, headers={"content-type": "application/json"}),
+                        400)
+    body = '{"model": "%s", "messages": [%s"hi"%s]}' % (MODEL, '{"role": "user", "content": [' * 5000, "]}" * 5000)
+    r = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert_openai_error(r, 400)
+    assert_still_serving(http)
+
+
+def test_invalid_utf8_is_400(http):
+    body = b'{"model": "' + MODEL.encode() + b'", "prompt": "caf\xe9 \xff\xfe", "max_tokens": 2}'
+    assert_openai_error(http.post("/v1/completions", content=body, headers={"content-type": "application/json"}),
+                        400)
+    assert_still_serving(http)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 10**9), ("n", 0), ("max_tokens", -1), ("logprobs", 10**6), ("logprobs", -3),
+    ("best_of", 10**6), ("temperature", float("nan")), ("temperature", -1.0), ("top_p", float("inf")),
+    ("top_p", 0.0), ("top_k", -5), ("seed", 2**80), ("presence_penalty", 1e308), ("frequency_penalty", float("-inf")),
+    ("logit_bias", {"999999999": 5}), ("logit_bias", {"1": float("nan")}), ("stop", [""] * 3),
+    ("stop_token_ids", [-1]), ("allowed_token_ids", [10**12]), ("prompt", [-1, 5]), ("prompt", [VOCAB, 1]),
+    ("prompt", [2**40]), ("prompt", [[1, 2], [VOCAB + 3]]), ("prompt", ""), ("prompt", []), ("prompt", {"a": 1}),
+    ("prompt", 3.5), ("model", ["a"]), ("stream", [1]), ("echo", [1]), ("max_tokens", "ten"),
+    ("stream_options", {"include_usage": True}), ("response_format", {"type": "xml"}),
+    ("structured_outputs", {"regex": "("}), ("guided_json", "{not json"), ("min_tokens", 10**9),
+])
+def test_impossible_completion_values_are_400(http, field, value):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, field: value}
+    content = json.dumps(body, allow_nan=True)  # NaN / Infinity as Python's json writes them
+    r = http.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert_openai_error(r, 400)
+
+
+def test_impossible_chat_values_are_400(http):
+    for messages in ([], [{"role": "wizard", "content": "hi"}], [{"content": "hi"}], "hi", [{"role": "user", "content": 5}],
+                     [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]):
+        assert_openai_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages}), 400)
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    for extra in ({"top_logprobs": 10**6, "logprobs": True}, {"max_completion_tokens": -4}, {"tool_choice": "required"},
+                  {"tools": [{"type": "function", "function": {"name": ""}}]}, {"n": -1}):
+        assert_openai_error(http.post("/v1/chat/completions", json={**base, **extra}), 400)
+    assert_still_serving(http)
+
+
+# -- property-based fuzz ------------------------------------------------------------------
+
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70),
+                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20))
+_VALUES = st.recursive(_SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                         st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                       max_leaves=12)
+_SAMPLING_FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos",
+                    "min_tokens", "stream", "stream_options", "user", "response_format", "structured_outputs",
+                    "allowed_token_ids", "bad_words", "skip_special_tokens", "no_such_field"]
+# Values near the edge of valid for the fields that take numbers, so the fuzz also reaches the engine.
+_NEAR_VALID = {
+    "max_tokens": st.integers(-2, 200), "temperature": st.floats(-1, 3), "top_p": st.floats(-0.5, 1.5),
+    "top_k": st.integers(-3, 600), "min_p": st.floats(-0.5, 1.5), "n": st.integers(-1, 12),
+    "seed": st.integers(-2**64, 2**64), "stop_token_ids": st.lists(st.integers(-2, VOCAB + 2), max_size=3),
+    "logit_bias": st.dictionaries(st.integers(-2, VOCAB + 2).map(str), st.floats(-200, 200), max_size=3),
+    "stream": st.booleans(), "ignore_eos": st.booleans(), "min_tokens": st.integers(-1, 300),
+    "allowed_token_ids": st.lists(st.integers(-1, VOCAB + 1), max_size=3),
+}
+
+
+def _field_value(name: str):
+    return st.one_of(_NEAR_VALID[name], _VALUES) if name in _NEAR_VALID else _VALUES
+
+
+@st.composite
+def _bodies(draw, route: str):
+    body: dict = {"model": draw(st.sampled_from([MODEL, MODEL, "nope", 5]))}
+    if route == "completions":
+        body["prompt"] = draw(st.one_of(st.text(max_size=40), st.lists(st.integers(-3, VOCAB + 3), max_size=20),
+                                        _VALUES))
+    else:
+        message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
+                                         "content": st.one_of(st.text(max_size=40), _VALUES)})
+        body["messages"] = draw(st.one_of(st.lists(message, max_size=3), _VALUES))
+    for name in draw(st.lists(st.sampled_from(_SAMPLING_FIELDS), max_size=5, unique=True)):
+        body[name] = draw(_field_value(name))
+    return body
+
+
+def _check(http, route: str, body: dict) -> int:
+    """Send one fuzzed body; its status, once the answer has the right shape."""
+    content = json.dumps(body, allow_nan=True)
+    with http.stream("POST", f"/v1/{route}", content=content, headers={"content-type": "application/json"}) as r:
+        raw = r.read()
+    assert r.status_code < 500, (r.status_code, raw[:500], body)
+    if r.status_code >= 400:
+        err = json.loads(raw)["error"]
+        assert err["message"] and err["type"], err
+    elif not r.headers["content-type"].startswith("text/event-stream"):
+        assert json.loads(raw)["choices"], raw[:300]
+    else:
+        assert raw.rstrip().endswith(b"data: [DONE]"), raw[-300:]
+        assert b'"error"' not in raw, raw[:500]
+    return r.status_code
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_fuzzed_bodies_never_500(http, route):
+    """300 random bodies per route (hypothesis): many refused, some served; never a 5xx."""
+    outcomes: collections.Counter = collections.Counter()
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(body=_bodies(route))
+    def send(body):
+        outcomes[_check(http, route, body)] += 1
+
+    send()
+    print(f"\n{route}: {dict(outcomes)}")
+    assert outcomes[200] >= 3 and sum(n for status, n in outcomes.items() if status >= 400) >= 100, outcomes
+    assert_still_serving(http)
