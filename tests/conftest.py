@@ -170,10 +170,12 @@ class ServeRun:
 
 
 @contextlib.contextmanager
-def serve_run(config_path: Path, work_dir: Path, *, ready_timeout_s: float = 300) -> Iterator[ServeRun]:
+def serve_run(config_path: Path, work_dir: Path, *, ready_timeout_s: float = 300,
+              models: tuple[str, ...] = ()) -> Iterator[ServeRun]:
     """Run `serve run <config>` as a user would, on a fresh local Ray cluster, HTTP on a free port.
 
-    Only http_options is changed in the config. Waits until a completion is answered;
+    Only http_options is changed in the config. Waits until a completion is answered (by each
+    of `models`, when the app serves several);
     stops the server by SIGINT (process group SIGTERM/SIGKILL as fallbacks) and the cluster.
     """
     import ray
@@ -209,8 +211,9 @@ def serve_run(config_path: Path, work_dir: Path, *, ready_timeout_s: float = 300
             assert proc.poll() is None, "serve run exited:\n" + log_path.read_text()[-5000:]
             assert time.time() < deadline, f"not ready in {ready_timeout_s} s:\n" + log_path.read_text()[-5000:]
             try:
-                r = httpx.post(base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=10)
-                if r.status_code == 200:
+                probes = [{"model": m} for m in models] or [{}]
+                if all(httpx.post(base_url + "/v1/completions", json={**probe, "prompt": "hi", "max_tokens": 1},
+                                  timeout=10).status_code == 200 for probe in probes):
                     break
             except httpx.HTTPError:
                 pass
