@@ -226,15 +226,9 @@ class LLMServer:
                          ) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
         """OpenAI /v1/completions bodies (see app.serving.OpenAIServing.completion); `lora`: the
         adapter the ingress resolved from `model` (or the multiplexed model id's)."""
-        try:
-            lora_request = await self._lora_for(lora)
-        except Exception as e:  # noqa: BLE001
-            yield _lora_error(e)
-            return
-        async with aclosing(self.serving.completion(request, lora_request)) as items:
+        async with aclosing(self._serve(self.serving.completion, request, lora)) as items:
             async for item in items:
                 yield item
-        self._update_gauges()
 
     async def completions(self, request: CompletionRequest, lora: dict[str, Any] | None = None
                           ) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
@@ -246,12 +240,20 @@ class LLMServer:
     async def chat(self, request: ChatCompletionRequest, lora: dict[str, Any] | None = None
                    ) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
         """OpenAI /v1/chat/completions bodies (see app.serving.OpenAIServing.chat)."""
+        async with aclosing(self._serve(self.serving.chat, request, lora)) as items:
+            async for item in items:
+                yield item
+
+    async def _serve(self, route: Any, request: Any, lora: dict[str, Any] | None
+                     ) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
+        """One OpenAI route's bodies under the request's adapter (an adapter that cannot be
+        read is the answer's error), then the gauges refreshed."""
         try:
             lora_request = await self._lora_for(lora)
         except Exception as e:  # noqa: BLE001
             yield _lora_error(e)
             return
-        async with aclosing(self.serving.chat(request, lora_request)) as items:
+        async with aclosing(route(request, lora_request)) as items:
             async for item in items:
                 yield item
         self._update_gauges()

@@ -5,10 +5,11 @@ Two workloads of chat requests to SmolLM2-135M-Instruct (greedy, one request at 
 lookup pays) and *open-ended* (stories and explanations, greedy and sampled at T=0.8, where
 drafts are rarer and more often wrong, so speculation must cost next to nothing). Tokens/s over the whole workload for the
 plain engine and for `speculative_config={"method": "ngram", ...}` at a few draft lengths
-(engines share the weights; rounds alternate between them; medians), with the acceptance
-figures vLLM reports and a check that every output equals the plain engine's.
+(engines share the weights; rounds alternate between them; medians), adaptive drafts
+(servax's default) and drafting every time (vLLM's behaviour), with the acceptance figures
+vLLM reports and a check that every output equals the plain engine's.
 
-    python benchmarks/speculative.py [--rounds 3] [--max-tokens 192]
+    python benchmarks/speculative.py [--rounds 3] [--max-tokens 192] [--draft-lengths 3,7,15]
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--draft-lengths", default="3,5,7", help="num_speculative_tokens values to compare")
     parser.add_argument("--lookup", default="2,4", help="prompt_lookup_min,prompt_lookup_max")
+    parser.add_argument("--always-draft", type=int, default=7,
+                        help="also an engine with adaptive_drafts=false at this length (vLLM's behaviour); 0: none")
     args = parser.parse_args()
 
     from app import LLM
@@ -104,6 +107,12 @@ def main() -> None:
     for k in (int(x) for x in args.draft_lengths.split(",")):
         engines[f"ngram k={k}"] = LLM(**settings, loaded_model=engines["plain"].engine.model, speculative_config={
             "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo, "prompt_lookup_max": hi})
+    if args.always_draft:  # vLLM's behaviour: every proposal found is verified, at full length
+        k = args.always_draft
+        engines[f"ngram k={k}, always"] = LLM(**settings, loaded_model=engines["plain"].engine.model,
+                                              speculative_config={"method": "ngram", "num_speculative_tokens": k,
+                                                                  "prompt_lookup_min": lo, "prompt_lookup_max": hi,
+                                                                  "adaptive_drafts": False})
     workloads = {"repetitive": (REPETITIVE, 0.0), "open-ended": (OPEN_ENDED, 0.0),
                  "open-ended, T=0.8": (OPEN_ENDED, 0.8)}
     for llm in engines.values():  # settle: first calls, detokenizer caches
