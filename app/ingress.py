@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -55,7 +56,9 @@ IGNORED_FIELDS_HEADER = "x-servax-ignored-fields"
 
 
 def _json_error(err: ErrorResponse) -> JSONResponse:
-    return JSONResponse(err.model_dump(), status_code=err.status_code)
+    # 429 and 503 are worth retrying: say when (clients such as openai's honour Retry-After).
+    headers = {"Retry-After": "1"} if err.status_code in (429, 503) else None
+    return JSONResponse(err.model_dump(), status_code=err.status_code, headers=headers)
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -219,6 +222,10 @@ def _server_error(exc: BaseException) -> ErrorResponse:
     err = error_response(cause)
     if err is not None:
         return err
+    if isinstance(cause, (RayActorError, ActorUnavailableError)):  # the replica died under the request
+        logger.warning("servax: a model replica died under a request: %s", cause)
+        return ErrorResponse.make(503, "the model replica serving this request died; retry (Serve is "
+                                  "replacing it)", type="server_error", code="replica_unavailable")
     logger.exception("servax: request failed", exc_info=exc)
     return ErrorResponse.make(500, f"internal error: {type(cause).__name__}: {cause}", type="server_error")
 

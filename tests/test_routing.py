@@ -54,29 +54,87 @@ def conversations(n: int, turns: int, seed: int = 0) -> list[list[str]]:
             for _ in range(n)]
 
 
-@pytest.mark.cluster
-def test_prefix_router_raises_the_hit_rate_of_multi_turn_chats(tmp_path):
-    from conftest import openai_client, serve_run
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from conftest import serve_run
 
-    config = tmp_path / "routing.yaml"
+    folder = tmp_path_factory.mktemp("routing")
+    config = folder / "routing.yaml"
     config.write_text(ROUTING_YAML)
+    with serve_run(config, folder, models=("affinity", "default")) as served:
+        yield served
+
+
+@pytest.mark.cluster
+def test_prefix_router_raises_the_hit_rate_of_multi_turn_chats(run):
+    from conftest import openai_client
+
     chats = conversations(12, turns=4)
-    with serve_run(config, tmp_path, models=("affinity", "default")) as run:
-        client = openai_client(run.base_url)
-        rates = {}
-        for model in ("affinity", "default"):
-            cached = prompt = 0
-            for turn in range(4):
-                for chat in chats:
-                    messages = []
-                    for said in chat[:turn + 1]:
-                        messages += [{"role": "user", "content": said}, {"role": "assistant", "content": "noted: " + said[:24]}]
-                    reply = client.chat.completions.create(model=model, messages=messages[:-1], max_tokens=2,
-                                                           temperature=0)
-                    if turn:  # the first turn has nothing to hit
-                        prompt += reply.usage.prompt_tokens
-                        cached += reply.usage.prompt_tokens_details.cached_tokens
-            rates[model] = cached / prompt
+    client = openai_client(run.base_url)
+    rates = {}
+    for model in ("affinity", "default"):
+        cached = prompt = 0
+        for turn in range(4):
+            for chat in chats:
+                messages = []
+                for said in chat[:turn + 1]:
+                    messages += [{"role": "user", "content": said}, {"role": "assistant", "content": "noted: " + said[:24]}]
+                reply = client.chat.completions.create(model=model, messages=messages[:-1], max_tokens=2, temperature=0)
+                if turn:  # the first turn has nothing to hit
+                    prompt += reply.usage.prompt_tokens
+                    cached += reply.usage.prompt_tokens_details.cached_tokens
+        rates[model] = cached / prompt
     print(f"\nprefix cache hit rate, turns 2-4 of 12 chats on 2 replicas: {rates}")
     assert rates["affinity"] > rates["default"] + 0.15, rates
     assert rates["affinity"] > 0.45, rates  # near what block-aligned history can hit
+
+
+@pytest.mark.cluster
+def test_killed_replica_costs_503s_not_hangs_and_serve_replaces_it(run):
+    """Kill one of the two `default` replicas while 24 requests run on both: each request ends
+    in time with a 200 or a 503 (retry hint), never a 500 or a hang; requests succeed again once
+    Serve has replaced the replica."""
+    import asyncio
+    import time
+
+    import httpx
+    import ray
+
+    replicas = [name for name in ray.util.list_named_actors(all_namespaces=True)
+                if "default" in str(name) and "SERVE_REPLICA" in str(name)]
+    assert len(replicas) == 2, ray.util.list_named_actors(all_namespaces=True)
+    victim = replicas[0]
+
+    async def one(client, i):
+        body = {"model": "default", "prompt": f"request {i} " * 4, "max_tokens": 200, "ignore_eos": True,
+                "stream": i % 3 == 0}
+        try:
+            r = await client.post("/v1/completions", json=body)
+        except httpx.HTTPError as e:
+            return f"transport: {type(e).__name__}"
+        if r.status_code == 200 and body["stream"]:
+            return 503 if '"code": 503' in r.text or "replica_unavailable" in r.text else 200
+        return r.status_code
+
+    async def load():
+        async with httpx.AsyncClient(base_url=run.base_url, timeout=60) as client:
+            tasks = [asyncio.create_task(one(client, i)) for i in range(24)]
+            await asyncio.sleep(0.5)
+            ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+            killed = time.perf_counter()
+            return await asyncio.gather(*tasks), killed
+
+    outcomes, killed = asyncio.run(load())
+    assert set(outcomes) <= {200, 503}, outcomes
+    assert 503 in outcomes and 200 in outcomes, outcomes  # requests ran on both replicas
+    ok_in_a_row = 0
+    while ok_in_a_row < 8:
+        assert time.perf_counter() - killed < 120, "not recovered in 120 s"
+        r = httpx.post(f"{run.base_url}/v1/completions", json={"model": "default", "prompt": "hi", "max_tokens": 2},
+                       timeout=60)
+        ok_in_a_row = ok_in_a_row + 1 if r.status_code == 200 else 0
+        if r.status_code != 200:
+            assert r.status_code == 503 and r.headers.get("retry-after"), (r.status_code, r.text)
+            time.sleep(0.5)
+    print(f"\nkilled 1 of 2 replicas under 24 requests: {outcomes.count(200)} x 200, {outcomes.count(503)} x 503; "
+          f"8 successes in a row {time.perf_counter() - killed:.1f} s after the kill")
