@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -125,3 +128,36 @@ def decode_step_ms(llm, loras: list, prompt_len: int, new_tokens: int, tag: str)
         engine.step()
     assert engine.stats().compilations_since_warmup == 0
     return step_s * 1e3
+
+
+@contextlib.contextmanager
+def serve_app(config: Path, ready: Callable[[], bool], timeout_s: float = 900.0) -> Iterator[float]:
+    """`serve run <config>` from the repository (its own local cluster), until `ready()` holds;
+    yields the seconds that took, then stops the app and the cluster."""
+    import httpx
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, RAY_SERVE_LOG_TO_STDERR="0", PYTHONPATH=str(root))
+    proc = subprocess.Popen(["serve", "run", str(config)], cwd=root, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t0 = time.perf_counter()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"serve run exited with {proc.returncode}")
+            if time.perf_counter() - t0 > timeout_s:
+                raise TimeoutError(f"{config.name}: not ready in {timeout_s:.0f} s")
+            try:
+                if ready():
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        yield time.perf_counter() - t0
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        subprocess.run(["ray", "stop", "--force"], capture_output=True)

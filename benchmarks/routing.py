@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,9 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import record, table  # noqa: E402
+from benchmarks.common import record, serve_app, table  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 PORT = 8123
 CONFIG = """
 proxy_location: EveryNode
@@ -91,22 +87,12 @@ async def workload(model: str, docs: list[str], turns: int) -> tuple[list, float
     return samples, time.perf_counter() - t0
 
 
-def wait_ready(proc, timeout: float = 900.0) -> float:
+def ready() -> bool:
     import httpx
 
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve run exited with {proc.returncode}")
-        try:
-            if all(httpx.post(f"http://127.0.0.1:{PORT}/v1/completions", timeout=30,
-                              json={"model": m, "prompt": "hi", "max_tokens": 1}).status_code == 200
-                   for m in ("affinity", "default")):
-                return time.perf_counter() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError("server not ready")
+    return all(httpx.post(f"http://127.0.0.1:{PORT}/v1/completions", timeout=30,
+                          json={"model": m, "prompt": "hi", "max_tokens": 1}).status_code == 200
+               for m in ("affinity", "default"))
 
 
 def main() -> None:
@@ -119,22 +105,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         config = Path(folder) / "routing.yaml"
         config.write_text(CONFIG.format(port=PORT))
-        env = dict(os.environ, RAY_SERVE_LOG_TO_STDERR="0", PYTHONPATH=str(ROOT))
-        proc = subprocess.Popen(["serve", "run", str(config)], cwd=ROOT, env=env, start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            ready_s = wait_ready(proc)
+        with serve_app(config, ready) as ready_s:
             for model in ("affinity", "default"):  # a settling round each, on other documents
                 asyncio.run(workload(model, documents(2, seed=99), 2))
             for i, model in enumerate(("affinity", "default")):
                 results[model] = asyncio.run(workload(model, documents(args.chats, seed=i), args.turns))
-        finally:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-            subprocess.run(["ray", "stop", "--force"], capture_output=True)
 
     rows = []
     for model, (samples, wall) in results.items():

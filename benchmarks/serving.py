@@ -15,9 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +26,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import bench_checkpoint, record, table, workload  # noqa: E402
+from benchmarks.common import bench_checkpoint, record, serve_app, table, workload  # noqa: E402
 
 PORT = 8123
 
@@ -121,20 +118,10 @@ async def run_direct(engine, prompts, max_tokens, concurrency) -> dict:
     return summarize(samples, time.perf_counter() - t0)
 
 
-def wait_ready(proc, timeout=600.0) -> float:
+def ready() -> bool:
     import httpx
 
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve run exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{PORT}/v1/models", timeout=2).status_code == 200:
-                return time.perf_counter() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError("server not ready")
+    return httpx.get(f"http://127.0.0.1:{PORT}/v1/models", timeout=2).status_code == 200
 
 
 def main() -> None:
@@ -155,21 +142,10 @@ def main() -> None:
     http, direct = {}, {}
     with tempfile.TemporaryDirectory() as folder:
         config = write_config(model, args, folder)
-        env = dict(os.environ, RAY_SERVE_LOG_TO_STDERR="0")
-        proc = subprocess.Popen(["serve", "run", str(config)], cwd=ROOT, env=env, start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            ready_s = wait_ready(proc)
+        with serve_app(config, ready, timeout_s=600) as ready_s:
             asyncio.run(run_http(*requests_for(1), 1))  # first request settles the server
             for c in levels:
                 http[c] = asyncio.run(run_http(*requests_for(c), c))
-        finally:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-            subprocess.run(["ray", "stop", "--force"], capture_output=True)
 
     from app.llm import load_model
     from runtime import AsyncLLMEngine, EngineConfig

@@ -94,6 +94,18 @@ def assert_openai_error(response, status: int, param: str | None = None, code: s
 _LOCAL_SERVERS: dict[str, object] = {}  # model_id -> the live in-process LLMServer of local_llm_servers
 
 
+def wait_idle(engine, timeout: float = 30.0):
+    """The engine's stats once nothing runs, waits or holds a KV block (aborts land in its loop);
+    fails after `timeout` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        stats = engine.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_blocks_used == 0:
+            return stats
+        time.sleep(0.02)
+    raise AssertionError(f"the engine did not go idle: {engine.stats()}")
+
+
 def _llm_server_objects() -> list:
     from app.server import LLMServer
 

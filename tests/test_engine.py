@@ -8,6 +8,7 @@ import random
 import pytest
 
 from app import LLM, SamplingParams
+from conftest import wait_idle
 from runtime.engine import Engine
 
 MODEL = "servax-tiny/llama"
@@ -218,18 +219,6 @@ def test_async_slow_consumer_gets_merged_deltas(async_engine):
         assert "".join(m.delta_text for m in mine) == c.text
         assert sum((m.delta_logprobs for m in mine), []) == c.logprobs
     wait_idle(async_engine)
-
-
-def wait_idle(engine, timeout=10.0):
-    import time
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        s = engine.stats()
-        if s.num_running == 0 and s.num_waiting == 0 and s.kv_blocks_used == 0:
-            return s
-        time.sleep(0.02)
-    raise AssertionError(f"engine not idle: {engine.stats()}")
 
 
 def test_async_consumer_cancel_and_abort_free_blocks(async_engine):

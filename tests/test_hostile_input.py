@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import collections
 import json
-import time
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import assert_openai_error, local_llm_server, local_llm_servers, openai_api_server
+from conftest import assert_openai_error, local_llm_server, local_llm_servers, openai_api_server, wait_idle
 
 MODEL = "fuzz-tiny"
 ENGINE = dict(model_impl="jax", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=128, num_kv_blocks=64,
@@ -38,11 +37,7 @@ def http(base_url):
 def assert_still_serving(http) -> None:
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 4})
     assert r.status_code == 200, r.text
-    engine = local_llm_server(MODEL).engine
-    deadline = time.time() + 10
-    while (stats := engine.stats()).kv_blocks_used and time.time() < deadline:  # aborts land in the loop
-        time.sleep(0.05)
-    assert stats.kv_blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0, stats
+    wait_idle(local_llm_server(MODEL).engine)
 
 
 def test_oversized_body_is_413(http):

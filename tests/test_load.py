@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from app import LLM, SamplingParams
-from conftest import local_llm_server, local_llm_servers, openai_api_server
+from conftest import local_llm_server, local_llm_servers, openai_api_server, wait_idle
 
 MODEL = "load-tiny"
 NEW = 24
@@ -38,16 +38,6 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 def rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20
-
-
-def wait_idle(engine, timeout: float = 30.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        stats = engine.stats()
-        if stats.kv_blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0:
-            return stats
-        time.sleep(0.05)
-    raise AssertionError(f"the engine did not go idle: {engine.stats()}")
 
 
 async def stream_tokens(client: httpx.AsyncClient, prompt: list[int]) -> str:
