@@ -80,11 +80,11 @@ async def chat(client, model: str, document: str, turns: int, samples: list) -> 
 async def workload(model: str, docs: list[str], turns: int) -> tuple[list, float]:
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", timeout=600)
     samples: list = []
-    t0 = time.perf_counter()
-    await asyncio.gather(*(chat(client, model, d, turns, samples) for d in docs))
-    return samples, time.perf_counter() - t0
+    async with AsyncOpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", timeout=600) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(chat(client, model, d, turns, samples) for d in docs))
+        return samples, time.perf_counter() - t0
 
 
 def ready() -> bool:
