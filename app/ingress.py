@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import RequestCancelledError
+from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -222,6 +222,9 @@ def _server_error(exc: BaseException) -> ErrorResponse:
     err = error_response(cause)
     if err is not None:
         return err
+    if isinstance(cause, BackPressureError):  # Serve's queue for the model (max_queued_requests) is full
+        return ErrorResponse.make(429, f"the model's request queue is full: {cause.message} Retry later.",
+                                  type="rate_limit_error", code="rate_limit_exceeded")
     if isinstance(cause, (RayActorError, ActorUnavailableError)):  # the replica died under the request
         logger.warning("servax: a model replica died under a request: %s", cause)
         return ErrorResponse.make(503, "the model replica serving this request died; retry (Serve is "
