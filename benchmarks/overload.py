@@ -35,6 +35,7 @@ applications:
     - model_loading_config: {{model_id: demo, model_source: servax-demo/smollm2-135m-instruct}}
       engine_kwargs: {{max_model_len: 1024, max_num_seqs: {seqs}, max_num_batched_tokens: 256,
                       max_queue_size: {queue}, show_progress: false}}
+      deployment_config: {deployment}
 """
 
 
@@ -66,11 +67,18 @@ def main() -> None:
     parser.add_argument("--max-queue-size", type=int, default=8)
     parser.add_argument("--flood", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--serve-queue", type=int, default=None,
+                        help="max_queued_requests of the deployment, with max_ongoing_requests = max_num_seqs")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as folder:
         config = Path(folder) / "overload.yaml"
-        config.write_text(CONFIG.format(port=PORT, seqs=args.max_num_seqs, queue=args.max_queue_size))
+        # With --serve-queue, Serve's router (in the ingress) holds what the engine would queue and
+        # refuses beyond it, before the request reaches the replica.
+        deployment = ("{}" if args.serve_queue is None else
+                      f"{{max_ongoing_requests: {args.max_num_seqs}, max_queued_requests: {args.serve_queue}}}")
+        config.write_text(CONFIG.format(port=PORT, seqs=args.max_num_seqs, queue=args.max_queue_size,
+                                        deployment=deployment))
         with serve_app(config, ready) as ready_s:
             asyncio.run(wave(args.max_num_seqs, 4))  # settle
             waves = {"baseline (fits)": asyncio.run(wave(args.max_num_seqs, args.max_tokens)),
@@ -84,8 +92,10 @@ def main() -> None:
         pct = lambda xs, q: f"{xs[int(q * (len(xs) - 1))] * 1e3:.0f}" if xs else "-"  # noqa: E731
         rows.append([name, len(results), len(ok), len(refused), len(other), pct(refused, 0.5), pct(refused, 0.99),
                      f"{statistics.median(ok) * 1e3:.0f}" if ok else "-", pct(ok, 0.99)])
+    limits = (f"max_queue_size={args.max_queue_size}" if args.serve_queue is None else
+              f"deployment max_ongoing_requests={args.max_num_seqs}, max_queued_requests={args.serve_queue}")
     body = (f"`serve run` to ready: {ready_s:.0f} s; SmolLM2-135M-Instruct, max_num_seqs={args.max_num_seqs}, "
-            f"max_queue_size={args.max_queue_size}, {args.max_tokens} tokens per request, all sent at once\n\n"
+            f"{limits}, {args.max_tokens} tokens per request, all sent at once\n\n"
             + table(["wave", "requests", "200", "429", "other", "429 ms p50", "429 ms p99", "200 e2e ms p50",
                      "200 e2e ms p99"], rows))
     record("Overload: 429 at once past the queue, admitted latency held (demo model)", body)
