@@ -163,3 +163,29 @@ def test_serve_queue_limit_is_429_with_retry_after(run):
     refused = next(r for r in responses if r.status_code == 429)
     assert refused.json()["error"]["code"] == "rate_limit_exceeded" and refused.headers["retry-after"]
     print(f"\nServe queue limit: {statuses.count(200)} x 200, {statuses.count(429)} x 429")
+
+
+@pytest.mark.cluster
+def test_deleting_the_app_drains_requests_in_flight(run):
+    """`serve.delete` while 6 requests decode: Serve stops routing new ones and waits up to
+    graceful_shutdown_timeout_s (20 s) for replicas to finish: every in-flight request completes
+    with all its tokens. (Last in the module: it takes the app down.)"""
+    import asyncio
+    import time
+
+    import httpx
+    from ray import serve
+
+    async def drain():
+        async with httpx.AsyncClient(base_url=run.base_url, timeout=120) as client:
+            body = {"model": "default", "prompt": "drain", "max_tokens": 300, "ignore_eos": True}
+            tasks = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(6)]
+            await asyncio.sleep(1.0)
+            t0 = time.perf_counter()
+            await asyncio.to_thread(serve.delete, "routing")
+            return await asyncio.gather(*tasks), time.perf_counter() - t0
+
+    responses, seconds = asyncio.run(drain())
+    assert [r.status_code for r in responses] == [200] * 6, [r.text[:200] for r in responses]
+    assert all(r.json()["usage"]["completion_tokens"] == 300 for r in responses)
+    print(f"\napp deleted under 6 requests: all completed, delete returned after {seconds:.1f} s")
