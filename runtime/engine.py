@@ -169,7 +169,7 @@ class Engine:
         self.warmup_seconds = warmup_s
         spec = config.speculative_config
         if spec is not None and spec.adaptive_drafts and not config.enforce_eager:
-            self.scheduler.draft_policy = self._measured_draft_policy(config.speculative_config)
+            self.scheduler.draft_policy = self._measured_draft_policy(spec)
         logger.info(
             "servax engine ready in %.1fs (warmup %.1fs, %d programs, %d compiled): %s",
             time.perf_counter() - t0, warmup_s, len(self.runner.bucket_pairs()), self.compile_counter.count,

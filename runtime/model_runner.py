@@ -365,8 +365,9 @@ class ModelRunner:
         sb["top_p"][r] = p.top_p
         sb["min_p"][r] = p.min_p
         sb["seeds"][r] = req.sample_seed
-        sb["steps"][r] = req.num_output_tokens + len(drafts)
-        bias = list(p.logit_bias.items()) + [(tok, _SUPPRESS) for tok in suppressed_token_ids(req, req.num_output_tokens + len(drafts))]
+        position = req.num_output_tokens + len(drafts)  # of the output token this row draws
+        sb["steps"][r] = position
+        bias = list(p.logit_bias.items()) + [(tok, _SUPPRESS) for tok in suppressed_token_ids(req, position)]
         if bias:
             bias = bias[:BIAS_WIDTH]
             sb["bias_ids"][r, :len(bias)] = [b[0] for b in bias]

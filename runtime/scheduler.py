@@ -141,22 +141,18 @@ class Scheduler:
             drafts = self._propose(request, min(budget, slots_left) - 1) if num_new == 1 and not per_token else []
             if drafts and self.kv.allocate_slots(request, 1 + len(drafts)):
                 entry = ScheduledRequest(request, request.num_computed_tokens, 1 + len(drafts), True, drafts)
-                scheduled.append(entry)
-                budget -= entry.num_new_tokens
-                slots_left -= entry.num_slots
-                i += 1
-                continue
-            while not self.kv.allocate_slots(request, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    break
-            if request.status != RequestStatus.RUNNING:
-                break  # it preempted itself: nothing younger is left to run
-            entry = ScheduledRequest(request, request.num_computed_tokens, num_new, per_token)
+            else:  # no drafts, or no blocks for them: the plain step, preempting if it must
+                while not self.kv.allocate_slots(request, num_new):
+                    victim = self.running.pop()
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is request:
+                        break
+                if request.status != RequestStatus.RUNNING:
+                    break  # it preempted itself: nothing younger is left to run
+                entry = ScheduledRequest(request, request.num_computed_tokens, num_new, per_token)
             scheduled.append(entry)
-            budget -= num_new
+            budget -= entry.num_new_tokens
             slots_left -= entry.num_slots
             i += 1
 
