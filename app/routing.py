@@ -119,7 +119,6 @@ class PrefixCacheAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._imbalanced_threshold = imbalanced_threshold
         self._match_rate_threshold = match_rate_threshold
         self._index = PrefixIndex(chunk_chars, max_keys)
-        self.num_affinity_routed = 0  # requests sent by prefix (or to the emptiest replica), not by load
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -133,7 +132,6 @@ class PrefixCacheAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return fallback
         matched, owners = self._index.match(text, set(by_id))
         chosen = owners if matched >= self._match_rate_threshold * len(text) else self._index.least_loaded(set(by_id))
-        self.num_affinity_routed += 1
         return [[by_id[r] for r in chosen]]
 
     async def _imbalanced(self, replicas: list[RunningReplica]) -> bool:
