@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 import registry
 from registry.model_info import sampling_defaults
+from runtime import distributed
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.lora import LoRARequest
@@ -35,10 +36,15 @@ from runtime.step import LoadedModel
 def load_model(config: EngineConfig) -> LoadedModel:
     """Load `config.model` the way the engine will run it: on the mesh its settings ask for.
 
+    A mesh larger than this process's devices makes this process the leader of a
+    multi-process engine (runtime/distributed.py): the worker processes join and load their
+    shards while this one loads its own.
+
     Raises:
         registry.errors.ModelLoadError: the model cannot be resolved or loaded.
         ValueError: the devices cannot hold the mesh.
     """
+    distributed.connect(config, load_model)  # a mesh over several processes: the workers join and load
     model = registry.load(
         config.model, model_impl=config.model_impl, dtype=config.dtype,
         mesh=make_mesh(config.tensor_parallel_size, config.data_parallel_size),
@@ -67,6 +73,10 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_kwargs)
         self.engine = Engine(self.config, loaded_model if loaded_model is not None else load_model(self.config))
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a multi-process engine (also done at interpreter exit)."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self) -> Any:

@@ -126,11 +126,19 @@ class AsyncLLMEngine:
             return self.engine.list_loras()
 
     def check_health(self) -> None:
-        """Raises EngineDeadError if the loop thread has stopped."""
+        """Raises EngineDeadError if the loop thread has stopped, or a worker process of a
+        multi-process engine has failed or hangs (then open streams end with that error now,
+        instead of waiting on a step that cannot finish)."""
         if self._error is not None:
             raise EngineDeadError(f"the engine loop died: {self._error!r}") from self._error
         if self._stop.is_set() or not self._thread.is_alive():
             raise EngineDeadError("the engine has been shut down")
+        try:
+            self.engine.check_health()  # no engine lock: the loop may be stuck holding it
+        except EngineDeadError as e:
+            self._error = e
+            self._fail_streams(e)
+            raise
 
     async def generate(
         self, prompt: PromptType, sampling_params: SamplingParams | dict[str, Any] | None, request_id: str,
@@ -190,6 +198,7 @@ class AsyncLLMEngine:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
         self._fail_streams(EngineDeadError("the engine has been shut down"))
+        self.engine.shutdown()
 
     # -- the loop thread -----------------------------------------------------------------
     def _post(self, kind: str, payload: Any) -> None:

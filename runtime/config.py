@@ -25,8 +25,6 @@ NOT_APPLICABLE = {
     "cuda_graph_sizes": "there are no CUDA graphs: every bucket up to max_num_batched_tokens is precompiled",
     "swap_space": "preempted sequences are recomputed, never swapped to host memory",
     "cpu_offload_gb": "weights are not offloaded; use a smaller dtype or tensor_parallel_size",
-    "distributed_executor_backend": "servax runs one process per engine over a JAX mesh; "
-                                    "use tensor_parallel_size and Serve replicas",
     "device": "JAX picks the platform (CPU, GPU or TPU); set JAX_PLATFORMS to choose",
     "load_format": "servax reads safetensors folders and GGUF files by what they are; drop load_format",
 }
@@ -58,7 +56,15 @@ class EngineConfig(BaseModel):
         0.5, gt=0, le=1, description="Share of free device memory for the KV cache when no byte budget is given."
     )
     num_kv_blocks: int | None = Field(None, gt=0, description="Exact KV block count (overrides budgets).")
-    tensor_parallel_size: int = Field(1, gt=0)
+    tensor_parallel_size: int = Field(
+        1, gt=0, description="Devices the weights and KV cache are split over; more than one process has "
+                             "makes a multi-process engine (runtime/distributed.py).")
+    distributed_executor_backend: Literal["ray", "uni"] | None = Field(
+        None, description="ray: a mesh larger than one process runs over Ray actors joined by jax.distributed "
+                          "(the default when it is larger); uni: one process only (vLLM's names).")
+    distributed_timeout_s: float = Field(
+        60.0, gt=0, description="Multi-process engine: time for the processes to join, longest a step may take "
+                                "before the engine reports unhealthy, and JAX's heartbeat timeout.")
     data_parallel_size: int = Field(
         1, gt=0,
         description="Reserved: only 1 today. Scale out with Serve replicas (deployment_config.num_replicas).",
@@ -160,6 +166,16 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 f"data_parallel_size={v} is not supported yet (only 1); for data parallelism run more "
                 "Serve replicas (deployment_config.num_replicas or autoscaling_config)"
+            )
+        return v
+
+    @field_validator("distributed_executor_backend", mode="before")
+    @classmethod
+    def _known_backend(cls, v: Any) -> Any:
+        if v in ("mp", "external_launcher"):
+            raise ValueError(
+                f"distributed_executor_backend={v!r} is not supported: servax starts the further processes of a "
+                "multi-process engine as Ray actors ('ray'); 'uni' keeps it in one process"
             )
         return v
 

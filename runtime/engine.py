@@ -27,8 +27,9 @@ import numpy as np
 
 from runtime.attention import resolve_attention_backend
 from runtime.compilation import CompileCounter, enable_persistent_cache, seq_buckets, token_buckets
+from runtime import distributed
 from runtime.config import EngineConfig
-from runtime.errors import EngineOverloadedError, InvalidRequestError
+from runtime.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.lora import LoRAError, LoRAManager, LoRARequest, add_lora_slots, load_peft_adapter
 from runtime.mesh import make_mesh, num_shards
@@ -74,6 +75,10 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    # A mesh over several processes (runtime/distributed.py): host inputs sent to each worker.
+    num_processes: int = 1
+    distributed_calls: int = 0
+    distributed_bytes_sent: int = 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -139,6 +144,10 @@ class Engine:
             self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill, speculative=config.speculative_config,
         )
+        self.peers = distributed.current_group()  # the workers of a mesh over several processes
+        if self.peers is not None and config.enable_lora:
+            raise ValueError("enable_lora is not supported on a multi-process engine yet (adapter slots are "
+                             "written by the leader only); serve LoRA with tensor_parallel_size within one process")
         if config.enable_lora:
             try:
                 add_lora_slots(model, max_loras=config.max_loras, max_rank=config.max_lora_rank, mesh=self.mesh)
@@ -149,7 +158,7 @@ class Engine:
             max_model_len=self.max_model_len, token_buckets=token_buckets(config.max_num_batched_tokens),
             seq_buckets=seq_buckets(config.max_num_seqs), max_logprobs=config.max_logprobs,
             layerwise=config.layerwise,
-            attention_backend=self._attention_backend(), kv_spec=self.kv_spec,
+            attention_backend=self._attention_backend(), kv_spec=self.kv_spec, peers=self.peers,
         )
         self.lora: LoRAManager | None = None
         if config.enable_lora:
@@ -224,7 +233,7 @@ class Engine:
         elif cfg.gpu_memory_utilization is not None:
             num, source = self._blocks_for_memory_share(per_block)
         else:
-            devices = list(self.mesh.devices.flat)
+            devices = self._local_devices()
             stats = devices[0].memory_stats()
             if stats and "bytes_limit" in stats:
                 free = min(
@@ -252,12 +261,17 @@ class Engine:
         )
         return int(num)
 
+    def _local_devices(self) -> list:
+        """The mesh's devices in this process (all of them unless the mesh spans processes;
+        every process holds the same share, so this process's memory decides)."""
+        return [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+
     def _blocks_for_memory_share(self, per_block: int) -> tuple[int, str]:
         """KV blocks under gpu_memory_utilization: the share of device (on CPU, host) memory
         the whole engine may use, less the weights, capped at twice what max_num_seqs
         full-length sequences need (the rest would only ever hold prefix-cache entries)."""
         share = self.config.gpu_memory_utilization
-        devices = list(self.mesh.devices.flat)
+        devices = self._local_devices()
         stats = devices[0].memory_stats()
         if stats and "bytes_limit" in stats:
             total, where = min(d.memory_stats()["bytes_limit"] for d in devices), "device"
@@ -485,6 +499,28 @@ class Engine:
             return self.runner.dispatch(sched, block_ids)
 
     # -- introspection -------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise EngineDeadError if a worker process of a multi-process engine has failed, or a
+        step has run longer than distributed_timeout_s (a worker hangs). Any thread."""
+        if self.peers is None:
+            return
+        try:
+            self.peers.check()
+        except distributed.DistributedError as e:
+            raise EngineDeadError(str(e)) from e
+        since = self.runner.busy_since
+        if since is not None and time.monotonic() - since > self.peers.timeout_s:
+            raise EngineDeadError(
+                f"a step of the {self.peers.num_processes}-process engine has not finished in "
+                f"{time.monotonic() - since:.0f}s (distributed_timeout_s={self.peers.timeout_s:g}): a worker hangs"
+            )
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a multi-process engine (nothing to do for one process)."""
+        if self.peers is not None:
+            self.peers.shutdown()
+            self.peers = None
+
     def stats(self) -> EngineStats:
         total, free = self.kv.num_usable_blocks, self.kv.num_free_blocks
         prefix, spec = self.kv.prefix_cache_stats, self.scheduler.spec_stats
@@ -499,6 +535,9 @@ class Engine:
             spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_accepted_per_position=list(spec.accepted_per_position),
+            **({} if self.peers is None else dict(
+                num_processes=self.peers.num_processes, distributed_calls=self.peers.calls,
+                distributed_bytes_sent=self.peers.bytes_sent)),
             **({} if self.lora is None else dict(
                 lora_adapters_loaded=len(self.lora.registered), lora_slot_loads=self.lora.num_loads,
                 lora_requests=dict(self.lora.requests_per_adapter))),

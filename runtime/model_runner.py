@@ -84,13 +84,23 @@ class ModelRunner:
             the KV cache is allocated for it.
         kv_spec: the cache to allocate (default the model's; the engine's kv_cache_dtype may
             make it a quantized one).
+        peers: the runtime.distributed.ProcessGroup of a mesh that spans processes: every
+            device call below is sent to its workers first, which run the same on their shards.
     """
 
     def __init__(
         self, model: LoadedModel, mesh: Mesh, *, num_blocks: int, block_size: int, max_model_len: int,
         token_buckets: list[int], seq_buckets: list[int], max_logprobs: int, layerwise: bool = True,
-        attention_backend: str = "xla", kv_spec: Any = None,
+        attention_backend: str = "xla", kv_spec: Any = None, peers: Any = None,
     ):
+        self.peers = peers
+        self.busy_since: float | None = None  # time.monotonic() of the dispatched step not collected yet
+        if peers is not None:  # the workers build the same runner over their shards
+            peers.call("build_runner", dict(
+                tensor_parallel_size=mesh.shape["model"], data_parallel_size=mesh.shape["data"],
+                num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
+                token_buckets=token_buckets, seq_buckets=seq_buckets, max_logprobs=max_logprobs,
+                layerwise=layerwise, attention_backend=attention_backend, kv_spec=kv_spec))
         self.model = model
         self.mesh = mesh
         self.block_size = block_size
@@ -156,15 +166,28 @@ class ModelRunner:
         return step_buckets(self.token_buckets, self.seq_buckets)
 
     def warmup(self, show_progress: bool = True) -> float:
-        """Compile (or load from the persistent cache) every program serving can call:
-        the step of every bucket and the sampler variants of every sequence bucket.
-        Returns the seconds taken.
+        """Compile (or load from the persistent cache) every program serving can call, then
+        run one smallest step and sampler as a check. Returns the seconds taken."""
+        start = time.perf_counter()
+        if self.peers is not None:
+            self.peers.call("compile")
+        self.compile_programs(show_progress)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            if self.lora_targets:
+                self.write_lora_slot(1, None)  # compiles the slot writers (slot 1 is empty anyway)
+            t, s = self.bucket_pairs()[0]
+            logits = self._run_step(self._padding_step_input(t, s))
+            jax.block_until_ready(self._run_sample(logits, self._sampling_batch_padding(s, False),
+                                                   use_penalties=False, all_greedy=True, use_mask=False))
+        return time.perf_counter() - start
+
+    def compile_programs(self, show_progress: bool = True) -> None:
+        """Compile the step of every bucket and the sampler variants of every sequence bucket.
 
         Programs are traced and lowered one by one (Python), then compiled ahead of time on
-        a thread pool (XLA compiles outside the GIL, so the cores share the work); nothing
-        runs but one smallest step and sampler at the end, as a check.
+        a thread pool (XLA compiles outside the GIL, so the cores share the work); nothing runs.
         """
-        start = time.perf_counter()
         pairs = self.bucket_pairs()
         with warnings.catch_warnings():
             # The CPU backend cannot donate the KV cache; its lowering-time warning is noise.
@@ -180,14 +203,6 @@ class ModelRunner:
                 for _ in tqdm(done, total=len(lowered), desc="servax: compiling programs",
                               disable=not show_progress):
                     pass
-            if self.lora_targets:
-                self.write_lora_slot(1, None)  # compiles the slot writers (slot 1 is empty anyway)
-            t, s = pairs[0]
-            logits = self._run_step(self._padding_step_input(t, s))
-            jax.block_until_ready(self._sample(logits, self._sampling_batch_padding(s, False),
-                                               num_logprobs=self.num_logprobs, use_penalties=False,
-                                               all_greedy=True, use_mask=False))
-        return time.perf_counter() - start
 
     def step_seconds(self, num_tokens: int, context: int = 128, repeats: int = 3) -> float:
         """Median time of a compiled step plus greedy sampling of `num_tokens` single-token
@@ -212,8 +227,8 @@ class ModelRunner:
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            out = self._sample(self._run_step(batch), sb, num_logprobs=self.num_logprobs, use_penalties=False,
-                               all_greedy=True, use_mask=False)
+            out = self._run_sample(self._run_step(batch), sb, use_penalties=False, all_greedy=True,
+                                   use_mask=False)
             jax.device_get(out.sampled)
             times.append(time.perf_counter() - t0)
         return float(np.median(times))
@@ -235,11 +250,21 @@ class ModelRunner:
 
     def _run_step(self, batch) -> jax.Array:
         """Enqueue the model's step on `batch`; the logits (the KV cache is updated)."""
+        if self.peers is not None:
+            self.peers.call("run_step", batch)
         if self.layered is not None:
             logits, self.kv_cache = self.layered(self.kv_cache, batch)
         else:
             logits, self.kv_cache = self._step(self.model.params, self.kv_cache, batch)
         return logits
+
+    def _run_sample(self, logits: jax.Array, sb: SamplingBatch | dict[str, np.ndarray], **flags: bool) -> Any:
+        """Enqueue the sampler on the step's logits; flags: use_penalties, all_greedy, use_mask."""
+        if isinstance(sb, SamplingBatch):
+            sb = {f.name: getattr(sb, f.name) for f in dataclasses.fields(sb)}
+        if self.peers is not None:
+            self.peers.call("sample", sb, flags)
+        return self._sample(logits, SamplingBatch(**sb), num_logprobs=self.num_logprobs, **flags)
 
     def _padding_step_input(self, t: int, s: int):
         return make_step_input(
@@ -258,6 +283,7 @@ class ModelRunner:
     # -- one step ------------------------------------------------------------------------
     def dispatch(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> "InFlightStep":
         """Build the inputs and enqueue step + sampler on the device without waiting."""
+        self.busy_since = time.monotonic()
         num_tokens = sched.num_scheduled_tokens
         num_rows = sched.num_slots
         t_pad, s_pad = step_bucket(num_tokens, num_rows, self.token_buckets, self.seq_buckets)
@@ -331,16 +357,14 @@ class ModelRunner:
         logits = self._run_step(batch)
         # Filled while the device runs the step (llguidance releases the GIL).
         fill_token_masks(sb["token_mask"], masked_rows)
-        out = self._sample(
-            logits, SamplingBatch(**sb), num_logprobs=self.num_logprobs, use_penalties=use_penalties,
-            all_greedy=all_greedy, use_mask=use_mask,
-        )
+        out = self._run_sample(logits, sb, use_penalties=use_penalties, all_greedy=all_greedy, use_mask=use_mask)
         return InFlightStep(sched, out, sample_rows, prompt_rows)
 
     def collect(self, step: "InFlightStep") -> RunnerOutput:
         """Wait for a dispatched step and bring its results to the host."""
         sched, sample_rows, prompt_rows = step.sched, step.sample_rows, step.prompt_rows
         out = jax.device_get(step.out)
+        self.busy_since = None
 
         def result(r: int) -> RowResult:
             return RowResult(float(out.chosen_logprob[r]), int(out.chosen_rank[r]), out.top_ids[r], out.top_logprobs[r])

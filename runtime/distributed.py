@@ -1,0 +1,363 @@
+"""One engine over the devices of several processes: JAX multi-controller, placed by Ray.
+
+When `tensor_parallel_size` exceeds the devices of one process, the engine's mesh spans
+several processes, one per host on a real cluster. JAX runs such a mesh multi-controller:
+every process joins `jax.distributed`, holds the shards of the weights and of the KV cache
+on its own devices, and runs the same compiled programs in the same order on the same
+inputs. Here the process that builds the engine (a Serve replica, or the script that made
+`LLM(...)`) is the leader, process 0: it alone schedules. The others are `EngineWorker`
+Ray actors that load their shards and then repeat what the leader's `ModelRunner` does
+on the device: the leader sends each call's small host inputs (token ids, positions,
+block tables, sampling arrays) to every worker before running it itself
+(`ProcessGroup.call`); the workers' results are never read, the leader reads its own
+(the step's outputs are replicated).
+
+    group = distributed.connect(config, load_model)  # None: the mesh fits this process
+    ...
+    ModelRunner(..., peers=group)                    # every device call is repeated on the workers
+
+A process joins `jax.distributed` at most once, before JAX first touches its devices, so a
+process leads at most one group (`current_group`). The JAX coordination service ends every
+process of the group when one of them stops heartbeating (`distributed_timeout_s`): a
+worker that dies takes its replica down with it, and Serve starts a new group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+logger = logging.getLogger("servax.engine")
+
+_FORCED_DEVICES = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+# Environment a worker must share with its leader to see the same devices and programs.
+_SHARED_ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_ENABLE_X64", "SERVAX_CACHE", "HF_HOME", "HF_HUB_OFFLINE")
+
+_group: "ProcessGroup | None" = None
+_is_worker = False
+
+
+class DistributedError(RuntimeError):
+    """The process group cannot form, or a member of it failed."""
+
+
+def local_device_count() -> int:
+    """Devices that one process of this host gets, without initializing JAX's backend here
+    (that would make joining jax.distributed impossible).
+
+    On CPU (JAX_PLATFORMS=cpu, or no accelerator plugin installed) it is what XLA_FLAGS'
+    --xla_force_host_platform_device_count says (1 without it); otherwise a short-lived
+    subprocess asks JAX.
+    """
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    match = _FORCED_DEVICES.search(os.environ.get("XLA_FLAGS", ""))
+    if platforms.split(",")[0] == "cpu" or (not platforms and not _accelerator_plugin()):
+        return int(match.group(1)) if match else 1
+    out = subprocess.run([sys.executable, "-c", "import jax; print(jax.local_device_count())"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def _accelerator_plugin() -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu"))
+
+
+def num_processes(tensor_parallel_size: int, data_parallel_size: int = 1, local_devices: int | None = None) -> int:
+    """How many processes the mesh needs: 1 when it fits this process's devices.
+
+    Raises:
+        ValueError: the mesh is larger than one process but not a whole number of them.
+    """
+    local = local_device_count() if local_devices is None else local_devices
+    needed = tensor_parallel_size * data_parallel_size
+    if needed <= local:
+        return 1
+    if needed % local:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs {needed} devices, more than the {local} of one "
+            f"process, but is not a multiple of {local}: every process contributes all its devices, so use a "
+            f"multiple of {local} (or change the devices per process)"
+        )
+    return needed // local
+
+
+def current_group() -> "ProcessGroup | None":
+    """The group this process leads (None: a single-process engine, or this is a worker)."""
+    return _group
+
+
+def connect(config: Any, loader: Callable[[Any], Any]) -> "ProcessGroup | None":
+    """Form this engine's process group if its mesh needs more than this process.
+
+    Starts one EngineWorker actor per further process, joins jax.distributed with them
+    (this process is process 0, the coordinator) and has each start loading its shards
+    with `loader(config)` while the caller loads its own. Returns None when one process
+    suffices, and in a worker (whose loader call lands here too).
+
+    Raises:
+        ValueError: distributed_executor_backend="uni" with a mesh larger than one process,
+            JAX already initialized in this process, or a placement group too small.
+        DistributedError: the workers could not join in time.
+    """
+    global _group
+    if _is_worker:
+        return None
+    processes = num_processes(config.tensor_parallel_size, config.data_parallel_size)
+    if processes == 1:
+        return None
+    if config.distributed_executor_backend == "uni":
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size} needs {processes} processes, but "
+            "distributed_executor_backend='uni' keeps the engine in one; use 'ray' (the default)"
+        )
+    if _group is not None:
+        if _group.config_key != _config_key(config):
+            raise ValueError("this process already leads a multi-process engine (jax.distributed joins once per "
+                             "process); run the second one in another process, e.g. another Serve replica")
+        return _group
+    _group = ProcessGroup(config, processes, loader)
+    return _group
+
+
+def _config_key(config: Any) -> tuple:
+    return (config.model, config.tensor_parallel_size, config.data_parallel_size)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _join(coordinator: str, processes: int, process_id: int, timeout_s: float) -> None:
+    import jax
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise ValueError(
+            "a multi-process engine must be created before JAX uses its devices in this process "
+            "(jax.distributed joins first); create the LLM / engine before other JAX work, or in a fresh process"
+        )
+    if jax.config.jax_platforms in (None, "", "cpu") and not _accelerator_plugin():
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes=processes, process_id=process_id,
+                               initialization_timeout=int(timeout_s), heartbeat_timeout_seconds=int(timeout_s))
+
+
+def _payload_bytes(args: Any) -> int:
+    import jax
+
+    return sum(x.nbytes for x in jax.tree.leaves(args) if isinstance(x, np.ndarray))
+
+
+class ProcessGroup:
+    """The leader's view of a multi-process engine: its worker actors and the calls they repeat.
+
+    Args:
+        config: the EngineConfig (workers load the same model the same way).
+        processes: the processes of the mesh, this one included.
+        loader: `loader(config)` loads the model on the global mesh (app.llm.load_model).
+    """
+
+    def __init__(self, config: Any, processes: int, loader: Callable[[Any], Any]):
+        import ray
+
+        self.config_key = _config_key(config)
+        self.num_processes = processes
+        self.timeout_s = float(config.distributed_timeout_s)
+        self.bytes_sent = 0  # host inputs sent to each worker so far (NumPy payload)
+        self.calls = 0
+        self._pending: list[Any] = []  # refs of calls whose outcome is not known yet
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        if not ray.is_initialized():
+            ray.init(log_to_driver=False)
+        host = ray.util.get_node_ip_address()
+        coordinator = f"{host}:{_free_port()}"
+        env = {k: os.environ[k] for k in _SHARED_ENV if k in os.environ}
+        self.workers = [
+            EngineWorker.options(**self._placement(i), runtime_env={"env_vars": env}).remote(loader)
+            for i in range(1, processes)
+        ]
+        logger.info("servax: joining %d processes over jax.distributed at %s (tensor_parallel_size=%d)",
+                    processes, coordinator, config.tensor_parallel_size)
+        t0 = time.perf_counter()
+        joined = [w.join.remote(coordinator, processes, i, self.timeout_s) for i, w in enumerate(self.workers, 1)]
+        try:
+            _join(coordinator, processes, 0, self.timeout_s)
+            ray.get(joined, timeout=self.timeout_s)
+        except BaseException:
+            self.shutdown(join=False)
+            raise
+        logger.info("servax: %d processes joined in %.1fs", processes, time.perf_counter() - t0)
+        atexit.register(self.shutdown)  # before jax's own exit hook: all processes leave together
+        self.call("load", config)
+
+    def _placement(self, process_id: int) -> dict[str, Any]:
+        """Worker `process_id` takes bundle `process_id` of the replica's placement group (bundle 0
+        is the replica's own), so Serve reserves, kills and replaces the group as one; without a
+        placement group it asks for one CPU (and the devices of its platform)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        pg = ray.util.get_current_placement_group()
+        if pg is None:
+            return {"num_cpus": 1}
+        bundles = pg.bundle_specs
+        if len(bundles) < self.num_processes:
+            raise ValueError(
+                f"the placement group has {len(bundles)} bundle(s) but the engine runs {self.num_processes} "
+                "processes (one bundle each, the first for the replica); list that many bundles in "
+                "placement_group_config"
+            )
+        bundle = bundles[process_id]
+        return dict(
+            num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+            resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=process_id),
+        )
+
+    def call(self, method: str, *args: Any) -> None:
+        """Have every worker run `method(*args)` (in order with earlier calls); does not wait.
+
+        Raises:
+            DistributedError: a worker failed an earlier call.
+        """
+        self.check()
+        self.calls += 1
+        self.bytes_sent += _payload_bytes(args)
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        with self._lock:
+            self._pending.extend(refs)
+
+    def gather(self, method: str, *args: Any) -> list[Any]:
+        """Run `method(*args)` on every worker and return their results (waits)."""
+        import ray
+
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers], timeout=self.timeout_s)
+
+    def check(self) -> None:
+        """Raise DistributedError if a worker has failed a call or died (any thread)."""
+        import ray
+
+        if self._error is not None:
+            raise DistributedError(f"a worker of the {self.num_processes}-process engine failed: {self._error!r}")
+        with self._lock:
+            pending = self._pending
+        if not pending:
+            return
+        done, rest = ray.wait(pending, num_returns=len(pending), timeout=0)
+        with self._lock:
+            self._pending = rest + self._pending[len(pending):]
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - any failure of a worker fails the group
+                self._error = e
+                raise DistributedError(f"a worker of the {self.num_processes}-process engine failed: {e!r}") from e
+
+    def shutdown(self, join: bool = True) -> None:
+        """Leave jax.distributed together and stop the workers."""
+        global _group
+        import ray
+
+        atexit.unregister(self.shutdown)
+        if not self.workers:
+            return
+        if join:
+            try:
+                refs = [w.leave.remote() for w in self.workers]
+                import jax
+
+                jax.distributed.shutdown()
+                ray.get(refs, timeout=self.timeout_s)
+            except Exception as e:  # noqa: BLE001 - the workers are killed below either way
+                logger.warning("servax: leaving jax.distributed: %r", e)
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+        if _group is self:
+            _group = None
+
+
+class _EngineWorker:
+    """One further process of a multi-process engine (a Ray actor): it loads its shards and
+    repeats the leader's ModelRunner calls (ProcessGroup.call) in order."""
+
+    def __init__(self, loader: Callable[[Any], Any]):
+        global _is_worker
+        _is_worker = True
+        self.loader = loader
+        self.model = None
+        self.runner = None
+        self._logits = None
+
+    def join(self, coordinator: str, processes: int, process_id: int, timeout_s: float) -> None:
+        # Not a device query here: the backends of all processes start together, in `load`.
+        _join(coordinator, processes, process_id, timeout_s)
+
+    def load(self, config: Any) -> None:
+        self.model = self.loader(config)
+
+    def build_runner(self, kwargs: dict[str, Any]) -> None:
+        from runtime.mesh import make_mesh
+        from runtime.model_runner import ModelRunner
+
+        mesh = make_mesh(kwargs.pop("tensor_parallel_size"), kwargs.pop("data_parallel_size"))
+        self.runner = ModelRunner(self.model, mesh, **kwargs)
+
+    def compile(self) -> None:
+        self.runner.compile_programs(show_progress=False)
+
+    def run_step(self, batch: Any) -> None:
+        self._logits = self.runner._run_step(batch)
+
+    def sample(self, sb: dict[str, np.ndarray], flags: dict[str, Any]) -> None:
+        self.runner._run_sample(self._logits, sb, **flags)
+        self._logits = None
+
+    def param_bytes(self) -> int:
+        """Bytes of the weights this process holds (its addressable shards)."""
+        return param_bytes(self.model.params)
+
+    def leave(self) -> None:
+        import jax
+
+        jax.distributed.shutdown()
+
+
+def param_bytes(params: Any) -> int:
+    """Bytes of `params` held by this process's devices."""
+    import jax
+
+    return sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards)
+
+
+@functools.cache
+def _actor_class():
+    import ray
+
+    return ray.remote(_EngineWorker)
+
+
+class _LazyActor:
+    """`EngineWorker.options(...).remote(...)` without importing Ray at module import."""
+
+    def options(self, **kwargs: Any) -> Any:
+        return _actor_class().options(**kwargs)
+
+
+EngineWorker = _LazyActor()
