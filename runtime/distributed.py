@@ -189,7 +189,7 @@ class ProcessGroup:
         coordinator = f"{host}:{_free_port()}"
         env = {k: os.environ[k] for k in _SHARED_ENV if k in os.environ}
         self.workers = [
-            EngineWorker.options(**self._placement(i), runtime_env={"env_vars": env}).remote(loader)
+            _remote_worker().options(**self._placement(i), runtime_env={"env_vars": env}).remote(loader)
             for i in range(1, processes)
         ]
         logger.info("servax: joining %d processes over jax.distributed at %s (tensor_parallel_size=%d)",
@@ -293,7 +293,7 @@ class ProcessGroup:
             _group = None
 
 
-class _EngineWorker:
+class EngineWorker:
     """One further process of a multi-process engine (a Ray actor): it loads its shards and
     repeats the leader's ModelRunner calls (ProcessGroup.call) in order."""
 
@@ -347,17 +347,8 @@ def param_bytes(params: Any) -> int:
 
 
 @functools.cache
-def _actor_class():
+def _remote_worker():
+    """EngineWorker as a Ray actor class (its processes are titled ray::EngineWorker)."""
     import ray
 
-    return ray.remote(_EngineWorker)
-
-
-class _LazyActor:
-    """`EngineWorker.options(...).remote(...)` without importing Ray at module import."""
-
-    def options(self, **kwargs: Any) -> Any:
-        return _actor_class().options(**kwargs)
-
-
-EngineWorker = _LazyActor()
+    return ray.remote(EngineWorker)

@@ -1,0 +1,66 @@
+"""The leader of a multi-process engine, for tests/test_multiprocess.py.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/multiprocess_leader.py SPEC_JSON
+
+This process makes `LLM(model, tensor_parallel_size=8, distributed_executor_backend="ray")`
+on a fresh local Ray cluster; with 4 devices per process that is 2 processes (this one and
+one worker actor) joined by jax.distributed. It must be a fresh process: jax.distributed
+joins before JAX first uses the devices. Prints one JSON line: tokens, bytes, counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import jax
+import ray
+
+
+def main(spec: dict) -> dict:
+    from app.llm import LLM
+    from runtime import SamplingParams
+    from runtime.distributed import param_bytes
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    llm = LLM(spec["model"], tensor_parallel_size=spec["tp"], distributed_executor_backend="ray",
+              model_impl=spec["model_impl"], **spec["engine"])
+    engine = llm.engine
+    greedy = SamplingParams(max_tokens=spec["max_tokens"], temperature=0, ignore_eos=True)
+    sampled = [SamplingParams(max_tokens=spec["max_tokens"], temperature=0.9, top_p=0.95, seed=100 + i,
+                              ignore_eos=True) for i in range(len(spec["prompts"]))]
+    before = engine.stats()
+    out_greedy = llm.generate(spec["prompts"], greedy, use_tqdm=False)
+    mid = engine.stats()
+    out_sampled = llm.generate(spec["prompts"], sampled, use_tqdm=False)
+    stats = engine.stats()
+    result = dict(
+        num_devices=len(jax.devices()), local_devices=jax.local_device_count(), process_count=jax.process_count(),
+        mesh=dict(engine.mesh.shape), num_processes=stats.num_processes,
+        greedy=[o.outputs[0].token_ids for o in out_greedy], sampled=[o.outputs[0].token_ids for o in out_sampled],
+        total_param_bytes=sum(x.nbytes for x in jax.tree.leaves(engine.model.params)),
+        leader_param_bytes=param_bytes(engine.model.params),
+        worker_param_bytes=engine.peers.gather("param_bytes"),
+        compilations_since_warmup=stats.compilations_since_warmup,
+        greedy_calls=mid.distributed_calls - before.distributed_calls,
+        greedy_bytes=mid.distributed_bytes_sent - before.distributed_bytes_sent,
+        kv_blocks_used_after=stats.kv_blocks_used,
+    )
+    workers = list(engine.peers.workers)
+    llm.shutdown()
+    result["workers_left"] = sum(_alive(w) for w in workers)
+    return result
+
+
+def _alive(actor) -> bool:
+    try:
+        ray.get(actor.param_bytes.remote(), timeout=30)
+        return True
+    except ray.exceptions.RayActorError:
+        return False
+
+
+if __name__ == "__main__":
+    assert "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""), "set XLA_FLAGS first"
+    print(json.dumps(main(json.loads(sys.argv[1]))), flush=True)

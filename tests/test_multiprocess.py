@@ -1,0 +1,103 @@
+"""One engine over two processes: tensor_parallel_size=8 from 2 processes of 4 fake CPU devices.
+
+The leader (tests/multiprocess_leader.py, a fresh process: jax.distributed joins before
+JAX uses the devices) makes `LLM(..., tensor_parallel_size=8, distributed_executor_backend="ray")`
+on its own local Ray cluster; runtime/distributed.py starts the second process as a Ray
+actor, both join jax.distributed (CPU collectives over gloo) and every step runs as one
+SPMD program over all 8 devices. Its tokens are judged against this process running the
+same engine on one device and against transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, hf_greedy, hf_model
+
+pytestmark = pytest.mark.slow
+
+LEADER = Path(__file__).with_name("multiprocess_leader.py")
+MAX_TOKENS = 12
+# 5 tokens, and 40 (more than the 16-token step budget: chunked prefill over three steps).
+PROMPTS = [[random.Random(n).randrange(4, 500) for _ in range(n)] for n in (5, 40)]
+ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=64,
+              show_progress=False, compilation_cache_dir="")
+
+
+def run_leader(model: Path, model_impl: str, servax_cache: Path) -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               SERVAX_CACHE=str(servax_cache), PYTHONPATH=str(REPO))
+    spec = dict(model=str(model), model_impl=model_impl, tp=8, prompts=PROMPTS, max_tokens=MAX_TOKENS, engine=ENGINE)
+    proc = subprocess.run([sys.executable, str(LEADER), json.dumps(spec)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def one_process(model: Path, model_impl: str) -> dict:
+    """The same requests on one device in this process (no parallelism)."""
+    from app.llm import LLM
+    from runtime import SamplingParams
+
+    llm = LLM(str(model), model_impl=model_impl, **ENGINE)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    sampled = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True)
+               for i in range(len(PROMPTS))]
+    return dict(greedy=[o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)],
+                sampled=[o.outputs[0].token_ids for o in llm.generate(PROMPTS, sampled, use_tqdm=False)])
+
+
+@pytest.fixture(scope="module", params=["jax", "torchax"])
+def runs(request, servax_cache, tmp_path_factory):
+    """(model_impl, checkpoint, two-process result, one-process result) for a tiny model with
+    8 attention heads and 8 KV heads, so that every device holds one of each."""
+    from registry.tiny import make_tiny_checkpoint
+
+    impl = request.param
+    arch = "llama" if impl == "jax" else "gpt_neox"
+    path = make_tiny_checkpoint(arch, tmp_path_factory.mktemp(f"{arch}-8-heads"), num_attention_heads=8,
+                                **({"num_key_value_heads": 8} if arch == "llama" else {}))
+    return impl, path, run_leader(path, impl, servax_cache), one_process(path, impl)
+
+
+def test_two_processes_form_one_eight_device_mesh(runs):
+    _, _, two, _ = runs
+    assert (two["num_devices"], two["local_devices"], two["process_count"]) == (8, 4, 2)
+    assert two["mesh"] == {"data": 1, "model": 8} and two["num_processes"] == 2
+
+
+def test_greedy_and_seeded_tokens_match_one_process(runs):
+    impl, _, two, one = runs
+    assert all(len(t) == MAX_TOKENS for t in two["greedy"] + two["sampled"])
+    assert two["greedy"] == one["greedy"], f"{impl}: greedy tokens over 2 processes differ from 1 device"
+    assert two["sampled"] == one["sampled"], f"{impl}: seeded sampled tokens over 2 processes differ"
+    assert two["sampled"] != two["greedy"]
+
+
+def test_greedy_tokens_match_transformers(runs):
+    _, path, two, _ = runs
+    hf = hf_model(path)
+    assert two["greedy"] == [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+
+
+def test_each_process_holds_half_the_weights(runs):
+    """Measured from the live arrays' addressable shards, in each process."""
+    _, _, two, _ = runs
+    half = two["total_param_bytes"] / 2
+    for held in [two["leader_param_bytes"], *two["worker_param_bytes"]]:
+        assert half <= held < 1.1 * half, (held, two["total_param_bytes"])
+
+
+def test_nothing_compiles_while_serving_and_nothing_is_left_behind(runs):
+    _, _, two, _ = runs
+    assert two["compilations_since_warmup"] == 0
+    assert two["kv_blocks_used_after"] == 0
+    assert two["workers_left"] == 0  # shutdown stopped the worker actor
+    # Two calls per step (step, sampler), each sending only small host arrays.
+    assert two["greedy_calls"] % 2 == 0 and two["greedy_bytes"] / (two["greedy_calls"] // 2) < 32 * 1024
