@@ -61,6 +61,9 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                           high_freq_factor=4.0, original_max_position_embeddings=256),
     )),
+    # 8 query and 8 KV heads: splits over 8 devices (configs/multiprocess-cpu.yaml)
+    "llama-8-heads": ("LlamaConfig", dict(_LLAMA_LIKE, num_attention_heads=8, num_key_value_heads=8,
+                                           rope_theta=10000.0)),
     "mistral": ("MistralConfig", dict(_LLAMA_LIKE, sliding_window=24, head_dim=16)),
     "qwen2": ("Qwen2Config", dict(_LLAMA_LIKE, use_sliding_window=False)),
     "qwen3": ("Qwen3Config", dict(_LLAMA_LIKE, head_dim=32)),

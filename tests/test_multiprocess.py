@@ -101,3 +101,93 @@ def test_nothing_compiles_while_serving_and_nothing_is_left_behind(runs):
     assert two["workers_left"] == 0  # shutdown stopped the worker actor
     # Two calls per step (step, sampler), each sending only small host arrays.
     assert two["greedy_calls"] % 2 == 0 and two["greedy_bytes"] / (two["greedy_calls"] // 2) < 32 * 1024
+
+
+# ---- `serve run` of the shipped two-process config, and a worker killed mid-stream ----------
+
+MP_MODEL = "servax-tiny/llama-8-heads"
+
+
+def _engine_workers() -> list[int]:
+    """PIDs of live EngineWorker actor processes on this machine (Ray titles them ray::EngineWorker)."""
+    out = subprocess.run(["pgrep", "-f", "^ray::EngineWorker"], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+@pytest.mark.cluster
+def test_serve_run_two_processes_answers_and_survives_a_killed_worker(servax_cache, tmp_path):
+    import signal
+    import threading
+    import time
+
+    import httpx
+    from conftest import openai_client, serve_run, sse_events
+
+    with serve_run(REPO / "configs" / "multiprocess-cpu.yaml", tmp_path, ready_timeout_s=400) as run:
+        client = openai_client(run.base_url)
+        (card,) = client.models.list().data
+        assert card.id == MP_MODEL
+        done = client.completions.create(model=MP_MODEL, prompt="Hello world", max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert done.usage.completion_tokens == 8
+        chat = client.chat.completions.create(model=MP_MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        assert chat.usage.completion_tokens == 6
+        text = "".join(c.choices[0].text for c in client.completions.create(
+            model=MP_MODEL, prompt="Hello world", max_tokens=8, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}))
+        assert text == done.choices[0].text  # streamed tokens = the same greedy tokens
+        (worker,) = _engine_workers()
+
+        # Kill the worker process while a stream is running.
+        outcome: dict = {}
+
+        def stream() -> None:
+            t0 = time.perf_counter()
+            try:
+                with httpx.stream("POST", run.base_url + "/v1/completions", timeout=120, json=dict(
+                        model=MP_MODEL, prompt="Hello", max_tokens=240, temperature=0, stream=True,
+                        ignore_eos=True)) as r:
+                    outcome["status"] = r.status_code
+                    outcome["events"] = sse_events(r)
+            except httpx.HTTPError as e:  # the connection dropped: also an ending, not a hang
+                outcome["transport_error"] = repr(e)
+            outcome["seconds"] = time.perf_counter() - t0
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        time.sleep(1.0)
+        os.kill(worker, signal.SIGKILL)
+        killed = time.perf_counter()
+        thread.join(timeout=150)
+        assert not thread.is_alive(), "the stream hung after its worker was killed"
+        events = outcome.get("events", [])
+        tokens = sum(len(e["choices"][0]["text"]) > 0 for e in events if isinstance(e, dict) and "choices" in e)
+        errors = [e for e in events if isinstance(e, dict) and "error" in e]
+        assert outcome.get("transport_error") or errors or outcome.get("status", 200) >= 500, outcome
+        assert tokens < 240  # it did not finish: the stream ended with an error
+
+        # Requests meanwhile get a 503 (never a hang), until Serve has replaced the group.
+        statuses = []
+        while True:
+            assert time.perf_counter() - killed < 300, f"not recovered; statuses {statuses}"
+            try:
+                r = httpx.post(run.base_url + "/v1/completions", timeout=60, json=dict(
+                    model=MP_MODEL, prompt="Hello world", max_tokens=8, temperature=0, ignore_eos=True))
+                statuses.append(r.status_code)
+                if r.status_code == 200:
+                    break
+                assert r.status_code == 503 and r.json()["error"]["code"] in ("engine_dead", "replica_unavailable")
+            except httpx.HTTPError as e:
+                statuses.append(repr(e))
+            time.sleep(1.0)
+        recovered = time.perf_counter() - killed
+        assert r.json()["choices"][0]["text"] == done.choices[0].text  # the new group: same tokens
+        new_workers = _engine_workers()
+        assert len(new_workers) == 1 and new_workers != [worker]
+        print(f"\nworker killed: stream ended after {outcome['seconds']:.1f} s; then {statuses} "
+              f"(200 after {recovered:.1f} s)")
+    deadline = time.time() + 30
+    while _engine_workers() and time.time() < deadline:
+        time.sleep(0.5)
+    assert _engine_workers() == []  # serve shutdown leaves no worker behind
