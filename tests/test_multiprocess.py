@@ -20,8 +20,6 @@ from pathlib import Path
 import pytest
 from conftest import REPO, hf_greedy, hf_model
 
-pytestmark = pytest.mark.slow
-
 LEADER = Path(__file__).with_name("multiprocess_leader.py")
 MAX_TOKENS = 12
 # 5 tokens, and 40 (more than the 16-token step budget: chunked prefill over three steps).
@@ -66,12 +64,50 @@ def runs(request, servax_cache, tmp_path_factory):
     return impl, path, run_leader(path, impl, servax_cache), one_process(path, impl)
 
 
+def test_process_count_follows_tensor_parallel_size_and_local_devices():
+    from runtime.distributed import num_processes
+
+    assert num_processes(4, local_devices=4) == 1
+    assert num_processes(8, local_devices=4) == 2
+    assert num_processes(16, local_devices=4) == 4
+    with pytest.raises(ValueError, match="not a multiple of 4"):
+        num_processes(6, local_devices=4)
+
+
+def test_local_device_count_reads_xla_flags_without_starting_jax(monkeypatch):
+    from runtime.distributed import local_device_count
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    assert local_device_count() == 4
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert local_device_count() == 1
+
+
+def test_executor_backends_vllm_has_and_servax_does_not_are_refused_saying_why(monkeypatch):
+    from app.llm import load_model
+    from runtime import distributed
+    from runtime.config import EngineConfig
+
+    for backend in ("mp", "external_launcher"):
+        with pytest.raises(ValueError, match="Ray actors"):
+            EngineConfig(model="servax-tiny/llama", distributed_executor_backend=backend)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    uni = EngineConfig(model="servax-tiny/llama", tensor_parallel_size=8, distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match="needs 2 processes.*'uni'"):
+        distributed.connect(uni, load_model)
+    assert distributed.current_group() is None
+
+
+@pytest.mark.slow
 def test_two_processes_form_one_eight_device_mesh(runs):
     _, _, two, _ = runs
     assert (two["num_devices"], two["local_devices"], two["process_count"]) == (8, 4, 2)
     assert two["mesh"] == {"data": 1, "model": 8} and two["num_processes"] == 2
 
 
+@pytest.mark.slow
 def test_greedy_and_seeded_tokens_match_one_process(runs):
     impl, _, two, one = runs
     assert all(len(t) == MAX_TOKENS for t in two["greedy"] + two["sampled"])
@@ -80,12 +116,14 @@ def test_greedy_and_seeded_tokens_match_one_process(runs):
     assert two["sampled"] != two["greedy"]
 
 
+@pytest.mark.slow
 def test_greedy_tokens_match_transformers(runs):
     _, path, two, _ = runs
     hf = hf_model(path)
     assert two["greedy"] == [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
 
 
+@pytest.mark.slow
 def test_each_process_holds_half_the_weights(runs):
     """Measured from the live arrays' addressable shards, in each process."""
     _, _, two, _ = runs
@@ -94,6 +132,7 @@ def test_each_process_holds_half_the_weights(runs):
         assert half <= held < 1.1 * half, (held, two["total_param_bytes"])
 
 
+@pytest.mark.slow
 def test_nothing_compiles_while_serving_and_nothing_is_left_behind(runs):
     _, _, two, _ = runs
     assert two["compilations_since_warmup"] == 0
@@ -114,6 +153,7 @@ def _engine_workers() -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
+@pytest.mark.slow
 @pytest.mark.cluster
 def test_serve_run_two_processes_answers_and_survives_a_killed_worker(servax_cache, tmp_path):
     import signal
