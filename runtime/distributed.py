@@ -18,8 +18,9 @@ block tables, sampling arrays) to every worker before running it itself
 
 A process joins `jax.distributed` at most once, before JAX first touches its devices, so a
 process leads at most one group (`current_group`). The JAX coordination service ends every
-process of the group when one of them stops heartbeating (`distributed_timeout_s`): a
-worker that dies takes its replica down with it, and Serve starts a new group.
+process of the group when one of them stops heartbeating (twice `distributed_timeout_s`),
+so a worker that dies takes its replica down with it even when nothing reports it, and Serve
+starts a new group.
 """
 
 from __future__ import annotations
@@ -153,8 +154,10 @@ def _join(coordinator: str, processes: int, process_id: int, timeout_s: float) -
         )
     if jax.config.jax_platforms in (None, "", "cpu") and not _accelerator_plugin():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # The heartbeat limit is twice the step limit, so that a hung step is reported (and Serve replaces
+    # the replica) before JAX's coordination service ends the processes itself.
     jax.distributed.initialize(coordinator, num_processes=processes, process_id=process_id,
-                               initialization_timeout=int(timeout_s), heartbeat_timeout_seconds=int(timeout_s))
+                               initialization_timeout=int(timeout_s), heartbeat_timeout_seconds=int(2 * timeout_s))
 
 
 def _payload_bytes(args: Any) -> int:
@@ -277,7 +280,7 @@ class ProcessGroup:
         atexit.unregister(self.shutdown)
         if not self.workers:
             return
-        if join:
+        if join and self._error is None:  # a failed group cannot meet at the shutdown barrier
             try:
                 refs = [w.leave.remote() for w in self.workers]
                 import jax

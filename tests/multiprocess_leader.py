@@ -5,14 +5,20 @@
 This process makes `LLM(model, tensor_parallel_size=8, distributed_executor_backend="ray")`
 on a fresh local Ray cluster; with 4 devices per process that is 2 processes (this one and
 one worker actor) joined by jax.distributed. It must be a fresh process: jax.distributed
-joins before JAX first uses the devices. Prints one JSON line: tokens, bytes, counters.
+joins before JAX first uses the devices. Prints one JSON line: tokens, bytes, counters. The
+run ends with `finish`: "shutdown" (LLM.shutdown, then are the workers gone?) or "hang" (the
+worker is stopped mid-request: how soon does the engine report it?).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import threading
+import time
 
 import jax
 import ray
@@ -47,10 +53,48 @@ def main(spec: dict) -> dict:
         greedy_bytes=mid.distributed_bytes_sent - before.distributed_bytes_sent,
         kv_blocks_used_after=stats.kv_blocks_used,
     )
+    if spec["finish"] == "hang":
+        result["hang"] = hang_worker(llm)
+        print(json.dumps(result), flush=True)
+        # The group is broken on purpose: leave without the shutdown barrier it cannot meet.
+        os._exit(0)
     workers = list(engine.peers.workers)
     llm.shutdown()
     result["workers_left"] = sum(_alive(w) for w in workers)
     return result
+
+
+def hang_worker(llm) -> dict:
+    """Stop (SIGSTOP) the worker process while a request decodes: the engine must report
+    itself unhealthy once a step has waited distributed_timeout_s."""
+    from runtime import SamplingParams
+    from runtime.errors import EngineDeadError
+
+    (pid,) = [int(p) for p in subprocess.run(["pgrep", "-f", "^ray::EngineWorker"], capture_output=True,
+                                             text=True).stdout.split()]
+    thread = threading.Thread(target=lambda: _ignore_errors(llm.generate, [[5, 6, 7]], SamplingParams(
+        max_tokens=120, temperature=0, ignore_eos=True), use_tqdm=False), daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.perf_counter()
+    error = None
+    while error is None and time.perf_counter() - stopped < 120:
+        try:
+            llm.engine.check_health()
+            time.sleep(0.25)
+        except EngineDeadError as e:
+            error = str(e)
+    seconds = time.perf_counter() - stopped
+    os.kill(pid, signal.SIGKILL)
+    return dict(seconds=seconds, error=error, timeout_s=llm.config.distributed_timeout_s)
+
+
+def _ignore_errors(fn, *args, **kwargs) -> None:
+    try:
+        fn(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the step fails once the stopped worker is killed
+        pass
 
 
 def _alive(actor) -> bool:

@@ -24,14 +24,16 @@ LEADER = Path(__file__).with_name("multiprocess_leader.py")
 MAX_TOKENS = 12
 # 5 tokens, and 40 (more than the 16-token step budget: chunked prefill over three steps).
 PROMPTS = [[random.Random(n).randrange(4, 500) for _ in range(n)] for n in (5, 40)]
+HANG_TIMEOUT_S = 20  # distributed_timeout_s of the two-process runs
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=64,
               show_progress=False, compilation_cache_dir="")
 
 
-def run_leader(model: Path, model_impl: str, servax_cache: Path) -> dict:
+def run_leader(model: Path, model_impl: str, servax_cache: Path, finish: str) -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
                SERVAX_CACHE=str(servax_cache), PYTHONPATH=str(REPO))
-    spec = dict(model=str(model), model_impl=model_impl, tp=8, prompts=PROMPTS, max_tokens=MAX_TOKENS, engine=ENGINE)
+    spec = dict(model=str(model), model_impl=model_impl, tp=8, prompts=PROMPTS, max_tokens=MAX_TOKENS,
+                engine=dict(ENGINE, distributed_timeout_s=HANG_TIMEOUT_S), finish=finish)
     proc = subprocess.run([sys.executable, str(LEADER), json.dumps(spec)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -54,14 +56,16 @@ def one_process(model: Path, model_impl: str) -> dict:
 @pytest.fixture(scope="module", params=["jax", "torchax"])
 def runs(request, servax_cache, tmp_path_factory):
     """(model_impl, checkpoint, two-process result, one-process result) for a tiny model with
-    8 attention heads and 8 KV heads, so that every device holds one of each."""
+    8 attention heads and 8 KV heads, so that every device holds one of each. The native run
+    ends by stopping its worker mid-request, the torchax run by LLM.shutdown()."""
     from registry.tiny import make_tiny_checkpoint
 
     impl = request.param
     arch = "llama" if impl == "jax" else "gpt_neox"
     path = make_tiny_checkpoint(arch, tmp_path_factory.mktemp(f"{arch}-8-heads"), num_attention_heads=8,
                                 **({"num_key_value_heads": 8} if arch == "llama" else {}))
-    return impl, path, run_leader(path, impl, servax_cache), one_process(path, impl)
+    finish = "hang" if impl == "jax" else "shutdown"
+    return impl, path, run_leader(path, impl, servax_cache, finish), one_process(path, impl)
 
 
 def test_process_count_follows_tensor_parallel_size_and_local_devices():
@@ -133,13 +137,23 @@ def test_each_process_holds_half_the_weights(runs):
 
 
 @pytest.mark.slow
-def test_nothing_compiles_while_serving_and_nothing_is_left_behind(runs):
+def test_nothing_compiles_while_serving_and_only_small_inputs_are_sent(runs):
     _, _, two, _ = runs
     assert two["compilations_since_warmup"] == 0
     assert two["kv_blocks_used_after"] == 0
-    assert two["workers_left"] == 0  # shutdown stopped the worker actor
     # Two calls per step (step, sampler), each sending only small host arrays.
     assert two["greedy_calls"] % 2 == 0 and two["greedy_bytes"] / (two["greedy_calls"] // 2) < 32 * 1024
+
+
+@pytest.mark.slow
+def test_shutdown_stops_the_workers_and_a_hung_worker_is_reported(runs):
+    impl, _, two, _ = runs
+    if impl == "torchax":  # ended by LLM.shutdown()
+        assert two["workers_left"] == 0
+    else:  # ended by SIGSTOP of the worker while a request decoded
+        hang = two["hang"]
+        assert hang["error"] and "a worker hangs" in hang["error"]
+        assert HANG_TIMEOUT_S <= hang["seconds"] < HANG_TIMEOUT_S + 10
 
 
 # ---- `serve run` of the shipped two-process config, and a worker killed mid-stream ----------
