@@ -303,16 +303,22 @@ class EngineWorker:
     def __init__(self, loader: Callable[[Any], Any]):
         global _is_worker
         _is_worker = True
+        from runtime.compilation import CompileCounter
+
         self.loader = loader
         self.model = None
         self.runner = None
         self._logits = None
+        self.compile_counter = CompileCounter()
 
     def join(self, coordinator: str, processes: int, process_id: int, timeout_s: float) -> None:
         # Not a device query here: the backends of all processes start together, in `load`.
         _join(coordinator, processes, process_id, timeout_s)
 
     def load(self, config: Any) -> None:
+        from runtime.compilation import enable_persistent_cache
+
+        enable_persistent_cache(config.compilation_cache_dir)  # the leader's engine does the same
         self.model = self.loader(config)
 
     def build_runner(self, kwargs: dict[str, Any]) -> None:
@@ -326,11 +332,19 @@ class EngineWorker:
         self.runner.compile_programs(show_progress=False)
 
     def run_step(self, batch: Any) -> None:
-        self._logits = self.runner._run_step(batch)
+        with self.compile_counter.track():
+            self._logits = self.runner._run_step(batch)
 
     def sample(self, sb: dict[str, np.ndarray], flags: dict[str, Any]) -> None:
-        self.runner._run_sample(self._logits, sb, **flags)
+        with self.compile_counter.track():
+            self.runner._run_sample(self._logits, sb, **flags)
         self._logits = None
+
+    def mark_warm(self) -> None:
+        self.compile_counter.mark_warm()
+
+    def compilations_since_warmup(self) -> int:
+        return self.compile_counter.since_warmup
 
     def param_bytes(self) -> int:
         """Bytes of the weights this process holds (its addressable shards)."""

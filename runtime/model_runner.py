@@ -180,6 +180,8 @@ class ModelRunner:
             logits = self._run_step(self._padding_step_input(t, s))
             jax.block_until_ready(self._run_sample(logits, self._sampling_batch_padding(s, False),
                                                    use_penalties=False, all_greedy=True, use_mask=False))
+        if self.peers is not None:
+            self.peers.call("mark_warm")  # the workers count compilations from here, as the engine does
         return time.perf_counter() - start
 
     def compile_programs(self, show_progress: bool = True) -> None:

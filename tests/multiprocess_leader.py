@@ -49,6 +49,7 @@ def main(spec: dict) -> dict:
         leader_param_bytes=param_bytes(engine.model.params),
         worker_param_bytes=engine.peers.gather("param_bytes"),
         compilations_since_warmup=stats.compilations_since_warmup,
+        worker_compilations_since_warmup=engine.peers.gather("compilations_since_warmup"),
         greedy_calls=mid.distributed_calls - before.distributed_calls,
         greedy_bytes=mid.distributed_bytes_sent - before.distributed_bytes_sent,
         kv_blocks_used_after=stats.kv_blocks_used,

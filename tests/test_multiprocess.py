@@ -29,10 +29,11 @@ ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, num_
               show_progress=False, compilation_cache_dir="")
 
 
-def run_leader(model: Path, model_impl: str, servax_cache: Path, finish: str) -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               SERVAX_CACHE=str(servax_cache), PYTHONPATH=str(REPO))
-    spec = dict(model=str(model), model_impl=model_impl, tp=8, prompts=PROMPTS, max_tokens=MAX_TOKENS,
+def run_leader(model: Path | str, model_impl: str, servax_cache: Path, finish: str, *, tp: int = 8,
+               local_devices: int = 4) -> dict:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices}",
+               JAX_PLATFORMS="cpu", SERVAX_CACHE=str(servax_cache), PYTHONPATH=str(REPO))
+    spec = dict(model=str(model), model_impl=model_impl, tp=tp, prompts=PROMPTS, max_tokens=MAX_TOKENS,
                 engine=dict(ENGINE, distributed_timeout_s=HANG_TIMEOUT_S), finish=finish)
     proc = subprocess.run([sys.executable, str(LEADER), json.dumps(spec)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=480)
@@ -40,7 +41,7 @@ def run_leader(model: Path, model_impl: str, servax_cache: Path, finish: str) ->
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def one_process(model: Path, model_impl: str) -> dict:
+def one_process(model: Path | str, model_impl: str) -> dict:
     """The same requests on one device in this process (no parallelism)."""
     from app.llm import LLM
     from runtime import SamplingParams
@@ -139,7 +140,7 @@ def test_each_process_holds_half_the_weights(runs):
 @pytest.mark.slow
 def test_nothing_compiles_while_serving_and_only_small_inputs_are_sent(runs):
     _, _, two, _ = runs
-    assert two["compilations_since_warmup"] == 0
+    assert two["compilations_since_warmup"] == 0 and two["worker_compilations_since_warmup"] == [0]
     assert two["kv_blocks_used_after"] == 0
     # Two calls per step (step, sampler), each sending only small host arrays.
     assert two["greedy_calls"] % 2 == 0 and two["greedy_bytes"] / (two["greedy_calls"] // 2) < 32 * 1024
@@ -154,6 +155,34 @@ def test_shutdown_stops_the_workers_and_a_hung_worker_is_reported(runs):
         hang = two["hang"]
         assert hang["error"] and "a worker hangs" in hang["error"]
         assert HANG_TIMEOUT_S <= hang["seconds"] < HANG_TIMEOUT_S + 10
+
+
+# ---- the real demo model over three processes ----------------------------------------------
+
+DEMO = "servax-demo/smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def demo(servax_cache):
+    """SmolLM2-135M has 9 attention heads and 3 KV heads, so tensor parallelism 8 cannot split it;
+    3 processes of 1 device each (tensor_parallel_size=3) can: (two-process result, one-process result)."""
+    from registry.demo import demo_checkpoint_path
+
+    one = one_process(DEMO, "auto")  # converts the demo model into the cache first, if needed
+    return demo_checkpoint_path(DEMO), run_leader(DEMO, "auto", servax_cache, "shutdown", tp=3, local_devices=1), one
+
+
+@pytest.mark.slow
+def test_demo_model_over_three_processes_matches_one_process_and_transformers(demo):
+    path, three, one = demo
+    assert (three["num_devices"], three["process_count"], three["num_processes"]) == (3, 3, 3)
+    assert three["greedy"] == one["greedy"] and three["sampled"] == one["sampled"]
+    assert three["greedy"] == [hf_greedy(hf_model(path), p, MAX_TOKENS) for p in PROMPTS]
+    third = three["total_param_bytes"] / 3
+    for held in [three["leader_param_bytes"], *three["worker_param_bytes"]]:
+        assert third <= held < 1.1 * third, (held, three["total_param_bytes"])
+    assert three["compilations_since_warmup"] == 0 and three["worker_compilations_since_warmup"] == [0, 0]
+    assert three["workers_left"] == 0
 
 
 # ---- `serve run` of the shipped two-process config, and a worker killed mid-stream ----------
