@@ -1,7 +1,8 @@
 """The torchax fallback: any Hugging Face causal LM behind servax's step contract.
 
-The transformers model is built on CPU from the checkpoint; its parameters and buffers
-become JAX arrays placed on the mesh and passed to the step function as arguments (never
+The transformers model is built on CPU (its parameters on the meta device when the
+checkpoint can be read as it lies: then each device reads only its slice of the files); its
+parameters and buffers become JAX arrays placed on the mesh and passed to the step function as arguments (never
 closed over, or XLA would bake them into the program as constants). Under jit the model
 runs through torchax with the ragged batch as one row ([1, T] ids and positions, no HF
 cache); every attention layer goes through `registry.torchax_attention`, which writes the
@@ -13,9 +14,11 @@ rows at `logits_indices` reach the LM head (`logits_to_keep` with an index tenso
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
+import logging
 import re
 import warnings
 from typing import Any
@@ -59,6 +62,8 @@ PARTITION_RULES: tuple[tuple[str, str], ...] = (
     (r"o_proj|out_proj|down_proj|fc2|fc_out|c_proj|dense|w2|dense_4h_to_h|wo|Wo", "row"),
     (r"embed_tokens|wte|embed_in|word_embeddings|lm_head|embed_out", "vocab"),
 )
+logger = logging.getLogger("servax.registry")
+
 _NOT_ROUTED = (
     "{arch} cannot be served by the torchax fallback: its attention does not go through "
     "transformers' AttentionInterface, so it cannot be routed to servax's paged KV cache"
@@ -131,12 +136,7 @@ def load_torchax(
     kwargs: dict[str, Any] = dict(dtype=torch_dtype, attn_implementation=ATTN_IMPLEMENTATION)
     if model_cls._can_set_experts_implementation():
         kwargs["experts_implementation"] = EXPERTS_IMPLEMENTATION
-    try:
-        # A copy: from_pretrained writes the attention/experts choice into the config it gets.
-        config = copy.deepcopy(resolved.hf_config)
-        model = model_cls.from_pretrained(str(resolved.path), config=config, **kwargs)
-    except (ValueError, ImportError, OSError) as e:
-        raise ModelLoadError(f"could not load {resolved.model_id} ({resolved.architecture}) with transformers: {e}") from e
+    model, sources = _build_model(resolved, model_cls, kwargs)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -144,8 +144,11 @@ def load_torchax(
     module = JittableModule(model)  # drops tied duplicates (lm_head.weight == embed weight)
     param_names, buffer_names = list(module.params), list(module.buffers)
     env = torchax.default_env()
-    # Host views (no copy); device_put then sends each device only its own slice.
-    host_params = {name: _host_array(t) for name, t in {**module.params, **module.buffers}.items()}
+    # Host views (no copy) of every parameter and buffer: the checkpoint's memory-mapped tensors,
+    # or the torch tensors from_pretrained filled; each device then reads only its own slice.
+    tensors = {**module.params, **module.buffers}
+    host_params = {name: sources[name] if name in sources else _host_array(t) for name, t in tensors.items()}
+    dtypes = {name: _numpy_dtype(t.dtype) for name, t in tensors.items()}
 
     accepts_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
@@ -169,7 +172,7 @@ def load_torchax(
             out = module.functional_call(forward, t_params, t_buffers, t_ids, t_pos, t_idx)
         return env.t2j_iso(out)
 
-    abstract = {name: jax.ShapeDtypeStruct(arr.shape, arr.dtype) for name, arr in host_params.items()}
+    abstract = {name: jax.ShapeDtypeStruct(arr.shape, dtypes[name]) for name, arr in host_params.items()}
     num_heads, kv_spec = _probe_kv_spec(resolved, abstract, _call, dtype)
     mesh = make_mesh() if mesh is None else mesh
     axis = logical_axis_size("kv_heads", mesh)
@@ -190,7 +193,9 @@ def load_torchax(
         for name in host_params
     }
     params = {
-        name: jax.device_put(arr, NamedSharding(mesh, param_shardings[name]))
+        name: jax.make_array_from_callback(
+            arr.shape, NamedSharding(mesh, param_shardings[name]),
+            lambda index, arr=arr, dt=dtypes[name]: np.asarray(arr[index], dtype=dt))
         for name, arr in host_params.items()
     }
     del host_params, abstract
@@ -314,6 +319,75 @@ def _split_dim(owner: Any, owner_leaf: str, leaf: str, ndim: int) -> tuple[int, 
     if leaf == "bias":
         return (0, kind) if kind != "row" else None
     return (in_dim if kind == "row" else out_dim), kind
+
+
+def _build_model(resolved: Any, model_cls: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, np.ndarray]]:
+    """The transformers model and, where the checkpoint can be read as it lies, its tensors.
+
+    When every parameter of the model is a tensor of the same name and shape in the
+    checkpoint's safetensors files, the model is built with its parameters on the meta device
+    (no memory; buffers such as rotary frequencies are computed as usual) and the parameters'
+    sources are the memory-mapped checkpoint tensors: each process then reads only the slices
+    of its own devices and never holds the whole model. Otherwise (renamed or converted
+    weights, other formats) transformers' from_pretrained loads the model into host memory.
+
+    Returns (model, sources): sources maps parameter names to host arrays (empty: read the
+    model's own tensors).
+    """
+    from registry.weights import open_checkpoint
+
+    config = copy.deepcopy(resolved.hf_config)  # transformers writes the attention choice into it
+    try:
+        tensors = open_checkpoint(resolved.path)
+        with _parameters_on_meta():
+            model = model_cls._from_config(config, **kwargs)
+        # A tied parameter has several names; the checkpoint holds it under one of them.
+        aliases: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        shapes = {id(p): tuple(p.shape) for p in model.parameters()}
+        found = {key: next((n for n in names if n in tensors and tuple(tensors[n].shape) == shapes[key]), None)
+                 for key, names in aliases.items()}
+        unmatched = [aliases[key][0] for key, name in found.items() if name is None]
+        unmatched += [n for n, b in model.named_buffers() if b.device.type == "meta"]  # made from parameters
+        if not unmatched:
+            logger.info("%s: parameters read from the checkpoint's files by slice", resolved.model_id)
+            return model, {alias: tensors[found[key]] for key, names in aliases.items() for alias in names}
+        reason = f"{len(unmatched)} tensors are not in the checkpoint as they are in the model, e.g. {unmatched[0]}"
+    except Exception as e:  # noqa: BLE001 - any surprise: the reference loader below decides
+        reason = repr(e)
+    logger.info("%s: loading with transformers' from_pretrained into host memory (%s)", resolved.model_id, reason)
+    try:
+        model = model_cls.from_pretrained(str(resolved.path), config=copy.deepcopy(resolved.hf_config), **kwargs)
+    except (ValueError, ImportError, OSError) as e:
+        raise ModelLoadError(f"could not load {resolved.model_id} ({resolved.architecture}) with transformers: {e}") from e
+    return model, {}
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules constructed inside get parameters on the meta device (shape and dtype, no
+    memory); buffers stay on the CPU with their computed values."""
+    import torch
+
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def _numpy_dtype(torch_dtype: Any) -> np.dtype:
+    import torch
+
+    return np.dtype(jnp.bfloat16) if torch_dtype == torch.bfloat16 else torch.empty(0, dtype=torch_dtype).numpy().dtype
 
 
 def _host_array(tensor: Any) -> Any:

@@ -160,6 +160,19 @@ def _join(coordinator: str, processes: int, process_id: int, timeout_s: float) -
                                initialization_timeout=int(timeout_s), heartbeat_timeout_seconds=int(2 * timeout_s))
 
 
+def _accelerator_request(devices: int) -> dict[str, Any]:
+    """What a worker asks Ray for beyond its CPU, so that Ray gives it (and makes visible) its own
+    accelerators: GPUs through num_gpus, TPU chips through the TPU resource; nothing on CPU."""
+    platform = os.environ.get("JAX_PLATFORMS", "").split(",")[0]
+    if platform == "cpu" or not _accelerator_plugin():
+        return {}
+    import importlib.util
+
+    if platform in ("cuda", "gpu") or importlib.util.find_spec("libtpu") is None:
+        return {"num_gpus": devices}
+    return {"resources": {"TPU": devices}}
+
+
 def _payload_bytes(args: Any) -> int:
     import jax
 
@@ -180,6 +193,7 @@ class ProcessGroup:
 
         self.config_key = _config_key(config)
         self.num_processes = processes
+        self.local_devices = config.tensor_parallel_size * config.data_parallel_size // processes
         self.timeout_s = float(config.distributed_timeout_s)
         self.bytes_sent = 0  # host inputs sent to each worker so far (NumPy payload)
         self.calls = 0
@@ -218,7 +232,7 @@ class ProcessGroup:
 
         pg = ray.util.get_current_placement_group()
         if pg is None:
-            return {"num_cpus": 1}
+            return dict(num_cpus=1, **_accelerator_request(self.local_devices))
         bundles = pg.bundle_specs
         if len(bundles) < self.num_processes:
             raise ValueError(
@@ -258,19 +272,17 @@ class ProcessGroup:
 
         if self._error is not None:
             raise DistributedError(f"a worker of the {self.num_processes}-process engine failed: {self._error!r}")
-        with self._lock:
-            pending = self._pending
-        if not pending:
-            return
-        done, rest = ray.wait(pending, num_returns=len(pending), timeout=0)
-        with self._lock:
-            self._pending = rest + self._pending[len(pending):]
-        for ref in done:
-            try:
-                ray.get(ref)
-            except Exception as e:  # noqa: BLE001 - any failure of a worker fails the group
-                self._error = e
-                raise DistributedError(f"a worker of the {self.num_processes}-process engine failed: {e!r}") from e
+        with self._lock:  # one checker at a time (the engine thread and Serve's health check)
+            if not self._pending:
+                return
+            done, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - any failure of a worker fails the group
+                    self._error = e
+                    raise DistributedError(
+                        f"a worker of the {self.num_processes}-process engine failed: {e!r}") from e
 
     def shutdown(self, join: bool = True) -> None:
         """Leave jax.distributed together and stop the workers."""

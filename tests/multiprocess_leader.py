@@ -57,7 +57,9 @@ def main(spec: dict) -> dict:
     if spec["finish"] == "hang":
         result["hang"] = hang_worker(llm)
         print(json.dumps(result), flush=True)
-        # The group is broken on purpose: leave without the shutdown barrier it cannot meet.
+        # The group is broken on purpose: stop this Ray cluster, then leave without the
+        # jax.distributed shutdown barrier that a killed worker cannot meet.
+        ray.shutdown()
         os._exit(0)
     workers = list(engine.peers.workers)
     llm.shutdown()

@@ -62,9 +62,9 @@ def runs(request, servax_cache, tmp_path_factory):
     from registry.tiny import make_tiny_checkpoint
 
     impl = request.param
-    arch = "llama" if impl == "jax" else "gpt_neox"
+    arch = "llama" if impl == "jax" else "phi"  # phi: biases, partial rotary, LayerNorm
     path = make_tiny_checkpoint(arch, tmp_path_factory.mktemp(f"{arch}-8-heads"), num_attention_heads=8,
-                                **({"num_key_value_heads": 8} if arch == "llama" else {}))
+                                num_key_value_heads=8)
     finish = "hang" if impl == "jax" else "shutdown"
     return impl, path, run_leader(path, impl, servax_cache, finish), one_process(path, impl)
 

@@ -216,6 +216,24 @@ def test_static_moe_experts_match_transformers_eager(num_tokens):
 
 
 @pytest.mark.slow
+def test_weights_are_read_from_the_checkpoint_by_slice_not_loaded_whole(checkpoints):
+    """A checkpoint whose tensors are the model's own (by name and shape, tied ones under one
+    name) is never loaded whole: the transformers model is built with parameters on the meta
+    device and each parameter's source is a memory-mapped view of the file, read per device
+    slice (what a process of a multi-process engine relies on)."""
+    from registry.torchax_attention import ATTN_IMPLEMENTATION, register_implementations
+    from registry.torchax_model import _build_model, _model_class
+
+    register_implementations()
+    resolved = resolved_for(checkpoints("phi"))
+    model, sources = _build_model(resolved, _model_class(resolved, False),
+                                  dict(dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION))
+    names = [n for n, _ in model.named_parameters()]
+    assert names and all(p.device.type == "meta" for p in model.parameters())
+    assert set(names) <= set(sources) and all(isinstance(sources[n], np.memmap) for n in names)
+    assert all(b.device.type == "cpu" for b in model.buffers())  # computed buffers stay real
+
+
 def test_loaded_model_fields(served):
     loaded, _, hf = served("mixtral")
     config = hf.config
