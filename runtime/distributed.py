@@ -70,6 +70,18 @@ def local_device_count() -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
+def _platform() -> str:
+    """The platform JAX will use here (without starting it where it has not started)."""
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        import jax
+
+        return jax.devices()[0].platform
+    platform = os.environ.get("JAX_PLATFORMS", "").split(",")[0]
+    return platform or ("cpu" if not _accelerator_plugin() else "accelerator")
+
+
 def _accelerator_plugin() -> bool:
     import importlib.util
 
@@ -119,10 +131,19 @@ def connect(config: Any, loader: Callable[[Any], Any]) -> "ProcessGroup | None":
     processes = num_processes(config.tensor_parallel_size, config.data_parallel_size)
     if processes == 1:
         return None
+    needs = (f"tensor_parallel_size={config.tensor_parallel_size} needs {config.tensor_parallel_size} devices, "
+             f"but {local_device_count()} {_platform()} device(s) are available in this process")
     if config.distributed_executor_backend == "uni":
+        raise ValueError(f"{needs}, and distributed_executor_backend='uni' keeps the engine in one process; "
+                         f"use 'ray' (the default) to run it over {processes} processes")
+    from jax._src import xla_bridge
+
+    if _group is None and xla_bridge.backends_are_initialized():
         raise ValueError(
-            f"tensor_parallel_size={config.tensor_parallel_size} needs {processes} processes, but "
-            "distributed_executor_backend='uni' keeps the engine in one; use 'ray' (the default)"
+            f"{needs}; a multi-process engine over {processes} processes must be created before JAX uses the "
+            "devices in this process (jax.distributed joins first): create the LLM before other JAX work, in a "
+            "fresh process, or lower tensor_parallel_size (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N "
+            "before importing jax gives one process N devices)"
         )
     if _group is not None:
         if _group.config_key != _config_key(config):
@@ -301,6 +322,12 @@ class ProcessGroup:
                 ray.get(refs, timeout=self.timeout_s)
             except Exception as e:  # noqa: BLE001 - the workers are killed below either way
                 logger.warning("servax: leaving jax.distributed: %r", e)
+        else:
+            for w in self.workers:
+                ray.kill(w)
+        # Wait until the actors have exited, so that nothing of the group outlives shutdown.
+        ends = [w.__ray_terminate__.remote() for w in self.workers]
+        ray.wait(ends, num_returns=len(ends), timeout=30)
         for w in self.workers:
             ray.kill(w)
         self.workers = []

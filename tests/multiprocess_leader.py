@@ -64,7 +64,16 @@ def main(spec: dict) -> dict:
     workers = list(engine.peers.workers)
     llm.shutdown()
     result["workers_left"] = sum(_alive(w) for w in workers)
+    deadline = time.time() + 30  # the actor is dead; give its process time to exit
+    while _worker_pids() and time.time() < deadline:
+        time.sleep(0.5)
+    result["worker_processes_left"] = len(_worker_pids())
     return result
+
+
+def _worker_pids() -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "^ray::EngineWorker"], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
 
 
 def hang_worker(llm) -> dict:
@@ -73,8 +82,7 @@ def hang_worker(llm) -> dict:
     from runtime import SamplingParams
     from runtime.errors import EngineDeadError
 
-    (pid,) = [int(p) for p in subprocess.run(["pgrep", "-f", "^ray::EngineWorker"], capture_output=True,
-                                             text=True).stdout.split()]
+    (pid,) = _worker_pids()
     thread = threading.Thread(target=lambda: _ignore_errors(llm.generate, [[5, 6, 7]], SamplingParams(
         max_tokens=120, temperature=0, ignore_eos=True), use_tqdm=False), daemon=True)
     thread.start()

@@ -100,7 +100,7 @@ def test_executor_backends_vllm_has_and_servax_does_not_are_refused_saying_why(m
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
     uni = EngineConfig(model="servax-tiny/llama", tensor_parallel_size=8, distributed_executor_backend="uni")
-    with pytest.raises(ValueError, match="needs 2 processes.*'uni'"):
+    with pytest.raises(ValueError, match="'uni' keeps the engine in one process.*over 2 processes"):
         distributed.connect(uni, load_model)
     assert distributed.current_group() is None
 
@@ -149,8 +149,8 @@ def test_nothing_compiles_while_serving_and_only_small_inputs_are_sent(runs):
 @pytest.mark.slow
 def test_shutdown_stops_the_workers_and_a_hung_worker_is_reported(runs):
     impl, _, two, _ = runs
-    if impl == "torchax":  # ended by LLM.shutdown()
-        assert two["workers_left"] == 0
+    if impl == "torchax":  # ended by LLM.shutdown(): the actor and its process are gone
+        assert two["workers_left"] == 0 and two["worker_processes_left"] == 0
     else:  # ended by SIGSTOP of the worker while a request decoded
         hang = two["hang"]
         assert hang["error"] and "a worker hangs" in hang["error"]
@@ -182,7 +182,7 @@ def test_demo_model_over_three_processes_matches_one_process_and_transformers(de
     for held in [three["leader_param_bytes"], *three["worker_param_bytes"]]:
         assert third <= held < 1.1 * third, (held, three["total_param_bytes"])
     assert three["compilations_since_warmup"] == 0 and three["worker_compilations_since_warmup"] == [0, 0]
-    assert three["workers_left"] == 0
+    assert three["workers_left"] == 0 and three["worker_processes_left"] == 0
 
 
 # ---- `serve run` of the shipped two-process config, and a worker killed mid-stream ----------
