@@ -289,9 +289,9 @@ class LLMServer:
         return asdict(s) if hasattr(s, "__dataclass_fields__") else dict(vars(s))
 
     def _update_gauges(self) -> None:
-        try:
-            self.metrics.update_engine_gauges(self.engine.stats())
-        except Exception:  # stats are advisory; never fail a request over them
+        try:  # a short wait: a health check must answer even while a step is stuck
+            self.metrics.update_engine_gauges(self.engine.stats(timeout=1.0))
+        except Exception:  # stats are advisory; never fail a request or a health check over them
             pass
 
     def check_health(self) -> None:

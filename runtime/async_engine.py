@@ -106,9 +106,19 @@ class AsyncLLMEngine:
     def model_config(self) -> dict[str, Any]:
         return self.engine.model_config
 
-    def stats(self) -> EngineStats:
-        with self._engine_lock:
+    def stats(self, timeout: float | None = None) -> EngineStats:
+        """The engine's EngineStats, taken between steps.
+
+        Raises:
+            TimeoutError: `timeout` seconds passed inside one step (a stuck step must not
+                hold up a health check or a metrics scrape).
+        """
+        if not self._engine_lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError(f"the engine has been inside one step for more than {timeout} s")
+        try:
             return self.engine.stats()
+        finally:
+            self._engine_lock.release()
 
     # -- LoRA adapters (any thread; they wait for the loop's current step) ---------------
     def add_lora(self, lora_request: Any) -> bool:
