@@ -150,21 +150,18 @@ def main() -> None:
         r = httpx.post(f"http://127.0.0.1:{PORT}/v1/completions", json=BODY, timeout=30)
         return r.status_code == 200 and len(pids("^ray::EngineWorker")) == 2
 
-    rows = []
+    headers = ["fault", "phase", "200", "503", "other", "p50 ms", "p99 ms",
+               "longest wait (s; status, sent at, from the fault)"]
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "faults.yaml"
         config.write_text(CONFIG)
-        for fault in [args.fault]:
-            with serve_app(config, ready) as startup_s:
-                print(f"{fault}: two replicas ready in {startup_s:.0f} s", flush=True)
-                run = asyncio.run(scenario(fault, args.concurrency, args.warm_s, args.recover_timeout_s))
-            import ray
+        with serve_app(config, ready) as startup_s:
+            print(f"{args.fault}: two replicas ready in {startup_s:.0f} s", flush=True)
+            run = asyncio.run(scenario(args.fault, args.concurrency, args.warm_s, args.recover_timeout_s))
+        import ray
 
-            ray.shutdown()  # this process joined the app's cluster to read Serve's status
-            rows += summarize(fault, run)
-            print(table(["fault", "phase", "200", "503", "other", "p50 ms", "p99 ms", "longest wait (s; status, sent at, from the fault)"], rows[-4:]),
-                  flush=True)
-    body = table(["fault", "phase", "200", "503", "other", "p50 ms", "p99 ms", "longest wait (s; status, sent at, from the fault)"], rows)
+        ray.shutdown()  # this process joined the app's cluster to read Serve's status
+    body = table(headers, summarize(args.fault, run))
     body += (f"\n\nTwo replicas of {MODEL}, each an engine over 2 processes x 4 fake CPU devices (distributed_timeout_s 30, "
              f"health_check_period_s 2), {args.concurrency} clients in a closed loop of 16-token completions "
              f"(after an error a client waits 0.2 s). 'other': transport errors. The replaced replica starts a new "

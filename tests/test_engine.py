@@ -173,6 +173,21 @@ def async_engine(llm):
     engine.shutdown()
 
 
+def test_stats_give_up_instead_of_waiting_inside_a_stuck_step(async_engine):
+    """Health checks and metrics read stats with a timeout: a step that never ends (a hung
+    worker of a multi-process engine) must not hold them up. Here the loop's lock is held
+    as a stuck step would hold it."""
+    import time
+
+    assert async_engine.stats(timeout=1.0).num_running == 0
+    with async_engine._engine_lock:
+        t0 = time.perf_counter()
+        with pytest.raises(TimeoutError, match="inside one step"):
+            async_engine.stats(timeout=0.2)
+        assert time.perf_counter() - t0 < 1.0
+        async_engine.check_health()  # answers too (a single-process engine has no workers to check)
+
+
 async def collect(engine, prompt, params, request_id):
     outs = []
     async for out in engine.generate(prompt, params, request_id):
