@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import record, serve_app, table  # noqa: E402
+from benchmarks.common import record, running_replicas, serve_app, table  # noqa: E402
 
 PORT = 8126
 MODEL = "servax-tiny/llama"
@@ -43,19 +43,6 @@ applications:
                              look_back_period_s: 2}}
 """
 BODY = dict(model=MODEL, prompt="Hello world", max_tokens=64, temperature=0, ignore_eos=True)
-
-
-def running_replicas() -> int:
-    import ray
-    from ray import serve
-
-    if not ray.is_initialized():
-        ray.init(address="auto", log_to_driver=False)
-    for app in serve.status().applications.values():
-        for name, deployment in app.deployments.items():
-            if name.startswith("LLMServer"):
-                return deployment.replica_states.get("RUNNING", 0)
-    return 0
 
 
 async def run(concurrency: int, load_s: float, settle_s: float) -> dict:

@@ -130,6 +130,21 @@ def decode_step_ms(llm, loras: list, prompt_len: int, new_tokens: int, tag: str)
     return step_s * 1e3
 
 
+def running_replicas(deployment_prefix: str = "LLMServer") -> int:
+    """Replicas of the first deployment whose name starts with `deployment_prefix` that Serve reports RUNNING
+    (joins the cluster `serve run` started on this machine, once)."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        ray.init(address="auto", log_to_driver=False)
+    for app in serve.status().applications.values():
+        for name, deployment in app.deployments.items():
+            if name.startswith(deployment_prefix):
+                return deployment.replica_states.get("RUNNING", 0)
+    return 0
+
+
 @contextlib.contextmanager
 def serve_app(config: Path, ready: Callable[[], bool], timeout_s: float = 900.0) -> Iterator[float]:
     """`serve run <config>` from the repository (its own local cluster), until `ready()` holds;

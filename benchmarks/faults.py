@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import record, serve_app, table  # noqa: E402
+from benchmarks.common import record, running_replicas, serve_app, table  # noqa: E402
 
 PORT = 8125
 MODEL = "servax-tiny/llama-8-heads"
@@ -57,20 +57,6 @@ BODY = dict(model=MODEL, prompt="Hello world", max_tokens=16, temperature=0, ign
 def pids(pattern: str) -> list[int]:
     out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
-
-
-def running_replicas() -> int:
-    """Replicas of the model that Serve reports RUNNING (this process joins the app's cluster)."""
-    import ray
-    from ray import serve
-
-    if not ray.is_initialized():
-        ray.init(address="auto", log_to_driver=False)
-    for app in serve.status().applications.values():
-        for name, deployment in app.deployments.items():
-            if name.startswith("LLMServer"):
-                return deployment.replica_states.get("RUNNING", 0)
-    return 0
 
 
 async def client(http, results: list, stop: asyncio.Event) -> None:
