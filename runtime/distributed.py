@@ -57,13 +57,11 @@ def local_device_count() -> int:
     """Devices that one process of this host gets, without initializing JAX's backend here
     (that would make joining jax.distributed impossible).
 
-    On CPU (JAX_PLATFORMS=cpu, or no accelerator plugin installed) it is what XLA_FLAGS'
-    --xla_force_host_platform_device_count says (1 without it); otherwise a short-lived
-    subprocess asks JAX.
+    On CPU it is what XLA_FLAGS' --xla_force_host_platform_device_count says (1 without
+    it); otherwise a short-lived subprocess asks JAX.
     """
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    match = _FORCED_DEVICES.search(os.environ.get("XLA_FLAGS", ""))
-    if platforms.split(",")[0] == "cpu" or (not platforms and not _accelerator_plugin()):
+    if _platform() == "cpu":
+        match = _FORCED_DEVICES.search(os.environ.get("XLA_FLAGS", ""))
         return int(match.group(1)) if match else 1
     out = subprocess.run([sys.executable, "-c", "import jax; print(jax.local_device_count())"],
                          capture_output=True, text=True, timeout=300, check=True)
@@ -71,7 +69,11 @@ def local_device_count() -> int:
 
 
 def _platform() -> str:
-    """The platform JAX will use here (without starting it where it has not started)."""
+    """The platform JAX uses (or will use) here: cpu, gpu/cuda or tpu, without starting its
+    backend where it has not started: JAX_PLATFORMS' first entry, else the accelerator plugin
+    installed (libtpu: tpu; a jax CUDA plugin: gpu), else cpu."""
+    import importlib.util
+
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
@@ -79,13 +81,12 @@ def _platform() -> str:
 
         return jax.devices()[0].platform
     platform = os.environ.get("JAX_PLATFORMS", "").split(",")[0]
-    return platform or ("cpu" if not _accelerator_plugin() else "accelerator")
-
-
-def _accelerator_plugin() -> bool:
-    import importlib.util
-
-    return any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu"))
+    if platform:
+        return platform
+    if importlib.util.find_spec("libtpu") is not None:
+        return "tpu"
+    plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+    return "gpu" if any(importlib.util.find_spec(m) is not None for m in plugins) else "cpu"
 
 
 def num_processes(tensor_parallel_size: int, data_parallel_size: int = 1, local_devices: int | None = None) -> int:
@@ -128,11 +129,12 @@ def connect(config: Any, loader: Callable[[Any], Any]) -> "ProcessGroup | None":
     global _group
     if _is_worker:
         return None
-    processes = num_processes(config.tensor_parallel_size, config.data_parallel_size)
+    local = local_device_count()
+    processes = num_processes(config.tensor_parallel_size, config.data_parallel_size, local)
     if processes == 1:
         return None
     needs = (f"tensor_parallel_size={config.tensor_parallel_size} needs {config.tensor_parallel_size} devices, "
-             f"but {local_device_count()} {_platform()} device(s) are available in this process")
+             f"but {local} {_platform()} device(s) are available in this process")
     if config.distributed_executor_backend == "uni":
         raise ValueError(f"{needs}, and distributed_executor_backend='uni' keeps the engine in one process; "
                          f"use 'ray' (the default) to run it over {processes} processes")
@@ -166,14 +168,8 @@ def _free_port() -> int:
 
 def _join(coordinator: str, processes: int, process_id: int, timeout_s: float) -> None:
     import jax
-    from jax._src import xla_bridge
 
-    if xla_bridge.backends_are_initialized():
-        raise ValueError(
-            "a multi-process engine must be created before JAX uses its devices in this process "
-            "(jax.distributed joins first); create the LLM / engine before other JAX work, or in a fresh process"
-        )
-    if jax.config.jax_platforms in (None, "", "cpu") and not _accelerator_plugin():
+    if _platform() == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # The heartbeat limit is twice the step limit, so that a hung step is reported (and Serve replaces
     # the replica) before JAX's coordination service ends the processes itself.
@@ -184,14 +180,10 @@ def _join(coordinator: str, processes: int, process_id: int, timeout_s: float) -
 def _accelerator_request(devices: int) -> dict[str, Any]:
     """What a worker asks Ray for beyond its CPU, so that Ray gives it (and makes visible) its own
     accelerators: GPUs through num_gpus, TPU chips through the TPU resource; nothing on CPU."""
-    platform = os.environ.get("JAX_PLATFORMS", "").split(",")[0]
-    if platform == "cpu" or not _accelerator_plugin():
+    platform = _platform()
+    if platform == "cpu":
         return {}
-    import importlib.util
-
-    if platform in ("cuda", "gpu") or importlib.util.find_spec("libtpu") is None:
-        return {"num_gpus": devices}
-    return {"resources": {"TPU": devices}}
+    return {"resources": {"TPU": devices}} if platform == "tpu" else {"num_gpus": devices}
 
 
 def _payload_bytes(args: Any) -> int:
