@@ -93,6 +93,22 @@ class WeightSpec:
             native = xp.repeat(native, self.repeat[1], axis=self.repeat[0])
         return native
 
+    def group_scales(self, group: int) -> WeightSpec | None:
+        """The spec of this weight's scales when its checkpoint tensor is quantized in groups of
+        `group` along the last (input) axis: the same layout with that axis `group` times
+        shorter. None when the native layout would split a group (the last axis of `view`, the
+        one the input axis lands in, not a multiple of `group`)."""
+        last = (self.view or self.hf_shape)[-1]
+        if len(self.hf_shape) < 2 or self.hf_shape[-1] % group or last % group:
+            return None
+        view = (*self.view[:-1], self.view[-1] // group) if self.view else None
+        return dataclasses.replace(self, hf_shape=(*self.hf_shape[:-1], self.hf_shape[-1] // group), view=view)
+
+    def group_axis(self) -> int:
+        """Where the checkpoint's last axis lands in the native layout, counted from the end."""
+        ndim = len(self.view or self.hf_shape)
+        return (self.perm.index(ndim - 1) if self.perm else ndim - 1) - ndim
+
     def partition_spec(self, mesh: Mesh) -> P:
         """The logical axes through runtime.mesh's rules, fitted to what divides evenly on `mesh`."""
         return logical_to_spec(self.logical_axes, self.shape, mesh)

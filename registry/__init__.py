@@ -50,8 +50,9 @@ def load(
         skip_tokenizer_init: load no tokenizer; the model serves token ids only.
         hf_overrides: config attributes to set before the model is built (vLLM's hf_overrides).
         impl: deprecated alias of model_impl (DeprecationWarning).
-        quantization: None, or "int8": the matrices stored as per-output-channel int8
-            (runtime/quantization.py), on either path.
+        quantization: None; "int8": the matrices stored as per-output-channel int8
+            (runtime/quantization.py), on either path; "gguf": a GGUF checkpoint's Q8_0
+            tensors kept as stored (int8, a scale per 32 inputs), other tensor types dequantized.
 
     Raises:
         ModelLoadError: anything that stops the model from loading, with what to change
@@ -74,6 +75,7 @@ def load(
     info = read_model_info(resolved, tokenizer=tokenizer, revision=revision, tokenizer_mode=tokenizer_mode,
                            skip_tokenizer_init=skip_tokenizer_init)
 
+    int8_groups = _gguf_q8_0(resolved) if quantization == "gguf" else None
     if resolved.impl == "torchax":
         try:
             from registry.torchax_model import load_torchax
@@ -82,12 +84,18 @@ def load(
                 f"{resolved.model_id}: architecture {resolved.architecture} needs the torchax fallback, "
                 f"which is not available ({e}); native: {', '.join(sorted(NATIVE_MODELS))}"
             ) from e
-        loaded = load_torchax(resolved, dtype=jdtype, mesh=mesh, info=info)
+        loaded = load_torchax(resolved, dtype=jdtype, mesh=mesh, info=info, int8_groups=int8_groups)
         reduce_axes = _torchax_quant_axes
     else:
-        loaded = load_native(resolved, dtype=jdtype, mesh=mesh, info=info)
+        loaded = load_native(resolved, dtype=jdtype, mesh=mesh, info=info, int8_groups=int8_groups)
         reduce_axes = _native_quant_axes
-    if quantization is not None:
+    if quantization == "gguf":
+        from runtime.quantization import count_quantized, serve_quantized
+
+        serve_quantized(loaded)
+        logger.info("%s: %d of %d Q8_0 tensors kept as int8 (a scale per 32 inputs); other GGUF types were "
+                    "dequantized when converted", resolved.model_id, count_quantized(loaded.params), len(int8_groups))
+    elif quantization is not None:
         from runtime.quantization import quantize_model
 
         try:
@@ -96,6 +104,30 @@ def load(
             raise ModelLoadError(f"{resolved.model_id}: {e}") from e
         logger.info("%s: weights quantized to %s", resolved.model_id, quantization)
     return loaded
+
+
+def _gguf_q8_0(resolved: ResolvedModel) -> dict:
+    """The Q8_0 tensors of a converted GGUF checkpoint, as stored (registry.weights.open_q8_0).
+
+    Raises:
+        ModelLoadError: the checkpoint was not converted from a GGUF file.
+    """
+    import json
+
+    from registry.gguf import FORMAT, MARKER
+    from registry.weights import open_q8_0
+
+    if not (resolved.path / MARKER).exists():
+        raise ModelLoadError(
+            f"{resolved.model_id}: quantization='gguf' reads a GGUF file's quantized tensors, and this checkpoint "
+            "is not a GGUF file; pass the .gguf file, or use quantization='int8' to quantize these weights"
+        )
+    if json.loads((resolved.path / MARKER).read_text()).get("format") != FORMAT:
+        raise ModelLoadError(
+            f"{resolved.model_id}: {resolved.path} was converted from GGUF by an older servax, without the Q8_0 "
+            "tensors as stored; delete that folder and it is converted again on the next start"
+        )
+    return open_q8_0(resolved.path)
 
 
 def _native_quant_axes(name: str, shape: tuple[int, ...]) -> tuple[int, ...] | None:

@@ -11,7 +11,8 @@ paths (native JAX or torchax) and never parses the GGUF again.
 
 Quantized tensors become float32 (dequantization is exact in float32: each weight is a
 float16 scale times a small integer, plus an offset); F16 and BF16 tensors keep their
-dtype. Serving quantized weights as such (without dequantizing) is not done.
+dtype. Q8_0 tensors are also written as stored, int8 values and a float16 scale per block of
+32, under `q8_0/` (registry.weights.open_q8_0), which `quantization="gguf"` serves as int8.
 
     python -m registry.gguf model.Q4_K_M.gguf            # convert now, print the folder
 """
@@ -19,6 +20,7 @@ dtype. Serving quantized weights as such (without dequantizing) is not done.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -34,6 +36,7 @@ from registry.errors import ModelLoadError
 
 GGUF_SUFFIX = ".gguf"
 MARKER = "servax_gguf.json"  # written last: a folder without it is incomplete
+FORMAT = 2  # the folder's layout; a folder of another format is converted again (2: q8_0/ added)
 _MAGIC = b"GGUF"
 
 
@@ -131,14 +134,14 @@ def build_once(out: Path, build: Callable[[Path], Any]) -> Path:
     The work happens in a private folder that is renamed at the end, so concurrent
     processes never see half a checkpoint; `build` writes MARKER last.
     """
-    if (out / MARKER).exists():
+    if _complete(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         build(tmp)
-        if not (out / MARKER).exists():
+        if not _complete(out):
             shutil.rmtree(out, ignore_errors=True)
             try:
                 tmp.replace(out)
@@ -149,12 +152,19 @@ def build_once(out: Path, build: Callable[[Path], Any]) -> Path:
     return out
 
 
+def _complete(folder: Path) -> bool:
+    try:
+        return json.loads((folder / MARKER).read_text()).get("format") == FORMAT
+    except (OSError, ValueError):
+        return False
+
+
 def convert_gguf(gguf_file: Path, out_dir: Path, *, source: dict | None = None) -> Path:
     """Write a Hugging Face checkpoint folder for `gguf_file` into `out_dir`.
 
-    Writes config.json, generation_config.json, model.safetensors, the tokenizer files
-    (with the chat template) and, last, MARKER (a JSON note of the source and the
-    tensor types found).
+    Writes config.json, generation_config.json, model.safetensors, the Q8_0 tensors as stored
+    (q8_0/model.safetensors), the tokenizer files (with the chat template) and, last, MARKER
+    (a JSON note of the format, the source and the tensor types found).
 
     Raises:
         ModelLoadError: not a GGUF file, truncated, an architecture or tensor type that
@@ -180,14 +190,28 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, source: dict | None = None) 
     out_dir.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out_dir)
     (out_dir / "generation_config.json").write_text(json.dumps(_special_ids(meta), indent=2) + "\n")
-    _write_safetensors(
-        out_dir / "model.safetensors", [(hf_name, tensors[name]) for name, hf_name in names.items()],
-        lambda tensor: _hf_tensor(tensor, config, arch),
-    )
+    _write_safetensors(out_dir / "model.safetensors", [
+        (hf_name, *_hf_shape_dtype(tensors[name]), functools.partial(_hf_tensor, tensors[name], config, arch))
+        for name, hf_name in names.items()
+    ])
+    q8_0 = [(hf_name, tensors[name]) for name, hf_name in names.items()
+            if tensors[name].tensor_type.name == "Q8_0" and len(tensors[name].shape) >= 2]
+    if q8_0:
+        from registry.weights import Q8_0_FOLDER
+
+        (out_dir / Q8_0_FOLDER).mkdir()
+        entries = []
+        for hf_name, tensor in q8_0:
+            shape, _ = _hf_shape_dtype(tensor)
+            part = functools.partial(_q8_0_parts, tensor, config, arch)
+            entries.append((hf_name, shape, "I8", lambda part=part: part()[0]))
+            entries.append((hf_name + ".scale", (*shape[:-1], shape[-1] // 32), "F16", lambda part=part: part()[1]))
+        _write_safetensors(out_dir / Q8_0_FOLDER / "model.safetensors", entries)
     _save_tokenizer(gguf_file, out_dir)
     types = sorted({t.tensor_type.name for t in reader.tensors})
     (out_dir / MARKER).write_text(json.dumps(
-        {"source": source or {"file": str(gguf_file)}, "architecture": arch_name, "tensor_types": types}, indent=2,
+        {"format": FORMAT, "source": source or {"file": str(gguf_file)}, "architecture": arch_name,
+         "tensor_types": types, "q8_0_tensors": len(q8_0)}, indent=2,
     ) + "\n")
     return out_dir
 
@@ -373,7 +397,21 @@ def _hf_tensor(tensor, config, arch: GGUFArchitecture) -> np.ndarray:
         array = np.asarray(tensor.data).view(ml_dtypes.bfloat16)
     else:
         array = dequantize(tensor.data, tensor.tensor_type)
-    array = array.reshape(shape)
+    return _rows_in_hf_order(array.reshape(shape), tensor, config, arch)
+
+
+def _q8_0_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 tensor as stored, in Hugging Face layout: int8 values [.., in] and float16
+    scales [.., in / 32] (a block is 2 bytes of scale, then 32 int8 values; values * scale
+    is what `_hf_tensor` gives)."""
+    shape, _ = _hf_shape_dtype(tensor)
+    blocks = np.asarray(tensor.data).reshape(-1, 34)
+    scales = blocks[:, :2].copy().view(np.float16).reshape(*shape[:-1], shape[-1] // 32)
+    values = blocks[:, 2:].view(np.int8).reshape(shape)
+    return _rows_in_hf_order(values, tensor, config, arch), _rows_in_hf_order(scales, tensor, config, arch)
+
+
+def _rows_in_hf_order(array: np.ndarray, tensor, config, arch: GGUFArchitecture) -> np.ndarray:
     if arch.permuted_qk and tensor.name.endswith((".attn_q.weight", ".attn_k.weight")):
         heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
         array = unpermute_qk(array, heads)
@@ -397,18 +435,17 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-_ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
+_ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1}
 
 
-def _write_safetensors(path: Path, tensors: list[tuple[str, Any]], produce: Callable[[Any], np.ndarray]) -> None:
+def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], str, Callable[[], np.ndarray]]]) -> None:
     """A safetensors file written one tensor at a time, so only one is dequantized in memory at once.
 
-    tensors: (Hugging Face name, GGUF tensor) pairs; `produce(gguf_tensor)` gives its array.
+    tensors: (name, shape, safetensors dtype, produce) entries; `produce()` gives the array.
     """
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name, tensor in tensors:
-        shape, dtype = _hf_shape_dtype(tensor)
+    for name, shape, dtype, _ in tensors:
         nbytes = int(np.prod(shape)) * _ST_ITEMSIZE[dtype]
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
@@ -417,8 +454,8 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, Any]], produce: Call
     with open(path, "wb") as fh:
         fh.write(len(blob).to_bytes(8, "little"))
         fh.write(blob)
-        for name, tensor in tensors:
-            array = np.ascontiguousarray(produce(tensor))
+        for name, _, _, produce in tensors:
+            array = np.ascontiguousarray(produce())
             begin, end = header[name]["data_offsets"]
             if array.nbytes != end - begin:
                 raise AssertionError(f"{name}: {array.nbytes} bytes produced, {end - begin} expected")

@@ -51,8 +51,11 @@ def declared_models(package: Any = models_jax) -> dict[str, ModelEntry]:
 NATIVE_MODELS: dict[str, ModelEntry] = declared_models()
 
 
-def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: ModelInfo) -> LoadedModel:
+def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: ModelInfo,
+                int8_groups: dict | None = None) -> LoadedModel:
     """Build the native model, its params read from the checkpoint onto `mesh`.
+
+    int8_groups: weights to keep as int8 with a scale per 32 inputs (registry.weights.load_params).
 
     Raises:
         ModelLoadError: unsupported config features, missing or misshapen weights.
@@ -63,7 +66,7 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: 
     except (ValueError, KeyError) as e:
         raise ModelLoadError(f"{resolved.model_id} ({resolved.architecture}): {e}") from e
     args = dataclasses.replace(args, kv_repeat=kv_repeat(args.num_kv_heads, logical_axis_size("kv_heads", mesh)))
-    params, shardings = load_params(resolved.path, entry.weight_table(args), mesh, dtype)
+    params, shardings = load_params(resolved.path, entry.weight_table(args), mesh, dtype, int8_groups)
     kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads * args.kv_repeat, args.head_dim, dtype)
     stages = None
     if entry.stages is not None:

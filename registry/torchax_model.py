@@ -39,6 +39,7 @@ from registry.torchax_attention import (
     step_context,
 )
 from registry.torchax_compat import import_torchax
+from registry.weights import place_int8_groups
 from runtime.mesh import logical_axis_size, logical_to_spec, make_mesh
 from runtime.step import KVCache, KVCacheSpec, LoadedModel, StepInput, make_step_input
 
@@ -102,6 +103,7 @@ def _model_class(resolved: Any, trust_remote_code: bool) -> Any:
 
 def load_torchax(
     resolved: Any, *, dtype: Any = "float32", mesh: jax.sharding.Mesh | None = None, info: ModelInfo | None = None,
+    int8_groups: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> LoadedModel:
     """Wrap a transformers causal LM so it runs as a servax step function.
 
@@ -113,6 +115,9 @@ def load_torchax(
             Weights follow PARTITION_RULES.
         info: tokenizer, EOS ids and context length (registry.load reads them); default
             read from `resolved`.
+        int8_groups: parameters to keep as int8 with a scale per 32 inputs, by name
+            (registry.weights.open_q8_0); each becomes a QuantizedWeight when its shape is the
+            parameter's (the caller wraps the step to dequantize).
 
     Returns:
         a LoadedModel with impl="torchax".
@@ -192,12 +197,17 @@ def load_torchax(
         name: partition_spec(model, name, host_params[name].shape, mesh, num_kv_heads=kv_spec.num_kv_heads)
         for name in host_params
     }
+    int8_groups = {name: qs for name, qs in (int8_groups or {}).items()
+                   if name in host_params and tuple(qs[0].shape) == tuple(host_params[name].shape)}
     params = {
         name: jax.make_array_from_callback(
             arr.shape, NamedSharding(mesh, param_shardings[name]),
             lambda index, arr=arr, dt=dtypes[name]: np.asarray(arr[index], dtype=dt))
-        for name, arr in host_params.items()
+        for name, arr in host_params.items() if name not in int8_groups
     }
+    for name, (q, scale) in int8_groups.items():
+        params[name], param_shardings[name] = place_int8_groups(name, q, scale, mesh, param_shardings[name],
+                                                                dtypes[name])
     del host_params, abstract
     # The step function reparametrizes every parameter and buffer with the JAX arrays, so
     # the torch copies are dead weight: keep only their shapes (halves host memory).

@@ -8,17 +8,21 @@ comes through ml_dtypes, which numpy cannot name on its own.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import struct
 from pathlib import Path
+from typing import Any
 
 import jax
 import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models_jax.weights import WeightSpec, is_weight_spec
+from models_jax.weights import WeightSpec, is_weight_spec, zeros
 from registry.errors import ModelLoadError
+from runtime.quantization import QuantizedWeight
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -51,11 +55,30 @@ def open_checkpoint(path: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def load_params(path: Path, table, mesh: Mesh, dtype) -> tuple[dict, dict]:
+Q8_0_FOLDER = "q8_0"  # a GGUF conversion's Q8_0 tensors as stored (registry.gguf)
+Q8_0_GROUP = 32  # values per Q8_0 block (one float16 scale each)
+
+
+def open_q8_0(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """A GGUF conversion's Q8_0 tensors, as stored in the file: Hugging Face name -> (int8
+    values [out, in], float16 scales [out, in / 32]), memory-mapped. Empty for any other folder."""
+    folder = Path(path) / Q8_0_FOLDER
+    if not folder.is_dir():
+        return {}
+    tensors = open_checkpoint(folder)
+    return {name: (tensors[name], tensors[name + ".scale"]) for name in tensors if not name.endswith(".scale")}
+
+
+def load_params(path: Path, table, mesh: Mesh, dtype,
+                int8_groups: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> tuple[dict, dict]:
     """Read every weight that `table` (a pytree of WeightSpec) declares.
 
     A stacked weight (WeightSpec.num_layers) is assembled from its per-layer tensors;
     each device still reads only its own slice of each.
+
+    int8_groups: checkpoint tensors stored as int8 with a scale per 32 inputs (`open_q8_0`);
+    a weight whose every tensor is there (and whose layout keeps those groups whole) becomes a
+    runtime.quantization.QuantizedWeight instead of a float array.
 
     Returns (params, param_shardings): jax.Arrays of `dtype` (or a weight's own dtype)
     placed on `mesh`, and their PartitionSpecs (WeightSpec.partition_spec: the logical
@@ -75,22 +98,51 @@ def load_params(path: Path, table, mesh: Mesh, dtype) -> tuple[dict, dict]:
     ]
     if wrong:
         raise ModelLoadError(f"{path}: {len(wrong)} weights do not fit the config: " + "; ".join(wrong[:4]))
+    int8_groups = int8_groups or {}
 
-    def place(w: WeightSpec) -> tuple[jax.Array, P]:
-        # Lazy views of the memory-mapped tensors (only repeated KV heads are copied).
-        native = [w.to_native(tensors[name]) for name in w.hf_names]
-        dt = w.dtype or dtype
-
-        def read(index: tuple[slice, ...]) -> np.ndarray:  # this device's slice only
-            if w.num_layers is None:
-                return np.array(native[0][index], dtype=dt, order="C")
-            return np.stack([np.asarray(layer[index[1:]], dtype=dt) for layer in native[index[0]]])
-
+    def place(w: WeightSpec) -> tuple[Any, Any]:
+        scales = w.group_scales(Q8_0_GROUP)
+        if scales is not None and all(name in int8_groups for name in w.hf_names):
+            q_spec, s_spec = w.partition_spec(mesh), scales.partition_spec(mesh)
+            q = _place(w, [int8_groups[name][0] for name in w.hf_names], mesh, q_spec, np.int8)
+            s = _place(scales, [int8_groups[name][1] for name in w.hf_names], mesh, s_spec, w.dtype or dtype)
+            axis = w.group_axis()
+            return QuantizedWeight(q, s, Q8_0_GROUP, axis), QuantizedWeight(q_spec, s_spec, Q8_0_GROUP, axis)
         spec = w.partition_spec(mesh)
-        return jax.make_array_from_callback(w.shape, NamedSharding(mesh, spec), read), spec
+        return _place(w, [tensors[name] for name in w.hf_names], mesh, spec, w.dtype or dtype), spec
 
     placed = jax.tree.map(place, table, is_leaf=is_weight_spec)
-    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], P)  # noqa: E731
+    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], (P, QuantizedWeight))  # noqa: E731
     params = jax.tree.map(lambda x: x[0], placed, is_leaf=is_pair)
     shardings = jax.tree.map(lambda x: x[1], placed, is_leaf=is_pair)
     return params, shardings
+
+
+def place_int8_groups(name: str, q: np.ndarray, scale: np.ndarray, mesh: Mesh, spec: P,
+                      dtype) -> tuple[QuantizedWeight, QuantizedWeight]:
+    """One Q8_0 tensor (`open_q8_0`) in the checkpoint's own layout (the torchax path's
+    parameters), the values placed as `spec` says and the scales likewise where the mesh
+    splits their shorter last axis evenly (else that axis whole).
+
+    Returns (weight, its partition specs)."""
+    entries = tuple(spec) + (None,) * (q.ndim - len(tuple(spec)))
+    last = entries[-1]
+    ways = 1 if last is None else math.prod(mesh.shape[a] for a in ((last,) if isinstance(last, str) else last))
+    s_spec = P(*entries[:-1], last if scale.shape[-1] % ways == 0 else None)
+    as_stored = WeightSpec(name, tuple(q.shape), (None,) * q.ndim, zeros)
+    values = _place(as_stored, [q], mesh, P(*entries), np.int8)
+    scales = _place(dataclasses.replace(as_stored, hf_shape=tuple(scale.shape)), [scale], mesh, s_spec, dtype)
+    return QuantizedWeight(values, scales, Q8_0_GROUP, -1), QuantizedWeight(P(*entries), s_spec, Q8_0_GROUP, -1)
+
+
+def _place(w: WeightSpec, sources: list[np.ndarray], mesh: Mesh, spec: P, dt) -> jax.Array:
+    """`w`'s checkpoint tensors (one per layer when stacked) as one array in the native layout,
+    each device reading only its own slice."""
+    native = [w.to_native(t) for t in sources]  # lazy views of the memory maps (repeats copy)
+
+    def read(index: tuple[slice, ...]) -> np.ndarray:  # this device's slice only
+        if w.num_layers is None:
+            return np.array(native[0][index], dtype=dt, order="C")
+        return np.stack([np.asarray(layer[index[1:]], dtype=dt) for layer in native[index[0]]])
+
+    return jax.make_array_from_callback(w.shape, NamedSharding(mesh, spec), read)

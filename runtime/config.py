@@ -110,9 +110,10 @@ class EngineConfig(BaseModel):
         "auto", description="auto: the model's dtype; int8 or fp8 (e4m3): stored quantized with a float32 scale "
                             "per token and head (xla attention backend), ~4x the tokens of float32 per byte.")
     quantization: str | None = Field(
-        None, description="None (weights in `dtype`) or int8: symmetric per-output-channel int8 weights, "
-                          "dequantized inside the step (runtime/quantization.py); quantized GGUF tensors are "
-                          "dequantized when loaded, then quantized again.")
+        None, description="None (weights in `dtype`; quantized GGUF tensors dequantized), int8: symmetric "
+                          "per-output-channel int8 weights, or gguf: a GGUF file's Q8_0 tensors kept as int8 "
+                          "with their scale per 32 inputs (other types dequantized); dequantized inside the "
+                          "step (runtime/quantization.py).")
     speculative_config: SpeculativeConfig | None = Field(
         None, description='n-gram speculative decoding, vLLM\'s dict: {"method": "ngram", "num_speculative_tokens": '
                           'k, "prompt_lookup_max": n, "prompt_lookup_min": m} (runtime/speculative.py).')
@@ -192,10 +193,10 @@ class EngineConfig(BaseModel):
     @field_validator("quantization")
     @classmethod
     def _known_quantization(cls, v: str | None) -> str | None:
-        if v is not None and v not in ("int8",):
+        if v is not None and v not in ("int8", "gguf"):
             raise ValueError(
                 f"quantization={v!r} is not supported yet; supported: int8 (per-output-channel int8 weights), "
-                "or None for weights in `dtype`"
+                "gguf (a GGUF file's Q8_0 tensors kept as int8), or None for weights in `dtype`"
             )
         return v
 

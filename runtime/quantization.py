@@ -1,13 +1,19 @@
-"""Weight quantization: `quantization="int8"`.
+"""Weight quantization: `quantization="int8"` and `quantization="gguf"`.
 
-Every matrix of a loaded model (projections, MLP, embedding, LM head; >= 2 dimensions) is
-stored as symmetric int8 with float scales, `QuantizedWeight(q, scale)`: per output channel
-(the maximum |w| over the input axes / 127). The step function dequantizes its weights as it
-uses them (`q.astype(dtype) * scale`, inside the jitted program, layer by layer when the
-runtime steps layer by layer), so both model paths serve quantized weights through the same
-step contract; XLA fuses the dequantization into the matmul's operand where the backend can
-(GPU/TPU). Weights take ~1/4 of their float32 bytes; shardings are the float weight's (the
-scale's reduced axes are whole).
+`int8`: every matrix of a loaded model (projections, MLP, embedding, LM head; >= 2
+dimensions) is stored as symmetric int8 with float scales, `QuantizedWeight(q, scale)`: per
+output channel (the maximum |w| over the input axes / 127).
+
+`gguf`: a GGUF checkpoint's Q8_0 tensors are loaded as they are stored, int8 values with one
+scale per block of 32 along the input axis (`QuantizedWeight(q, scale, group_size=32,
+group_axis=...)`, read by registry.weights); no rounding beyond the file's own, so the
+weights equal the dequantized checkpoint exactly.
+
+The step function dequantizes its weights as it uses them (`q.astype(dtype) * scale`, inside
+the jitted program, layer by layer when the runtime steps layer by layer), so both model
+paths serve quantized weights through the same step contract; XLA fuses the dequantization
+into the matmul's operand where the backend can (GPU/TPU). Weights take ~1/4 of their float32
+bytes; shardings are the float weight's (the scale's reduced axes are whole).
 """
 
 from __future__ import annotations
@@ -23,22 +29,34 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from runtime.step import LayerStages, LoadedModel
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "gguf")
 
 
 @flax.struct.dataclass
 class QuantizedWeight:
-    """A weight as int8 values and float scales: w ~= q * scale (scale broadcasts over q)."""
+    """A weight as int8 values and float scales: w ~= q * scale.
+
+    Per channel (group_size 0): scale has size 1 on the reduced (input) axes and broadcasts
+    over q. Grouped: one scale per `group_size` consecutive values along `group_axis`, so
+    scale's shape is q's with that axis divided by group_size. group_axis counts from the end,
+    so slicing leading (layer) axes off both arrays keeps it valid.
+    """
 
     q: jax.Array  # int8, the weight's shape
-    scale: jax.Array  # the weight's dtype; size 1 on the reduced (input) axes
+    scale: jax.Array  # the weight's dtype
+    group_size: int = flax.struct.field(pytree_node=False, default=0)
+    group_axis: int = flax.struct.field(pytree_node=False, default=-1)  # negative
 
     @property
     def shape(self) -> tuple[int, ...]:
         return self.q.shape
 
     def dequantize(self) -> jax.Array:
-        return self.q.astype(self.scale.dtype) * self.scale
+        if not self.group_size:
+            return self.q.astype(self.scale.dtype) * self.scale
+        shape, axis = self.q.shape, self.group_axis % self.q.ndim
+        grouped = self.q.reshape(*shape[:axis], shape[axis] // self.group_size, self.group_size, *shape[axis + 1:])
+        return (grouped.astype(self.scale.dtype) * jnp.expand_dims(self.scale, axis + 1)).reshape(shape)
 
 
 def _is_quantized(x: Any) -> bool:
@@ -68,10 +86,10 @@ def quantize_model(model: LoadedModel, method: str, mesh: Mesh,
             or None to leave that param in float (norms, biases: any < 2-D param is left).
 
     Raises:
-        ValueError: an unknown method.
+        ValueError: a method other than int8 ("gguf" weights are read quantized, see registry.weights).
     """
-    if method not in QUANTIZATIONS:
-        raise ValueError(f"quantization={method!r} is not supported; supported: {', '.join(QUANTIZATIONS)}")
+    if method != "int8":
+        raise ValueError(f"quantization={method!r} cannot be applied to loaded weights; supported: int8")
     flat, treedef = jax.tree_util.tree_flatten_with_path(model.params)
     specs = treedef.flatten_up_to(model.param_shardings)
     new_params, new_specs = [], []
@@ -90,6 +108,11 @@ def quantize_model(model: LoadedModel, method: str, mesh: Mesh,
         del w
     model.params = jax.tree.unflatten(treedef, new_params)
     model.param_shardings = jax.tree.unflatten(treedef, new_specs)
+    serve_quantized(model)
+
+
+def serve_quantized(model: LoadedModel) -> None:
+    """Make the model's step function (and layer stages) dequantize QuantizedWeight params."""
     step_fn = model.step_fn
     model.step_fn = lambda params, kv_cache, batch: step_fn(dequantize(params), kv_cache, batch)
     if model.stages is not None:
@@ -104,6 +127,11 @@ def _dequantizing_stages(stages: LayerStages) -> LayerStages:
         layer=lambda p, carry, kv_cache, i, batch: layer(dequantize(p), carry, kv_cache, i, batch),
         epilogue=lambda outer, carry, batch: epilogue(dequantize(outer), carry, batch),
     )
+
+
+def count_quantized(params: Any) -> int:
+    """How many QuantizedWeight leaves a params tree holds."""
+    return sum(map(_is_quantized, jax.tree.leaves(params, is_leaf=_is_quantized)))
 
 
 def param_bytes(params: Any) -> int:

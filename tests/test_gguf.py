@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 import zipfile
 from pathlib import Path
@@ -192,6 +193,75 @@ def test_quantized_gguf_loads_within_quantization_error(tiny_checkpoint, gguf_di
     kept = {"F16": np.float16, "BF16": ml_dtypes.bfloat16}.get(weight_type, np.float32)
     assert converted["model.layers.0.self_attn.q_proj.weight"].dtype == kept
     assert json.loads((path / "servax_gguf.json").read_text())["tensor_types"] == sorted({"F32", weight_type})
+
+
+def test_q8_0_tensors_are_also_written_as_stored(tiny_checkpoint, gguf_dir):
+    """q8_0/: int8 values and a float16 scale per 32 inputs, whose product is the converted weight bit for bit."""
+    from registry.weights import open_q8_0
+
+    path, converted = _converted(write_gguf(tiny_checkpoint("llama"), gguf_dir / "tiny-Q8_0.gguf", weight_type="Q8_0"))
+    stored = open_q8_0(path)
+    assert set(stored) == {name for name, array in converted.items() if array.ndim == 2}
+    for name, (q, scale) in stored.items():
+        assert q.dtype == np.int8 and scale.dtype == np.float16 and scale.shape == (q.shape[0], q.shape[1] // 32)
+        product = q.reshape(q.shape[0], -1, 32).astype(np.float32) * scale[..., None].astype(np.float32)
+        assert np.array_equal(product.reshape(q.shape), converted[name]), name  # Q/K rows un-permuted alike
+    assert json.loads((path / "servax_gguf.json").read_text())["q8_0_tensors"] == len(stored)
+
+
+@pytest.mark.parametrize("model_impl", ["jax", "torchax"])
+def test_quantization_gguf_serves_q8_0_as_int8_with_the_same_logits(tiny_checkpoint, gguf_dir, model_impl):
+    """quantization="gguf": the Q8_0 weights stay int8 in memory, and the model computes what the
+    dequantized checkpoint computes (the same weights, exactly)."""
+    import jax
+
+    from app import LLM, SamplingParams
+    from runtime.quantization import QuantizedWeight, param_bytes
+
+    gguf_file = write_gguf(tiny_checkpoint("llama"), gguf_dir / "tiny-Q8_0.gguf", weight_type="Q8_0")
+    prompt = [(7 * i + 3) % 500 + 4 for i in range(40)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16, prompt_logprobs=0)
+    runs = {}
+    for quantization in (None, "gguf"):
+        llm = LLM(model=str(gguf_file), model_impl=model_impl, quantization=quantization, max_model_len=128,
+                  max_num_seqs=4, max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="",
+                  enforce_eager=quantization is None or model_impl == "torchax")
+        (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)  # chunked: 2 prefill steps
+        logprobs = np.array([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
+        runs[quantization] = (llm, out.outputs[0].token_ids, logprobs)
+    (float_llm, float_tokens, float_lp), (llm, tokens, lp) = runs[None], runs["gguf"]
+    weights = jax.tree.leaves(llm.engine.model.params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    quantized = [w for w in weights if isinstance(w, QuantizedWeight)]
+    # Every projection, MLP, embedding and LM head matrix (the tiny model's o_proj mixes heads of
+    # 16 values in one 32-group, so the native layout keeps it float).
+    assert len(quantized) == (14 if model_impl == "jax" else 16)
+    assert all(w.q.dtype == np.int8 and w.group_size == 32 for w in quantized)
+    ratio = param_bytes(llm.engine.model.params) / param_bytes(float_llm.engine.model.params)
+    assert ratio < (0.33 if model_impl == "jax" else 0.3), ratio
+    assert tokens == float_tokens
+    assert np.abs(lp - float_lp).max() <= 1e-5
+    if model_impl == "jax":
+        assert llm.engine.stats().compilations_since_warmup == 0
+
+
+def test_quantization_gguf_needs_a_current_gguf_conversion(tiny_checkpoint, gguf_dir, tmp_path):
+    import registry
+
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        registry.load(str(tiny_checkpoint("llama")), quantization="gguf")
+    # A folder converted before Q8_0 was kept: refused with what to do; a .gguf file is converted again.
+    gguf_file = write_gguf(tiny_checkpoint("llama"), tmp_path / "old.gguf", weight_type="Q8_0")
+    path = resolve(str(gguf_file)).path
+    marker = json.loads((path / "servax_gguf.json").read_text())
+    old = tmp_path / "old-conversion"
+    shutil.copytree(path, old)
+    shutil.rmtree(old / "q8_0")
+    (old / "servax_gguf.json").write_text(json.dumps({k: v for k, v in marker.items() if k != "format"}))
+    with pytest.raises(ModelLoadError, match="older servax"):
+        registry.load(str(old), quantization="gguf")
+    (path / "servax_gguf.json").write_text(json.dumps({k: v for k, v in marker.items() if k != "format"}))
+    assert resolve(str(gguf_file)).path == path
+    assert json.loads((path / "servax_gguf.json").read_text())["format"] == marker["format"]
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3"])
@@ -442,3 +512,19 @@ def test_demo_prompt_perplexity_matches_transformers(demo_llm, reference):
           f"(perplexity {math.exp(nll):.4f}), transformers {reference['nll']:.6f} "
           f"(perplexity {math.exp(reference['nll']):.4f})")
     assert nll == pytest.approx(reference["nll"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_demo_with_quantization_gguf_keeps_the_q8_0_embedding_as_int8(reference, servax_cache):
+    """The demo GGUF stores its (tied) embedding as Q8_0: served as int8, the greedy tokens are still transformers'."""
+    from app import LLM, SamplingParams
+    from runtime.quantization import QuantizedWeight
+
+    llm = LLM(model=DEMO, quantization="gguf", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256,
+              enforce_eager=True, show_progress=False)
+    embed = llm.engine.model.params["embed"]
+    assert isinstance(embed, QuantizedWeight) and embed.q.dtype == np.int8 and embed.q.shape == (49152, 576)
+    assert embed.scale.shape == (49152, 576 // 32)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in reference["prompts"][:3]], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    for out, want in zip(outs, reference["greedy"][:3]):
+        assert out.outputs[0].token_ids == want

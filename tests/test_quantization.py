@@ -65,29 +65,38 @@ def _leaves(tree):
 _TP = """
 import json, sys
 from app import LLM, SamplingParams
-prompt = json.loads(sys.argv[1])
+prompt, models = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 out = {}
-for tp in (1, 2):
-    llm = LLM(model="servax-tiny/llama", quantization="int8", tensor_parallel_size=tp, max_model_len=128,
-              max_num_seqs=4, max_num_batched_tokens=64, show_progress=False, compilation_cache_dir="",
-              enforce_eager=True)
-    o = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16),
-                     use_tqdm=False)[0]
-    q = llm.engine.model.params["layers"][0]["q"]
-    out[tp] = {"tokens": o.outputs[0].token_ids, "q": str(q.q.sharding.spec), "scale": str(q.scale.sharding.spec)}
+for model, quantization in models:
+    for tp in (1, 2):
+        llm = LLM(model=model, quantization=quantization, tensor_parallel_size=tp, max_model_len=128,
+                  max_num_seqs=4, max_num_batched_tokens=64, show_progress=False, compilation_cache_dir="",
+                  enforce_eager=True)
+        o = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16),
+                         use_tqdm=False)[0]
+        q = llm.engine.model.params["layers"][0]["q"]
+        out[f"{quantization} tp{tp}"] = {"tokens": o.outputs[0].token_ids, "q": str(q.q.sharding.spec),
+                                        "scale": str(q.scale.sharding.spec)}
 print(json.dumps(out))
 """
 
 
-def test_int8_under_tensor_parallelism_gives_the_same_tokens():
+def test_int8_under_tensor_parallelism_gives_the_same_tokens(tiny_checkpoint, tmp_path):
+    """Per-channel int8 and GGUF's Q8_0 kept as int8 (scales per 32 inputs), each at tp=1 and tp=2."""
+    from test_gguf import write_gguf
+
+    gguf_file = write_gguf(tiny_checkpoint("llama"), tmp_path / "tiny-Q8_0.gguf", weight_type="Q8_0")
+    models = [("servax-tiny/llama", "int8"), (str(gguf_file), "gguf")]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", _TP, json.dumps(PROMPT)], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _TP, json.dumps(PROMPT), json.dumps(models)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["1"]["tokens"] == out["2"]["tokens"]
-    assert "model" in out["2"]["q"] and "model" in out["2"]["scale"]  # split by heads, as the float weight
+    for quantization in ("int8", "gguf"):
+        assert out[f"{quantization} tp1"]["tokens"] == out[f"{quantization} tp2"]["tokens"], quantization
+        # split by heads, as the float weight
+        assert "model" in out[f"{quantization} tp2"]["q"] and "model" in out[f"{quantization} tp2"]["scale"]
 
 
 def test_unknown_quantization_is_refused():
