@@ -284,13 +284,17 @@ class LLMServer:
                     tensor_parallel_size=self.llm_config.engine_config().tensor_parallel_size)
 
     def stats(self) -> dict[str, Any]:
-        """The engine's current EngineStats as a dict (running/waiting, KV blocks, ...)."""
-        s = self.engine.stats()
+        """The engine's EngineStats as a dict (running/waiting, KV blocks, ...) as of the end of
+        its last step: never waits for the step under way (the engine loop would hand its lock
+        over only between steps, and this runs on the replica's event loop)."""
+        s = self.engine.latest_stats()
         return asdict(s) if hasattr(s, "__dataclass_fields__") else dict(vars(s))
 
     def _update_gauges(self) -> None:
-        try:  # a short wait: a health check must answer even while a step is stuck
-            self.metrics.update_engine_gauges(self.engine.stats(timeout=1.0))
+        # As of the last step: runs on the replica's event loop after every request, where waiting
+        # for the step under way would stall every other stream (and a stuck step, health checks).
+        try:
+            self.metrics.update_engine_gauges(self.engine.latest_stats())
         except Exception:  # stats are advisory; never fail a request or a health check over them
             pass
 

@@ -89,6 +89,7 @@ class AsyncLLMEngine:
         self._pending_lock = threading.Lock()
         self._stop = threading.Event()
         self._error: BaseException | None = None
+        self._latest_stats = self.engine.stats()  # refreshed by the loop after every step
         self._thread = threading.Thread(target=self._run, name="servax-engine-loop", daemon=True)
         self._thread.start()
 
@@ -119,6 +120,12 @@ class AsyncLLMEngine:
             return self.engine.stats()
         finally:
             self._engine_lock.release()
+
+    def latest_stats(self) -> EngineStats:
+        """The EngineStats as of the end of the loop's last step, without waiting for the one
+        under way (what gauges read on an event loop: waiting there would stall every stream
+        of the process for up to a step)."""
+        return self._latest_stats
 
     # -- LoRA adapters (any thread; they wait for the loop's current step) ---------------
     def add_lora(self, lora_request: Any) -> bool:
@@ -224,8 +231,9 @@ class AsyncLLMEngine:
                 with self._engine_lock:
                     self._drain_commands()
                     busy = self.engine.has_unfinished_requests()
-                    if busy:
-                        self._dispatch(self.engine.step())
+                    outputs = self.engine.step() if busy else []
+                    self._latest_stats = self.engine.stats()  # before the streams hear of this step
+                    self._dispatch(outputs)
                 if not busy:
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()

@@ -72,7 +72,8 @@ class EngineConfig(BaseModel):
     compilation_cache_dir: str | None = Field(
         None, description="Persistent XLA cache; default ~/.cache/servax/xla, '' disables it."
     )
-    max_queue_size: int = Field(1024, gt=0, description="Waiting requests beyond this are refused.")
+    max_queue_size: int = Field(
+        1024, gt=0, description="Requests waiting beyond this (past free running slots) are refused with 429.")
     seed: int = 0
     max_logprobs: int = Field(20, ge=0)
     show_progress: bool = True

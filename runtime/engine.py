@@ -320,10 +320,14 @@ class Engine:
         processed = self.processor.process(request_id, prompt, params, arrival_time=arrival_time)
         if lora_request is not None:
             processed.lora_request = self.check_lora_request(lora_request)
-        if enforce_queue_limit and self.scheduler.num_waiting + num_pending >= self.config.max_queue_size:
+        # Requests that the next step starts (free running slots) are not queued: a burst of
+        # max_num_seqs + max_queue_size requests on an idle engine is all admitted.
+        free_slots = max(0, self.config.max_num_seqs - self.scheduler.num_running)
+        queued = self.scheduler.num_waiting + num_pending - free_slots
+        if enforce_queue_limit and queued >= self.config.max_queue_size:
             raise EngineOverloadedError(
-                f"{self.scheduler.num_waiting + num_pending} requests are waiting "
-                f"(max_queue_size={self.config.max_queue_size}); retry later"
+                f"{self.config.max_num_seqs - free_slots} requests are running and {queued} waiting "
+                f"(max_num_seqs={self.config.max_num_seqs}, max_queue_size={self.config.max_queue_size}); retry later"
             )
         return processed
 

@@ -174,8 +174,9 @@ def async_engine(llm):
 
 
 def test_stats_give_up_instead_of_waiting_inside_a_stuck_step(async_engine):
-    """Health checks and metrics read stats with a timeout: a step that never ends (a hung
-    worker of a multi-process engine) must not hold them up. Here the loop's lock is held
+    """Stats read with a timeout give up inside a step that never ends (a hung worker of a
+    multi-process engine); the gauges' stats (latest_stats, read on the replica's event loop
+    after every request and by health checks) never wait at all. Here the loop's lock is held
     as a stuck step would hold it."""
     import time
 
@@ -185,6 +186,9 @@ def test_stats_give_up_instead_of_waiting_inside_a_stuck_step(async_engine):
         with pytest.raises(TimeoutError, match="inside one step"):
             async_engine.stats(timeout=0.2)
         assert time.perf_counter() - t0 < 1.0
+        t0 = time.perf_counter()
+        assert async_engine.latest_stats().num_running == 0
+        assert time.perf_counter() - t0 < 0.01
         async_engine.check_health()  # answers too (a single-process engine has no workers to check)
 
 
@@ -280,8 +284,11 @@ def test_async_errors_raise_before_first_output(async_engine):
     with pytest.raises(InvalidRequestError) as e:
         asyncio.run(first([1, 2], SamplingParams(logprobs=1000), "bad"))
     assert e.value.param == "logprobs"
+    # Idle: max_num_seqs requests start at the next step and max_queue_size wait; one more is refused.
+    capacity = async_engine.config.max_num_seqs + async_engine.config.max_queue_size
+    async_engine.engine.process_inputs("x", [1, 2], GREEDY, num_pending=capacity - 1)
     with pytest.raises(EngineOverloadedError):
-        async_engine.engine.process_inputs("x", [1, 2], GREEDY, num_pending=async_engine.config.max_queue_size)
+        async_engine.engine.process_inputs("x", [1, 2], GREEDY, num_pending=capacity)
     async_engine.check_health()
     assert async_engine.model_config["max_model_len"] == MAX_LEN
 

@@ -2,7 +2,8 @@
 PrefixCacheAffinityRouter and two behind Serve's default router on the same multi-turn chat
 workload (each turn resends the conversation): the prefix cache hit rate with the router beats
 the default's, read from the responses' cached-token counts; a replica killed under load costs
-503s, not hangs; Serve's own queue limit (max_queued_requests) is a 429."""
+503s, not hangs; Serve's own queue limit (max_queued_requests) is a 429; a model with an
+autoscaling_config gains a replica under load and gives it back after."""
 
 from __future__ import annotations
 
@@ -32,6 +33,13 @@ applications:
     - model_loading_config: {model_id: narrow, model_source: servax-tiny/llama}
       engine_kwargs: *engine
       deployment_config: {max_ongoing_requests: 1, max_queued_requests: 1, ray_actor_options: {num_cpus: 0.25}}
+    - model_loading_config: {model_id: elastic, model_source: servax-tiny/llama}
+      engine_kwargs: *engine
+      deployment_config:
+        max_ongoing_requests: 8
+        ray_actor_options: {num_cpus: 0.25}
+        autoscaling_config: {min_replicas: 1, max_replicas: 2, target_ongoing_requests: 2, upscale_delay_s: 1,
+                             downscale_delay_s: 3, metrics_interval_s: 0.5, look_back_period_s: 1}
 """
 
 
@@ -65,7 +73,7 @@ def run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("routing")
     config = folder / "routing.yaml"
     config.write_text(ROUTING_YAML)
-    with serve_run(config, folder, models=("affinity", "default", "narrow")) as served:
+    with serve_run(config, folder, models=("affinity", "default", "narrow", "elastic")) as served:
         yield served
 
 
@@ -165,6 +173,59 @@ def test_serve_queue_limit_is_429_with_retry_after(run):
     print(f"\nServe queue limit: {statuses.count(200)} x 200, {statuses.count(429)} x 429")
 
 
+def _running_replicas(deployment: str) -> int:
+    from ray import serve
+
+    for app in serve.status().applications.values():
+        if deployment in app.deployments:
+            return app.deployments[deployment].replica_states.get("RUNNING", 0)
+    return 0
+
+
+@pytest.mark.cluster
+def test_autoscaling_adds_a_replica_under_load_and_gives_it_back(run):
+    """autoscaling_config on ongoing requests: 8 clients in a closed loop against a target of 2
+    per replica make Serve start the second replica (every request answered meanwhile); once
+    the load stops Serve goes back to one."""
+    import threading
+    import time
+
+    import httpx
+
+    assert _running_replicas("LLMServer:elastic") == 1
+    stop, statuses, lock = threading.Event(), [], threading.Lock()
+
+    def client(i: int) -> None:
+        with httpx.Client(base_url=run.base_url, timeout=60) as http:
+            while not stop.is_set():
+                r = http.post("/v1/completions", json={"model": "elastic", "prompt": f"Load {i}", "max_tokens": 96,
+                                                       "ignore_eos": True, "temperature": 0})
+                with lock:
+                    statuses.append(r.status_code)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(8)]
+    for t in threads:
+        t.start()
+    t0 = time.time()
+    try:
+        while _running_replicas("LLMServer:elastic") < 2:
+            assert time.time() - t0 < 90, "no second replica after 90 s of load"
+            time.sleep(0.5)
+        up_s = time.time() - t0
+        time.sleep(2)  # both replicas take requests
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    t1 = time.time()
+    while _running_replicas("LLMServer:elastic") > 1:
+        assert time.time() - t1 < 90, "still two replicas 90 s after the load ended"
+        time.sleep(0.5)
+    print(f"\nautoscaling: 2 replicas {up_s:.1f} s into the load, back to 1 {time.time() - t1:.1f} s after it; "
+          f"{len(statuses)} requests")
+    assert statuses and set(statuses) == {200}, sorted(set(statuses))
+
+
 @pytest.mark.cluster
 def test_deleting_the_app_drains_requests_in_flight(run):
     """`serve.delete` while 6 requests decode: Serve stops routing new ones and waits up to
@@ -189,3 +250,4 @@ def test_deleting_the_app_drains_requests_in_flight(run):
     assert [r.status_code for r in responses] == [200] * 6, [r.text[:200] for r in responses]
     assert all(r.json()["usage"]["completion_tokens"] == 300 for r in responses)
     print(f"\napp deleted under 6 requests: all completed, delete returned after {seconds:.1f} s")
+
