@@ -35,6 +35,7 @@ from runtime.errors import InvalidRequestError
 from runtime.lora import LoRARequest, stable_lora_id
 
 logger = logging.getLogger("ray.serve")
+_EXIT_GRACE_S = 0.25  # between an engine's death and its replica's exit (the failed streams flush)
 
 PromptOrMessages = str | list[int] | dict[str, Any] | list[dict[str, Any]]
 
@@ -93,6 +94,7 @@ class LLMServer:
         engine_config = self.llm_config.engine_config()
         start = time.perf_counter()
         self.engine = AsyncLLMEngine(engine_config, load_model(engine_config))
+        self.engine.on_death = self._exit_replica
         self.startup_s = time.perf_counter() - start
         self.metrics = ServerMetrics(self.model_id, enabled=self.llm_config.log_engine_metrics)
         self.serving = OpenAIServing(self.engine, self.model_id, self.metrics)
@@ -297,6 +299,26 @@ class LLMServer:
             self.metrics.update_engine_gauges(self.engine.latest_stats())
         except Exception:  # stats are advisory; never fail a request or a health check over them
             pass
+
+    @staticmethod
+    def _exit_replica(error: BaseException) -> None:
+        """The engine loop died (its streams have their 503s): end this replica's process, as
+        vLLM's API server exits when its engine dies, so that Serve's routers stop sending it
+        requests at once and Serve starts a new replica, instead of routing to it (a replica that
+        answers 503 at once looks idle) until a health check fails. VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1
+        keeps it up, answering 503 until Serve's health check replaces it. Not in local testing
+        mode (no actor: the process is the caller's)."""
+        import threading
+
+        import ray
+
+        if os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "0").lower() in ("1", "true"):
+            return
+        if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+            return
+        logger.error("servax: the engine died (%r); this replica exits in %.1f s so that Serve replaces it "
+                     "(VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 keeps it answering 503 instead)", error, _EXIT_GRACE_S)
+        threading.Timer(_EXIT_GRACE_S, os._exit, args=(1,)).start()  # the failed streams' 503s go out first
 
     def check_health(self) -> None:
         """Raises EngineDeadError when the engine loop has died.

@@ -18,7 +18,7 @@ import collections
 import dataclasses
 import logging
 import threading
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine, EngineStats, ProcessedRequest
@@ -90,6 +90,8 @@ class AsyncLLMEngine:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._latest_stats = self.engine.stats()  # refreshed by the loop after every step
+        # Called once with the error when the engine is found dead, after every stream has failed.
+        self.on_death: Callable[[BaseException], None] | None = None
         self._thread = threading.Thread(target=self._run, name="servax-engine-loop", daemon=True)
         self._thread.start()
 
@@ -153,8 +155,7 @@ class AsyncLLMEngine:
         try:
             self.engine.check_health()  # no engine lock: the loop may be stuck holding it
         except EngineDeadError as e:
-            self._error = e
-            self._fail_streams(e)
+            self._die(e, e)
             raise
 
     async def generate(
@@ -239,8 +240,16 @@ class AsyncLLMEngine:
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - the loop must report any death
             logger.exception("servax engine loop died")
-            self._error = e
-            self._fail_streams(EngineDeadError(f"the engine loop died: {e!r}"))
+            self._die(e, EngineDeadError(f"the engine loop died: {e!r}"))
+
+    def _die(self, error: BaseException, streams_error: BaseException) -> None:
+        """The engine is dead (its loop raised, or a worker failed or hangs): record why, end
+        every open stream with `streams_error`, and call on_death, once."""
+        with self._streams_lock:
+            first, self._error = self._error is None, self._error or error
+        self._fail_streams(streams_error)
+        if first and self.on_death is not None:
+            self.on_death(error)
 
     def _drain_commands(self) -> None:
         while self._commands:

@@ -196,6 +196,12 @@ def _engine_workers() -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
+def _replicas() -> list[int]:
+    """PIDs of live LLMServer replica processes on this machine."""
+    out = subprocess.run(["pgrep", "-f", "^ray::ServeReplica:.*LLMServer"], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_serve_run_two_processes_answers_and_survives_a_killed_worker(servax_cache, tmp_path):
@@ -221,6 +227,7 @@ def test_serve_run_two_processes_answers_and_survives_a_killed_worker(servax_cac
             extra_body={"ignore_eos": True}))
         assert text == done.choices[0].text  # streamed tokens = the same greedy tokens
         (worker,) = _engine_workers()
+        (replica,) = _replicas()
 
         # Kill the worker process while a stream is running.
         outcome: dict = {}
@@ -249,6 +256,11 @@ def test_serve_run_two_processes_answers_and_survives_a_killed_worker(servax_cac
         errors = [e for e in events if isinstance(e, dict) and "error" in e]
         assert outcome.get("transport_error") or errors or outcome.get("status", 200) >= 500, outcome
         assert tokens < 240  # it did not finish: the stream ended with an error
+        # Its engine dead, the replica process exits (as vLLM's server does), so Serve's routers
+        # stop sending to it and Serve replaces it at once rather than after failed health checks.
+        while replica in _replicas():
+            assert time.perf_counter() - killed < 30, "the replica outlived its engine"
+            time.sleep(0.2)
 
         # Requests meanwhile get a 503 (never a hang), until Serve has replaced the group.
         statuses = []
