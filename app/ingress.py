@@ -87,7 +87,8 @@ class OpenAIRouter:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+        # Constant-time, on bytes (compare_digest refuses non-ASCII str; headers arrive as latin-1).
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise APIError(ErrorResponse.make(
                 401, "missing or incorrect API key (send Authorization: Bearer <key>)", code="invalid_api_key"))
 

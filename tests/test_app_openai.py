@@ -220,7 +220,9 @@ def _still_serving(http) -> None:
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic test-key"}])
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic test-key"},
+                                     {"Authorization": "Bearer t\xe9st-key".encode("latin-1")}],  # not ASCII
+                         ids=["none", "wrong", "basic", "latin-1"])
 def test_wrong_or_missing_api_key_is_401(base_url, http, headers):
     r = httpx.post(base_url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers=headers)
     assert_openai_error(r, 401, code="invalid_api_key")
