@@ -34,7 +34,8 @@ applications:
       engine_kwargs: *engine
       deployment_config: {max_ongoing_requests: 1, max_queued_requests: 1, ray_actor_options: {num_cpus: 0.25}}
     - model_loading_config: {model_id: elastic, model_source: servax-tiny/llama}
-      engine_kwargs: *engine
+      engine_kwargs: {max_model_len: 512, max_num_seqs: 8, max_num_batched_tokens: 128, num_kv_blocks: 256,
+                      show_progress: false, enforce_eager: true}  # a quick second replica: no precompiling
       deployment_config:
         max_ongoing_requests: 8
         ray_actor_options: {num_cpus: 0.25}
