@@ -145,9 +145,12 @@ def run_child(python: str, script: str, spec: dict, env: dict | None = None, tim
         spec_path, script_path = Path(folder) / "spec.json", Path(folder) / "child.py"
         spec_path.write_text(json.dumps(spec))
         script_path.write_text(textwrap.dedent(script))
+        env = {**os.environ, **(env or {})}
+        if python == sys.executable:  # servax from this checkout, installed or not (the script lies elsewhere)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         done = subprocess.run(
             [python, str(script_path), str(spec_path)], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-            env={**os.environ, **(env or {})},
+            env=env,
         )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
