@@ -64,7 +64,7 @@ class EngineConfig(BaseModel):
                           "(the default when it is larger); uni: one process only (vLLM's names).")
     distributed_timeout_s: float = Field(
         60.0, gt=0, description="Multi-process engine: time for the processes to join, longest a step may take "
-                                "before the engine reports unhealthy, and JAX's heartbeat timeout.")
+                                "before the engine reports unhealthy; JAX's heartbeat timeout is 3x this.")
     data_parallel_size: int = Field(
         1, gt=0,
         description="Reserved: only 1 today. Scale out with Serve replicas (deployment_config.num_replicas).",

@@ -18,7 +18,7 @@ block tables, sampling arrays) to every worker before running it itself
 
 A process joins `jax.distributed` at most once, before JAX first touches its devices, so a
 process leads at most one group (`current_group`). The JAX coordination service ends every
-process of the group when one of them stops heartbeating (twice `distributed_timeout_s`),
+process of the group when one of them stops heartbeating (three times `distributed_timeout_s`),
 so a worker that dies takes its replica down with it even when nothing reports it, and Serve
 starts a new group.
 """
@@ -171,10 +171,10 @@ def _join(coordinator: str, processes: int, process_id: int, timeout_s: float) -
 
     if _platform() == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    # The heartbeat limit is twice the step limit, so that a hung step is reported (and Serve replaces
-    # the replica) before JAX's coordination service ends the processes itself.
+    # The heartbeat limit is three times the step limit, so that a hung step is reported (and Serve
+    # replaces the replica) well before JAX's coordination service ends the processes itself.
     jax.distributed.initialize(coordinator, num_processes=processes, process_id=process_id,
-                               initialization_timeout=int(timeout_s), heartbeat_timeout_seconds=int(2 * timeout_s))
+                               initialization_timeout=int(timeout_s), heartbeat_timeout_seconds=int(3 * timeout_s))
 
 
 def _accelerator_request(devices: int) -> dict[str, Any]:

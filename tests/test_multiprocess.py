@@ -258,8 +258,10 @@ def test_serve_run_two_processes_answers_and_survives_a_killed_worker(servax_cac
         assert tokens < 240  # it did not finish: the stream ended with an error
         # Its engine dead, the replica process exits (as vLLM's server does), so Serve's routers
         # stop sending to it and Serve replaces it at once rather than after failed health checks.
+        # A worker killed inside a collective may only be seen as a hung step: up to
+        # distributed_timeout_s (30 s in the config).
         while replica in _replicas():
-            assert time.perf_counter() - killed < 30, "the replica outlived its engine"
+            assert time.perf_counter() - killed < 30 + 15, "the replica outlived its engine"
             time.sleep(0.2)
 
         # Requests meanwhile get a 503 (never a hang), until Serve has replaced the group.
