@@ -112,9 +112,7 @@ def _gguf_q8_0(resolved: ResolvedModel) -> dict:
     Raises:
         ModelLoadError: the checkpoint was not converted from a GGUF file.
     """
-    import json
-
-    from registry.gguf import FORMAT, MARKER
+    from registry.gguf import MARKER, is_current_conversion
     from registry.weights import open_q8_0
 
     if not (resolved.path / MARKER).exists():
@@ -122,7 +120,7 @@ def _gguf_q8_0(resolved: ResolvedModel) -> dict:
             f"{resolved.model_id}: quantization='gguf' reads a GGUF file's quantized tensors, and this checkpoint "
             "is not a GGUF file; pass the .gguf file, or use quantization='int8' to quantize these weights"
         )
-    if json.loads((resolved.path / MARKER).read_text()).get("format") != FORMAT:
+    if not is_current_conversion(resolved.path):
         raise ModelLoadError(
             f"{resolved.model_id}: {resolved.path} was converted from GGUF by an older servax, without the Q8_0 "
             "tensors as stored; delete that folder and it is converted again on the next start"

@@ -134,14 +134,14 @@ def build_once(out: Path, build: Callable[[Path], Any]) -> Path:
     The work happens in a private folder that is renamed at the end, so concurrent
     processes never see half a checkpoint; `build` writes MARKER last.
     """
-    if _complete(out):
+    if is_current_conversion(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         build(tmp)
-        if not _complete(out):
+        if not is_current_conversion(out):
             shutil.rmtree(out, ignore_errors=True)
             try:
                 tmp.replace(out)
@@ -152,7 +152,8 @@ def build_once(out: Path, build: Callable[[Path], Any]) -> Path:
     return out
 
 
-def _complete(folder: Path) -> bool:
+def is_current_conversion(folder: Path) -> bool:
+    """Whether `folder` is a finished conversion in this servax's format (MARKER written, FORMAT)."""
     try:
         return json.loads((folder / MARKER).read_text()).get("format") == FORMAT
     except (OSError, ValueError):
