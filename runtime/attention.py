@@ -375,6 +375,20 @@ def _new_token_context(
     token_window = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * tile, tile)
     head_window = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * tile, tile, axis=1)
 
+    def fold(st, qq, qs, qp, qr, kk, vv, ks, kp, kr):
+        """Fold keys kk/vv [kvh, tile, d] (sequence ks, position kp, real kr) into queries qq's state."""
+        sc = _soft_cap(jnp.einsum("ktgd,kud->ktgu", qq, kk), logit_soft_cap)
+        mask = (qs[:, None] == ks[None, :]) & (kp[None, :] <= qp[:, None]) & qr[:, None] & kr[None, :]
+        if sliding_window is not None:
+            mask &= qp[:, None] - kp[None, :] < sliding_window
+        pv = lambda p: jnp.einsum("ktgu,kud->ktgd", p, vv)
+        return _online_update(st, sc, mask[None, :, None, :], pv)
+
+    if num_tiles == 1:  # decode-sized steps: one fold, no loop
+        tokens = (seq_of_token, q_pos, is_real)
+        out = fold(jax.tree.map(lambda x: x[0], tiled_state), q, *tokens, k, v, *tokens)
+        return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1)[:num_tokens], out)
+
     def one_query_tile(args):
         i, st = args
         qq = head_window(q, i)  # [kvh, tile, g, d]
@@ -384,14 +398,8 @@ def _new_token_context(
         hi = jnp.where(is_real[i * tile], i + 1, lo)  # a tile of padding attends to nothing
 
         def body(j, st):
-            kk, vv = head_window(k, j), head_window(v, j)  # [kvh, tile, d]
-            ks, kp, kr = (token_window(x, j) for x in (seq_of_token, q_pos, is_real))
-            sc = _soft_cap(jnp.einsum("ktgd,kud->ktgu", qq, kk), logit_soft_cap)
-            mask = (qs[:, None] == ks[None, :]) & (kp[None, :] <= qp[:, None]) & qr[:, None] & kr[None, :]
-            if sliding_window is not None:
-                mask &= qp[:, None] - kp[None, :] < sliding_window
-            pv = lambda p: jnp.einsum("ktgu,kud->ktgd", p, vv)
-            return _online_update(st, sc, mask[None, :, None, :], pv)
+            keys = (head_window(k, j), head_window(v, j), *(token_window(x, j) for x in (seq_of_token, q_pos, is_real)))
+            return fold(st, qq, qs, qp, qr, *keys)
 
         return jax.lax.fori_loop(lo, hi, body, st)
 
