@@ -226,6 +226,23 @@ def wait_port_free(port: int, timeout: float = 120) -> None:
     raise RuntimeError(f"port {port} is still taken after {timeout:.0f} s")
 
 
+def _vllm_processes() -> set[int]:
+    """Pids of processes named VLLM::... (vLLM's engine core and workers rename themselves)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if (entry / "cmdline").read_bytes().startswith(b"VLLM::"):
+                    found.add(int(entry.name))
+    return found
+
+
+def _kill(pids: set[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def stop(proc: subprocess.Popen) -> None:
     """SIGTERM the server's process group (a background shell's children ignore SIGINT)."""
     with contextlib.suppress(ProcessLookupError):
@@ -287,8 +304,11 @@ def server(name: str, args, folder: str, work: Path):
         ray_env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}
         subprocess.run([str(venv_bin / "ray"), "start", "--head", "--num-cpus", "8", "--disable-usage-stats"],
                        check=True, capture_output=True, env=ray_env)
+        before = _vllm_processes()
         cleanup.append(lambda: subprocess.run([str(venv_bin / "ray"), "stop", "--force"], capture_output=True,
                                               env=ray_env))
+        # vLLM's worker processes (renamed VLLM::...) outlive `ray stop` as orphans that keep a core busy.
+        cleanup.append(lambda: _kill(_vllm_processes() - before))
         env.update(VLLM_ENV, RAY_ADDRESS="auto")
         cmd = [str(venv_bin / "serve"), "run", str(path)]
     wait_port_free(PORT)  # the previous server must not answer for this one
