@@ -103,10 +103,7 @@ def model_description(model: Any) -> str:
     """The static side of a runtime.step.LoadedModel: what its step functions compute
     besides their arguments (config, implementation, the functions themselves)."""
     cfg = model.hf_config
-    try:
-        config = cfg.to_json_string(use_diff=False)
-    except Exception:  # not a transformers config, or one with values JSON cannot hold
-        config = repr(cfg)
+    config = cfg.to_json_string(use_diff=False) if hasattr(cfg, "to_json_string") else repr(cfg)
     parts = [
         model.impl, model.model_id, config, str(getattr(cfg, "_attn_implementation", None)),
         repr(model.kv_spec), repr(model.stages), repr(model.step_fn), repr(sorted(model.lora_targets or {})),
