@@ -1,8 +1,7 @@
 """Startup: time from process start to a ready engine, cold and warm compilation cache.
 
-Each start runs in a fresh Python process. Cold: an empty compilation cache directory.
-Warm: the same directory, filled by the cold start (its programs saved whole,
-runtime/program_cache.py).
+Each start runs in a fresh Python process. Cold: an empty persistent compilation cache.
+Warm: the same cache directory, filled by the cold start.
 
     python benchmarks/startup.py                  # the ~100M benchmark Llama
     python benchmarks/startup.py --model servax-tiny/llama
@@ -33,8 +32,7 @@ ready = time.perf_counter() - t0
 llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
 print(json.dumps({"ready_s": ready, "warmup_s": llm.engine.warmup_seconds,
                   "programs": len(llm.engine.runner.bucket_pairs()),
-                  "after_warmup": llm.engine.stats().compilations_since_warmup,
-                  "loaded_whole": llm.engine.runner.program_cache.loaded}))
+                  "after_warmup": llm.engine.stats().compilations_since_warmup}))
 """
 
 
@@ -62,9 +60,9 @@ def main() -> None:
         warm = start(model, args.impl, cache_dir)
     for name, r in (("cold", cold), ("warm", warm)):
         rows.append([name, f"{r['process_s']:.1f}", f"{r['ready_s']:.1f}", f"{r['warmup_s']:.1f}",
-                     r["programs"], r["loaded_whole"], r["after_warmup"]])
+                     r["programs"], r["after_warmup"]])
     body = (
-        table(["cache", "process s", "ready s", "warmup s", "buckets", "programs loaded whole", "compiles after warmup"], rows)
+        table(["cache", "process s", "ready s", "warmup s", "bucket programs", "compiles after warmup"], rows)
         + f"\n\nwarm/cold (process): {warm['process_s'] / cold['process_s']:.2f}"
     )
     record(f"Startup, cold and warm compilation cache ({Path(model).name}, impl={args.impl})", body)
