@@ -46,9 +46,6 @@ _PACKAGES = ("runtime", "models_jax", "registry")
 _ROOT = Path(__file__).resolve().parents[1]
 # Bumped when the entry format changes.
 _FORMAT = 1
-# Entries beyond this many bytes are removed, least recently used first (every upgrade or
-# new setting adds entries: ~10 MB per start of the demo model).
-MAX_CACHE_BYTES = 4 << 30
 
 
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -173,7 +170,6 @@ class ProgramCache:
         except Exception as e:  # unreadable: compile again and overwrite
             logger.warning("servax program cache: %s could not be loaded (%s); compiling it again", path.name, e)
             return None
-        os.utime(path)  # recently used: the last to be pruned
         self.loaded += len(programs)
         return programs
 
@@ -194,17 +190,3 @@ class ProgramCache:
                            path.name, e)
             return
         self.saved += len(programs)
-        self._prune()
-
-    def _prune(self) -> None:
-        """Remove the least recently used entries while the cache exceeds MAX_CACHE_BYTES."""
-        try:
-            entries = [(p.stat().st_mtime, p.stat().st_size, p) for p in self.directory.glob("*.pkl")]
-        except OSError:
-            return
-        total = sum(size for _, size, _ in entries)
-        for _, size, path in sorted(entries):
-            if total <= MAX_CACHE_BYTES:
-                break
-            path.unlink(missing_ok=True)
-            total -= size

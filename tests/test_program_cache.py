@@ -87,15 +87,3 @@ def test_xla_cache_hits_are_not_saved(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "False"]
-
-
-def test_the_least_recently_used_entries_are_pruned(first, monkeypatch):
-    import runtime.program_cache as program_cache
-
-    cache_dir, llm, _ = first
-    cache = llm.engine.runner.program_cache
-    entries = sorted((cache_dir / "servax-programs").glob("*.pkl"), key=lambda p: p.stat().st_mtime)
-    keep = sum(p.stat().st_size for p in entries[-3:])
-    monkeypatch.setattr(program_cache, "MAX_CACHE_BYTES", keep)
-    cache._prune()
-    assert sorted((cache_dir / "servax-programs").glob("*.pkl")) == sorted(entries[-3:])
