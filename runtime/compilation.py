@@ -81,25 +81,15 @@ def default_cache_dir() -> str:
     return str(Path.home() / ".cache" / "servax" / "xla")
 
 
-def cache_directory(cache_dir: str | None) -> str | None:
-    """The compilation cache directory of a `compilation_cache_dir` setting (None: the
-    default; '': no cache, returns None), created if missing."""
+def enable_persistent_cache(cache_dir: str | None) -> str | None:
+    """Turn on JAX's persistent compilation cache (None: the default dir; '': leave it off).
+
+    Returns the directory in use, or None when disabled.
+    """
     if cache_dir == "":
         return None
     cache_dir = os.path.expanduser(cache_dir or default_cache_dir())
     os.makedirs(cache_dir, exist_ok=True)
-    return cache_dir
-
-
-def enable_persistent_cache(cache_dir: str | None) -> str | None:
-    """Turn on JAX's persistent compilation cache (None: the default dir; '': leave it off).
-
-    Single-process engines keep their programs in runtime.program_cache instead; this is
-    for engines over several processes. Returns the directory in use, or None when disabled.
-    """
-    cache_dir = cache_directory(cache_dir)
-    if cache_dir is None:
-        return None
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -70,9 +70,7 @@ class EngineConfig(BaseModel):
         description="Reserved: only 1 today. Scale out with Serve replicas (deployment_config.num_replicas).",
     )
     compilation_cache_dir: str | None = Field(
-        None, description="Where compiled programs persist across starts (default ~/.cache/servax/xla; '' "
-        "disables it): whole executables under servax-programs/ for a one-process engine, so a warm start "
-        "neither traces nor compiles; JAX's persistent XLA cache for an engine over several processes."
+        None, description="Persistent XLA cache; default ~/.cache/servax/xla, '' disables it."
     )
     max_queue_size: int = Field(
         1024, gt=0, description="Requests waiting beyond this (past free running slots) are refused with 429.")

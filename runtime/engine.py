@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from runtime.attention import resolve_attention_backend
-from runtime.compilation import CompileCounter, cache_directory, enable_persistent_cache, seq_buckets, token_buckets
+from runtime.compilation import CompileCounter, enable_persistent_cache, seq_buckets, token_buckets
 from runtime import distributed
 from runtime.config import EngineConfig
 from runtime.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
@@ -101,11 +101,7 @@ class Engine:
     def __init__(self, config: EngineConfig, model: LoadedModel):
         t0 = time.perf_counter()
         self.config = config
-        self.compilation_cache_dir = cache_directory(config.compilation_cache_dir)
-        if distributed.current_group() is not None or jax.process_count() > 1:
-            # Executables of a mesh over several processes are not saved whole
-            # (runtime/program_cache.py): XLA's persistent cache serves them instead.
-            enable_persistent_cache(self.compilation_cache_dir or "")
+        self.compilation_cache_dir = enable_persistent_cache(config.compilation_cache_dir)
         self.mesh = make_mesh(config.tensor_parallel_size, config.data_parallel_size)
         placed_on = {d for x in jax.tree.leaves(model.params) for d in x.sharding.device_set}
         if placed_on != set(self.mesh.devices.flat):
@@ -163,7 +159,6 @@ class Engine:
             seq_buckets=seq_buckets(config.max_num_seqs), max_logprobs=config.max_logprobs,
             layerwise=config.layerwise,
             attention_backend=self._attention_backend(), kv_spec=self.kv_spec, peers=self.peers,
-            program_cache_dir=self.compilation_cache_dir,
         )
         self.lora: LoRAManager | None = None
         if config.enable_lora:

@@ -43,27 +43,17 @@ def layered_forward(params: dict, kv_cache: KVCache, batch: StepInput, *, stages
     return stages.epilogue(outer, carry, batch), kv_cache
 
 
-def bucket_of(batch: StepInput) -> tuple[int, int]:
-    """The (tokens, sequences) bucket a padded batch was built for."""
-    return batch.input_ids.shape[0], batch.seq_lens.shape[0]
-
-
 def _unstack(stacked: Any, specs: Any, num_layers: int, mesh: Mesh) -> list:
     """Per-layer copies of stacked [num_layers, ...] weights, each placed with its spec
-    minus the layer axis; the stacked arrays are freed one by one as they are split.
-
-    One small program per weight shape takes layer i (a traced index), so the split
-    compiles in well under a second whatever the depth (one program with num_layers
-    outputs per weight took ~3 s on the 30-layer demo model, at every start)."""
+    minus the layer axis; the stacked arrays are freed one by one as they are split."""
     per_layer: list[list] = [[] for _ in range(num_layers)]
     leaves, treedef = jax.tree.flatten(stacked)
     spec_leaves = treedef.flatten_up_to(specs)
-    takers: dict = {}
     for w, spec in zip(leaves, spec_leaves):
         sharding = NamedSharding(mesh, PartitionSpec(*tuple(spec)[1:]))
-        take = takers.setdefault((sharding, w.sharding), jax.jit(lambda w, i: w[i], out_shardings=sharding))
-        for i in range(num_layers):
-            per_layer[i].append(take(w, np.int32(i)))
+        split = jax.jit(lambda w: tuple(w[i] for i in range(num_layers)), out_shardings=(sharding,) * num_layers)
+        for i, part in enumerate(split(w)):
+            per_layer[i].append(part)
         w.delete()
     return [jax.tree.unflatten(treedef, parts) for parts in per_layer]
 
@@ -104,18 +94,13 @@ class LayeredStep:
         self._epilogue = jax.jit(stages.epilogue, in_shardings=(outer_shardings, rep, rep), out_shardings=rep)
         self._index = [jax.device_put(np.int32(i), rep) for i in range(n)]
 
-    def __call__(self, kv_cache: KVCache, batch: StepInput, programs: list | None = None) -> tuple[jax.Array, KVCache]:
-        """One step: (logits, kv_cache), dispatched without waiting (kv_cache is donated).
-
-        `programs`: the bucket's (prologue, layer, epilogue) compiled from `lower`, called
-        directly; None runs the jitted functions (which compile on a new bucket).
-        """
-        prologue, layer, epilogue = programs or (self._prologue, self._layer, self._epilogue)
+    def __call__(self, kv_cache: KVCache, batch: StepInput) -> tuple[jax.Array, KVCache]:
+        """One step: (logits, kv_cache), dispatched without waiting (kv_cache is donated)."""
         batch = jax.device_put(batch, self.replicated)
-        carry = prologue(self.outer, batch)
+        carry = self._prologue(self.outer, batch)
         for layer_params, i in zip(self.layers, self._index):
-            carry, kv_cache = layer(layer_params, carry, kv_cache, i, batch)
-        return epilogue(self.outer, carry, batch), kv_cache
+            carry, kv_cache = self._layer(layer_params, carry, kv_cache, i, batch)
+        return self._epilogue(self.outer, carry, batch), kv_cache
 
     def lower(self, kv_cache: KVCache, batch: StepInput) -> list:
         """The bucket of `batch` (its shapes) lowered, not yet compiled: three programs."""

@@ -28,8 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from runtime.compilation import step_bucket, step_buckets
-from runtime.layered import LayeredStep, bucket_of
-from runtime.program_cache import ProgramCache, compile_fresh
+from runtime.layered import LayeredStep
 from runtime.sampler import BIAS_WIDTH, SamplingBatch, empty_sampling_batch, sample
 from runtime.scheduler import SchedulerOutput
 from runtime.step import LoadedModel, allocate_kv_cache, make_step_input
@@ -38,8 +37,6 @@ from runtime.structured_output import fill_token_masks, mask_words
 
 logger = logging.getLogger("servax.engine")
 _SUPPRESS = -1e30
-# (use_penalties, all_greedy, use_mask): the sampler programs of each sequence bucket.
-_SAMPLER_VARIANTS = [(p, g, m) for p in (False, True) for g in (False, True) for m in (False, True)]
 
 
 @dataclasses.dataclass
@@ -95,7 +92,6 @@ class ModelRunner:
         self, model: LoadedModel, mesh: Mesh, *, num_blocks: int, block_size: int, max_model_len: int,
         token_buckets: list[int], seq_buckets: list[int], max_logprobs: int, layerwise: bool = True,
         attention_backend: str = "xla", kv_spec: Any = None, peers: Any = None,
-        program_cache_dir: str | None = None,
     ):
         self.peers = peers
         self.busy_since: float | None = None  # time.monotonic() of the dispatched step not collected yet
@@ -127,11 +123,6 @@ class ModelRunner:
         self._slot_writers: dict[Any, Any] = {}
         self.mask_words = mask_words(model.vocab_size)  # packed token-mask row of the logits' vocabulary
         self._sample = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "all_greedy", "use_mask"))
-        # The programs compiled at warmup, called directly by serving: (tokens, seqs) -> the
-        # step's programs; (seqs, use_penalties, all_greedy, use_mask) -> the sampler's.
-        self._step_programs: dict[tuple[int, int], list] = {}
-        self._sample_programs: dict[tuple[int, bool, bool, bool], Any] = {}
-        self.program_cache = ProgramCache.for_engine(program_cache_dir, model, multi_process=peers is not None)
 
     # -- LoRA slots ----------------------------------------------------------------------
     def _layers(self):
@@ -196,49 +187,24 @@ class ModelRunner:
     def compile_programs(self, show_progress: bool = True) -> None:
         """Compile the step of every bucket and the sampler variants of every sequence bucket.
 
-        With a program cache (runtime/program_cache.py) a program saved by an earlier start
-        is loaded whole, neither traced nor lowered. The others are traced and lowered one
-        by one (Python), then compiled ahead of time on a thread pool (XLA compiles outside
-        the GIL, so the cores share the work) and saved; nothing runs.
+        Programs are traced and lowered one by one (Python), then compiled ahead of time on
+        a thread pool (XLA compiles outside the GIL, so the cores share the work); nothing runs.
         """
         pairs = self.bucket_pairs()
-        cache = self.program_cache
-        # (table, its key for these programs, cache key, lowered programs) of what must compile
-        todo: list[tuple[dict, Any, str | None, list]] = []
         with warnings.catch_warnings():
             # The CPU backend cannot donate the KV cache; its lowering-time warning is noise.
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            lowered = []
             for t, s in tqdm(pairs, desc="servax: tracing buckets", disable=not show_progress):
-                batch = self._padding_step_input(t, s)
-                key = cache.key(*self._step_program_signature(batch)) if cache else None
-                found = cache.load(key) if cache else None
-                if found is not None:
-                    self._step_programs[(t, s)] = found
-                else:
-                    todo.append((self._step_programs, (t, s), key, self._lower_step(batch)))
+                lowered += self._lower_step(self._padding_step_input(t, s))
             for s in sorted({s for _, s in pairs}):
-                for flags in _SAMPLER_VARIANTS:
-                    logits, sb = self._sampler_arguments(s, *flags)
-                    key = cache.key("sample", logits, sb, static=(self.num_logprobs, *flags)) if cache else None
-                    found = cache.load(key) if cache else None
-                    if found is not None:
-                        self._sample_programs[(s, *flags)] = found[0]
-                    else:
-                        todo.append((self._sample_programs, (s, *flags), key, [self._lower_sampler(logits, sb, *flags)]))
-            lowered = [program for *_, programs in todo for program in programs]
+                lowered += self._lower_samplers(s)
             workers = max(1, min(8, os.cpu_count() or 1))
             with ThreadPoolExecutor(workers, thread_name_prefix="servax-compile") as pool:
-                done = pool.map(compile_fresh, lowered)
-                compiled = list(tqdm(done, total=len(lowered), desc="servax: compiling programs",
-                                     disable=not show_progress))
-        for table, slot, key, programs in todo:
-            ours, compiled = compiled[:len(programs)], compiled[len(programs):]
-            table[slot] = [program for program, _ in ours] if table is self._step_programs else ours[0][0]
-            if cache and all(fresh for _, fresh in ours):
-                cache.save(key, [program for program, _ in ours])
-        if cache:
-            logger.info("servax program cache: %d programs loaded whole, %d compiled and saved (%s)",
-                        cache.loaded, cache.saved, cache.directory)
+                done = pool.map(lambda program: program.compile(), lowered)
+                for _ in tqdm(done, total=len(lowered), desc="servax: compiling programs",
+                              disable=not show_progress):
+                    pass
 
     def step_seconds(self, num_tokens: int, context: int = 128, repeats: int = 3) -> float:
         """Median time of a compiled step plus greedy sampling of `num_tokens` single-token
@@ -274,31 +240,24 @@ class ModelRunner:
             return self.layered.lower(self.kv_cache, batch)
         return [self._step.lower(self.model.params, self.kv_cache, batch)]
 
-    def _step_program_signature(self, batch) -> tuple:
-        """(name, argument trees...) that identify the step programs of `batch`'s bucket."""
-        if self.layered is not None:
-            return "layered", self.layered.outer, self.layered.layers[0], self.kv_cache, batch
-        return "step", self.model.params, self.kv_cache, batch
-
-    def _sampler_arguments(self, s: int, use_penalties: bool, all_greedy: bool, use_mask: bool) -> tuple:
-        """The sampler's arguments in sequence bucket `s` (logits as the step leaves them)."""
+    def _lower_samplers(self, s: int) -> list:
+        """The sampler variants of sequence bucket `s` (logits as the step leaves them)."""
         logits = jax.ShapeDtypeStruct((s, self.model.vocab_size), jnp.float32, sharding=self.replicated)
-        return logits, self._sampling_batch_padding(s, use_penalties, use_mask)
-
-    def _lower_sampler(self, logits, sb, use_penalties: bool, all_greedy: bool, use_mask: bool):
-        return self._sample.lower(logits, sb, num_logprobs=self.num_logprobs, use_penalties=use_penalties,
-                                  all_greedy=all_greedy, use_mask=use_mask)
+        return [
+            self._sample.lower(logits, self._sampling_batch_padding(s, penalties, masked),
+                               num_logprobs=self.num_logprobs, use_penalties=penalties, all_greedy=greedy,
+                               use_mask=masked)
+            for penalties in (False, True) for greedy in (False, True) for masked in (False, True)
+        ]
 
     def _run_step(self, batch) -> jax.Array:
         """Enqueue the model's step on `batch`; the logits (the KV cache is updated)."""
         if self.peers is not None:
             self.peers.call("run_step", batch)
-        programs = self._step_programs.get(bucket_of(batch))
         if self.layered is not None:
-            logits, self.kv_cache = self.layered(self.kv_cache, batch, programs)
+            logits, self.kv_cache = self.layered(self.kv_cache, batch)
         else:
-            step = programs[0] if programs else self._step
-            logits, self.kv_cache = step(self.model.params, self.kv_cache, batch)
+            logits, self.kv_cache = self._step(self.model.params, self.kv_cache, batch)
         return logits
 
     def _run_sample(self, logits: jax.Array, sb: SamplingBatch | dict[str, np.ndarray], **flags: bool) -> Any:
@@ -307,10 +266,6 @@ class ModelRunner:
             sb = {f.name: getattr(sb, f.name) for f in dataclasses.fields(sb)}
         if self.peers is not None:
             self.peers.call("sample", sb, flags)
-        program = self._sample_programs.get(
-            (logits.shape[0], flags["use_penalties"], flags["all_greedy"], flags["use_mask"]))
-        if program is not None:
-            return program(logits, SamplingBatch(**sb))
         return self._sample(logits, SamplingBatch(**sb), num_logprobs=self.num_logprobs, **flags)
 
     def _padding_step_input(self, t: int, s: int):
