@@ -224,6 +224,17 @@ def _pad_to_tile(x: jax.Array, tile: int, value=0) -> jax.Array:
     return jnp.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1), constant_values=value)
 
 
+def _tiles_heads_major(x: jax.Array, tile: int, value=0) -> jax.Array:
+    """[T, kvh, ...] -> [num_tiles, kvh, tile, ...], padded to whole tiles with `value`."""
+    x = _pad_to_tile(x, tile, value)
+    return jnp.moveaxis(x.reshape(-1, tile, *x.shape[1:]), 2, 1)
+
+
+def _tokens_from_tiles(x: jax.Array, num_tokens: int) -> jax.Array:
+    """[num_tiles, kvh, tile, ...] -> [T, kvh, ...], the inverse of `_tiles_heads_major`."""
+    return jnp.moveaxis(x, 1, 2).reshape(-1, x.shape[1], *x.shape[3:])[:num_tokens]
+
+
 def _token_layout(batch: StepInput, num_tokens: int) -> tuple[jax.Array, jax.Array]:
     """(sequence slot of each token [T], whether the token is real [T])."""
     num_seqs = batch.block_tables.shape[0]
@@ -305,7 +316,7 @@ def _paged_context_by_sequence(
     t_seq = jnp.where(wanted, seq_of_token, -1)
     num_tiles = -(-num_tokens // tile)
     tiled = lambda x, value=0: _pad_to_tile(x, tile, value).reshape(num_tiles, tile, *x.shape[1:])
-    heads_major = lambda x: jnp.moveaxis(tiled(x), 2, 1)  # [num_tiles, kvh, tile, ...]
+    heads_major = lambda x: _tiles_heads_major(x, tile)
     xs = (heads_major(qg), tiled(t_seq, -1), tiled(q_pos), tiled(ctx_len), jax.tree.map(heads_major, state))
 
     def one_tile(args):
@@ -334,8 +345,8 @@ def _paged_context_by_sequence(
 
         return jax.lax.fori_loop(lo, jnp.maximum(lo, hi), per_sequence, st)
 
-    out = jax.lax.map(one_tile, xs)  # [num_tiles, kvh, tile, ...] -> [T, kvh, ...]
-    return jax.tree.map(lambda x: jnp.moveaxis(x, 1, 2).reshape(-1, *x.shape[1:2], *x.shape[3:])[:num_tokens], out)
+    out = jax.lax.map(one_tile, xs)
+    return jax.tree.map(lambda x: _tokens_from_tiles(x, num_tokens), out)
 
 
 def _new_token_context(
@@ -368,10 +379,7 @@ def _new_token_context(
     heads_major = lambda x: jnp.moveaxis(pad(x), 1, 0)  # [T, kvh, ...] -> [kvh, T', ...]
     q, k, v = heads_major(qg), heads_major(k.astype(jnp.float32)), heads_major(v.astype(jnp.float32))
     q_pos, seq_start, seq_of_token, is_real = pad(q_pos), pad(seq_start), pad(seq_of_token, -1), pad(is_real, False)
-    # The state per query tile: [num_tiles, kvh, tile, ...].
-    tiled_state = jax.tree.map(
-        lambda x: jnp.moveaxis(heads_major(x).reshape(x.shape[1], num_tiles, tile, *x.shape[2:]), 1, 0), state
-    )
+    tiled_state = jax.tree.map(lambda x: _tiles_heads_major(x, tile), state)  # [num_tiles, kvh, tile, ...]
     token_window = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * tile, tile)
     head_window = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * tile, tile, axis=1)
 
@@ -404,13 +412,7 @@ def _new_token_context(
         return jax.lax.fori_loop(lo, hi, body, st)
 
     out = jax.lax.map(one_query_tile, (jnp.arange(num_tiles), tiled_state))
-    # [num_tiles, kvh, tile, ...] -> [T, kvh, ...]
-    return jax.tree.map(
-        lambda x: jnp.moveaxis(jnp.moveaxis(x, 0, 1).reshape(x.shape[1], num_tiles * tile, *x.shape[3:]), 0, 1)[
-            :num_tokens
-        ],
-        out,
-    )
+    return jax.tree.map(lambda x: _tokens_from_tiles(x, num_tokens), out)
 
 
 def ragged_paged_attention(
