@@ -48,6 +48,9 @@ class ModelEntry:
         lora_targets: args -> {PEFT module name: runtime.lora.LoRATarget}, the projections
             LoRA adapters may adapt; the layer then reads the adapter slots from
             layer_params["lora"] (see runtime/lora.py). None: no LoRA for this model.
+        fuse_layer: one layer's weights -> the same weights in a joined form the layer stage
+            also takes (several projections of one input as one matrix); the runtime applies
+            it where a layer's weights are whole on every device. None: used as loaded.
     """
 
     architectures: tuple[str, ...]
@@ -56,3 +59,4 @@ class ModelEntry:
     forward: Callable[..., Any]
     stages: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None = None
     lora_targets: Callable[[Any], dict[str, Any]] | None = None
+    fuse_layer: Callable[[dict], dict] | None = None

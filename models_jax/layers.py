@@ -123,6 +123,17 @@ def project_to_heads(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> 
     return y if b is None else y + b
 
 
+def project_to_joined_heads(
+    x: jax.Array, w: jax.Array, b: jax.Array | None, heads: tuple[int, ...], head_dim: int
+) -> list[jax.Array]:
+    """x: [T, D] @ w: [D, sum(heads) * head_dim] (+ b) -> one [T, h, head_dim] per entry of
+    `heads`: projections whose weights were joined side by side (models_jax.weights.join_outputs)."""
+    y = x @ w
+    y = y if b is None else y + b
+    bounds = np.cumsum([h * head_dim for h in heads])[:-1].tolist()
+    return [part.reshape(x.shape[0], h, head_dim) for part, h in zip(jnp.split(y, bounds, axis=-1), heads)]
+
+
 def project_from_heads(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     """x: [T, heads, head_dim] @ w: [heads, head_dim, D] (+ b: [D]) -> [T, D]."""
     y = jnp.einsum("thk,hkd->td", x, w)
@@ -130,14 +141,19 @@ def project_from_heads(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -
 
 
 def gated_mlp(x: jax.Array, p: dict, lora: Any = None) -> jax.Array:
-    """SwiGLU: down(silu(gate(x)) * up(x)). x: [T, D]; p: gate/up [D, F], down [F, D], optional biases.
+    """SwiGLU: down(silu(gate(x)) * up(x)). x: [T, D]; p: gate/up [D, F] (or gate_up [D, 2F]),
+    down [F, D], optional biases.
 
     lora: a LoRA delta function (name, input) -> [T, out] or None (see lora_delta).
     """
-    gate = jnp.einsum("td,df->tf", x, p["gate"])
-    up = jnp.einsum("td,df->tf", x, p["up"])
-    if "gate_bias" in p:
-        gate, up = gate + p["gate_bias"], up + p["up_bias"]
+    if "gate_up" in p:  # gate and up joined side by side: [D, 2F]
+        gate_up = jnp.einsum("td,df->tf", x, p["gate_up"])
+        gate, up = jnp.split(gate_up if "gate_up_bias" not in p else gate_up + p["gate_up_bias"], 2, axis=-1)
+    else:
+        gate = jnp.einsum("td,df->tf", x, p["gate"])
+        up = jnp.einsum("td,df->tf", x, p["up"])
+        if "gate_bias" in p:
+            gate, up = gate + p["gate_bias"], up + p["up_bias"]
     if lora is not None:
         gate, up = add_delta(gate, lora("gate_proj", x)), add_delta(up, lora("up_proj", x))
     h = jax.nn.silu(gate) * up

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from models_jax import ModelEntry, layers
 from models_jax.weights import (
-    embedding, head_bias, linear, linear_from_heads, linear_to_heads, stacked, vector, zeros,
+    embedding, head_bias, join_outputs, linear, linear_from_heads, linear_to_heads, stacked, vector, zeros,
 )
 from runtime.attention import NO_SLIDING_WINDOW, paged_attention
 from runtime.lora import LoRATarget
@@ -158,9 +158,14 @@ def attention_block(
 ) -> tuple[jax.Array, KVCache]:  # [T, D], the cache with layer i written
     lora = _lora(p, batch)
     with jax.named_scope("qkv"):
-        q = layers.project_to_heads(x, p["q"], p.get("q_bias"))  # [T, H, hd]
-        k = layers.project_to_heads(x, p["k"], p.get("k_bias"))  # [T, KV, hd]
-        v = layers.project_to_heads(x, p["v"], p.get("v_bias"))
+        if "qkv" in p:  # joined by fuse_layer
+            kv_heads = a.num_kv_heads * a.kv_repeat
+            q, k, v = layers.project_to_joined_heads(x, p["qkv"], p.get("qkv_bias"),
+                                                     (a.num_heads, kv_heads, kv_heads), a.head_dim)
+        else:
+            q = layers.project_to_heads(x, p["q"], p.get("q_bias"))  # [T, H, hd]
+            k = layers.project_to_heads(x, p["k"], p.get("k_bias"))  # [T, KV, hd]
+            v = layers.project_to_heads(x, p["v"], p.get("v_bias"))
         if lora is not None:
             q, k, v = (layers.add_delta(y, lora(name, x)) for y, name in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
         if a.qk_norm:
@@ -203,6 +208,35 @@ def layer(
     with jax.named_scope("mlp"):
         x = x + layers.gated_mlp(layers.rms_norm(x, p["post_attn_norm"], a.rms_norm_eps), p["mlp"], _lora(p, batch))
     return x, kv_cache
+
+
+def fuse_layer(p: dict) -> dict:
+    """One layer's weights with the projections that read the same input joined into one
+    matrix: "qkv" [D, (H + 2 KV) * hd] for q/k/v and mlp "gate_up" [D, 2 F] for gate/up,
+    their biases likewise (`layer` takes either form).
+
+    Why: on XLA:CPU a matmul of a few rows costs about as much for a narrow weight as for a
+    wide one, so two matmuls of [D, F] cost nearly twice one of [D, 2F]. The runtime joins
+    them only where the weights are whole on every device (runtime/layered.py): a
+    column-parallel split of a joined matrix would not fall on head and feature boundaries.
+    A group that cannot be joined (quantized unlike its siblings) stays as it was.
+    """
+    p = dict(p)
+    qkv = join_outputs([p["q"], p["k"], p["v"]])
+    if qkv is not None:
+        p["qkv"] = qkv
+        if "q_bias" in p:
+            p["qkv_bias"] = jnp.concatenate([p.pop(n + "_bias").reshape(-1) for n in "qkv"])
+        del p["q"], p["k"], p["v"]
+    mlp = dict(p["mlp"])
+    gate_up = join_outputs([mlp["gate"], mlp["up"]])
+    if gate_up is not None:
+        mlp["gate_up"] = gate_up
+        if "gate_bias" in mlp:
+            mlp["gate_up_bias"] = jnp.concatenate([mlp.pop("gate_bias"), mlp.pop("up_bias")])
+        del mlp["gate"], mlp["up"]
+    p["mlp"] = mlp
+    return p
 
 
 def layer_windows(a: LlamaArgs) -> tuple[int | None, jax.Array | None]:
@@ -289,4 +323,5 @@ ENTRY = ModelEntry(
     forward=forward,
     stages=(prologue, decoder_layer, epilogue),
     lora_targets=lora_targets,
+    fuse_layer=fuse_layer,
 )

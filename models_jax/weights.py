@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from runtime.mesh import logical_to_spec
+from runtime.quantization import QuantizedWeight
 
 # (key, shape, dtype) -> array, as jax.nn.initializers.
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
@@ -207,4 +208,30 @@ def head_bias(hf_name: str, heads: int, head_dim: int, heads_axis: str, repeat: 
     """A q/k/v bias: HF [heads * head_dim] -> native [heads * repeat, head_dim], initialised to zeros."""
     return WeightSpec(
         hf_name, (heads * head_dim,), (heads_axis, "head_dim"), zeros, view=(heads, head_dim), repeat=_repeat(0, repeat)
+    )
+
+
+def join_outputs(weights: list[Any]) -> Any | None:
+    """Matrices that read the same input, [D, *out_i] each, as one [D, sum_i prod(out_i)] with
+    their outputs side by side in order: one wide matmul where there were several narrow ones.
+
+    QuantizedWeights join values and scales alike (per-channel scales [1, *out_i], grouped
+    scales [D / group, *out_i] grouped along D). None where they cannot be one: float and
+    quantized mixed, different group sizes, or a grouping along another axis.
+    """
+    def flat(w: jax.Array) -> jax.Array:
+        return w.reshape(w.shape[0], -1)
+
+    quantized = [isinstance(w, QuantizedWeight) for w in weights]
+    if not any(quantized):
+        return jnp.concatenate([flat(w) for w in weights], axis=-1)
+    if not all(quantized) or len({w.group_size for w in weights}) != 1:
+        return None
+    group_size = weights[0].group_size
+    if group_size and any(w.group_axis % w.q.ndim != 0 for w in weights):
+        return None
+    return QuantizedWeight(
+        jnp.concatenate([flat(w.q) for w in weights], axis=-1),
+        jnp.concatenate([flat(w.scale) for w in weights], axis=-1),
+        group_size=group_size, group_axis=-2 if group_size else -1,
     )

@@ -70,7 +70,8 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: 
     kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads * args.kv_repeat, args.head_dim, dtype)
     stages = None
     if entry.stages is not None:
-        stages = LayerStages(*(functools.partial(fn, args=args) for fn in entry.stages), num_layers=args.num_layers)
+        stages = LayerStages(*(functools.partial(fn, args=args) for fn in entry.stages), num_layers=args.num_layers,
+                             fuse=entry.fuse_layer)
     return LoadedModel(
         step_fn=functools.partial(entry.forward, args=args),
         stages=stages,

@@ -58,6 +58,14 @@ def _unstack(stacked: Any, specs: Any, num_layers: int, mesh: Mesh) -> list:
     return [jax.tree.unflatten(treedef, parts) for parts in per_layer]
 
 
+def _fuse_in_place(layers: list, fuse: Any, replicated: NamedSharding) -> None:
+    """layers[i] = fuse(layers[i]), one layer at a time (layer i's old arrays are freed as
+    it is replaced: at most one layer is held twice); weights whole on every device."""
+    joined = jax.jit(fuse, out_shardings=replicated)
+    for i, layer_params in enumerate(layers):
+        layers[i] = joined(layer_params)
+
+
 class LayeredStep:
     """Steps a LoadedModel layer by layer (see the module docstring).
 
@@ -78,6 +86,9 @@ class LayeredStep:
             self.layers = _unstack(model.params[key], model.param_shardings[key], n, mesh)
             layer_specs = jax.tree.map(lambda spec: PartitionSpec(*tuple(spec)[1:]), model.param_shardings[key],
                                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+            if stages.fuse is not None and all(a.sharding.is_fully_replicated for a in jax.tree.leaves(self.layers)):
+                _fuse_in_place(self.layers, stages.fuse, NamedSharding(mesh, PartitionSpec()))
+                layer_specs = jax.tree.map(lambda a: a.sharding.spec, self.layers[0])
             model.params = {**self.outer, key: self.layers}
             model.param_shardings = {**model.param_shardings, key: [layer_specs] * n}
             model.step_fn = functools.partial(layered_forward, stages=stages)

@@ -143,6 +143,9 @@ class LayerStages:
     epilogue: Callable[..., Any]  # (outer_params, carry, batch) -> logits [S, vocab] float32
     num_layers: int
     layers_key: str = "layers"  # params[layers_key]: the layers' weights, stacked [num_layers, ...]
+    # One layer's weights -> a joined form `layer` also takes (e.g. q/k/v as one matrix),
+    # applied by the runtime to per-layer weights that are whole on every device; None: none.
+    fuse: Callable[[Any], Any] | None = None
 
 
 @dataclasses.dataclass

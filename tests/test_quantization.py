@@ -74,9 +74,11 @@ for model, quantization in models:
                   enforce_eager=True)
         o = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16),
                          use_tqdm=False)[0]
-        q = llm.engine.model.params["layers"][0]["q"]
+        layer = llm.engine.model.params["layers"][0]
+        q = layer["q"] if "q" in layer else layer["qkv"]  # joined where the weights are whole (tp 1)
         out[f"{quantization} tp{tp}"] = {"tokens": o.outputs[0].token_ids, "q": str(q.q.sharding.spec),
-                                        "scale": str(q.scale.sharding.spec)}
+                                        "scale": str(q.scale.sharding.spec), "joined": "qkv" in layer,
+                                        "gate_up": type(layer["mlp"].get("gate_up")).__name__}
 print(json.dumps(out))
 """
 
@@ -94,6 +96,9 @@ def test_int8_under_tensor_parallelism_gives_the_same_tokens(tiny_checkpoint, tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for quantization in ("int8", "gguf"):
+        # tp 1 serves q/k/v and gate/up joined (still int8), tp 2 split by heads: the same tokens
+        assert out[f"{quantization} tp1"]["joined"] and out[f"{quantization} tp1"]["gate_up"] == "QuantizedWeight"
+        assert not out[f"{quantization} tp2"]["joined"]
         assert out[f"{quantization} tp1"]["tokens"] == out[f"{quantization} tp2"]["tokens"], quantization
         # split by heads, as the float weight
         assert "model" in out[f"{quantization} tp2"]["q"] and "model" in out[f"{quantization} tp2"]["scale"]
