@@ -280,7 +280,7 @@ class ModelRunner:
 
     def _sampling_batch_padding(self, s: int, penalties: bool, masked: bool = False) -> SamplingBatch:
         return SamplingBatch(**empty_sampling_batch(
-            s, self.max_model_len if penalties else 1, self.mask_words if masked else 1))
+            s, self.max_model_len if penalties else 1, self.mask_words if masked else 1, report=False))
 
     # -- one step ------------------------------------------------------------------------
     def dispatch(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> "InFlightStep":
@@ -303,7 +303,7 @@ class ModelRunner:
         all_greedy = all(e.request.sampling_params.is_greedy for e in sched.scheduled)
         use_mask = any(e.request.token_constraints is not None for e in sched.scheduled)
         sb = empty_sampling_batch(s_pad, self.max_model_len if use_penalties else 1,
-                                  self.mask_words if use_mask else 1)
+                                  self.mask_words if use_mask else 1, report=False)
         masked_rows = []  # (row, constraints, output token ids) of constrained requests
 
         sample_rows: list[list[int]] = []  # per scheduled request, the rows whose samples count
@@ -330,6 +330,7 @@ class ModelRunner:
                     target = c + j + 1  # the prompt token this row's logits predict
                     if req.num_prompt_logprobs < target < req.num_prompt_tokens:
                         sb["target_ids"][row + j] = req.prompt_token_ids[target]
+                        sb["report"][row + j] = True
                         prompt_rows.append((req.request_id, row + j, target))
                     if drafts and j < n - 1:  # row j draws the token after drafts[:j]
                         self._fill_sampling_row(sb, row + j, req, drafts[:j])
@@ -386,6 +387,7 @@ class ModelRunner:
         """Row r samples the request's next token after its tokens and then `drafts` (the
         draft tokens before this row, when verifying a proposal)."""
         p = req.sampling_params
+        sb["report"][r] |= p.logprobs is not None
         sb["temperature"][r] = p.temperature
         sb["top_k"][r] = p.top_k
         sb["top_p"][r] = p.top_p

@@ -44,6 +44,7 @@ class SamplingBatch:
     token_history: jax.Array  # [S, H] int32 prompt then output tokens, -1 padded (penalties)
     prompt_lens: jax.Array  # [S] int32, history entries before this index are prompt
     target_ids: jax.Array  # [S] int32, token whose logprob to report instead of the sample, -1 = none
+    report: jax.Array  # [S] bool, the row's logprobs are read (logprobs asked for, or a prompt-logprob row)
     # [S, ceil(vocab/32)] int32 packed bits, bit t%32 of word t//32 set = token t allowed
     # (all-ones rows are unconstrained); a [S, 1] placeholder without use_mask.
     token_mask: jax.Array
@@ -58,9 +59,11 @@ class SamplerOutput:
     top_logprobs: jax.Array  # [S, K] float32
 
 
-def empty_sampling_batch(num_rows: int, history_len: int, mask_words: int = 1) -> dict[str, np.ndarray]:
+def empty_sampling_batch(num_rows: int, history_len: int, mask_words: int = 1,
+                         report: bool = True) -> dict[str, np.ndarray]:
     """Host arrays for `num_rows` greedy, unconstrained rows without penalties; fill in, then
-    SamplingBatch(**d). `mask_words` is ceil(vocab/32) when the batch uses the token mask."""
+    SamplingBatch(**d). `mask_words` is ceil(vocab/32) when the batch uses the token mask;
+    `report` whether the rows report logprobs (the runner starts from False and marks rows)."""
     s = num_rows
     return dict(
         temperature=np.zeros(s, np.float32),
@@ -77,6 +80,7 @@ def empty_sampling_batch(num_rows: int, history_len: int, mask_words: int = 1) -
         token_history=np.full((s, history_len), -1, np.int32),
         prompt_lens=np.zeros(s, np.int32),
         target_ids=np.full(s, -1, np.int32),
+        report=np.full(s, report, np.bool_),
         token_mask=np.full((s, mask_words), -1, np.int32),
     )
 
@@ -226,7 +230,6 @@ def sample(
             placeholder and the program has no trace of it.
     """
     logits = logits.astype(jnp.float32)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     processed = _apply_bias(logits, batch)
     if use_penalties:
         processed = _apply_penalties(processed, batch)
@@ -234,7 +237,7 @@ def sample(
         processed = _apply_token_mask(processed, batch.token_mask)
     greedy = _argmax(processed)
     if all_greedy:
-        return _report(raw_logprobs, greedy, batch, num_logprobs)
+        return _report(logits, greedy, batch, num_logprobs)
 
     is_greedy = batch.temperature <= 0.0
     temp = jnp.where(is_greedy, 1.0, batch.temperature)
@@ -242,13 +245,26 @@ def sample(
     gumbel = _gumbel_noise(batch.seeds, batch.steps, logits.shape[-1])
     drawn = _argmax(scaled + gumbel)
     sampled = jnp.where(is_greedy, greedy, drawn)
-    return _report(raw_logprobs, sampled, batch, num_logprobs)
+    return _report(logits, sampled, batch, num_logprobs)
 
 
-def _report(raw_logprobs: jax.Array, sampled: jax.Array, batch: SamplingBatch, num_logprobs: int) -> SamplerOutput:
+def _report(logits: jax.Array, sampled: jax.Array, batch: SamplingBatch, num_logprobs: int) -> SamplerOutput:
+    """The sample with the raw distribution's logprobs (log_softmax of the logits): the chosen
+    (target or sampled) token's logprob and rank, and the top K. Zeros (rank 1) when no row
+    reports any (batch.report), without a pass over the vocabulary: most steps serve requests
+    that ask for no logprobs, and the top-K alone is ~3 ms of a 32-row decode on XLA:CPU."""
     chosen = jnp.where(batch.target_ids >= 0, batch.target_ids, sampled)
-    chosen_logprob = jnp.take_along_axis(raw_logprobs, chosen[:, None], axis=-1)[:, 0]
-    chosen_rank = 1 + jnp.sum(raw_logprobs > chosen_logprob[:, None], axis=-1).astype(jnp.int32)
-    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
-    return SamplerOutput(sampled, chosen_logprob, chosen_rank, top_ids.astype(jnp.int32), top_logprobs)
 
+    def logprobs(logits: jax.Array) -> tuple[jax.Array, ...]:
+        raw = jax.nn.log_softmax(logits, axis=-1)
+        chosen_logprob = jnp.take_along_axis(raw, chosen[:, None], axis=-1)[:, 0]
+        chosen_rank = 1 + jnp.sum(raw > chosen_logprob[:, None], axis=-1).astype(jnp.int32)
+        top_logprobs, top_ids = jax.lax.top_k(raw, num_logprobs)
+        return chosen_logprob, chosen_rank, top_ids.astype(jnp.int32), top_logprobs
+
+    def unread(logits: jax.Array) -> tuple[jax.Array, ...]:
+        s = logits.shape[0]
+        return (jnp.zeros(s, jnp.float32), jnp.ones(s, jnp.int32), jnp.zeros((s, num_logprobs), jnp.int32),
+                jnp.zeros((s, num_logprobs), jnp.float32))
+
+    return SamplerOutput(sampled, *jax.lax.cond(jnp.any(batch.report), logprobs, unread, logits))

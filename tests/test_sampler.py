@@ -43,6 +43,21 @@ def test_greedy_and_tiny_temperature_take_the_argmax():
     assert (run(logits, temperature=1e-4, seeds=np.arange(16, dtype=np.uint32))["sampled"] == logits.argmax(-1)).all()
 
 
+def test_logprobs_are_computed_only_when_a_row_reports_them():
+    rng = np.random.default_rng(6)
+    logits = rng.normal(size=(4, 30)).astype(np.float32)
+    none = run(logits, report=False)
+    assert (none["sampled"] == logits.argmax(-1)).all()  # the sample does not depend on it
+    assert not none["chosen_logprob"].any() and not none["top_logprobs"].any() and (none["chosen_rank"] == 1).all()
+    one = run(logits, report=np.array([False, False, True, False]))
+    every = run(logits)
+    assert (one["sampled"] == every["sampled"]).all()
+    for k in ("chosen_logprob", "chosen_rank", "top_ids", "top_logprobs"):
+        np.testing.assert_array_equal(one[k][2], every[k][2])
+    want = logits[2] - np.log(np.exp(logits[2]).sum())
+    np.testing.assert_allclose(one["chosen_logprob"][2], want.max(), rtol=1e-5)
+
+
 def test_all_greedy_fast_path_matches_the_general_path():
     rng = np.random.default_rng(5)
     logits = rng.normal(size=(8, 40)).astype(np.float32)
