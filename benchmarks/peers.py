@@ -12,6 +12,8 @@ Three measures, each printed as one table and appended to RESULTS.md:
   `--concurrency`; output tokens/s, median TPOT and TTFT from its result file.
 - **startup**: `LLM(...)` to ready in a fresh process, with an empty then a warm
   compilation cache, for servax and vLLM.
+- **phases** (not in the default `--parts`): decode at 32 and at 8 sequences and prefill
+  of 400-token prompts apart, servax and vLLM, to tell where a gap comes from.
 
 vLLM and Ray Serve LLM run from a separate virtual environment given by `--vllm-python`
 (`benchmarks/vllm_venv.sh` makes one and prints its python); without it the peers
@@ -22,6 +24,7 @@ are skipped with a message, and `vllm bench serve` is needed for the HTTP part.
     python benchmarks/peers.py --vllm-python "$PY" --parts http --concurrency 32
     python benchmarks/peers.py --vllm-python "$PY" --parts http --servers servax   # servax alone
     python benchmarks/peers.py --model servax-tiny/llama --parts offline    # servax and HF only
+    python benchmarks/peers.py --vllm-python "$PY" --parts phases          # decode and prefill apart
 
 Run it with nothing else on the machine; compare only ratios from one run.
 """
@@ -87,6 +90,12 @@ if spec["prompts"]:
     out["elapsed_s"] = time.perf_counter() - t0
     out["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
     out["compiled_while_serving"] = llm.engine.stats().compilations_since_warmup
+for phase in spec.get("phases", []):
+    llm.generate(phase["prompts"][:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in phase["max_tokens"]]
+    t0 = time.perf_counter()
+    llm.generate(phase["prompts"], params, use_tqdm=False)
+    out.setdefault("phases", {})[phase["name"]] = time.perf_counter() - t0
 print("RESULT " + json.dumps(out))
 """
 
@@ -107,6 +116,13 @@ if __name__ == "__main__":
         outs = llm.generate(prompts, params, use_tqdm=False)
         out["elapsed_s"] = time.perf_counter() - t0
         out["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+    for phase in spec.get("phases", []):
+        warm = [{"prompt_token_ids": p} for p in phase["prompts"][:2]]
+        llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in phase["max_tokens"]]
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in phase["prompts"]], params, use_tqdm=False)
+        out.setdefault("phases", {})[phase["name"]] = time.perf_counter() - t0
     print("RESULT " + json.dumps(out))
 """
 
@@ -194,6 +210,44 @@ def offline(args, folder: str, vocab: int) -> None:
             f"ignore_eos; max_num_seqs {MAX_NUM_SEQS}, max_num_batched_tokens {MAX_NUM_BATCHED_TOKENS}, "
             f"float32\n- {note}\n- servax programs compiled while serving: {compiled}")
     record(f"Peers offline: realistic workload ({args.model})", body)
+
+
+def phase_workloads(vocab: int, seed: int = 1) -> list[dict]:
+    """Decode and prefill apart: 32 and 8 sequences of 16-token prompts decoding 128 tokens
+    each (every step a pure decode once the prompts are in), and 40 prompts of 400 tokens
+    with one output token (prefill steps only)."""
+    rng = np.random.default_rng(seed)
+    ids = lambda n: rng.integers(100, vocab, size=n).tolist()  # noqa: E731
+    return [
+        dict(name="decode, 32 sequences", prompts=[ids(16) for _ in range(32)], max_tokens=[128] * 32),
+        dict(name="decode, 8 sequences", prompts=[ids(16) for _ in range(8)], max_tokens=[128] * 8),
+        dict(name="prefill, 400-token prompts", prompts=[ids(400) for _ in range(40)], max_tokens=[1] * 40),
+    ]
+
+
+def phases(args, folder: str, vocab: int) -> None:
+    """Where servax stands against vLLM by phase: the same engine limits, one process each."""
+    workloads = phase_workloads(vocab)
+    spec = dict(model=folder, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+                max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, prompts=[], max_tokens=[], phases=workloads)
+    print("phases: servax", flush=True)
+    runs = {"servax": run_child(sys.executable, _SERVAX_OFFLINE, spec)}
+    if args.vllm_python:
+        print("phases: vLLM", flush=True)
+        runs["vLLM"] = run_child(args.vllm_python, _VLLM_OFFLINE, spec, VLLM_ENV)
+    rows = []
+    for w in workloads:
+        prefill = w["name"].startswith("prefill")
+        tokens = sum(map(len, w["prompts"])) if prefill else sum(w["max_tokens"])
+        rates = {name: tokens / r["phases"][w["name"]] for name, r in runs.items()}
+        vllm = rates.get("vLLM")
+        rows.append([w["name"], "prompt" if prefill else "output", f"{rates['servax']:.1f}",
+                     f"{vllm:.1f}" if vllm else "-", f"{rates['servax'] / vllm:.2f}" if vllm else "-"])
+    note = "" if args.vllm_python else "\n- vLLM skipped: no --vllm-python (make one with benchmarks/vllm_venv.sh)"
+    body = (table(["workload", "tokens counted", "servax tok/s", "vLLM tok/s", "servax / vLLM"], rows)
+            + f"\n\n- greedy, ignore_eos; max_num_seqs {MAX_NUM_SEQS}, max_num_batched_tokens "
+            f"{MAX_NUM_BATCHED_TOKENS}, float32; each phase after a 2-request warmup{note}")
+    record(f"Peers by phase: decode and prefill apart ({args.model})", body)
 
 
 # ---- HTTP ------------------------------------------------------------------------------------
@@ -438,6 +492,8 @@ def main() -> None:
     parts = args.parts.split(",")
     if "offline" in parts:
         offline(args, folder, vocab)
+    if "phases" in parts:
+        phases(args, folder, vocab)
     if "http" in parts:
         http(args, folder)
     if "startup" in parts:
