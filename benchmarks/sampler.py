@@ -41,7 +41,7 @@ def main() -> None:
     from runtime.sampler import SamplingBatch, empty_sampling_batch, sample
 
     logits = np.random.default_rng(0).normal(size=(args.rows, args.vocab)).astype(np.float32) * 3
-    jitted = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "all_greedy", "use_mask"))
+    jitted = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "all_greedy"))
     rows = []
     for name, settings in SETTINGS.items():
         b = empty_sampling_batch(args.rows, 1)

@@ -46,7 +46,8 @@ class SamplingBatch:
     target_ids: jax.Array  # [S] int32, token whose logprob to report instead of the sample, -1 = none
     report: jax.Array  # [S] bool, the row's logprobs are read (logprobs asked for, or a prompt-logprob row)
     # [S, ceil(vocab/32)] int32 packed bits, bit t%32 of word t//32 set = token t allowed
-    # (all-ones rows are unconstrained); a [S, 1] placeholder without use_mask.
+    # (all-ones rows are unconstrained; ids past the last word are allowed, so a [S, 1]
+    # all-ones placeholder constrains nothing).
     token_mask: jax.Array
 
 
@@ -62,7 +63,7 @@ class SamplerOutput:
 def empty_sampling_batch(num_rows: int, history_len: int, mask_words: int = 1,
                          report: bool = True) -> dict[str, np.ndarray]:
     """Host arrays for `num_rows` greedy, unconstrained rows without penalties; fill in, then
-    SamplingBatch(**d). `mask_words` is ceil(vocab/32) when the batch uses the token mask;
+    SamplingBatch(**d). `mask_words` is ceil(vocab/32) for a mask over the whole vocabulary;
     `report` whether the rows report logprobs (the runner starts from False and marks rows)."""
     s = num_rows
     return dict(
@@ -115,7 +116,17 @@ def _apply_token_mask(logits: jax.Array, token_mask: jax.Array) -> jax.Array:
     num_rows, vocab = logits.shape
     bits = (token_mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
     allowed = bits.reshape(num_rows, -1)[:, :vocab].astype(jnp.bool_)
+    if allowed.shape[1] < vocab:
+        allowed = jnp.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])), constant_values=True)
     return jnp.where(allowed, logits, -jnp.inf)
+
+
+def _apply_token_masks_if_any(logits: jax.Array, token_mask: jax.Array) -> jax.Array:
+    """The token mask where some row is constrained (a word not all ones); otherwise the
+    logits untouched, without a pass over the vocabulary. A runtime condition rather than a
+    static flag: one sampler program serves constrained and free batches (half the programs
+    to compile at start), and a free batch still runs no mask code."""
+    return jax.lax.cond(jnp.any(token_mask != -1), _apply_token_mask, lambda x, _: x, logits, token_mask)
 
 
 def _sortable(x: jax.Array) -> jax.Array:
@@ -214,7 +225,7 @@ def _gumbel_noise(seeds: jax.Array, steps: jax.Array, vocab: int) -> jax.Array:
 
 def sample(
     logits: jax.Array, batch: SamplingBatch, *, num_logprobs: int, use_penalties: bool = True,
-    all_greedy: bool = False, use_mask: bool = False,
+    all_greedy: bool = False,
 ) -> SamplerOutput:
     """Choose one token per row and report logprobs.
 
@@ -226,15 +237,14 @@ def sample(
             them `token_history` may be a [S, 1] placeholder, so batches that need no
             penalties neither ship nor scan a [S, max_model_len] history.
         all_greedy: every row is greedy (static): skip truncation and the random draw.
-        use_mask: apply `token_mask` (static). Without it `token_mask` is a [S, 1]
-            placeholder and the program has no trace of it.
+
+    `token_mask` applies when some row's mask is not all ones (see _apply_token_masks_if_any).
     """
     logits = logits.astype(jnp.float32)
     processed = _apply_bias(logits, batch)
     if use_penalties:
         processed = _apply_penalties(processed, batch)
-    if use_mask:
-        processed = _apply_token_mask(processed, batch.token_mask)
+    processed = _apply_token_masks_if_any(processed, batch.token_mask)
     greedy = _argmax(processed)
     if all_greedy:
         return _report(logits, greedy, batch, num_logprobs)

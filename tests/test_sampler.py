@@ -20,7 +20,10 @@ def run(logits, history_len=8, num_logprobs=4, **rows):
     logits = np.asarray(logits, np.float32)
     b = empty_sampling_batch(logits.shape[0], history_len)
     for k, v in rows.items():
-        b[k][...] = v
+        if k == "token_mask":  # its width is the test's choice
+            b[k] = np.asarray(v, np.int32)
+        else:
+            b[k][...] = v
     out = sample_jit(logits, SamplingBatch(**b), num_logprobs=num_logprobs)
     return {k: np.asarray(getattr(out, k)) for k in ("sampled", "chosen_logprob", "chosen_rank", "top_ids", "top_logprobs")}
 
@@ -202,3 +205,19 @@ def test_sampling_params_normalise():
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(min_tokens=5, max_tokens=3)
     assert e.value.param == "min_tokens"
+
+
+def test_token_mask_applies_only_where_a_row_is_constrained():
+    rng = np.random.default_rng(7)
+    logits = rng.normal(size=(3, 70)).astype(np.float32)
+    free = run(logits, token_mask=np.full((3, 3), -1, np.int32))  # all ones: nothing constrained
+    assert (free["sampled"] == logits.argmax(-1)).all()
+    one = np.full((3, 3), -1, np.int32)
+    one[1] = [1 << 5, 0, 0]  # row 1 may only take token 5
+    got = run(logits, token_mask=one)["sampled"]
+    assert got[1] == 5 and got[0] == logits[0].argmax() and got[2] == logits[2].argmax()
+    # A narrower mask leaves the ids past its last word allowed.
+    narrow = np.full((3, 1), -1, np.int32)
+    narrow[0] = 0  # row 0: none of tokens 0-31
+    got = run(logits, token_mask=narrow)["sampled"]
+    assert got[0] == 32 + logits[0, 32:].argmax() and got[1] == logits[1].argmax()
