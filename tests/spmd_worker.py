@@ -89,13 +89,18 @@ def run_one(spec: dict, run: dict, tp: int) -> dict:
     pair = tokens(llm.generate(prompts[-2:], [greedy, short]))
     engine = llm.engine
     k_cache = engine.runner.kv_cache.k  # stacked over layers
+    layers = engine.model.params.get("layers")
+    joined = isinstance(layers, list) and "qkv" in layers[0]  # q/k/v as one matrix (whole on every device)
     return dict(
         batched=batched, alone=alone, pair=pair,
         compilations_since_warmup=engine.stats().compilations_since_warmup,
         mesh=dict(engine.mesh.shape),
         kv=dict(_describe(k_cache), partition_spec=str(engine.model.kv_partition_spec)),
         kv_heads=engine.model.kv_spec.num_kv_heads,
-        params={name: _describe(_find(engine.model.params, path)) for name, path in run.get("params", {}).items()},
+        # the split weights, as tensor parallelism lays them out (one device serves them joined)
+        params={name: _describe(_find(engine.model.params, path))
+                for name, path in (run.get("params", {}) if tp > 1 else {}).items()},
+        joined=joined,
         collectives=step_collectives(engine.runner),
         startup_seconds=round(startup, 2), warmup_seconds=round(engine.warmup_seconds, 2),
     )

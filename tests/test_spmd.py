@@ -171,6 +171,9 @@ def test_native_params_are_sharded_at_tp4(native):
     check_params(native[("servax-tiny/llama", 2)]["params"], {
         "k": ("P(None, 'model', None)", (64, 1, 16)), "v": ("P(None, 'model', None)", (64, 1, 16)),
     }, 2)
+    # One device serves q/k/v and gate/up joined (models_jax.llama.fuse_layer); split, they stay apart.
+    assert native[("servax-tiny/llama", 1)]["joined"]
+    assert not native[("servax-tiny/llama", 2)]["joined"] and not native[("servax-tiny/llama", 4)]["joined"]
 
 
 @pytest.mark.slow
