@@ -53,6 +53,20 @@ def tiny_checkpoint(servax_cache):
     return make
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs() -> Iterator[None]:
+    """When a test module ends (its engines torn down), release the programs compiled in this
+    process: XLA:CPU maps each executable's machine code into the process, and a whole suite
+    of engines kept in JAX's in-memory caches reaches the kernel's limit on mappings
+    (vm.max_map_count, 65530 by default), where LLVM fails with "Cannot allocate memory" or
+    the process aborts (seen late in full runs). One module's engines alone map ~7,000; after
+    this ~1,000 remain. Programs compiled again later load from the persistent cache."""
+    yield
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
+
+
 # ---- servers and clients ----------------------------------------------------------------
 
 def free_port() -> int:
