@@ -221,22 +221,22 @@ def fuse_layer(p: dict) -> dict:
     column-parallel split of a joined matrix would not fall on head and feature boundaries.
     A group that cannot be joined (quantized unlike its siblings) stays as it was.
     """
-    p = dict(p)
-    qkv = join_outputs([p["q"], p["k"], p["v"]])
-    if qkv is not None:
-        p["qkv"] = qkv
-        if "q_bias" in p:
-            p["qkv_bias"] = jnp.concatenate([p.pop(n + "_bias").reshape(-1) for n in "qkv"])
-        del p["q"], p["k"], p["v"]
-    mlp = dict(p["mlp"])
-    gate_up = join_outputs([mlp["gate"], mlp["up"]])
-    if gate_up is not None:
-        mlp["gate_up"] = gate_up
-        if "gate_bias" in mlp:
-            mlp["gate_up_bias"] = jnp.concatenate([mlp.pop("gate_bias"), mlp.pop("up_bias")])
-        del mlp["gate"], mlp["up"]
-    p["mlp"] = mlp
-    return p
+    p = _joined(p, ("q", "k", "v"), "qkv")
+    return {**p, "mlp": _joined(p["mlp"], ("gate", "up"), "gate_up")}
+
+
+def _joined(w: dict, names: tuple[str, ...], joined: str) -> dict:
+    """`w` with the weights `names` (and their "<name>_bias") joined as `joined` (and
+    "<joined>_bias"); `w` as it was where they cannot be joined."""
+    weight = join_outputs([w[n] for n in names])
+    if weight is None:
+        return w
+    biases = [n + "_bias" for n in names]
+    out = {k: v for k, v in w.items() if k not in names and k not in biases}
+    out[joined] = weight
+    if biases[0] in w:
+        out[joined + "_bias"] = jnp.concatenate([w[b].reshape(-1) for b in biases])
+    return out
 
 
 def layer_windows(a: LlamaArgs) -> tuple[int | None, jax.Array | None]:
