@@ -326,18 +326,25 @@ def test_layers_with_different_sliding_windows_match_transformers(tmp_path):
     assert np.abs(windowed - hf_last_logits(hf, PROMPTS[0])).max() < TOL
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2-windows", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "llama-biases", "qwen2-windows", "qwen3"])
 def test_layer_by_layer_step_equals_the_scan(tmp_path, family):
     """runtime.layered runs the same LayerStages one layer per call, with per-layer weight
-    arrays, q/k/v and gate/up joined (biases too: qwen2; q/k norms: qwen3): logits and every
+    arrays, q/k/v and gate/up joined (biases too: qwen2, llama with attention and MLP biases;
+    q/k norms: qwen3): logits and every
     layer's cache equal the one-program scan over the weights as loaded (prefill, then decode)."""
     from registry.tiny import make_tiny_checkpoint
     from runtime.layered import LayeredStep
     from runtime.mesh import make_mesh
 
-    kwargs = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1) if family != "llama" else {}
+    windows = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    kwargs = {"llama": {}, "llama-biases": dict(attention_bias=True, mlp_bias=True)}.get(family, windows)
     path = make_tiny_checkpoint(family.split("-")[0], tmp_path / "ckpt", **kwargs)
     scan_model, layered_model = registry.load(str(path)), registry.load(str(path))
+    for model in (scan_model, layered_model):  # checkpoints start with zero biases: give them values
+        rng = np.random.default_rng(0)
+        is_bias = lambda keys: str(getattr(keys[-1], "key", "")).endswith("_bias")  # noqa: E731
+        model.params = jax.tree_util.tree_map_with_path(
+            lambda keys, x: x + rng.normal(0, 0.5, x.shape).astype(x.dtype) if is_bias(keys) else x, model.params)
     mesh = make_mesh()
     scan_step = jax.jit(scan_model.step_fn, donate_argnums=1)
     cache = lambda: allocate_kv_cache(scan_model.kv_spec, NUM_BLOCKS, BLOCK_SIZE)  # noqa: E731
@@ -346,7 +353,8 @@ def test_layer_by_layer_step_equals_the_scan(tmp_path, family):
     assert isinstance(layered_model.params["layers"], list) and len(layered.layers) == scan_model.kv_spec.num_layers
     layer = layered.layers[0]
     assert "qkv" in layer and "q" not in layer and "gate_up" in layer["mlp"] and "gate" not in layer["mlp"]
-    assert ("qkv_bias" in layer) == (family == "qwen2-windows") and ("q_norm" in layer) == (family == "qwen3")
+    assert ("qkv_bias" in layer) == (family in ("qwen2-windows", "llama-biases"))
+    assert ("gate_up_bias" in layer["mlp"]) == (family == "llama-biases") and ("q_norm" in layer) == (family == "qwen3")
     scan_cache, layered_cache = cache(), cache()
     prompt = PROMPTS[1]
     for batch in (step_input([(prompt, 0)]), step_input([(prompt + [7], len(prompt))])):
