@@ -465,24 +465,41 @@ def ragged_paged_attention(
 
 def resolve_attention_backend(requested: str, platform: str) -> str:
     """The attention backend an engine on `platform` ("cpu", "gpu", "tpu") runs for the
-    `attention_backend` setting: "xla" or "pallas".
+    `attention_backend` setting: "xla", "pallas" or "cpu".
 
-    auto takes the Pallas kernel (runtime/pallas_attention.py) on TPU and this module's XLA
-    implementation elsewhere. pallas on CPU runs the kernel in Pallas' TPU interpret mode
-    (for tests: correct and slow).
+    auto takes the Pallas kernel (runtime/pallas_attention.py) on TPU, the C++ kernel
+    (runtime/cpu_attention.py) on CPU where it builds, and this module's XLA implementation
+    elsewhere. pallas on CPU runs the kernel in Pallas' TPU interpret mode (for tests:
+    correct and slow).
 
     Raises:
-        ValueError: pallas on a GPU (the kernel is written for TPU's Mosaic compiler: async
-            copies and scalar prefetch; it has no GPU lowering).
+        ValueError: an unknown setting; pallas on a GPU (the kernel is written for TPU's
+            Mosaic compiler: async copies and scalar prefetch; it has no GPU lowering); cpu
+            on another platform, or where its kernel cannot be built (the reason is given).
     """
-    if requested not in ("auto", "xla", "pallas"):
-        raise ValueError(f"attention_backend must be auto, xla or pallas, got {requested!r}")
+    if requested not in ("auto", "xla", "pallas", "cpu"):
+        raise ValueError(f"attention_backend must be auto, xla, pallas or cpu, got {requested!r}")
     if requested == "pallas" and platform not in ("tpu", "cpu"):
         raise ValueError(
             f"attention_backend='pallas' runs on TPU (and on CPU in interpret mode), not on {platform}: servax's "
             "Pallas kernel uses TPU async copies and scalar prefetch; use attention_backend='xla' or 'auto'"
         )
-    backend = "pallas" if requested == "pallas" or (requested == "auto" and platform == "tpu") else "xla"
+    if requested == "cpu" and platform != "cpu":
+        raise ValueError(f"attention_backend='cpu' is a kernel for XLA:CPU, not for {platform}; use 'auto'")
+    if requested in ("cpu", "auto") and platform == "cpu":
+        from runtime.cpu_attention import kernel_status
+
+        status = kernel_status()
+        if status == "ok":
+            backend = "cpu"
+        elif requested == "cpu":
+            raise ValueError(f"attention_backend='cpu': the kernel cannot be built here: {status}")
+        else:
+            logger.warning("the CPU attention kernel is not available (%s): attention runs on the slower xla "
+                           "backend", status)
+            backend = "xla"
+    else:
+        backend = "pallas" if requested == "pallas" or (requested == "auto" and platform == "tpu") else "xla"
     if backend == "pallas" and platform == "cpu":
         logger.warning("attention_backend='pallas' on CPU: the Pallas kernel runs in interpret mode (slow; for tests)")
     else:
@@ -542,7 +559,7 @@ def paged_attention(
         raise ValueError("paged_attention on a stacked KVCache needs the layer to use")
     batch = jax.tree.map(jnp.asarray, batch)
     if kv_cache.k_scale is not None:  # a quantized cache: read back through its scales
-        if kv_cache.attention_backend == "pallas":
+        if kv_cache.attention_backend != "xla":
             raise NotImplementedError("a quantized KV cache (kv_cache_dtype) runs on the xla attention backend")
         kv_cache = write_kv_quantized(kv_cache, k, v, batch.slot_mapping, layer)
         k_cache, v_cache = _Scaled(kv_cache.k, kv_cache.k_scale), _Scaled(kv_cache.v, kv_cache.v_scale)
@@ -550,6 +567,14 @@ def paged_attention(
     else:
         k_cache, v_cache = write_kv(kv_cache.k, kv_cache.v, k, v, batch.slot_mapping, layer)
         written = {"k": k_cache, "v": v_cache}
+    if kv_cache.attention_backend == "cpu":
+        from runtime.cpu_attention import cpu_ragged_paged_attention
+
+        out = cpu_ragged_paged_attention(
+            jnp.asarray(q), k_cache, v_cache, layer, batch, scale=scale, sliding_window=sliding_window,
+            logit_soft_cap=logit_soft_cap, mesh=kv_cache.mesh, cache_spec=kv_cache.partition_spec,
+        )
+        return out, dataclasses.replace(kv_cache, k=k_cache, v=v_cache)
     if kv_cache.attention_backend == "pallas":
         from runtime.pallas_attention import pallas_ragged_paged_attention
 

@@ -87,10 +87,12 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(
         False, description="Skip precompiling the buckets (debugging): programs compile on first use."
     )
-    attention_backend: Literal["auto", "xla", "pallas"] = Field(
+    attention_backend: Literal["auto", "xla", "pallas", "cpu"] = Field(
         "auto", description="Paged attention implementation: xla (pure JAX, every platform), pallas (servax's "
-                            "Pallas kernel: TPU; on CPU it runs in Pallas interpret mode, slow, for tests), or "
-                            "auto (pallas on TPU, xla elsewhere).",
+                            "Pallas kernel: TPU; on CPU it runs in Pallas interpret mode, slow, for tests), cpu "
+                            "(servax's C++ kernel for XLA:CPU, built on first use with the machine's C++ compiler; "
+                            "float32 caches), or auto (pallas on TPU, cpu on CPU where the kernel builds, xla "
+                            "elsewhere).",
     )
     layerwise: bool = Field(
         True, description="Step native models one decoder layer per call (one compiled layer program, "

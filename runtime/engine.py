@@ -215,11 +215,17 @@ class Engine:
     # -- sizing --------------------------------------------------------------------------
     def _attention_backend(self) -> str:
         backend = resolve_attention_backend(self.config.attention_backend, self.mesh.devices.flat[0].platform)
-        if backend == "pallas" and self.kv_spec.quantized:
-            if self.config.attention_backend == "pallas":
+        if backend in ("pallas", "cpu") and self.kv_spec.quantized:
+            if self.config.attention_backend == backend:
                 raise ValueError(f"kv_cache_dtype={self.config.kv_cache_dtype} runs on attention_backend='xla' "
-                                 "(the Pallas kernel reads an unquantized cache)")
+                                 f"(the {backend} kernel reads an unquantized cache)")
             logger.info("kv_cache_dtype=%s: attention backend xla", self.config.kv_cache_dtype)
+            return "xla"
+        if backend == "cpu" and np.dtype(self.kv_spec.dtype) != np.float32:
+            if self.config.attention_backend == "cpu":
+                raise ValueError(f"attention_backend='cpu' reads a float32 KV cache; this model's is "
+                                 f"{np.dtype(self.kv_spec.dtype)} (use dtype='float32' or attention_backend='xla')")
+            logger.info("%s KV cache: attention backend xla", np.dtype(self.kv_spec.dtype))
             return "xla"
         return backend
 

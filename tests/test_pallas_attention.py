@@ -160,7 +160,7 @@ def test_kernel_runs_per_shard_on_a_mesh_of_fake_devices():
 
 
 def test_backend_resolution():
-    assert resolve_attention_backend("auto", "cpu") == "xla"
+    assert resolve_attention_backend("auto", "cpu") == "cpu"  # the C++ kernel (tests/test_cpu_attention.py)
     assert resolve_attention_backend("auto", "gpu") == "xla"
     assert resolve_attention_backend("auto", "tpu") == "pallas"
     assert resolve_attention_backend("pallas", "cpu") == "pallas"

@@ -1,0 +1,354 @@
+// Ragged paged attention for XLA:CPU, called from JAX as an FFI custom call
+// (runtime/cpu_attention.py builds this file with the machine's C++ compiler and registers it).
+//
+// Same contract as runtime.attention.ragged_paged_attention: token t of sequence s attends to
+// the cached positions p with p <= positions[t], p < seq_lens[s] and, with a window W,
+// positions[t] - p < W; the cache already holds this step's keys and values. The cache is
+// [num_layers, num_blocks, kv_heads, block_size, head_dim] and is read in place, a block at
+// a time, through the sequence's row of the block table: no gathered copy of the context.
+//
+// Work is split into (sequence, kv head, query tile) items shared by the caller and XLA's
+// intra-op thread pool. One item keeps its queries (tile tokens x the heads that read the kv
+// head), their running max / denominator and their output accumulators in local buffers and
+// folds the context in one block at a time (online softmax, as flash attention does).
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr float kMaskValue = -1e30f;  // finite: exp() and max() stay free of NaNs
+constexpr int64_t kRowsPerItem = 32;  // query rows (tokens x heads of a group) per work item
+
+struct Problem {
+  const float* q;        // [T, H, D]
+  const float* k_cache;  // [L, NB, KVH, BS, D]
+  const float* v_cache;
+  const int32_t* block_tables;  // [S, MB]
+  const int32_t* seq_lens;      // [S]
+  const int32_t* query_start;   // [S + 1]
+  const int32_t* positions;     // [T]
+  float* out;                   // [T, H, D]
+  int64_t layer, num_blocks, kv_heads, block_size, head_dim, max_blocks, num_heads, group;
+  int64_t window;  // <= 0: none
+  float scale, soft_cap;  // soft_cap <= 0: none
+};
+
+struct Item {
+  int32_t seq, kv_head, t0, t1;  // tokens [t0, t1) of sequence seq
+};
+
+// Dot products of one query row with a block's keys, sr[j] = q . k_j (k: [BS, D]).
+template <int kBS, int kD>
+inline void Scores(const float* __restrict q, const float* __restrict k, float* __restrict sr, int64_t BS,
+                   int64_t D) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kBS > 0 && kD > 0 && kBS % 8 == 0 && kD % 8 == 0) {
+    // Eight keys at a time: eight accumulators over D, then one transposing reduction.
+    __m256 qv[kD / 8];
+    for (int c = 0; c < kD / 8; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
+    for (int j0 = 0; j0 < kBS; j0 += 8) {
+      __m256 a[8];
+      for (int j = 0; j < 8; ++j) {
+        const float* kj = k + (j0 + j) * kD;
+        __m256 x = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj));
+        for (int c = 1; c < kD / 8; ++c) x = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), x);
+        a[j] = x;
+      }
+      const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+      const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+      const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+      const __m256 lo = _mm256_permute2f128_ps(u0, u1, 0x20), hi = _mm256_permute2f128_ps(u0, u1, 0x31);
+      _mm256_storeu_ps(sr + j0, _mm256_add_ps(lo, hi));
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < BS; ++j) {
+    const float* __restrict kj = k + j * D;
+    float dot = 0.0f;
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * kj[d];
+    sr[j] = dot;
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp(x) for x <= 0 (scores minus their running max), to ~2 ulp; x below -87 gives 0.
+inline __m256 Exp(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+// sr[j] = exp(sr[j] - mx) (0 for masked keys); returns their sum.
+template <int kBS>
+inline float ExpShifted(float* __restrict sr, float mx, int64_t BS) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kBS > 0 && kBS % 8 == 0) {
+    const __m256 m = _mm256_set1_ps(mx), masked = _mm256_set1_ps(0.5f * kMaskValue);
+    __m256 sum = _mm256_setzero_ps();
+    for (int j = 0; j < kBS; j += 8) {
+      const __m256 x = _mm256_loadu_ps(sr + j);
+      const __m256 e = _mm256_and_ps(Exp(_mm256_sub_ps(x, m)), _mm256_cmp_ps(x, masked, _CMP_GT_OQ));
+      _mm256_storeu_ps(sr + j, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    h = _mm_hadd_ps(h, h);
+    h = _mm_hadd_ps(h, h);
+    return _mm_cvtss_f32(h);
+  }
+#endif
+  float sum = 0.0f;
+  // A masked key adds nothing, also while the row has seen no visible key yet.
+  for (int64_t j = 0; j < BS; ++j) {
+    const float e = std::exp(sr[j] - mx);
+    sr[j] = sr[j] <= 0.5f * kMaskValue ? 0.0f : e;
+    sum += sr[j];
+  }
+  return sum;
+}
+
+// acc = acc * correction + sum_j p[j] v_j (v: [BS, D]).
+template <int kBS, int kD>
+inline void Accumulate(float* __restrict acc, float correction, const float* __restrict pr,
+                       const float* __restrict v, int64_t BS, int64_t D) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kBS > 0 && kD > 0 && kD % 8 == 0 && kD <= 128) {
+    __m256 a[kD / 8];
+    const __m256 c = _mm256_set1_ps(correction);
+    for (int i = 0; i < kD / 8; ++i) a[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * i), c);
+    for (int j = 0; j < kBS; ++j) {
+      const __m256 pj = _mm256_set1_ps(pr[j]);
+      const float* vj = v + j * kD;
+      for (int i = 0; i < kD / 8; ++i) a[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), a[i]);
+    }
+    for (int i = 0; i < kD / 8; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
+  for (int64_t j = 0; j < BS; ++j) {
+    const float pj = pr[j];
+    const float* __restrict vj = v + j * D;
+    for (int64_t d = 0; d < D; ++d) acc[d] += pj * vj[d];
+  }
+}
+
+// Block size and head dim as compile-time constants (kBS, kD > 0) for the common shapes,
+// so the per-key dot products and the value updates vectorize fully; 0: read from `p`.
+template <int kBS, int kD>
+void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
+  const int64_t D = kD > 0 ? kD : p.head_dim, BS = kBS > 0 ? kBS : p.block_size, G = p.group;
+  const int64_t ntok = it.t1 - it.t0, R = ntok * G;
+  scratch.resize(R * D * 2 + R * BS + R * 2);
+  float* __restrict q = scratch.data();  // [R, D], scaled
+  float* __restrict acc = q + R * D;     // [R, D]
+  float* __restrict s = acc + R * D;     // [R, BS]
+  float* __restrict m = s + R * BS;      // [R]
+  float* __restrict l = m + R;           // [R]
+
+  int32_t pmin = INT32_MAX, pmax = INT32_MIN;
+  for (int64_t t = it.t0; t < it.t1; ++t) {
+    pmin = std::min(pmin, p.positions[t]);
+    pmax = std::max(pmax, p.positions[t]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* __restrict src = p.q + (t * p.num_heads + it.kv_head * G + g) * D;
+      float* __restrict dst = q + ((t - it.t0) * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * p.scale;
+    }
+  }
+  std::fill(acc, acc + R * D, 0.0f);
+  std::fill(m, m + R, kMaskValue);
+  std::fill(l, l + R, 0.0f);
+
+  const int64_t ctx = p.seq_lens[it.seq];
+  // Keys [lo, hi) may be visible; never past the table's row.
+  const int64_t hi = std::min<int64_t>({pmax + 1, ctx, p.max_blocks * BS});
+  int64_t lo = 0;
+  if (p.window > 0) lo = std::max<int64_t>(0, pmin - p.window + 1);
+  const int32_t* table = p.block_tables + it.seq * p.max_blocks;
+
+  for (int64_t b = lo / BS; b * BS < hi; ++b) {
+    // Out-of-range block ids are clamped (as XLA's gather does): a bad table reads wrong
+    // values, never outside the cache.
+    const int64_t block = std::clamp<int64_t>(table[b], 0, p.num_blocks - 1);
+    const int64_t offset = ((p.layer * p.num_blocks + block) * p.kv_heads + it.kv_head) * BS * D;
+    const float* __restrict kb = p.k_cache + offset;  // [BS, D]
+    const float* __restrict vb = p.v_cache + offset;  // [BS, D]
+    const int64_t k0 = b * BS;
+    // Every row sees every key of this block: no mask needed.
+    const bool whole = k0 + BS <= std::min<int64_t>(pmin + 1, ctx) && (p.window <= 0 || pmax - k0 < p.window);
+
+    for (int64_t r = 0; r < R; ++r) Scores<kBS, kD>(q + r * D, kb, s + r * BS, BS, D);
+    if (p.soft_cap > 0)
+      for (int64_t i = 0; i < R * BS; ++i) s[i] = p.soft_cap * std::tanh(s[i] / p.soft_cap);
+    if (!whole) {
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t pos = p.positions[it.t0 + r / G];
+        for (int64_t j = 0; j < BS; ++j) {
+          const int64_t kp = k0 + j;
+          const bool visible = kp <= pos && kp < ctx && (p.window <= 0 || pos - kp < p.window);
+          if (!visible) s[r * BS + j] = kMaskValue;
+        }
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      float* __restrict sr = s + r * BS;
+      float mx = m[r];
+      for (int64_t j = 0; j < BS; ++j) mx = std::max(mx, sr[j]);
+      const float correction = std::exp(m[r] - mx);
+      const float sum = ExpShifted<kBS>(sr, mx, BS);
+      m[r] = mx;
+      l[r] = l[r] * correction + sum;
+      Accumulate<kBS, kD>(acc + r * D, correction, sr, vb, BS, D);
+    }
+  }
+
+  for (int64_t t = it.t0; t < it.t1; ++t) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = (t - it.t0) * G + g;
+      const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;  // no visible key: zeros
+      float* __restrict dst = p.out + (t * p.num_heads + it.kv_head * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
+    }
+  }
+}
+
+using ItemFn = void (*)(const Problem&, const Item&, std::vector<float>&);
+
+ItemFn PickItemFn(int64_t block_size, int64_t head_dim) {
+  if (block_size == 16 && head_dim == 64) return RunItem<16, 64>;
+  if (block_size == 16 && head_dim == 128) return RunItem<16, 128>;
+  if (block_size == 32 && head_dim == 64) return RunItem<32, 64>;
+  if (block_size == 32 && head_dim == 128) return RunItem<32, 128>;
+  return RunItem<0, 0>;
+}
+
+// The items of one call, taken one at a time by whichever thread is free.
+struct Work {
+  Problem problem;
+  ItemFn run = nullptr;
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable finished;
+
+  void Drain() {
+    std::vector<float> scratch;
+    int64_t n = 0;
+    for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size()); ++n)
+      run(problem, items[i], scratch);
+    if (n && done.fetch_add(n) + n == static_cast<int64_t>(items.size())) {
+      std::lock_guard<std::mutex> lock(mu);
+      finished.notify_all();
+    }
+  }
+};
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                          ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> layer,
+                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                          ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> positions,
+                          ffi::Buffer<ffi::S32> num_tokens, ffi::Buffer<ffi::S32> window, float scale,
+                          float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), kd = k_cache.dimensions(), td = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 5 || td.size() != 2)
+    return ffi::Error::InvalidArgument("paged_attention: q [T,H,D], cache [L,NB,KVH,BS,D], tables [S,MB]");
+  auto work = std::make_shared<Work>();
+  Problem& p = work->problem;
+  p.q = q.typed_data();
+  p.k_cache = k_cache.typed_data();
+  p.v_cache = v_cache.typed_data();
+  p.block_tables = block_tables.typed_data();
+  p.seq_lens = seq_lens.typed_data();
+  p.query_start = query_start_loc.typed_data();
+  p.positions = positions.typed_data();
+  p.out = out->typed_data();
+  p.layer = layer.typed_data()[0];
+  p.num_blocks = kd[1];
+  p.kv_heads = kd[2];
+  p.block_size = kd[3];
+  p.head_dim = kd[4];
+  p.max_blocks = td[1];
+  p.num_heads = qd[1];
+  p.group = qd[1] / kd[2];
+  p.window = window.typed_data()[0];
+  p.scale = scale;
+  p.soft_cap = soft_cap;
+  if (qd[2] != kd[4] || qd[1] % kd[2] || p.layer < 0 || p.layer >= kd[0])
+    return ffi::Error::InvalidArgument("paged_attention: mismatched heads, head_dim or layer");
+
+  work->run = PickItemFn(p.block_size, p.head_dim);
+  const int64_t T = qd[0], S = td[0];
+  const int64_t real = std::min<int64_t>(std::max<int32_t>(num_tokens.typed_data()[0], 0), T);
+  const int64_t tile = std::max<int64_t>(1, kRowsPerItem / p.group);
+  std::fill(p.out + real * p.num_heads * p.head_dim, p.out + T * p.num_heads * p.head_dim, 0.0f);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t a = p.query_start[s], b = std::min<int64_t>(p.query_start[s + 1], real);
+    for (int64_t t0 = a; t0 < b; t0 += tile)
+      for (int64_t h = 0; h < p.kv_heads; ++h)
+        work->items.push_back({int32_t(s), int32_t(h), int32_t(t0), int32_t(std::min(t0 + tile, b))});
+  }
+  // Tokens in no sequence (cannot happen with a well-formed batch) get zeros.
+  std::vector<bool> covered(real, false);
+  for (const Item& it : work->items)
+    for (int64_t t = it.t0; t < it.t1; ++t) covered[t] = true;
+  for (int64_t t = 0; t < real; ++t)
+    if (!covered[t]) std::fill(p.out + t * p.num_heads * p.head_dim, p.out + (t + 1) * p.num_heads * p.head_dim, 0.0f);
+  if (work->items.empty()) return ffi::Error::Success();
+
+  // Helpers hold the work alive: one may start after the caller has returned.
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, int64_t(work->items.size()) - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
+  work->Drain();
+  std::unique_lock<std::mutex> lock(work->mu);
+  work->finished.wait(lock, [&] { return work->done.load() == static_cast<int64_t>(work->items.size()); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxPagedAttention, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

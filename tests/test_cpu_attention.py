@@ -1,0 +1,237 @@
+"""The CPU attention backend (runtime/cpu_attention.py): servax's C++ kernel for XLA:CPU.
+
+The kernel is built here with the machine's compiler, as users get it, and checked against
+the NumPy oracle of tests/test_attention.py on the compiled-in fast shapes (block 16, head
+dims 64 and 128, grouped heads) and the generic path, against the XLA backend through
+`paged_attention` (the write included), per shard on a mesh of fake devices, and end to end
+(greedy tokens equal with attention_backend="cpu" and "xla", native and torchax models).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import runtime.cpu_attention as cpu_attention
+from app import LLM, SamplingParams
+from conftest import REPO
+from runtime.attention import paged_attention, resolve_attention_backend
+from runtime.cpu_attention import cpu_ragged_paged_attention, kernel_status
+from runtime.step import KVCache
+from test_attention import MIXED, TOL, build_batch, oracle
+
+# (heads, kv_heads, block_size, head_dim, window, soft cap): the first three take the
+# kernel's compiled-in shapes (block 16 with head_dim 64 / 128, block 32), the rest the generic loops.
+CASES = [
+    (9, 3, 16, 64, None, None), (8, 2, 16, 128, 20, None), (4, 4, 32, 64, None, None),
+    (4, 4, 4, 8, None, None), (6, 3, 4, 8, 10, None), (4, 1, 4, 16, None, 5.0),
+]
+CASE_IDS = ["gqa-16x64", "window-16x128", "mha-32x64", "mha-generic", "sliding-generic", "softcap-generic"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel():
+    assert kernel_status() == "ok", f"the CPU attention kernel must build on the test machine: {kernel_status()}"
+
+
+def _case(rng, specs, *, heads, kv_heads, block_size, head_dim, pad_tokens=128, pad_seqs=8, num_blocks=96):
+    max_blocks = max(24, -(-64 // block_size) + 2)
+    batch, seqs, n = build_batch(rng, specs, block_size=block_size, num_blocks=num_blocks, max_blocks=max_blocks,
+                                 pad_tokens=pad_tokens, pad_seqs=pad_seqs)
+    shape = (num_blocks, kv_heads, block_size, head_dim)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    q = rng.standard_normal((pad_tokens, heads, head_dim)).astype(np.float32)
+    return batch, seqs, n, q, k, v
+
+
+@pytest.mark.parametrize("heads,kv_heads,block_size,head_dim,window,soft_cap", CASES, ids=CASE_IDS)
+def test_kernel_matches_numpy_oracle(heads, kv_heads, block_size, head_dim, window, soft_cap):
+    """Prefills, chunks starting mid-sequence and decodes in one batch, shuffled block tables,
+    the layer a traced index into a stacked cache."""
+    rng = np.random.default_rng(heads * 10 + block_size + head_dim)
+    batch, seqs, n, q, k, v = _case(rng, MIXED, heads=heads, kv_heads=kv_heads, block_size=block_size,
+                                    head_dim=head_dim)
+    # Two layers; the kernel reads layer 1 (layer 0 is noise it must not touch).
+    k2 = np.stack([rng.standard_normal(k.shape), k]).astype(np.float32)
+    v2 = np.stack([rng.standard_normal(v.shape), v]).astype(np.float32)
+    attend = jax.jit(lambda q, k, v, layer, b: cpu_ragged_paged_attention(
+        q, k, v, layer, b, scale=0.35, sliding_window=window, logit_soft_cap=soft_cap))
+    got = np.asarray(attend(q, k2, v2, jnp.int32(1), batch))
+    want = oracle(q, k, v, seqs, scale=0.35, sliding_window=window, soft_cap=soft_cap)
+    np.testing.assert_allclose(got[:n], want[:n], atol=TOL, rtol=0)
+    assert np.all(got[n:] == 0), "padding tokens must produce zeros"
+
+
+def test_bfloat16_queries_and_out_of_range_blocks():
+    """bfloat16 queries are read as float32 and the result cast back; a block id outside the
+    cache (a corrupt table) reads a clamped block instead of memory outside the cache."""
+    rng = np.random.default_rng(3)
+    batch, seqs, n, q, k, v = _case(rng, MIXED, heads=9, kv_heads=3, block_size=16, head_dim=64)
+    attend = jax.jit(lambda q, k, v, b: cpu_ragged_paged_attention(q, k, v, 0, b, scale=0.125))
+    got = attend(jnp.asarray(q, jnp.bfloat16), k[None], v[None], batch)
+    assert got.dtype == jnp.bfloat16
+    want = oracle(np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32)), k, v, seqs, scale=0.125)
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32))[:n], want[:n], atol=2e-2, rtol=0)
+
+    tables = np.asarray(batch.block_tables).copy()
+    tables[0, :] = 10**6
+    tables[1, :] = -(10**6)
+    out = np.asarray(attend(jnp.asarray(q), k[None], v[None], batch.replace(block_tables=jnp.asarray(tables))))
+    assert np.isfinite(out).all()
+
+
+def test_paged_attention_equals_xla_backend_with_the_write():
+    """Through `paged_attention`: the step's K/V are written, then attended; cache and
+    output equal the XLA backend's (sliding window on)."""
+    rng = np.random.default_rng(11)
+    kv_heads, block_size, head_dim = 3, 16, 64
+    batch, seqs, n, q, k_full, v_full = _case(rng, MIXED, heads=9, kv_heads=kv_heads, block_size=block_size,
+                                              head_dim=head_dim)
+    slots = np.asarray(batch.slot_mapping)[:n]
+    flat = lambda c: c.swapaxes(1, 2).reshape(-1, kv_heads, head_dim)  # noqa: E731  [slots, kv_heads, d]
+    k_new = np.zeros((128, kv_heads, head_dim), np.float32)
+    v_new = np.zeros_like(k_new)
+    k_new[:n], v_new[:n] = flat(k_full)[slots], flat(v_full)[slots]
+    k_old, v_old = flat(k_full).copy(), flat(v_full).copy()
+    k_old[slots], v_old[slots] = 99.0, -99.0  # garbage until this step writes it
+    unflat = lambda f: f.reshape(-1, block_size, kv_heads, head_dim).swapaxes(1, 2)[None]  # noqa: E731
+    outs = {}
+    for backend in ("xla", "cpu"):
+        cache = KVCache(jnp.asarray(unflat(k_old)), jnp.asarray(unflat(v_old)), attention_backend=backend)
+        step = jax.jit(lambda q, k, v, c, b: paged_attention(q, k, v, c, b, layer=0, scale=0.35, sliding_window=30))
+        out, cache = step(q, k_new, v_new, cache, batch)
+        assert cache.attention_backend == backend
+        np.testing.assert_array_equal(np.asarray(cache.k[0]), k_full)
+        np.testing.assert_array_equal(np.asarray(cache.v[0]), v_full)
+        outs[backend] = np.asarray(out)
+    want = oracle(q, k_full, v_full, seqs, scale=0.35, sliding_window=30)
+    np.testing.assert_allclose(outs["cpu"][:n], want[:n], atol=TOL, rtol=0)
+    np.testing.assert_allclose(outs["cpu"], outs["xla"], atol=TOL, rtol=0)
+
+
+_SHARDED = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding
+    sys.path.insert(0, "tests")
+    from test_attention import MIXED, build_batch
+    from runtime.attention import paged_attention
+    from runtime.mesh import make_mesh
+    from runtime.step import KVCacheSpec, allocate_kv_cache
+
+    rng = np.random.default_rng(5)
+    results = {}
+    for kv_heads in (4, 2):  # 4 KV heads: one per device; 2 on a 4-way axis: replicated
+        mesh = make_mesh(4)
+        spec = KVCacheSpec(num_layers=2, num_kv_heads=kv_heads, head_dim=16, dtype=jnp.float32)
+        sharding = NamedSharding(mesh, spec.partition_spec(mesh))
+        batch, seqs, n = build_batch(rng, MIXED, block_size=16, num_blocks=64, max_blocks=24, pad_tokens=128,
+                                     pad_seqs=8)
+        q = rng.standard_normal((128, 8, 16)).astype(np.float32)
+        k = rng.standard_normal((128, kv_heads, 16)).astype(np.float32)
+        v = rng.standard_normal((128, kv_heads, 16)).astype(np.float32)
+        outs = {}
+        for backend in ("xla", "cpu"):
+            cache = allocate_kv_cache(spec, 64, 16, sharding, attention_backend=backend)
+            step = jax.jit(lambda q, k, v, c, b: paged_attention(q, k, v, c, b, layer=1, scale=0.35),
+                           donate_argnums=(3,))
+            out, cache = step(q, k, v, cache, batch)
+            outs[backend] = np.asarray(out)[:n]
+        results[kv_heads] = dict(
+            spec=str(sharding.spec), max_diff=float(np.abs(outs["cpu"] - outs["xla"]).max()),
+            finite=bool(np.isfinite(outs["cpu"]).all()), devices=len(cache.k.sharding.device_set))
+    print(json.dumps(results))
+""")
+
+
+def test_kernel_runs_per_shard_on_a_mesh_of_fake_devices():
+    """Under tensor parallelism each device attends with its own KV heads (shard_map): the
+    result equals the XLA backend's on the same sharded cache."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", _SHARDED], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for kv_heads, r in results.items():
+        assert r["devices"] == 4 and r["finite"], r
+        assert r["max_diff"] < TOL, (kv_heads, r)
+    assert "model" in results["4"]["spec"], results  # the heads really were split
+
+
+def test_backend_resolution_and_a_machine_without_a_compiler(monkeypatch, caplog):
+    """auto takes the kernel on CPU; where it cannot be built auto keeps xla (with the reason
+    in the log) and an explicit "cpu" is a configuration error that says why."""
+    assert resolve_attention_backend("auto", "cpu") == "cpu"
+    assert resolve_attention_backend("cpu", "cpu") == "cpu"
+    with pytest.raises(ValueError, match="XLA:CPU"):
+        resolve_attention_backend("cpu", "tpu")
+    monkeypatch.setattr(cpu_attention, "_status", None)
+    monkeypatch.setattr(cpu_attention, "_compiler", lambda: None)
+    assert resolve_attention_backend("auto", "cpu") == "xla"
+    assert "no C++ compiler" in caplog.text
+    with pytest.raises(ValueError, match=r"no C\+\+ compiler"):
+        resolve_attention_backend("cpu", "cpu")
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_attention, "_status", None)  # the next use loads the cached build again
+    assert kernel_status() == "ok"
+
+
+def test_a_failed_build_says_why(tmp_path, monkeypatch):
+    """A compiler that fails leaves the reason (its stderr) in kernel_status(), nothing half-written."""
+    fake = tmp_path / "broken-c++"
+    fake.write_text("#!/bin/sh\necho 'fatal error: no FFI headers' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("SERVAX_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setattr(cpu_attention, "_status", None)
+    status = kernel_status()
+    assert "no FFI headers" in status and status != "ok"
+    assert not list((tmp_path / "kernels").glob("*.so"))
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_attention, "_status", None)
+    assert kernel_status() == "ok"
+
+
+def test_engine_rejects_the_kernel_for_caches_it_cannot_read():
+    """A quantized or bfloat16 KV cache with attention_backend="cpu" is refused with the way out;
+    with "auto" the engine takes xla for them."""
+    with pytest.raises(ValueError, match="unquantized"):
+        LLM(model="servax-tiny/llama", kv_cache_dtype="int8", attention_backend="cpu", max_model_len=64,
+            show_progress=False, enforce_eager=True)
+    with pytest.raises(ValueError, match="float32 KV cache"):
+        LLM(model="servax-tiny/llama", dtype="bfloat16", attention_backend="cpu", max_model_len=64,
+            show_progress=False, enforce_eager=True)
+    llm = LLM(model="servax-tiny/llama", dtype="bfloat16", max_model_len=64, show_progress=False,
+              enforce_eager=True)
+    assert llm.engine.runner.kv_cache.attention_backend == "xla"
+
+
+# A prompt longer than the tiny Mistral's 24-token window, one chunked over two steps
+# (32-token budget), and short ones decoding beside them.
+PROMPTS = [[(7 * i + 3) % 500 + 4 for i in range(n)] for n in (40, 5, 17, 2)]
+
+
+@pytest.mark.parametrize("model", ["servax-tiny/llama", "servax-tiny/mistral", "servax-tiny/gpt2"])
+def test_greedy_tokens_equal_xla_end_to_end(model, servax_cache):
+    """The engine with attention_backend="cpu" gives the XLA backend's tokens: native models
+    (Llama; Mistral's sliding window) and the torchax path (GPT-2)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    tokens = {}
+    for backend in ("xla", "cpu"):
+        llm = LLM(model=model, attention_backend=backend, max_model_len=128, max_num_seqs=4,
+                  max_num_batched_tokens=32, num_kv_blocks=48, block_size=16, enforce_eager=True,
+                  show_progress=False, compilation_cache_dir="")
+        assert llm.engine.runner.kv_cache.attention_backend == backend
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
+        tokens[backend] = [o.outputs[0].token_ids for o in outs]
+    assert tokens["cpu"] == tokens["xla"]
