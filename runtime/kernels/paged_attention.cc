@@ -49,7 +49,7 @@ struct Problem {
 };
 
 struct Item {
-  int32_t seq, kv_head, t0, t1;  // tokens [t0, t1) of sequence seq
+  int32_t seq, h0, h1, t0, t1;  // tokens [t0, t1) of sequence seq, KV heads [h0, h1)
 };
 
 // Dot products of one query row with a block's keys, sr[j] = q . k_j (k: [BS, D]).
@@ -166,24 +166,30 @@ inline void Accumulate(float* __restrict acc, float correction, const float* __r
 template <int kBS, int kD>
 void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   const int64_t D = kD > 0 ? kD : p.head_dim, BS = kBS > 0 ? kBS : p.block_size, G = p.group;
-  const int64_t ntok = it.t1 - it.t0, R = ntok * G;
+  const int64_t ntok = it.t1 - it.t0, heads = it.h1 - it.h0;
+  const int64_t RH = ntok * G, R = heads * RH;  // rows per KV head: (token, query head of its group)
   scratch.resize(R * D * 2 + R * BS + R * 2);
   float* __restrict q = scratch.data();  // [R, D], scaled
   float* __restrict acc = q + R * D;     // [R, D]
   float* __restrict s = acc + R * D;     // [R, BS]
   float* __restrict m = s + R * BS;      // [R]
   float* __restrict l = m + R;           // [R]
+  // Row of (KV head h0 + hh, token t0 + i, query head g of the group) and the query head it is.
+  const auto row = [&](int64_t hh, int64_t i, int64_t g) { return hh * RH + i * G + g; };
+  const auto head = [&](int64_t hh, int64_t g) { return (it.h0 + hh) * G + g; };
 
   int32_t pmin = INT32_MAX, pmax = INT32_MIN;
   for (int64_t t = it.t0; t < it.t1; ++t) {
     pmin = std::min(pmin, p.positions[t]);
     pmax = std::max(pmax, p.positions[t]);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* __restrict src = p.q + (t * p.num_heads + it.kv_head * G + g) * D;
-      float* __restrict dst = q + ((t - it.t0) * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * p.scale;
-    }
   }
+  for (int64_t hh = 0; hh < heads; ++hh)
+    for (int64_t i = 0; i < ntok; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* __restrict src = p.q + ((it.t0 + i) * p.num_heads + head(hh, g)) * D;
+        float* __restrict dst = q + row(hh, i, g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * p.scale;
+      }
   std::fill(acc, acc + R * D, 0.0f);
   std::fill(m, m + R, kMaskValue);
   std::fill(l, l + R, 0.0f);
@@ -194,51 +200,65 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   int64_t lo = 0;
   if (p.window > 0) lo = std::max<int64_t>(0, pmin - p.window + 1);
   const int32_t* table = p.block_tables + it.seq * p.max_blocks;
+  // Where (block, KV head h0) starts; the item's heads follow it contiguously. Out-of-range
+  // block ids are clamped (as XLA's gather does): a bad table reads wrong values, never
+  // outside the cache.
+  const auto block_offset = [&](int64_t b) {
+    const int64_t block = std::clamp<int64_t>(table[b], 0, p.num_blocks - 1);
+    return ((p.layer * p.num_blocks + block) * p.kv_heads + it.h0) * BS * D;
+  };
 
   for (int64_t b = lo / BS; b * BS < hi; ++b) {
-    // Out-of-range block ids are clamped (as XLA's gather does): a bad table reads wrong
-    // values, never outside the cache.
-    const int64_t block = std::clamp<int64_t>(table[b], 0, p.num_blocks - 1);
-    const int64_t offset = ((p.layer * p.num_blocks + block) * p.kv_heads + it.kv_head) * BS * D;
-    const float* __restrict kb = p.k_cache + offset;  // [BS, D]
-    const float* __restrict vb = p.v_cache + offset;  // [BS, D]
+    const int64_t offset = block_offset(b);
+    if ((b + 1) * BS < hi) {  // the next block's lines travel (into L2) while this one is read
+      const int64_t next = block_offset(b + 1);
+      for (int64_t i = 0; i < heads * BS * D; i += 16) {
+        __builtin_prefetch(p.k_cache + next + i, 0, 1);
+        __builtin_prefetch(p.v_cache + next + i, 0, 1);
+      }
+    }
     const int64_t k0 = b * BS;
     // Every row sees every key of this block: no mask needed.
     const bool whole = k0 + BS <= std::min<int64_t>(pmin + 1, ctx) && (p.window <= 0 || pmax - k0 < p.window);
 
-    for (int64_t r = 0; r < R; ++r) Scores<kBS, kD>(q + r * D, kb, s + r * BS, BS, D);
-    if (p.soft_cap > 0)
-      for (int64_t i = 0; i < R * BS; ++i) s[i] = p.soft_cap * std::tanh(s[i] / p.soft_cap);
-    if (!whole) {
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t pos = p.positions[it.t0 + r / G];
-        for (int64_t j = 0; j < BS; ++j) {
-          const int64_t kp = k0 + j;
-          const bool visible = kp <= pos && kp < ctx && (p.window <= 0 || pos - kp < p.window);
-          if (!visible) s[r * BS + j] = kMaskValue;
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      const float* __restrict kb = p.k_cache + offset + hh * BS * D;  // [BS, D]
+      const float* __restrict vb = p.v_cache + offset + hh * BS * D;  // [BS, D]
+      float* __restrict sh = s + hh * RH * BS;
+      for (int64_t r = 0; r < RH; ++r) Scores<kBS, kD>(q + (hh * RH + r) * D, kb, sh + r * BS, BS, D);
+      if (p.soft_cap > 0)
+        for (int64_t i = 0; i < RH * BS; ++i) sh[i] = p.soft_cap * std::tanh(sh[i] / p.soft_cap);
+      if (!whole) {
+        for (int64_t r = 0; r < RH; ++r) {
+          const int64_t pos = p.positions[it.t0 + r / G];
+          for (int64_t j = 0; j < BS; ++j) {
+            const int64_t kp = k0 + j;
+            const bool visible = kp <= pos && kp < ctx && (p.window <= 0 || pos - kp < p.window);
+            if (!visible) sh[r * BS + j] = kMaskValue;
+          }
         }
       }
-    }
-    for (int64_t r = 0; r < R; ++r) {
-      float* __restrict sr = s + r * BS;
-      float mx = m[r];
-      for (int64_t j = 0; j < BS; ++j) mx = std::max(mx, sr[j]);
-      const float correction = std::exp(m[r] - mx);
-      const float sum = ExpShifted<kBS>(sr, mx, BS);
-      m[r] = mx;
-      l[r] = l[r] * correction + sum;
-      Accumulate<kBS, kD>(acc + r * D, correction, sr, vb, BS, D);
+      for (int64_t r = hh * RH; r < (hh + 1) * RH; ++r) {
+        float* __restrict sr = s + r * BS;
+        float mx = m[r];
+        for (int64_t j = 0; j < BS; ++j) mx = std::max(mx, sr[j]);
+        const float correction = std::exp(m[r] - mx);
+        const float sum = ExpShifted<kBS>(sr, mx, BS);
+        m[r] = mx;
+        l[r] = l[r] * correction + sum;
+        Accumulate<kBS, kD>(acc + r * D, correction, sr, vb, BS, D);
+      }
     }
   }
 
-  for (int64_t t = it.t0; t < it.t1; ++t) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = (t - it.t0) * G + g;
-      const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;  // no visible key: zeros
-      float* __restrict dst = p.out + (t * p.num_heads + it.kv_head * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
-    }
-  }
+  for (int64_t hh = 0; hh < heads; ++hh)
+    for (int64_t i = 0; i < ntok; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = row(hh, i, g);
+        const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;  // no visible key: zeros
+        float* __restrict dst = p.out + ((it.t0 + i) * p.num_heads + head(hh, g)) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
+      }
 }
 
 using ItemFn = void (*)(const Problem&, const Item&, std::vector<float>&);
@@ -311,11 +331,18 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const int64_t real = std::min<int64_t>(std::max<int32_t>(num_tokens.typed_data()[0], 0), T);
   const int64_t tile = std::max<int64_t>(1, kRowsPerItem / p.group);
   std::fill(p.out + real * p.num_heads * p.head_dim, p.out + T * p.num_heads * p.head_dim, 0.0f);
+  // A decode is one item over all KV heads (its blocks then read as one contiguous run per
+  // block); longer queries go per KV head in tiles of `tile` tokens, each tile reading the
+  // context once for all its rows.
   for (int64_t s = 0; s < S; ++s) {
     const int64_t a = p.query_start[s], b = std::min<int64_t>(p.query_start[s + 1], real);
+    if (b - a == 1) {
+      work->items.push_back({int32_t(s), 0, int32_t(p.kv_heads), int32_t(a), int32_t(b)});
+      continue;
+    }
     for (int64_t t0 = a; t0 < b; t0 += tile)
       for (int64_t h = 0; h < p.kv_heads; ++h)
-        work->items.push_back({int32_t(s), int32_t(h), int32_t(t0), int32_t(std::min(t0 + tile, b))});
+        work->items.push_back({int32_t(s), int32_t(h), int32_t(h + 1), int32_t(t0), int32_t(std::min(t0 + tile, b))});
   }
   // Tokens in no sequence (cannot happen with a well-formed batch) get zeros.
   std::vector<bool> covered(real, false);
