@@ -80,6 +80,7 @@ class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, model: LoadedModel):
         self.config = config
         self.engine = Engine(config, model)
+        self.engine.before_schedule = self._drain_adds
         self._commands: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -250,6 +251,17 @@ class AsyncLLMEngine:
         self._fail_streams(streams_error)
         if first and self.on_death is not None:
             self.on_death(error)
+
+    def _drain_adds(self) -> None:
+        """Add the requests posted so far, stopping at the first other command (an abort waits
+        for `_drain_commands`, after the step's outputs are out). Engine.step() calls this
+        just before it schedules the next step: a request that arrived during a step joins
+        the very next one, one step sooner than the loop's own drain would add it."""
+        while self._commands and self._commands[0][0] == "add":
+            _, payload = self._commands.popleft()
+            with self._pending_lock:
+                self._num_pending -= 1
+            self._add(payload)
 
     def _drain_commands(self) -> None:
         while self._commands:

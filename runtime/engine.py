@@ -20,7 +20,7 @@ import functools
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -190,6 +190,9 @@ class Engine:
         self._detok_tokenizer = copy.deepcopy(self.tokenizer) if self.tokenizer is not None else None
         self._texts = TokenTexts(self._detok_tokenizer)
         self._inflight: InFlightStep | None = None  # a step enqueued on the device, not yet collected
+        # Called in step() just before the next step is scheduled (AsyncLLMEngine adds the
+        # requests that arrived meanwhile here, so that they join that step, not the one after).
+        self.before_schedule: Callable[[], None] | None = None
         self._states: dict[str, RequestState] = {}  # user request id -> state
         self._rng = np.random.default_rng(config.seed)
         self._prompt_tokens = 0
@@ -463,6 +466,8 @@ class Engine:
                 if state is not None:
                     state.add_prompt_logprobs(rows, self._texts)
         advanced = self.scheduler.update_from_output(inflight.sched, result.sampled)
+        if self.before_schedule is not None:
+            self.before_schedule()
         self._inflight = self._dispatch_next()
 
         touched: dict[str, RequestState] = {}
