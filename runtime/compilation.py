@@ -43,10 +43,19 @@ def _pow2_range(lo: int, hi: int) -> list[int]:
 SMALL_STEP_TOKENS = 8
 
 
+# From this many tokens up, a bucket halfway (1.5x) between powers of two as well: a step of
+# 32 decodes and one ~100-token prompt (what serving under load runs between pure decode steps)
+# then pays for 192 tokens, not 256.
+MID_BUCKETS_FROM = 128
+
+
 def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
-    """Padded token counts: 1, 2, 4, 8, then powers of two from `smallest` up to the budget."""
+    """Padded token counts: 1, 2, 4, 8, then powers of two from `smallest` up to the budget,
+    with 1.5x steps between them from MID_BUCKETS_FROM (192, 384, ...)."""
     small = [b for b in (1, 2, 4, 8) if b <= min(SMALL_STEP_TOKENS, max_num_batched_tokens)]
-    return sorted(set(small + _pow2_range(min(smallest, max_num_batched_tokens), max_num_batched_tokens)))
+    pow2 = _pow2_range(min(smallest, max_num_batched_tokens), max_num_batched_tokens)
+    mid = [b * 3 // 2 for b in pow2 if b >= MID_BUCKETS_FROM and b * 3 // 2 < max_num_batched_tokens]
+    return sorted(set(small + pow2 + mid))
 
 
 def seq_buckets(max_num_seqs: int, smallest: int = 8) -> list[int]:
