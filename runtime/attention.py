@@ -463,6 +463,31 @@ def ragged_paged_attention(
     return _finish(state, num_heads, q.dtype)
 
 
+def per_kv_head_shard(attend, q, k_cache, v_cache, layer, window, batch: StepInput, *, mesh, cache_spec,
+                      kernel: str) -> jax.Array:
+    """attend(q, k_cache, v_cache, layer, window, batch) -> out [T, H, D], run per shard of the
+    KV cache's heads (shard_map) on a mesh of several devices, or as it is on one.
+
+    Each device attends with its own KV heads and the query heads that read them; the layer,
+    window and batch are replicated. `kernel` names the caller in the error for a cache
+    sharded along any other axis.
+    """
+    layer, window = jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)
+    if mesh is None or mesh.size == 1:
+        return attend(q, k_cache, v_cache, layer, window, batch)
+    spec = tuple(cache_spec or ()) + (None,) * (5 - len(tuple(cache_spec or ())))
+    if any(axis is not None for i, axis in enumerate(spec) if i != 2):
+        raise NotImplementedError(f"the {kernel} shards the KV cache by heads only, not {cache_spec}")
+    heads = jax.sharding.PartitionSpec(None, spec[2], None)  # q and out: query heads split as their KV heads are
+    replicated = jax.sharding.PartitionSpec()
+    cache = jax.sharding.PartitionSpec(*spec)
+    return jax.shard_map(
+        attend, mesh=mesh, check_vma=False,
+        in_specs=(heads, cache, cache, replicated, replicated, jax.tree.map(lambda _: replicated, batch)),
+        out_specs=heads,
+    )(q, k_cache, v_cache, layer, window, batch)
+
+
 def resolve_attention_backend(requested: str, platform: str) -> str:
     """The attention backend an engine on `platform` ("cpu", "gpu", "tpu") runs for the
     `attention_backend` setting: "xla", "pallas" or "cpu".

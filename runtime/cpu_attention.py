@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from runtime.attention import NO_SLIDING_WINDOW, per_kv_head_shard
 from runtime.step import StepInput
 
 logger = logging.getLogger("servax.engine")
@@ -149,27 +150,13 @@ def cpu_ragged_paged_attention(
     batch = jax.tree.map(jnp.asarray, batch)
     window = NO_WINDOW if sliding_window is None else sliding_window
     attend = functools.partial(_attend, scale=scale, soft_cap=logit_soft_cap)
-    args = (q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32), batch)
-    if mesh is None or mesh.size == 1:
-        return attend(*args)
-    spec = tuple(cache_spec or ()) + (None,) * (5 - len(tuple(cache_spec or ())))
-    if any(axis is not None for i, axis in enumerate(spec) if i != 2):
-        raise NotImplementedError(f"the CPU attention kernel shards the KV cache by heads only, not {cache_spec}")
-    heads = PartitionSpec(None, spec[2], None)
-    replicated = PartitionSpec()
-    return jax.shard_map(
-        attend, mesh=mesh, check_vma=False,
-        in_specs=(heads, PartitionSpec(*spec), PartitionSpec(*spec), replicated, replicated,
-                  jax.tree.map(lambda _: replicated, batch)),
-        out_specs=heads,
-    )(*args)
+    return per_kv_head_shard(attend, q, k_cache, v_cache, layer, window, batch, mesh=mesh, cache_spec=cache_spec,
+                             kernel="CPU attention kernel")
 
 
 def _attend(q, k_cache, v_cache, layer, window, batch: StepInput, *, scale: float,
             soft_cap: float | None) -> jax.Array:
     """cpu_ragged_paged_attention on one device's arrays."""
-    from runtime.attention import NO_SLIDING_WINDOW
-
     # The XLA path's "no window" (a huge traced width) is the kernel's too.
     window = jnp.where(window >= NO_SLIDING_WINDOW, NO_WINDOW, window)
     as_scalar = lambda x: jnp.reshape(jnp.asarray(x, jnp.int32), (1,))  # noqa: E731

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec
 
-from runtime.attention import NO_SLIDING_WINDOW
+from runtime.attention import NO_SLIDING_WINDOW, per_kv_head_shard
 from runtime.step import StepInput
 
 _MASK_VALUE = -1e30
@@ -165,19 +165,8 @@ def pallas_ragged_paged_attention(
     window = NO_SLIDING_WINDOW if sliding_window is None else sliding_window
     attend = functools.partial(_attend, scale=scale, logit_soft_cap=logit_soft_cap, query_tile=query_tile,
                                interpret=interpret)
-    if mesh is None or mesh.size == 1:
-        return attend(q, k_cache, v_cache, layer, window, batch)
-    spec = tuple(cache_spec or ()) + (None,) * (5 - len(tuple(cache_spec or ())))
-    if any(axis is not None for i, axis in enumerate(spec) if i != 2):
-        raise NotImplementedError(f"the Pallas kernel shards the KV cache by heads only, not {cache_spec}")
-    heads = PartitionSpec(None, spec[2], None)  # q and out: query heads split as their KV heads are
-    replicated = PartitionSpec()
-    return jax.shard_map(
-        attend, mesh=mesh, check_vma=False,
-        in_specs=(heads, PartitionSpec(*spec), PartitionSpec(*spec), replicated, replicated,
-                  jax.tree.map(lambda _: replicated, batch)),
-        out_specs=heads,
-    )(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32), batch)
+    return per_kv_head_shard(attend, q, k_cache, v_cache, layer, window, batch, mesh=mesh, cache_spec=cache_spec,
+                             kernel="Pallas kernel")
 
 
 def _attend(q, k_cache, v_cache, layer, window, batch: StepInput, *, scale: float, logit_soft_cap: float | None,

@@ -76,6 +76,98 @@ def build_batch(rng, specs, *, block_size, num_blocks, max_blocks, pad_tokens, p
 MIXED = [(0, 13), (20, 1), (7, 9), (0, 1), (33, 1), (16, 16), (3, 30)]
 
 
+def attend_after_write(backends, q, k_full, v_full, batch, n, **attention_kw) -> dict:
+    """Each backend's `paged_attention` output for a step that first writes its own K/V.
+
+    k_full/v_full [blocks, kv_heads, block_size, d] are the cache as it must be after the
+    write; before it, this step's slots hold garbage. Asserts every backend leaves exactly
+    k_full/v_full in the cache; returns {backend: out [T, H, D]}.
+    """
+    import jax.numpy as jnp
+
+    from runtime.step import KVCache
+
+    _, kv_heads, block_size, head_dim = k_full.shape
+    pad_tokens = q.shape[0]
+    slots = np.asarray(batch.slot_mapping)[:n]
+    flat = lambda c: np.asarray(c).swapaxes(1, 2).reshape(-1, kv_heads, head_dim)  # noqa: E731  [slots, kvh, d]
+    k_new = np.zeros((pad_tokens, kv_heads, head_dim), np.float32)
+    v_new = np.zeros_like(k_new)
+    k_new[:n], v_new[:n] = flat(k_full)[slots], flat(v_full)[slots]
+    k_old, v_old = flat(k_full).copy(), flat(v_full).copy()
+    k_old[slots], v_old[slots] = 99.0, -99.0  # garbage until this step writes it
+    unflat = lambda f: f.reshape(-1, block_size, kv_heads, head_dim).swapaxes(1, 2)[None]  # noqa: E731
+    outs = {}
+    for backend in backends:
+        cache = KVCache(jnp.asarray(unflat(k_old)), jnp.asarray(unflat(v_old)), attention_backend=backend)
+        step = jax.jit(lambda q, k, v, c, b: paged_attention(q, k, v, c, b, layer=0, **attention_kw))
+        out, cache = step(q, k_new, v_new, cache, batch)
+        assert cache.attention_backend == backend
+        np.testing.assert_array_equal(np.asarray(cache.k[0]), k_full)
+        np.testing.assert_array_equal(np.asarray(cache.v[0]), v_full)
+        outs[backend] = np.asarray(out)
+    return outs
+
+
+_SHARDED = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding
+sys.path.insert(0, "tests")
+from test_attention import MIXED, build_batch
+from runtime.attention import paged_attention
+from runtime.mesh import make_mesh
+from runtime.step import KVCacheSpec, allocate_kv_cache
+
+backend, block_size, head_dim = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rng = np.random.default_rng(5)
+results = {}
+for kv_heads in (4, 2):  # 4 KV heads: one per device; 2 on a 4-way axis: replicated
+    mesh = make_mesh(4)
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=kv_heads, head_dim=head_dim, dtype=jnp.float32)
+    sharding = NamedSharding(mesh, spec.partition_spec(mesh))
+    batch, seqs, n = build_batch(rng, MIXED, block_size=block_size, num_blocks=64, max_blocks=24,
+                                 pad_tokens=128, pad_seqs=8)
+    q = rng.standard_normal((128, 8, head_dim)).astype(np.float32)
+    k = rng.standard_normal((128, kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((128, kv_heads, head_dim)).astype(np.float32)
+    outs = {}
+    for name in ("xla", backend):
+        cache = allocate_kv_cache(spec, 64, block_size, sharding, attention_backend=name)
+        step = jax.jit(lambda q, k, v, c, b: paged_attention(q, k, v, c, b, layer=1, scale=0.35),
+                       donate_argnums=(3,))
+        out, cache = step(q, k, v, cache, batch)
+        outs[name] = np.asarray(out)[:n]
+    results[kv_heads] = dict(
+        spec=str(sharding.spec), max_diff=float(np.abs(outs[backend] - outs["xla"]).max()),
+        finite=bool(np.isfinite(outs[backend]).all()), devices=len(cache.k.sharding.device_set))
+print(json.dumps(results))
+"""
+
+
+def check_per_shard_against_xla(backend: str, *, block_size: int, head_dim: int) -> None:
+    """`backend` under tensor parallelism on 4 fake devices (a fresh process: the device count
+    is fixed at jax's start) equals the XLA backend on the same sharded cache, with the KV
+    heads really split (4 heads) and replicated (2 heads on a 4-way axis)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", _SHARDED, backend, str(block_size), str(head_dim)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for kv_heads, r in results.items():
+        assert r["devices"] == 4 and r["finite"], r
+        assert r["max_diff"] < TOL, (kv_heads, r)
+    assert "model" in results["4"]["spec"], results  # the heads really were split
+
+
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize(
     "heads,kv_heads,window,soft_cap",

@@ -8,24 +8,15 @@ the tiny models equal with attention_backend="pallas" and "xla").
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from app import LLM, SamplingParams
-from conftest import REPO
-from runtime.attention import paged_attention, resolve_attention_backend
+from runtime.attention import resolve_attention_backend
 from runtime.config import EngineConfig
 from runtime.pallas_attention import pallas_ragged_paged_attention
-from runtime.step import KVCache
-from test_attention import MIXED, TOL, build_batch, oracle
+from test_attention import MIXED, TOL, attend_after_write, build_batch, check_per_shard_against_xla, oracle
 
 # (heads, kv_heads, block_size, window, soft cap)
 CASES = [(4, 4, 4, None, None), (8, 2, 16, None, None), (6, 3, 4, 10, None), (4, 1, 4, None, 5.0)]
@@ -81,82 +72,19 @@ def test_kernel_long_chunks_and_prefix_hits_with_traced_window(specs, window):
 def test_paged_attention_dispatches_on_the_cache_backend():
     """paged_attention writes the step's K/V and attends the same through either backend."""
     rng = np.random.default_rng(3)
-    kv_heads, block_size, head_dim = 2, 4, 8
+    kv_heads, block_size = 2, 4
     batch, seqs, n, q, k_full, v_full = _cache_case(rng, MIXED, heads=8, kv_heads=kv_heads, block_size=block_size,
                                                     pad_tokens=128)
-    slots = np.asarray(batch.slot_mapping)[:n]
-    flat = lambda c: c.swapaxes(1, 2).reshape(-1, kv_heads, head_dim)  # noqa: E731  [slots, kv_heads, d]
-    k_new = np.zeros((128, kv_heads, head_dim), np.float32)
-    v_new = np.zeros_like(k_new)
-    k_new[:n], v_new[:n] = flat(k_full)[slots], flat(v_full)[slots]
-    # What earlier steps wrote, with this step's slots holding garbage until it writes them.
-    stale = lambda c, x: np.asarray(c).copy().swapaxes(1, 2).reshape(-1, kv_heads, head_dim)  # noqa: E731
-    k_old, v_old = stale(k_full, 0), stale(v_full, 0)
-    k_old[slots], v_old[slots] = 99.0, -99.0
-    unflat = lambda f: f.reshape(-1, block_size, kv_heads, head_dim).swapaxes(1, 2)[None]  # noqa: E731
-    outs = {}
-    for backend in ("xla", "pallas"):
-        cache = KVCache(jnp.asarray(unflat(k_old)), jnp.asarray(unflat(v_old)), attention_backend=backend)
-        step = jax.jit(lambda q, k, v, c, b: paged_attention(q, k, v, c, b, layer=0, scale=0.35, sliding_window=6))
-        out, cache = step(q, k_new, v_new, cache, batch)
-        assert cache.attention_backend == backend
-        np.testing.assert_array_equal(np.asarray(cache.k[0]), k_full)
-        np.testing.assert_array_equal(np.asarray(cache.v[0]), v_full)
-        outs[backend] = np.asarray(out)
+    outs = attend_after_write(("xla", "pallas"), q, k_full, v_full, batch, n, scale=0.35, sliding_window=6)
     want = oracle(q, k_full, v_full, seqs, scale=0.35, sliding_window=6)
     np.testing.assert_allclose(outs["pallas"][:n], want[:n], atol=TOL, rtol=0)
     np.testing.assert_allclose(outs["pallas"], outs["xla"], atol=TOL, rtol=0)
 
 
-_SHARDED = textwrap.dedent("""
-    import json, sys
-    import jax, jax.numpy as jnp, numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    sys.path.insert(0, "tests")
-    from test_attention import MIXED, build_batch, oracle
-    from runtime.attention import paged_attention
-    from runtime.mesh import make_mesh
-    from runtime.step import KVCacheSpec, allocate_kv_cache
-
-    rng = np.random.default_rng(5)
-    results = {}
-    for kv_heads in (4, 2):  # 4 KV heads: one per device; 2 on a 4-way axis: replicated
-        mesh = make_mesh(4)
-        spec = KVCacheSpec(num_layers=2, num_kv_heads=kv_heads, head_dim=8, dtype=jnp.float32)
-        sharding = NamedSharding(mesh, spec.partition_spec(mesh))
-        batch, seqs, n = build_batch(rng, MIXED, block_size=4, num_blocks=64, max_blocks=24, pad_tokens=128,
-                                     pad_seqs=8)
-        q = rng.standard_normal((128, 8, 8)).astype(np.float32)
-        k = rng.standard_normal((128, kv_heads, 8)).astype(np.float32)
-        v = rng.standard_normal((128, kv_heads, 8)).astype(np.float32)
-        outs = {}
-        for backend in ("xla", "pallas"):
-            cache = allocate_kv_cache(spec, 64, 4, sharding, attention_backend=backend)
-            step = jax.jit(lambda q, k, v, c, b: paged_attention(q, k, v, c, b, layer=1, scale=0.35),
-                           donate_argnums=(3,))
-            out, cache = step(q, k, v, cache, batch)
-            outs[backend] = np.asarray(out)[:n]
-            cache_k = np.asarray(cache.k[1])
-        results[kv_heads] = dict(
-            spec=str(sharding.spec), max_diff=float(np.abs(outs["pallas"] - outs["xla"]).max()),
-            finite=bool(np.isfinite(outs["pallas"]).all()), devices=len(cache.k.sharding.device_set))
-    print(json.dumps(results))
-""")
-
-
 def test_kernel_runs_per_shard_on_a_mesh_of_fake_devices():
     """Under tensor parallelism each device attends with its own KV heads (shard_map): the
     result equals the XLA backend's on the same sharded cache."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", _SHARDED], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    for kv_heads, r in results.items():
-        assert r["devices"] == 4 and r["finite"], r
-        assert r["max_diff"] < TOL, (kv_heads, r)
-    assert "model" in results["4"]["spec"], results  # the heads really were split
+    check_per_shard_against_xla("pallas", block_size=4, head_dim=8)
 
 
 def test_backend_resolution():
