@@ -7,6 +7,7 @@ time (`LLMEngine.step()`, host work included) at batch 1 and 32, timed over step
 every request is decoding (after all prompts were prefilled).
 
     python benchmarks/decode_floor.py
+    python benchmarks/decode_floor.py --attention-backends xla,cpu      # the C++ kernel against pure JAX (CPU)
     python benchmarks/decode_floor.py --attention-backends xla,pallas   # side by side (on a TPU)
 
 On CPU the Pallas backend runs interpreted (a correctness mode): its times there mean nothing.
@@ -30,7 +31,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--attention-backends", default="auto",
-                        help="comma-separated attention_backend values (auto, xla, pallas), timed in turn")
+                        help="comma-separated attention_backend values (auto, xla, pallas, cpu), timed in turn")
     args = parser.parse_args()
 
     from app import LLM
