@@ -145,6 +145,25 @@ print(json.dumps(results))
 """
 
 
+@pytest.mark.parametrize("backend,heads,kv_heads,block_size,head_dim,window", [
+    ("pallas", 8, 2, 4, 8, 6),  # interpreted on CPU
+    ("cpu", 9, 3, 16, 64, 30),  # the C++ kernel's compiled-in shape
+])
+def test_kernel_backends_write_and_attend_as_xla_does(backend, heads, kv_heads, block_size, head_dim, window):
+    """Through `paged_attention` a kernel backend writes the step's K/V into the cache exactly
+    as the XLA backend does, then attends as the oracle and the XLA backend do."""
+    rng = np.random.default_rng(3)
+    batch, seqs, n = build_batch(rng, MIXED, block_size=block_size, num_blocks=96, max_blocks=24, pad_tokens=128,
+                                 pad_seqs=8)
+    shape = (96, kv_heads, block_size, head_dim)
+    k_full, v_full = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((128, heads, head_dim)).astype(np.float32)
+    outs = attend_after_write(("xla", backend), q, k_full, v_full, batch, n, scale=0.35, sliding_window=window)
+    want = oracle(q, k_full, v_full, seqs, scale=0.35, sliding_window=window)
+    np.testing.assert_allclose(outs[backend][:n], want[:n], atol=TOL, rtol=0)
+    np.testing.assert_allclose(outs[backend], outs["xla"], atol=TOL, rtol=0)
+
+
 def check_per_shard_against_xla(backend: str, *, block_size: int, head_dim: int) -> None:
     """`backend` under tensor parallelism on 4 fake devices (a fresh process: the device count
     is fixed at jax's start) equals the XLA backend on the same sharded cache, with the KV

@@ -16,7 +16,7 @@ from app import LLM, SamplingParams
 from runtime.attention import resolve_attention_backend
 from runtime.config import EngineConfig
 from runtime.pallas_attention import pallas_ragged_paged_attention
-from test_attention import MIXED, TOL, attend_after_write, build_batch, check_per_shard_against_xla, oracle
+from test_attention import MIXED, TOL, build_batch, check_per_shard_against_xla, oracle
 
 # (heads, kv_heads, block_size, window, soft cap)
 CASES = [(4, 4, 4, None, None), (8, 2, 16, None, None), (6, 3, 4, 10, None), (4, 1, 4, None, 5.0)]
@@ -67,18 +67,6 @@ def test_kernel_long_chunks_and_prefix_hits_with_traced_window(specs, window):
     got = np.asarray(traced(q, k[None], v[None], batch, w))
     want = oracle(q, k, v, seqs, scale=0.35, sliding_window=window)
     np.testing.assert_allclose(got[:n], want[:n], atol=TOL, rtol=0)
-
-
-def test_paged_attention_dispatches_on_the_cache_backend():
-    """paged_attention writes the step's K/V and attends the same through either backend."""
-    rng = np.random.default_rng(3)
-    kv_heads, block_size = 2, 4
-    batch, seqs, n, q, k_full, v_full = _cache_case(rng, MIXED, heads=8, kv_heads=kv_heads, block_size=block_size,
-                                                    pad_tokens=128)
-    outs = attend_after_write(("xla", "pallas"), q, k_full, v_full, batch, n, scale=0.35, sliding_window=6)
-    want = oracle(q, k_full, v_full, seqs, scale=0.35, sliding_window=6)
-    np.testing.assert_allclose(outs["pallas"][:n], want[:n], atol=TOL, rtol=0)
-    np.testing.assert_allclose(outs["pallas"], outs["xla"], atol=TOL, rtol=0)
 
 
 def test_kernel_runs_per_shard_on_a_mesh_of_fake_devices():
