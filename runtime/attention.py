@@ -592,18 +592,12 @@ def paged_attention(
     else:
         k_cache, v_cache = write_kv(kv_cache.k, kv_cache.v, k, v, batch.slot_mapping, layer)
         written = {"k": k_cache, "v": v_cache}
-    if kv_cache.attention_backend == "cpu":
-        from runtime.cpu_attention import cpu_ragged_paged_attention
-
-        out = cpu_ragged_paged_attention(
-            jnp.asarray(q), k_cache, v_cache, layer, batch, scale=scale, sliding_window=sliding_window,
-            logit_soft_cap=logit_soft_cap, mesh=kv_cache.mesh, cache_spec=kv_cache.partition_spec,
-        )
-        return out, dataclasses.replace(kv_cache, k=k_cache, v=v_cache)
-    if kv_cache.attention_backend == "pallas":
-        from runtime.pallas_attention import pallas_ragged_paged_attention
-
-        out = pallas_ragged_paged_attention(
+    if kv_cache.attention_backend in ("cpu", "pallas"):  # a kernel reads the whole context from the cache
+        if kv_cache.attention_backend == "cpu":
+            from runtime.cpu_attention import cpu_ragged_paged_attention as kernel
+        else:
+            from runtime.pallas_attention import pallas_ragged_paged_attention as kernel
+        out = kernel(
             jnp.asarray(q), k_cache, v_cache, layer, batch, scale=scale, sliding_window=sliding_window,
             logit_soft_cap=logit_soft_cap, mesh=kv_cache.mesh, cache_spec=kv_cache.partition_spec,
         )
