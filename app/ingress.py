@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import importlib.metadata
+import inspect
 import json
 import logging
 import re
@@ -51,6 +52,13 @@ SERVAX_VERSION = importlib.metadata.version("servax")
 # Largest request body accepted: 16 MiB holds a max-length prompt of any model many times
 # over; beyond it the ingress answers 413 before reading further.
 MAX_REQUEST_BODY_BYTES = 16 * 2**20
+# The model's chunks stream to the ingress by value over the replicas' gRPC channel, not as
+# one Ray object per chunk (Serve's default, "by reference"): on 2 cores this halved the
+# ingress's CPU per token and gave +7% output tokens/s at 8 streams (benchmarks/RESULTS.md,
+# "Stop 33"). The option is private to Ray Serve (what RAY_SERVE_THROUGHPUT_OPTIMIZED sets
+# for every handle); a Ray without it keeps the default.
+STREAM_OPTIONS = ({"stream": True, "_by_reference": False}
+                  if "_by_reference" in inspect.signature(DeploymentHandle.options).parameters else {"stream": True})
 # Lists the request fields servax did not know and ignored (vLLM only logs them).
 IGNORED_FIELDS_HEADER = "x-servax-ignored-fields"
 
@@ -199,7 +207,7 @@ class OpenAIRouter:
         headers = {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {}
         if ignored:
             logger.warning("The following fields were present in the request but ignored: %s", ignored)
-        gen = getattr(handle.options(stream=True), method).remote(body, lora)
+        gen = getattr(handle.options(**STREAM_OPTIONS), method).remote(body, lora)
         try:
             first = await gen.__anext__()
         except asyncio.CancelledError:  # the client left before the first token

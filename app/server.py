@@ -162,6 +162,7 @@ class LLMServer:
         return (f"model={self.model_id} source={self.llm_config.model_loading_config.source} "
                 f"impl={mc.get('impl')} dtype={mc.get('dtype')} max_model_len={mc.get('max_model_len')} "
                 f"devices={device_text} mesh={mc.get('mesh')} kv_blocks={mc.get('kv_blocks')}x{mc.get('block_size')} "
+                f"attention={mc.get('attention_backend')} "
                 f"buckets[{buckets}] warmup={mc.get('warmup_seconds')}s startup={self.startup_s:.1f}s "
                 f"metrics={'on' if self.metrics.enabled else 'off'}")
 

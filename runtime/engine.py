@@ -306,6 +306,7 @@ class Engine:
             max_model_len=self.max_model_len, vocab_size=self.model.vocab_size,
             devices=[str(d) for d in self.mesh.devices.flat], mesh=dict(self.mesh.shape),
             kv_blocks=self.num_blocks, block_size=self.block_size,
+            attention_backend=self.runner.kv_cache.attention_backend,
             token_buckets=self.runner.token_buckets, seq_buckets=self.runner.seq_buckets,
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
             served_model_name=self.served_model_name,
