@@ -123,16 +123,26 @@ def load_tokenizer(
 ) -> Any:
     """A transformers tokenizer from a folder or hub ID; None when there is none, unless required.
 
-    Custom tokenizer code runs only with trust_remote_code.
+    Custom tokenizer code runs only with trust_remote_code. A local folder's tokenizer is
+    built with the class AutoTokenizer chose for it at an earlier start, when recorded
+    (registry.hf_cache), which spares AutoTokenizer's import of torch.
 
     Raises:
         ModelLoadError: `required` and it cannot be loaded.
     """
-    from transformers import AutoTokenizer
+    from registry import hf_cache
 
     try:
-        return AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code, revision=revision,
-                                             use_fast=use_fast)
+        recorded = None if trust_remote_code or revision is not None else hf_cache.recorded_tokenizer_class(source)
+        if recorded is not None:  # what AutoTokenizer chose before, built the way it builds it (no torch import)
+            return recorded.from_pretrained(str(source), _from_auto=True)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code,
+                                                  revision=revision, use_fast=use_fast)
+        if not trust_remote_code and revision is None:
+            hf_cache.record_tokenizer_class(source, tokenizer)
+        return tokenizer
     except (OSError, ValueError, TypeError, ImportError) as e:  # no tokenizer files, or unreadable ones
         if required:
             raise ModelLoadError(f"tokenizer {source}: cannot be loaded: {type(e).__name__}: {e}") from e

@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from registry import hf_cache
 from registry.errors import ModelLoadError
 from registry.native import NATIVE_MODELS
 
@@ -28,7 +29,8 @@ class ResolvedModel:
     Attributes:
         model_id: what the user asked for.
         path: the folder holding config.json and the weights.
-        hf_config: the transformers PretrainedConfig.
+        hf_config: the transformers PretrainedConfig; for a native model possibly its attributes as an
+            earlier start recorded them (registry.hf_cache.ConfigRecord).
         architecture: config.architectures[0], e.g. "LlamaForCausalLM".
         impl: "jax" (a native models_jax model) or "torchax" (wrapped transformers model).
         trust_remote_code: whether the checkpoint's own modelling code may run (torchax path).
@@ -63,12 +65,7 @@ def resolve(
     path = _find_files(model_id, revision)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{model_id}: no config.json in {path}; is it a Hugging Face checkpoint folder?")
-    import transformers
-
-    try:
-        hf_config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except Exception as e:  # transformers raises many kinds; the user needs the path and the cause
-        raise ModelLoadError(f"{model_id}: cannot read {path / 'config.json'}: {e}") from e
+    hf_config = _read_config(model_id, path, model_impl, trust_remote_code)
     for key, value in (hf_overrides or {}).items():
         setattr(hf_config, key, value)
     architectures = getattr(hf_config, "architectures", None) or []
@@ -83,6 +80,24 @@ def resolve(
         )
     chosen = "jax" if model_impl == "jax" or (model_impl == "auto" and native) else "torchax"
     return ResolvedModel(model_id, path, hf_config, architecture, chosen, trust_remote_code)
+
+
+def _read_config(model_id: str, path: Path, model_impl: str, trust_remote_code: bool) -> Any:
+    """The checkpoint's config: transformers' PretrainedConfig, or for a native model the
+    attributes an earlier start recorded (registry.hf_cache: no torch import)."""
+    if model_impl != "torchax" and not trust_remote_code:
+        recorded = hf_cache.recorded_config(path)
+        if recorded is not None and (getattr(recorded, "architectures", None) or [None])[0] in NATIVE_MODELS:
+            return recorded
+    import transformers
+
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers raises many kinds; the user needs the path and the cause
+        raise ModelLoadError(f"{model_id}: cannot read {path / 'config.json'}: {e}") from e
+    if not trust_remote_code and (getattr(hf_config, "architectures", None) or [None])[0] in NATIVE_MODELS:
+        hf_cache.record_config(path, hf_config)
+    return hf_config
 
 
 def model_impl_setting(model_impl: str, impl: str | None) -> str:

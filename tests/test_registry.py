@@ -32,6 +32,11 @@ def edited_copy(src: Path, dst: Path, **config_changes) -> Path:
     return dst
 
 
+def unrecorded_copy(src: Path, dst: Path) -> Path:
+    """A copy of a checkpoint that no earlier load recorded (registry.hf_cache keys on content)."""
+    return edited_copy(src, dst, servax_test_copy=str(dst))
+
+
 def test_resolve_tiny_id_picks_native_jax(servax_cache):
     resolved = registry.resolve("servax-tiny/llama")
     assert resolved.architecture == "LlamaForCausalLM" and resolved.impl == "jax"
@@ -315,3 +320,70 @@ def test_model_info_is_read_once_for_both_paths(tmp_path):
     assert jax_dtype("bfloat16") == jax_dtype(jnp.bfloat16) == jnp.bfloat16
     assert jax_dtype("auto", types.SimpleNamespace(dtype="torch.float16")) == jnp.float16
     assert jax_dtype("auto", types.SimpleNamespace()) == jnp.float32
+
+
+@pytest.mark.parametrize("name", ["llama", "llama3", "mistral", "qwen2", "qwen3"])
+def test_recorded_config_and_tokenizer_build_what_transformers_builds(tiny_checkpoint, tmp_path, name):
+    """A native model's second start reads the config and tokenizer class an earlier start
+    recorded (registry.hf_cache), and gets the same model arguments and the same tokenizer."""
+    import transformers
+
+    from registry.hf_cache import ConfigRecord
+    from registry.model_info import eos_token_ids, load_tokenizer, max_model_len
+    from registry.native import NATIVE_MODELS
+
+    path = unrecorded_copy(tiny_checkpoint(name), tmp_path / name)
+    first, second = registry.resolve(str(path)), registry.resolve(str(path))
+    assert not isinstance(first.hf_config, ConfigRecord) and isinstance(second.hf_config, ConfigRecord)
+    real = transformers.AutoConfig.from_pretrained(path)
+    from_hf = NATIVE_MODELS[second.architecture].config_from_hf
+    assert from_hf(second.hf_config) == from_hf(real)
+    assert second.hf_config.to_dict() == json.loads(json.dumps(real.to_dict()))
+    assert max_model_len(second.hf_config) == max_model_len(real)
+    assert eos_token_ids(path, second.hf_config) == eos_token_ids(path, real)
+
+    want = transformers.AutoTokenizer.from_pretrained(str(path))
+    load_tokenizer(path)  # records the class
+    got = load_tokenizer(path)
+    text = "Hello <|im_start|>wörld 123\n"
+    chat = [{"role": "user", "content": "hi"}]
+    assert type(got) is type(want) and got.get_vocab() == want.get_vocab()
+    assert got(text)["input_ids"] == want(text)["input_ids"]
+    assert got.all_special_tokens == want.all_special_tokens and got.eos_token_id == want.eos_token_id
+    assert (got.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == want.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+
+
+def test_recorded_config_follows_edits_and_the_torchax_path(tiny_checkpoint, tmp_path):
+    from registry.hf_cache import ConfigRecord
+
+    path = unrecorded_copy(tiny_checkpoint("llama"), tmp_path / "llama")
+    registry.resolve(str(path))
+    assert isinstance(registry.resolve(str(path)).hf_config, ConfigRecord)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 0.125}))
+    edited = registry.resolve(str(path))
+    assert not isinstance(edited.hf_config, ConfigRecord) and edited.hf_config.rms_norm_eps == 0.125
+    assert registry.resolve(str(path)).hf_config.rms_norm_eps == 0.125  # recorded anew
+    forced = registry.resolve(str(path), model_impl="torchax")  # builds the transformers model: the real config
+    assert forced.impl == "torchax" and not isinstance(forced.hf_config, ConfigRecord)
+    overridden = registry.resolve(str(path), hf_overrides={"rms_norm_eps": 0.5})
+    assert overridden.hf_config.rms_norm_eps == 0.5 and registry.resolve(str(path)).hf_config.rms_norm_eps == 0.125
+
+
+def test_warm_start_of_a_native_model_imports_no_torch(tiny_checkpoint, tmp_path):
+    """transformers' config classes import torch (seconds); a native model's second load in a
+    fresh process needs neither, and still loads and tokenizes."""
+    path = unrecorded_copy(tiny_checkpoint("qwen3"), tmp_path / "qwen3")
+    script = textwrap.dedent(f"""
+        import json, sys
+        import registry
+        model = registry.load({str(path)!r})
+        print(json.dumps({{"torch": "torch" in sys.modules, "ids": model.tokenizer("hello world")["input_ids"],
+                           "layers": model.stages.num_layers}}))
+    """)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
+                                      text=True, check=True).stdout.strip().splitlines()[-1]) for _ in range(2)]
+    assert runs[0]["torch"] and not runs[1]["torch"]
+    assert runs[0]["ids"] == runs[1]["ids"] and runs[0]["layers"] == runs[1]["layers"] == 2
