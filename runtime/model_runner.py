@@ -18,7 +18,7 @@ import logging
 import os
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 import jax
@@ -187,24 +187,24 @@ class ModelRunner:
     def compile_programs(self, show_progress: bool = True) -> None:
         """Compile the step of every bucket and the sampler variants of every sequence bucket.
 
-        Programs are traced and lowered one by one (Python), then compiled ahead of time on
-        a thread pool (XLA compiles outside the GIL, so the cores share the work); nothing runs.
+        Programs are traced and lowered one by one (Python, this thread) and each is handed
+        to a thread pool to compile ahead of time as soon as it is lowered (XLA compiles
+        outside the GIL, so compiling overlaps the tracing of the next ones and the cores
+        share the work); nothing runs.
         """
         pairs = self.bucket_pairs()
-        with warnings.catch_warnings():
+        workers = max(1, min(8, os.cpu_count() or 1))
+        with warnings.catch_warnings(), ThreadPoolExecutor(workers, thread_name_prefix="servax-compile") as pool:
             # The CPU backend cannot donate the KV cache; its lowering-time warning is noise.
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            lowered = []
+            compiling = []
             for t, s in tqdm(pairs, desc="servax: tracing buckets", disable=not show_progress):
-                lowered += self._lower_step(self._padding_step_input(t, s))
+                compiling += [pool.submit(program.compile) for program in self._lower_step(self._padding_step_input(t, s))]
             for s in sorted({s for _, s in pairs}):
-                lowered += self._lower_samplers(s)
-            workers = max(1, min(8, os.cpu_count() or 1))
-            with ThreadPoolExecutor(workers, thread_name_prefix="servax-compile") as pool:
-                done = pool.map(lambda program: program.compile(), lowered)
-                for _ in tqdm(done, total=len(lowered), desc="servax: compiling programs",
-                              disable=not show_progress):
-                    pass
+                compiling += [pool.submit(program.compile) for program in self._lower_samplers(s)]
+            for future in tqdm(as_completed(compiling), total=len(compiling), desc="servax: compiling programs",
+                               disable=not show_progress):
+                future.result()
 
     def step_seconds(self, num_tokens: int, context: int = 128, repeats: int = 3) -> float:
         """Median time of a compiled step plus greedy sampling of `num_tokens` single-token
