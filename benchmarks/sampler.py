@@ -1,7 +1,9 @@
 """The sampler program alone: milliseconds per call on [rows, vocab] logits, per setting.
 
 Greedy, temperature, temperature + top-p, temperature + top-k + top-p, on the demo model's
-vocabulary (49152) at 32 rows, float32, compiled once each (compile seconds shown too).
+vocabulary (49152) at 32 rows, float32, compiled once each (compile seconds shown too); the
+top-k / top-p cut both ways: the XLA bisection and the C++ kernel (XLA:CPU, one device: what
+serving uses there), side by side.
 
     python benchmarks/sampler.py
     python benchmarks/sampler.py --rows 8 --vocab 151936
@@ -38,18 +40,14 @@ def main() -> None:
 
     import jax
 
+    from runtime.cpu_attention import kernel_status
     from runtime.sampler import SamplingBatch, empty_sampling_batch, sample
 
+    kernel = jax.default_backend() == "cpu" and kernel_status() == "ok"
     logits = np.random.default_rng(0).normal(size=(args.rows, args.vocab)).astype(np.float32) * 3
-    jitted = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "all_greedy"))
-    rows = []
-    for name, settings in SETTINGS.items():
-        b = empty_sampling_batch(args.rows, 1)
-        for key, value in settings.items():
-            b[key][...] = value
-        b["seeds"][...] = np.arange(args.rows)
-        batch = SamplingBatch(**b)
-        static = dict(num_logprobs=1, use_penalties=False, all_greedy=not settings)
+    jitted = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "all_greedy", "cpu_kernel"))
+
+    def timed(batch, **static) -> tuple[float, float]:
         t0 = time.perf_counter()
         compiled = jitted.lower(logits, batch, **static).compile()
         compile_s = time.perf_counter() - t0
@@ -59,9 +57,28 @@ def main() -> None:
             t0 = time.perf_counter()
             jax.block_until_ready(compiled(logits, batch))
             times.append(time.perf_counter() - t0)
-        rows.append([name, f"{np.median(times) * 1e3:.1f}", f"{compile_s:.2f}"])
+        return float(np.median(times)) * 1e3, compile_s
+
+    rows = []
+    for name, settings in SETTINGS.items():
+        b = empty_sampling_batch(args.rows, 1)
+        for key, value in settings.items():
+            b[key][...] = value
+        b["seeds"][...] = np.arange(args.rows)
+        batch = SamplingBatch(**b)
+        static = dict(num_logprobs=1, use_penalties=False, all_greedy=not settings)
+        ms, compile_s = timed(batch, **static)
+        row = [name, f"{ms:.1f}", f"{compile_s:.2f}"]
+        if kernel:
+            ms_k, _ = timed(batch, **static, cpu_kernel=True)
+            row += [f"{ms_k:.1f}", f"{ms / ms_k:.1f}x"]
+        else:
+            row += ["-", "-"]
+        rows.append(row)
+    note = "" if kernel else f"\n\n- C++ kernel not measured: {kernel_status() if jax.default_backend() == 'cpu' else 'not XLA:CPU'}"
     record(f"Sampler program, [{args.rows}, {args.vocab}] float32 logits",
-           table(["setting", "ms per call (median)", "compile s"], rows))
+           table(["setting", "ms per call (median), XLA cut", "compile s", "ms, C++ kernel cut", "kernel speedup"],
+                 rows) + note)
 
 
 if __name__ == "__main__":

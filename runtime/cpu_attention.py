@@ -7,7 +7,8 @@ on the demo model that copy, not the arithmetic, is most of a decode step's atte
 block where it lies, once per (sequence, KV head, query tile), with an online softmax; it
 runs on XLA's own intra-op threads.
 
-The kernel (runtime/kernels/paged_attention.cc) is compiled on first use with the
+The kernel (runtime/kernels/paged_attention.cc) is compiled on first use, in one library with
+the sampler's top-k/top-p cut (runtime/kernels/sampling.cc, see runtime/sampler.py), with the
 machine's C++ compiler (`CXX`, else g++ or c++) against the XLA FFI headers jaxlib ships,
 for the CPU it runs on (-march=native), and kept in ~/.cache/servax/kernels/ under a key
 of source, flags, jaxlib version and CPU: later starts load it in milliseconds. Where no
@@ -42,8 +43,9 @@ from runtime.step import StepInput
 
 logger = logging.getLogger("servax.engine")
 
-_SOURCE = Path(__file__).with_name("kernels") / "paged_attention.cc"
+_SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("paged_attention.cc", "sampling.cc"))
 _TARGET = "servax_paged_attention"
+TRUNCATION_TARGET = "servax_truncation_cut"  # runtime/sampler.py's top-k/top-p cut
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
 NO_WINDOW = 0  # the kernel's "no sliding window"
 
@@ -76,17 +78,17 @@ def _build(compiler: str) -> Path:
     """The kernel's shared library, compiled now unless a build for this machine is cached."""
     import jaxlib
 
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), jaxlib.__version__.encode(),
+    sources = [source.read_bytes() for source in _SOURCES]
+    key = hashlib.sha256(b"\0".join([*sources, " ".join(_FLAGS).encode(), jaxlib.__version__.encode(),
                                      _cpu_key().encode(), compiler.encode()])).hexdigest()[:16]
-    out = kernel_cache_dir() / f"paged_attention-{key}.so"
+    out = kernel_cache_dir() / f"servax_kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("compiling the CPU attention kernel (once per machine) -> %s", out)
+    logger.info("compiling the CPU kernels (once per machine) -> %s", out)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
-        cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(part)]
+        cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", str(part)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
@@ -113,8 +115,8 @@ def _load() -> str:
         return "no C++ compiler found (set CXX, or install g++)"
     try:
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
-        handler = jax.ffi.pycapsule(library.ServaxPagedAttention)
-        jax.ffi.register_ffi_target(_TARGET, handler, platform="cpu")
+        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.ServaxPagedAttention), platform="cpu")
+        jax.ffi.register_ffi_target(TRUNCATION_TARGET, jax.ffi.pycapsule(library.ServaxTruncationCut), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure leaves the XLA path, with the reason
         return f"{type(e).__name__}: {e}"
     return "ok"

@@ -122,7 +122,8 @@ class ModelRunner:
         self.lora_targets = model.lora_targets if self._has_lora_slots() else None
         self._slot_writers: dict[Any, Any] = {}
         self.mask_words = mask_words(model.vocab_size)  # packed token-mask row of the logits' vocabulary
-        self._sample = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "all_greedy"))
+        self._sample = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "all_greedy", "cpu_kernel"))
+        self.sample_kernel = _sample_kernel_usable(mesh)  # top-k / top-p cut by the C++ kernel
 
     # -- LoRA slots ----------------------------------------------------------------------
     def _layers(self):
@@ -244,7 +245,7 @@ class ModelRunner:
         logits = jax.ShapeDtypeStruct((s, self.model.vocab_size), jnp.float32, sharding=self.replicated)
         return [
             self._sample.lower(logits, self._sampling_batch_padding(s, penalties), num_logprobs=self.num_logprobs,
-                               use_penalties=penalties, all_greedy=greedy)
+                               use_penalties=penalties, all_greedy=greedy, cpu_kernel=self.sample_kernel)
             for penalties in (False, True) for greedy in (False, True)
         ]
 
@@ -264,7 +265,8 @@ class ModelRunner:
             sb = {f.name: getattr(sb, f.name) for f in dataclasses.fields(sb)}
         if self.peers is not None:
             self.peers.call("sample", sb, flags)
-        return self._sample(logits, SamplingBatch(**sb), num_logprobs=self.num_logprobs, **flags)
+        return self._sample(logits, SamplingBatch(**sb), num_logprobs=self.num_logprobs,
+                            cpu_kernel=self.sample_kernel, **flags)
 
     def _padding_step_input(self, t: int, s: int):
         return make_step_input(
@@ -405,3 +407,14 @@ class ModelRunner:
             hist = (req.all_token_ids + list(drafts))[: self.max_model_len]
             sb["token_history"][r, :len(hist)] = hist
             sb["prompt_lens"][r] = req.num_prompt_tokens
+
+
+def _sample_kernel_usable(mesh: Mesh) -> bool:
+    """Whether the sampler cuts top-k / top-p with the C++ kernel: XLA:CPU, a one-device mesh
+    (the kernel is not partitioned), and the kernels built (runtime.cpu_attention)."""
+    devices = mesh.devices.flat
+    if mesh.devices.size != 1 or next(iter(devices)).platform != "cpu":
+        return False
+    from runtime.cpu_attention import kernel_available
+
+    return kernel_available()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -102,11 +104,15 @@ def _truncate_by_sorting(logits, top_k, top_p, min_p):
     return out
 
 
+@pytest.mark.parametrize("cpu_kernel", [False, True], ids=["bisection", "cpu_kernel"])
 @pytest.mark.parametrize("vocab", [7, 1000, 49152])
-def test_sort_free_truncation_equals_sorting(vocab):
-    """The bisection over bit patterns keeps exactly the tokens a full sort would keep."""
+def test_sort_free_truncation_equals_sorting(vocab, cpu_kernel):
+    """The bisection over bit patterns, and the C++ kernel (runtime/kernels/sampling.cc), keep
+    exactly the tokens a full sort would keep."""
+    if cpu_kernel:
+        require_cpu_kernels()
     rng = np.random.default_rng(vocab)
-    rows = 12
+    rows = 16
     logits = (rng.normal(size=(rows, vocab)) * rng.uniform(0.5, 8, size=(rows, 1))).astype(np.float32)
     logits[0, : vocab // 2] = -np.inf  # a constrained row
     top_k = rng.choice([0, 1, 5, 50, vocab], size=rows).astype(np.int32)
@@ -114,12 +120,43 @@ def test_sort_free_truncation_equals_sorting(vocab):
     min_p = rng.choice([0.0, 0.0, 0.1], size=rows).astype(np.float32)
     b = empty_sampling_batch(rows, 1)
     b.update(top_k=top_k, top_p=top_p, min_p=min_p)
-    got = np.asarray(jax.jit(_truncate)(logits, SamplingBatch(**b)))
+    truncate = jax.jit(functools.partial(_truncate, cpu_kernel=cpu_kernel))
+    got = np.asarray(truncate(logits, SamplingBatch(**b)))
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(_truncate_by_sorting(logits, top_k, top_p, min_p)))
     np.testing.assert_array_equal(got[np.isfinite(got)], logits[np.isfinite(got)])
     # Each search runs only when some row asks for it: no top-k / top-p rows keep everything finite.
     b.update(top_k=np.zeros(rows, np.int32), top_p=np.ones(rows, np.float32), min_p=np.zeros(rows, np.float32))
-    np.testing.assert_array_equal(np.asarray(jax.jit(_truncate)(logits, SamplingBatch(**b))), logits)
+    np.testing.assert_array_equal(np.asarray(truncate(logits, SamplingBatch(**b))), logits)
+
+
+def require_cpu_kernels() -> None:
+    from runtime.cpu_attention import kernel_status
+
+    assert kernel_status() == "ok", f"the CPU kernels must build on the test machine: {kernel_status()}"
+
+
+def test_cpu_kernel_draws_the_tokens_the_bisection_draws():
+    """Same seeds, same settings: the sampler draws the same tokens with either cut."""
+    require_cpu_kernels()
+    rng = np.random.default_rng(3)
+    rows, vocab = 32, 49152
+    logits = (rng.normal(size=(rows, vocab)) * 3).astype(np.float32)
+    b = empty_sampling_batch(rows, 1)
+    b.update(temperature=rng.uniform(0.3, 1.5, rows).astype(np.float32),
+             top_k=rng.choice([0, 20, 200], rows).astype(np.int32),
+             top_p=rng.choice([1.0, 0.95, 0.8], rows).astype(np.float32), seeds=np.arange(rows, dtype=np.uint32))
+    draws = [np.asarray(jax.jit(sample, static_argnames=("num_logprobs", "cpu_kernel"))(
+        logits, SamplingBatch(**b), num_logprobs=1, cpu_kernel=k).sampled) for k in (False, True)]
+    np.testing.assert_array_equal(draws[0], draws[1])
+
+    # Ties (a stable sort would break them; both cuts keep every token tied with the cut).
+    logits[:8] = np.round(logits[:8])
+    logits[8:12] = 0.5
+    logits[12:16, ::3] = -np.inf
+    b.update(top_k=np.tile(np.array([0, 3, 40, 2], np.int32), 8), top_p=np.tile(np.array([0.6, 1.0, 0.3, 0.99], np.float32), 8))
+    cuts = [np.asarray(jax.jit(functools.partial(_truncate, cpu_kernel=k))(logits, SamplingBatch(**b)))
+            for k in (False, True)]
+    np.testing.assert_array_equal(cuts[0], cuts[1])
 
 
 def test_top_p_keeps_the_smallest_set_reaching_the_mass():

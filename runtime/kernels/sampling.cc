@@ -1,0 +1,194 @@
+// The sampler's top-k / top-p cut for XLA:CPU (runtime/sampler.py, `_truncate`).
+//
+// For each row of temperature-scaled logits [S, V] it finds the smallest sortable key
+// (runtime/sampler.py `_sortable`: float32 bits mapped so that unsigned order is float order)
+// that the row keeps; the sampler then masks every token whose key is below it. Same
+// definition as the XLA path's bisection:
+//   top-k: keep the k largest keys (ties with the k-th included);
+//   top-p: over the softmax of what top-k kept, keep each token whose key is at least the
+//          smallest key c with mass(keys > c) < top_p.
+// A row asking for neither gets 0 (keeps all). The XLA path searches 32 passes over the row;
+// here each cut takes one pass building a 4096-bin histogram by the key's top 12 bits (of
+// counts for top-k, of probability mass for top-p), then a selection or sort within the one
+// bin the cut falls in. Masses are summed in
+// double, not in XLA's float32 order, so a cut exactly at a float rounding of top_p may land
+// one token apart from the XLA path's.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kBinBits = 12;
+constexpr int kBins = 1 << kBinBits;
+
+inline uint32_t Sortable(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return (bits >> 31) ? ~bits : (bits | 0x80000000u);
+}
+
+// exp(x) for x <= 0 to ~2 float32 ulps (2^x: a degree-6 polynomial of the fraction, the
+// integer part into the exponent bits); written so that the row loops vectorize, where the
+// scalar libm call would be most of the kernel's time.
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504088896341f;
+  const float whole = std::floor(t);
+  const float f = t - whole;
+  float p = 1.5252733804059840e-5f;
+  p = p * f + 1.5403530393381609e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  const uint32_t bits = uint32_t(int32_t(whole) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// The key cut of one row (see the file comment).
+uint32_t RowCut(const float* logits, int64_t V, int32_t top_k, float top_p, std::vector<uint32_t>& keys,
+                std::vector<float>& probs) {
+  const int64_t k = (top_k > 0) ? std::min<int64_t>(top_k, V) : V;
+  const bool use_p = top_p < 1.0f;
+  if (k == V && !use_p) return 0;
+  keys.resize(V);
+  for (int64_t v = 0; v < V; ++v) keys[v] = Sortable(logits[v]);
+  uint32_t kth = 0;
+  if (k < V) {  // the k-th largest key: count keys per bin, then select within the bin holding it
+    int64_t count[kBins] = {0};
+    for (int64_t v = 0; v < V; ++v) ++count[keys[v] >> (32 - kBinBits)];
+    int64_t above = 0;
+    int bin = kBins - 1;
+    for (; bin > 0 && above + count[bin] < k; --bin) above += count[bin];
+    std::vector<uint32_t> members;
+    members.reserve(count[bin]);
+    for (int64_t v = 0; v < V; ++v)
+      if (int(keys[v] >> (32 - kBinBits)) == bin) members.push_back(keys[v]);
+    const int64_t rank = k - above - 1;  // within the bin, largest first
+    std::nth_element(members.begin(), members.begin() + rank, members.end(), std::greater<uint32_t>());
+    kth = members[rank];
+  }
+  if (!use_p) return kth;
+
+  // Softmax over the kept tokens (key >= kth), in double.
+  float top = -INFINITY;
+  for (int64_t v = 0; v < V; ++v)
+    if (keys[v] >= kth) top = std::max(top, logits[v]);
+  if (!std::isfinite(top)) return kth;  // nothing finite to weigh: top-p has no say
+  probs.resize(V);
+  double total = 0.0;
+  float* pr = probs.data();
+  const uint32_t* ky = keys.data();
+  for (int64_t v = 0; v < V; ++v) pr[v] = ky[v] >= kth ? ExpNonPositive(logits[v] - top) : 0.0f;
+  for (int64_t v = 0; v < V; ++v) total += pr[v];
+  const double inv = 1.0 / total;
+  double mass[kBins] = {0.0};
+  for (int64_t v = 0; v < V; ++v)
+    if (probs[v] > 0.0f) mass[keys[v] >> (32 - kBinBits)] += probs[v] * inv;
+
+  // The bin (from the top) where the mass reaches top_p; the cut lies in it.
+  double above = 0.0;
+  int bin = -1;
+  for (int b = kBins - 1; b >= 0; --b) {
+    if (above + mass[b] >= top_p) {
+      bin = b;
+      break;
+    }
+    above += mass[b];
+  }
+  std::vector<std::pair<uint32_t, double>> members;
+  for (int64_t v = 0; v < V; ++v) {
+    if (probs[v] <= 0.0f) continue;
+    if (bin < 0 || int(keys[v] >> (32 - kBinBits)) == bin) members.push_back({keys[v], probs[v] * inv});
+  }
+  if (bin < 0) above = 0.0;  // the whole kept mass is below top_p (rounding): scan everything
+  std::sort(members.begin(), members.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  // Groups of equal keys, largest first: the cut is the last group whose mass above is < top_p.
+  uint32_t cut = kth;
+  for (size_t i = 0; i < members.size();) {
+    if (above >= top_p) break;
+    cut = members[i].first;
+    size_t j = i;
+    double group = 0.0;
+    for (; j < members.size() && members[j].first == members[i].first; ++j) group += members[j].second;
+    above += group;
+    i = j;
+  }
+  return std::max(cut, kth);
+}
+
+struct Work {
+  const float* logits;
+  const int32_t* top_k;
+  const float* top_p;
+  uint32_t* out;
+  int64_t rows, V;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable finished;
+
+  void Drain() {
+    std::vector<uint32_t> keys;
+    std::vector<float> probs;
+    int64_t n = 0;
+    for (int64_t r; (r = next.fetch_add(1)) < rows; ++n)
+      out[r] = RowCut(logits + r * V, V, top_k[r], top_p[r], keys, probs);
+    if (n && done.fetch_add(n) + n == rows) {
+      std::lock_guard<std::mutex> lock(mu);
+      finished.notify_all();
+    }
+  }
+};
+
+ffi::Error TruncationCut(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::S32> top_k,
+                         ffi::Buffer<ffi::F32> top_p, ffi::ResultBuffer<ffi::U32> out) {
+  const auto dims = logits.dimensions();
+  if (dims.size() != 2 || top_k.element_count() != dims[0] || top_p.element_count() != dims[0])
+    return ffi::Error::InvalidArgument("truncation_cut: logits [S,V], top_k [S], top_p [S]");
+  auto work = std::make_shared<Work>();
+  work->logits = logits.typed_data();
+  work->top_k = top_k.typed_data();
+  work->top_p = top_p.typed_data();
+  work->out = out->typed_data();
+  work->rows = dims[0];
+  work->V = dims[1];
+  if (work->rows == 0) return ffi::Error::Success();
+  // Rows that ask for nothing are answered here; the pool takes the rest.
+  const int64_t busy = std::count_if(work->top_k, work->top_k + work->rows, [](int32_t k) { return k > 0; }) +
+                       std::count_if(work->top_p, work->top_p + work->rows, [](float p) { return p < 1.0f; });
+  const int64_t helpers = busy ? std::min<int64_t>(pool.num_threads() - 1, work->rows - 1) : 0;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
+  work->Drain();
+  std::unique_lock<std::mutex> lock(work->mu);
+  work->finished.wait(lock, [&] { return work->done.load() == work->rows; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxTruncationCut, TruncationCut,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // logits [S, V]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // top_k [S]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // top_p [S]
+                                  .Ret<ffi::Buffer<ffi::U32>>());  // key cut [S]
