@@ -122,7 +122,7 @@ class ModelRunner:
         self.lora_targets = model.lora_targets if self._has_lora_slots() else None
         self._slot_writers: dict[Any, Any] = {}
         self.mask_words = mask_words(model.vocab_size)  # packed token-mask row of the logits' vocabulary
-        self._sample = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "all_greedy", "cpu_kernel"))
+        self._sample = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "cpu_kernel"))
         self.sample_kernel = _sample_kernel_usable(mesh)  # top-k / top-p cut by the C++ kernel
 
     # -- LoRA slots ----------------------------------------------------------------------
@@ -180,7 +180,7 @@ class ModelRunner:
             t, s = self.bucket_pairs()[0]
             logits = self._run_step(self._padding_step_input(t, s))
             jax.block_until_ready(self._run_sample(logits, self._sampling_batch_padding(s, False),
-                                                   use_penalties=False, all_greedy=True))
+                                                   use_penalties=False))
         if self.peers is not None:
             self.peers.call("mark_warm")  # the workers count compilations from here, as the engine does
         return time.perf_counter() - start
@@ -230,7 +230,7 @@ class ModelRunner:
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            out = self._run_sample(self._run_step(batch), sb, use_penalties=False, all_greedy=True)
+            out = self._run_sample(self._run_step(batch), sb, use_penalties=False)
             jax.device_get(out.sampled)
             times.append(time.perf_counter() - t0)
         return float(np.median(times))
@@ -245,8 +245,8 @@ class ModelRunner:
         logits = jax.ShapeDtypeStruct((s, self.model.vocab_size), jnp.float32, sharding=self.replicated)
         return [
             self._sample.lower(logits, self._sampling_batch_padding(s, penalties), num_logprobs=self.num_logprobs,
-                               use_penalties=penalties, all_greedy=greedy, cpu_kernel=self.sample_kernel)
-            for penalties in (False, True) for greedy in (False, True)
+                               use_penalties=penalties, cpu_kernel=self.sample_kernel)
+            for penalties in (False, True)
         ]
 
     def _run_step(self, batch) -> jax.Array:
@@ -260,7 +260,7 @@ class ModelRunner:
         return logits
 
     def _run_sample(self, logits: jax.Array, sb: SamplingBatch | dict[str, np.ndarray], **flags: bool) -> Any:
-        """Enqueue the sampler on the step's logits; flags: use_penalties, all_greedy."""
+        """Enqueue the sampler on the step's logits; flags: use_penalties."""
         if isinstance(sb, SamplingBatch):
             sb = {f.name: getattr(sb, f.name) for f in dataclasses.fields(sb)}
         if self.peers is not None:
@@ -300,7 +300,6 @@ class ModelRunner:
         logits_indices = np.zeros(s_pad, np.int32)
         lora_slots = np.zeros(t_pad, np.int32) if self.lora_targets else None
         use_penalties = any(e.request.sampling_params.uses_penalties for e in sched.scheduled)
-        all_greedy = all(e.request.sampling_params.is_greedy for e in sched.scheduled)
         # Every batch ships the token mask (all ones where unconstrained): one sampler program
         # serves constrained and free batches alike.
         sb = empty_sampling_batch(s_pad, self.max_model_len if use_penalties else 1, self.mask_words, report=False)
@@ -360,7 +359,7 @@ class ModelRunner:
         logits = self._run_step(batch)
         # Filled while the device runs the step (llguidance releases the GIL).
         fill_token_masks(sb["token_mask"], masked_rows)
-        out = self._run_sample(logits, sb, use_penalties=use_penalties, all_greedy=all_greedy)
+        out = self._run_sample(logits, sb, use_penalties=use_penalties)
         return InFlightStep(sched, out, sample_rows, prompt_rows)
 
     def collect(self, step: "InFlightStep") -> RunnerOutput:

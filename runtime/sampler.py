@@ -259,7 +259,11 @@ def sample(
         use_penalties: apply repetition / frequency / presence penalties (static). Without
             them `token_history` may be a [S, 1] placeholder, so batches that need no
             penalties neither ship nor scan a [S, max_model_len] history.
-        all_greedy: every row is greedy (static): skip truncation and the random draw.
+        all_greedy: every row is greedy (static): a program without truncation and the
+            random draw. Without it the program skips them at run time when every row is
+            greedy (temperature <= 0, as padding rows are), so one program per bucket serves
+            greedy and sampled batches alike at the greedy program's cost (the runner
+            compiles only that one: half the sampler programs to compile at start-up).
         cpu_kernel: cut top-k / top-p with the C++ kernel (static; XLA:CPU on one device,
             once runtime.cpu_attention.kernel_status() is "ok").
 
@@ -275,11 +279,14 @@ def sample(
         return _report(logits, greedy, batch, num_logprobs)
 
     is_greedy = batch.temperature <= 0.0
-    temp = jnp.where(is_greedy, 1.0, batch.temperature)
-    scaled = _truncate(processed / temp[:, None], batch, cpu_kernel)
-    gumbel = _gumbel_noise(batch.seeds, batch.steps, logits.shape[-1])
-    drawn = _argmax(scaled + gumbel)
-    sampled = jnp.where(is_greedy, greedy, drawn)
+
+    def draw(processed: jax.Array) -> jax.Array:
+        temp = jnp.where(is_greedy, 1.0, batch.temperature)
+        scaled = _truncate(processed / temp[:, None], batch, cpu_kernel)
+        gumbel = _gumbel_noise(batch.seeds, batch.steps, logits.shape[-1])
+        return jnp.where(is_greedy, greedy, _argmax(scaled + gumbel))
+
+    sampled = jax.lax.cond(jnp.all(is_greedy), lambda _: greedy, draw, processed)
     return _report(logits, sampled, batch, num_logprobs)
 
 
