@@ -8,8 +8,9 @@ call: it holds the batch and the stacked KV cache (runtime.step.KVCache, tracers
 jit), which each layer updates at its own `layer_idx` (a static index into the stacked
 arrays) and hands on to the next; the step function then returns the last one.
 
-The HF model's own Python loop over its layers is what torchax traces, so this path is
-unrolled: the program grows with depth (the native models scan their layers).
+Traced whole, the HF model's own Python loop over its layers is unrolled: the program grows
+with depth. registry.torchax_layers steps uniform layers one per call instead; the context's
+`layer` then names the (traced) KV layer in place of the module's layer_idx.
 
 Mixture-of-experts blocks that use transformers' `@use_experts_implementation` are loaded
 with `experts_implementation=EXPERTS_IMPLEMENTATION`: the stock "eager" loop picks experts
@@ -50,16 +51,19 @@ class StepContext:
         seen: layer index -> (num_heads, num_kv_heads, head_dim, dtype) of the Q and K each layer
             produced (the model's own KV heads, before any repeat).
         unsupported: why a layer cannot be served (bidirectional, attention sinks), by layer.
+        layer: the KV layer to write and read, overriding the module's layer_idx (a traced
+            index: one decoder layer's program run for every layer, registry.torchax_layers).
     """
 
     def __init__(
         self, batch: StepInput | None, kv_cache: KVCache | None, kv_repeat: int = 1,
-        qkv_sharding: jax.sharding.NamedSharding | None = None,
+        qkv_sharding: jax.sharding.NamedSharding | None = None, layer: jax.Array | None = None,
     ):
         self.batch = batch
         self.kv_cache = kv_cache
         self.kv_repeat = kv_repeat
         self.qkv_sharding = qkv_sharding
+        self.layer = layer
         self.updated: set[int] = set()
         self.seen: dict[int, tuple[int, int, int, Any]] = {}
         self.unsupported: dict[int, str] = {}
@@ -126,7 +130,7 @@ def paged_attention_interface(
         k, v = (jnp.repeat(x, ctx.kv_repeat, axis=1) for x in (k, v))  # [T, kv * r, D]
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
     out, ctx.kv_cache = paged_attention(
-        q, k, v, ctx.kv_cache, ctx.batch, layer=layer,
+        q, k, v, ctx.kv_cache, ctx.batch, layer=layer if ctx.layer is None else ctx.layer,
         scale=scale,
         sliding_window=int(sliding_window) if sliding_window else None,
         logit_soft_cap=float(softcap) if softcap else None,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
 import logging
 import re
@@ -39,7 +40,9 @@ from registry.torchax_attention import (
     step_context,
 )
 from registry.torchax_compat import import_torchax
+from registry.torchax_layers import nest_layer_params, split_layers
 from registry.weights import place_int8_groups
+from runtime.layered import layered_forward
 from runtime.mesh import logical_axis_size, logical_to_spec, make_mesh
 from runtime.step import KVCache, KVCacheSpec, LoadedModel, StepInput, make_step_input
 
@@ -193,6 +196,8 @@ def load_torchax(
     # blocks between devices in every layer. Whole q, k, v slice locally.
     fused = any(_rule_kind(n.rpartition(".")[2]) == "replicated" for n, _ in model.named_modules())
     qkv_sharding = NamedSharding(mesh, P()) if fused and axis > 1 else None
+    split = split_layers(model, module, env, forward, param_names, buffer_names, kv_spec.num_layers, abstract,
+                         repeat, qkv_sharding)
     param_shardings = {
         name: partition_spec(model, name, host_params[name].shape, mesh, num_kv_heads=kv_spec.num_kv_heads)
         for name in host_params
@@ -220,9 +225,18 @@ def load_torchax(
         logits = _call(params, batch, ctx)
         return logits.astype(jnp.float32), ctx.collect()
 
+    stages = None
+    if isinstance(split, tuple):  # uniform decoder layers: one program per layer, not the model unrolled
+        stages, layers_name = split
+        params = nest_layer_params(params, layers_name, kv_spec.num_layers)
+        param_shardings = nest_layer_params(param_shardings, layers_name, kv_spec.num_layers)
+        step_fn = functools.partial(layered_forward, stages=stages)
+    else:
+        logger.info("%s: stepped as one program per bucket, not layer by layer: %s", resolved.architecture, split)
     kv_spec = dataclasses.replace(kv_spec, num_kv_heads=kv_spec.num_kv_heads * repeat)
     return LoadedModel(
         step_fn=step_fn,
+        stages=stages,
         params=params,
         kv_spec=kv_spec,
         param_shardings=param_shardings,

@@ -36,14 +36,15 @@ def _find(params, path: str):
     Layers served one per call (runtime/layered.py) hold a list of per-layer trees: "layers.q"
     then names layer 0's q.
     """
-    if isinstance(params, dict) and path in params:
-        return params[path]
-    node = params
-    for part in path.split("."):
+    node, parts = params, path.split(".")
+    while parts:
         if isinstance(node, (list, tuple)):
-            node = node[int(part)] if part.isdigit() else node[0][part]
-        else:
-            node = node[part]
+            node = node[int(parts.pop(0))] if parts[0].isdigit() else node[0]
+            continue
+        rest = ".".join(parts)
+        if rest in node:  # a flat name (the torchax path's weights are named by their dotted HF paths)
+            return node[rest]
+        node = node[parts.pop(0)]
     return node
 
 

@@ -246,11 +246,17 @@ def test_loaded_model_fields(served):
     assert loaded.eos_token_ids == (config.eos_token_id,)
     assert loaded.tokenizer is not None and loaded.tokenizer.eos_token == "<|endoftext|>"
     assert set(loaded.param_shardings) == set(loaded.params)
+    # Uniform decoder layers: stepped one per call (registry.torchax_layers), their weights
+    # per layer under "layers" by their names within the layer.
+    assert loaded.stages is not None and loaded.stages.num_layers == config.num_hidden_layers
+    layers = loaded.params["layers"]
+    assert len(layers) == config.num_hidden_layers and set(layers[0]) == set(layers[-1])
+    assert not any(name.startswith("model.layers.") for name in loaded.params)
     # specs follow the rules on any mesh; on one device they split nothing
-    assert loaded.param_shardings["model.layers.0.self_attn.q_proj.weight"] == jax.sharding.PartitionSpec("model", None)
+    assert loaded.param_shardings["layers"][0]["self_attn.q_proj.weight"] == jax.sharding.PartitionSpec("model", None)
     assert loaded.param_shardings["model.norm.weight"] == jax.sharding.PartitionSpec()
-    assert all(a.sharding.is_fully_replicated for a in loaded.params.values())
-    assert all(isinstance(a, jax.Array) for a in loaded.params.values())
+    assert all(a.sharding.is_fully_replicated for a in jax.tree.leaves(loaded.params))
+    assert all(isinstance(a, jax.Array) for a in jax.tree.leaves(loaded.params))
 
 
 @pytest.mark.slow
@@ -259,7 +265,8 @@ def test_bfloat16_weights_and_cache(checkpoints):
     loaded = load_torchax(resolved_for(path), dtype=jnp.bfloat16)
     assert loaded.kv_spec.dtype == jnp.bfloat16
     # transformers keeps the rotary inverse frequencies in float32 on purpose.
-    assert all(a.dtype == jnp.bfloat16 for name, a in loaded.params.items() if "rotary" not in name)
+    named = jax.tree_util.tree_flatten_with_path(loaded.params)[0]
+    assert all(a.dtype == jnp.bfloat16 for path, a in named if "rotary" not in jax.tree_util.keystr(path))
     runner = PagedRunner(loaded, jax.jit(loaded.step_fn, donate_argnums=1))
     prompt = make_prompt(7)
     ours = runner.run([(0, 0, prompt)])[0]
@@ -340,7 +347,10 @@ _SHARDED_SCRIPT = textwrap.dedent("""
             runner = PagedRunner(loaded, jax.jit(loaded.step_fn, donate_argnums=1))
             runner.cache = jax.device_put(runner.cache, cache_sharding)
             logits.append(runner.greedy(make_prompt(9), 6)[1])
-        split = sorted({{n for n, s in loaded.param_shardings.items() if "model" in tuple(s)}})
+        specs = {{n: s for n, s in loaded.param_shardings.items() if n != "layers"}}
+        for i, layer in enumerate(loaded.param_shardings.get("layers", [])):  # stepped per layer
+            specs.update({{f"layers.{{i}}.{{r}}": s for r, s in layer.items()}})
+        split = sorted({{n for n, s in specs.items() if "model" in tuple(s)}})
         out[path] = dict(diff=float(np.abs(logits[0] - logits[1]).max()), split=split,
                          kv=str(loaded.kv_partition_spec))
     print(json.dumps(out))
@@ -358,11 +368,10 @@ def test_tensor_parallel_rules_shard_weights_and_keep_logits(checkpoints, tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     gpt2, mixtral = result[paths[0]], result[paths[1]]
-    assert {"transformer.h.0.attn.c_proj.weight", "transformer.wte.weight",
-            "transformer.h.0.mlp.c_fc.bias"} <= set(gpt2["split"])
+    assert {"layers.0.attn.c_proj.weight", "transformer.wte.weight", "layers.0.mlp.c_fc.bias"} <= set(gpt2["split"])
     # c_attn is [in, q | k | v]: a column split would cut blocks, not heads, so it stays whole
-    assert not {"transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias"} & set(gpt2["split"])
-    assert {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
-            "model.layers.0.self_attn.o_proj.weight", "lm_head.weight"} <= set(mixtral["split"])
+    assert not {"layers.0.attn.c_attn.weight", "layers.0.attn.c_attn.bias"} & set(gpt2["split"])
+    assert {"layers.0.mlp.experts.gate_up_proj", "layers.0.mlp.experts.down_proj",
+            "layers.0.self_attn.o_proj.weight", "lm_head.weight"} <= set(mixtral["split"])
     assert mixtral["kv"] == str(jax.sharding.PartitionSpec(None, None, "model", None, None))
     assert gpt2["diff"] < 1e-4 and mixtral["diff"] < 1e-4

@@ -1,0 +1,286 @@
+"""A torchax-wrapped transformers model as LayerStages: one decoder layer per call.
+
+Traced whole, a transformers model's forward unrolls its Python loop over the decoder
+layers: every bucket's program holds all of them (on the 30-layer demo model ~8 MB of
+machine code each; a cold start compiled for minutes and a warm one spent most of its time
+loading executables). When the layers are uniform (same class, same weights' names, shapes
+and dtypes, same attention settings), the forward is split without knowing the architecture,
+into runtime.layered's three programs:
+
+    prologue: the model's forward with every decoder layer swapped for a module that raises
+        with its inputs at the first call: those inputs (hidden states, rotary tables,
+        positions, ...; tensors only, anything else stays as the first trace saw it) are the
+        carry.
+    layer:    decoder layer 0's module run with layer i's weights on the carry; its attention
+        writes KV layer i (a traced index, registry.torchax_attention.StepContext.layer).
+    epilogue: the forward again with every decoder layer swapped for one that returns the
+        carried hidden states: the final norm and the LM head (the embedding it recomputes
+        is unused, so XLA drops it).
+
+Architectures that do not split this way keep the whole-model step (`split_layers` says why
+in the log).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import warnings
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from registry.torchax_attention import StepContext, step_context
+from runtime.step import KVCache, LayerStages, StepInput
+
+logger = logging.getLogger("servax.registry")
+
+LAYERS_KEY = "layers"
+# Module attributes that make two decoder layers behave differently with the same weights.
+_LAYER_SETTINGS = ("sliding_window", "is_sliding", "attention_type", "layer_type", "is_causal", "scaling",
+                   "use_sliding_window", "rope_type", "head_dim", "num_key_value_groups")
+_STATIC_TYPES = (type(None), bool, int, float, str)
+_TENSOR = object()  # a tensor's slot among the decoder layer's call arguments
+
+
+class SplitError(Exception):
+    """The model's forward cannot be split into per-layer programs (the message says why)."""
+
+
+class _Captured(Exception):
+    def __init__(self, args: tuple, kwargs: dict):
+        super().__init__("decoder layer inputs captured")
+        self.call = (args, kwargs)
+
+
+def _flatten(tree: Any) -> tuple[list, Any]:
+    from torch.utils import _pytree
+
+    return _pytree.tree_flatten(tree)
+
+
+def _unflatten(leaves: list, spec: Any) -> Any:
+    from torch.utils import _pytree
+
+    return _pytree.tree_unflatten(leaves, spec)
+
+
+def find_decoder_layers(model: Any, num_layers: int) -> tuple[str, Any] | None:
+    """(dotted name, ModuleList) of the model's decoder layers: the ModuleList of `num_layers`
+    modules whose i-th holds the attention with layer_idx i; None when there is none."""
+    import torch
+
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) != num_layers or not name:
+            continue
+        if all(any(getattr(m, "layer_idx", None) == i for m in child.modules()) for i, child in enumerate(module)):
+            return name, module
+    return None
+
+
+def _settings(layer: Any) -> list:
+    """What distinguishes a layer beyond its weights: each submodule's class and settings."""
+    out = []
+    for name, m in layer.named_modules():
+        values = tuple((k, getattr(m, k)) for k in _LAYER_SETTINGS
+                       if isinstance(getattr(m, k, None), _STATIC_TYPES) and hasattr(m, k))
+        out.append((name, type(m).__name__, values))
+    return out
+
+
+@dataclasses.dataclass
+class TorchaxLayers:
+    """The three stage functions over one transformers model (see the module docstring).
+
+    Attributes:
+        module: the torchax JittableModule around the model (weights reparametrized per call).
+        layers: the model's ModuleList of decoder layers (entries swapped during a trace).
+        forward: (model, input_ids, position_ids, logits_indices) -> logits [S, vocab].
+        outer_params / outer_buffers: names of the weights outside the decoder layers.
+        env: the torchax environment.
+        kv_repeat, qkv_sharding: as registry.torchax_attention.StepContext.
+    """
+
+    module: Any
+    layers: Any
+    forward: Callable
+    outer_params: list[str]
+    outer_buffers: list[str]
+    env: Any
+    kv_repeat: int = 1
+    qkv_sharding: Any = None
+    # Found by the first trace: how to rebuild the decoder layer's call from the carry.
+    _call_spec: Any = None
+    _statics: list | None = None
+    _hidden: int = 0
+    _rest: tuple | None = None  # a layer returning a tuple: what follows the hidden states
+
+    @contextlib.contextmanager
+    def _swapped(self, stand_in: Any):
+        original = list(self.layers)
+        try:
+            for i in range(len(original)):
+                self.layers[i] = stand_in
+            yield
+        finally:
+            for i, layer in enumerate(original):
+                self.layers[i] = layer
+
+    @contextlib.contextmanager
+    def _tracing(self):
+        import torch
+
+        with self.env, torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Explicitly requested dtype int64")
+            yield
+
+    def _model_inputs(self, outer: dict, batch: StepInput) -> tuple:
+        return self.env.j2t_iso((
+            {k: outer[k] for k in self.outer_params}, {k: outer[k] for k in self.outer_buffers},
+            batch.input_ids.astype(jnp.int32)[None], batch.positions.astype(jnp.int32)[None],
+            batch.logits_indices.astype(jnp.int32),
+        ))
+
+    def prologue(self, outer: dict, batch: StepInput) -> list[jax.Array]:
+        """The first decoder layer's inputs, as the carry (its tensors, in a list)."""
+        import torch
+
+        class Capture(torch.nn.Module):
+            def forward(self, *args: Any, **kwargs: Any) -> Any:
+                raise _Captured(args, kwargs)
+
+        params, buffers, ids, pos, idx = self._model_inputs(outer, batch)
+        with self._tracing(), self._swapped(Capture()):
+            try:
+                self.module.functional_call(self.forward, params, buffers, ids, pos, idx)
+            except _Captured as captured:
+                args, kwargs = captured.call
+            else:
+                raise SplitError("the model's forward never called its first decoder layer")
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise SplitError("the decoder layer's hidden states are not its first positional argument")
+        leaves, spec = _flatten((args, kwargs))
+        tensors = [isinstance(x, torch.Tensor) for x in leaves]
+        bad = [type(x).__name__ for x, t in zip(leaves, tensors) if not t and not isinstance(x, _STATIC_TYPES)]
+        if bad:
+            raise SplitError(f"the decoder layers take non-tensor objects ({', '.join(sorted(set(bad)))})")
+        statics = [_TENSOR if t else x for x, t in zip(leaves, tensors)]
+        if self._call_spec is None:
+            self._call_spec, self._statics = spec, statics
+            self._hidden = 0  # args[0] is the first leaf
+        elif spec != self._call_spec or statics != self._statics:
+            raise SplitError("the decoder layers' call differs between traces")
+        return [self.env.t2j_iso(x) for x, t in zip(leaves, tensors) if t]
+
+    def _rebuild(self, carry: list) -> tuple[tuple, dict]:
+        tensors = iter(self.env.j2t_iso(list(carry)))
+        return _unflatten([next(tensors) if s is _TENSOR else s for s in self._statics], self._call_spec)
+
+    def layer(self, layer_params: dict, carry: list, kv_cache: KVCache | None, index: jax.Array,
+              batch: StepInput) -> tuple[list, KVCache | None]:
+        """Decoder layer `index` (its weights in layer_params) on the carry; its KV written."""
+        import torch
+        from torch.nn.utils import stateless
+
+        if self._call_spec is None:
+            raise SplitError("layer traced before the prologue")
+        args, kwargs = self._rebuild(carry)
+        template = self.layers[0]
+        ctx = StepContext(batch, kv_cache, kv_repeat=self.kv_repeat, qkv_sharding=self.qkv_sharding, layer=index)
+        weights = self.env.j2t_iso(dict(layer_params))
+        with self._tracing(), step_context(ctx), stateless._reparametrize_module(template, weights):
+            out = template(*args, **kwargs)
+        hidden, rest = (out[0], tuple(out[1:])) if isinstance(out, tuple) else (out, None)
+        if rest is not None and not all(isinstance(x, _STATIC_TYPES) for x in rest):
+            raise SplitError("the decoder layer returns tensors besides its hidden states")
+        if not isinstance(hidden, torch.Tensor) or tuple(hidden.shape) != tuple(args[0].shape):
+            raise SplitError("the decoder layer's output is not hidden states shaped like its input")
+        self._rest = rest
+        carry = list(carry)
+        carry[self._hidden] = self.env.t2j_iso(hidden)
+        return carry, ctx.kv_cache
+
+    def epilogue(self, outer: dict, carry: list, batch: StepInput) -> jax.Array:
+        """The final norm and LM head on the last layer's hidden states: logits [S, vocab]."""
+        import torch
+
+        hidden = self.env.j2t_iso(carry[self._hidden])
+        returned = hidden if self._rest is None else (hidden, *self._rest)
+
+        class Replay(torch.nn.Module):
+            def forward(self, *args: Any, **kwargs: Any) -> Any:
+                return returned
+
+        params, buffers, ids, pos, idx = self._model_inputs(outer, batch)
+        with self._tracing(), self._swapped(Replay()):
+            logits = self.module.functional_call(self.forward, params, buffers, ids, pos, idx)
+        return self.env.t2j_iso(logits).astype(jnp.float32)
+
+
+def split_layers(
+    model: Any, module: Any, env: Any, forward: Callable, param_names: list[str], buffer_names: list[str],
+    num_layers: int, abstract: dict[str, jax.ShapeDtypeStruct], kv_repeat: int, qkv_sharding: Any,
+) -> tuple[LayerStages, str] | str:
+    """The model's LayerStages and the dotted name of its decoder layers, or why not (a str).
+
+    `abstract` maps every param and buffer name to its shape; the split is traced on it once
+    (no compute) to prove the three stages compose to the model's forward.
+    """
+    found = find_decoder_layers(model, num_layers)
+    if found is None:
+        return f"no ModuleList of {num_layers} decoder layers with their attention's layer_idx in order"
+    name, layers = found
+    settings = _settings(layers[0])
+    if any(type(layer) is not type(layers[0]) or _settings(layer) != settings for layer in layers):
+        return "its decoder layers differ in class or settings (e.g. sliding and full attention)"
+    per_layer = [{n[len(f"{name}.{i}."):] for n in abstract if n.startswith(f"{name}.{i}.")} for i in range(num_layers)]
+    shapes = [{r: abstract[f"{name}.{i}.{r}"] for r in rel} for i, rel in enumerate(per_layer)]
+    if not shapes[0] or any(s != shapes[0] for s in shapes):
+        return "its decoder layers' weights differ in names, shapes or dtypes"
+    inner = {f"{name}.{i}.{r}" for i, rel in enumerate(per_layer) for r in rel}
+    stages_impl = TorchaxLayers(
+        module=module, layers=layers, forward=forward, env=env, kv_repeat=kv_repeat, qkv_sharding=qkv_sharding,
+        outer_params=[n for n in param_names if n not in inner], outer_buffers=[n for n in buffer_names if n not in inner],
+    )
+    stages = LayerStages(stages_impl.prologue, stages_impl.layer, stages_impl.epilogue, num_layers=num_layers,
+                         layers_key=LAYERS_KEY)
+    outer = {n: s for n, s in abstract.items() if n not in inner}
+    batch = _probe_batch()
+    try:
+        carry = jax.eval_shape(stages.prologue, outer, batch)
+        carry, _ = jax.eval_shape(lambda lp, c, b: stages.layer(lp, c, None, jnp.int32(0), b), shapes[0], carry, batch)
+        logits = jax.eval_shape(stages.epilogue, outer, carry, batch)
+    except SplitError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - any failure keeps the whole-model step, with the reason
+        return f"{type(e).__name__}: {e}"
+    if logits.ndim != 2 or logits.shape[0] != 1:
+        return f"the split forward gives logits of shape {logits.shape}"
+    return stages, name
+
+
+def _probe_batch() -> StepInput:
+    import numpy as np
+
+    from runtime.step import make_step_input
+
+    return make_step_input(
+        input_ids=np.zeros(2), positions=np.arange(2), slot_mapping=np.arange(2),
+        block_tables=np.zeros((1, 1)), seq_lens=np.array([2]), query_start_loc=np.array([0, 2]),
+        logits_indices=np.array([1]), num_seqs=1, num_tokens=2,
+    )
+
+
+def nest_layer_params(tree: dict, layers_name: str, num_layers: int) -> dict:
+    """{name: x} with the decoder layers' entries moved to tree[LAYERS_KEY][i][relative name]."""
+    per_layer: list[dict] = [{} for _ in range(num_layers)]
+    outer = {}
+    for n, x in tree.items():
+        head, _, rest = n[len(layers_name) + 1:].partition(".")
+        if n.startswith(layers_name + ".") and head.isdigit() and int(head) < num_layers:
+            per_layer[int(head)][rest] = x
+        else:
+            outer[n] = x
+    return {**outer, LAYERS_KEY: per_layer}
