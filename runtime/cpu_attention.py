@@ -43,7 +43,9 @@ from runtime.step import StepInput
 
 logger = logging.getLogger("servax.engine")
 
-_SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("paged_attention.cc", "sampling.cc"))
+_KERNELS = Path(__file__).with_name("kernels")
+_SOURCES = tuple(_KERNELS / name for name in ("paged_attention.cc", "sampling.cc"))
+_HEADERS = tuple(_KERNELS / name for name in ("parallel.h",))  # part of the build key, not compiled alone
 _TARGET = "servax_paged_attention"
 TRUNCATION_TARGET = "servax_truncation_cut"  # runtime/sampler.py's top-k/top-p cut
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
@@ -78,7 +80,7 @@ def _build(compiler: str) -> Path:
     """The kernel's shared library, compiled now unless a build for this machine is cached."""
     import jaxlib
 
-    sources = [source.read_bytes() for source in _SOURCES]
+    sources = [source.read_bytes() for source in (*_SOURCES, *_HEADERS)]
     key = hashlib.sha256(b"\0".join([*sources, " ".join(_FLAGS).encode(), jaxlib.__version__.encode(),
                                      _cpu_key().encode(), compiler.encode()])).hexdigest()[:16]
     out = kernel_cache_dir() / f"servax_kernels-{key}.so"

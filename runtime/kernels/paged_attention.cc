@@ -13,18 +13,15 @@
 // folds the context in one block at a time (online softmax, as flash attention does).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
-#include <memory>
-#include <mutex>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -271,28 +268,6 @@ ItemFn PickItemFn(int64_t block_size, int64_t head_dim) {
   return RunItem<0, 0>;
 }
 
-// The items of one call, taken one at a time by whichever thread is free.
-struct Work {
-  Problem problem;
-  ItemFn run = nullptr;
-  std::vector<Item> items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable finished;
-
-  void Drain() {
-    std::vector<float> scratch;
-    int64_t n = 0;
-    for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size()); ++n)
-      run(problem, items[i], scratch);
-    if (n && done.fetch_add(n) + n == static_cast<int64_t>(items.size())) {
-      std::lock_guard<std::mutex> lock(mu);
-      finished.notify_all();
-    }
-  }
-};
-
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
                           ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> layer,
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
@@ -302,8 +277,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   auto qd = q.dimensions(), kd = k_cache.dimensions(), td = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || td.size() != 2)
     return ffi::Error::InvalidArgument("paged_attention: q [T,H,D], cache [L,NB,KVH,BS,D], tables [S,MB]");
-  auto work = std::make_shared<Work>();
-  Problem& p = work->problem;
+  Problem p;
+  std::vector<Item> items;
   p.q = q.typed_data();
   p.k_cache = k_cache.typed_data();
   p.v_cache = v_cache.typed_data();
@@ -326,7 +301,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   if (qd[2] != kd[4] || qd[1] % kd[2] || p.layer < 0 || p.layer >= kd[0])
     return ffi::Error::InvalidArgument("paged_attention: mismatched heads, head_dim or layer");
 
-  work->run = PickItemFn(p.block_size, p.head_dim);
+  const ItemFn run = PickItemFn(p.block_size, p.head_dim);
   const int64_t T = qd[0], S = td[0];
   const int64_t real = std::min<int64_t>(std::max<int32_t>(num_tokens.typed_data()[0], 0), T);
   const int64_t tile = std::max<int64_t>(1, kRowsPerItem / p.group);
@@ -337,27 +312,25 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   for (int64_t s = 0; s < S; ++s) {
     const int64_t a = p.query_start[s], b = std::min<int64_t>(p.query_start[s + 1], real);
     if (b - a == 1) {
-      work->items.push_back({int32_t(s), 0, int32_t(p.kv_heads), int32_t(a), int32_t(b)});
+      items.push_back({int32_t(s), 0, int32_t(p.kv_heads), int32_t(a), int32_t(b)});
       continue;
     }
     for (int64_t t0 = a; t0 < b; t0 += tile)
       for (int64_t h = 0; h < p.kv_heads; ++h)
-        work->items.push_back({int32_t(s), int32_t(h), int32_t(h + 1), int32_t(t0), int32_t(std::min(t0 + tile, b))});
+        items.push_back({int32_t(s), int32_t(h), int32_t(h + 1), int32_t(t0), int32_t(std::min(t0 + tile, b))});
   }
   // Tokens in no sequence (cannot happen with a well-formed batch) get zeros.
   std::vector<bool> covered(real, false);
-  for (const Item& it : work->items)
+  for (const Item& it : items)
     for (int64_t t = it.t0; t < it.t1; ++t) covered[t] = true;
   for (int64_t t = 0; t < real; ++t)
     if (!covered[t]) std::fill(p.out + t * p.num_heads * p.head_dim, p.out + (t + 1) * p.num_heads * p.head_dim, 0.0f);
-  if (work->items.empty()) return ffi::Error::Success();
+  if (items.empty()) return ffi::Error::Success();
 
-  // Helpers hold the work alive: one may start after the caller has returned.
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, int64_t(work->items.size()) - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
-  work->Drain();
-  std::unique_lock<std::mutex> lock(work->mu);
-  work->finished.wait(lock, [&] { return work->done.load() == static_cast<int64_t>(work->items.size()); });
+  servax::ParallelFor(pool, int64_t(items.size()), pool.num_threads() - 1, [&](int64_t i) {
+    thread_local std::vector<float> scratch;
+    run(p, items[i], scratch);
+  });
   return ffi::Error::Success();
 }
 

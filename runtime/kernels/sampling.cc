@@ -15,17 +15,13 @@
 // one token apart from the XLA path's.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <memory>
-#include <mutex>
 #include <utility>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -135,51 +131,24 @@ uint32_t RowCut(const float* logits, int64_t V, int32_t top_k, float top_p, std:
   return std::max(cut, kth);
 }
 
-struct Work {
-  const float* logits;
-  const int32_t* top_k;
-  const float* top_p;
-  uint32_t* out;
-  int64_t rows, V;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable finished;
-
-  void Drain() {
-    std::vector<uint32_t> keys;
-    std::vector<float> probs;
-    int64_t n = 0;
-    for (int64_t r; (r = next.fetch_add(1)) < rows; ++n)
-      out[r] = RowCut(logits + r * V, V, top_k[r], top_p[r], keys, probs);
-    if (n && done.fetch_add(n) + n == rows) {
-      std::lock_guard<std::mutex> lock(mu);
-      finished.notify_all();
-    }
-  }
-};
-
 ffi::Error TruncationCut(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::S32> top_k,
                          ffi::Buffer<ffi::F32> top_p, ffi::ResultBuffer<ffi::U32> out) {
   const auto dims = logits.dimensions();
   if (dims.size() != 2 || top_k.element_count() != dims[0] || top_p.element_count() != dims[0])
     return ffi::Error::InvalidArgument("truncation_cut: logits [S,V], top_k [S], top_p [S]");
-  auto work = std::make_shared<Work>();
-  work->logits = logits.typed_data();
-  work->top_k = top_k.typed_data();
-  work->top_p = top_p.typed_data();
-  work->out = out->typed_data();
-  work->rows = dims[0];
-  work->V = dims[1];
-  if (work->rows == 0) return ffi::Error::Success();
-  // Rows that ask for nothing are answered here; the pool takes the rest.
-  const int64_t busy = std::count_if(work->top_k, work->top_k + work->rows, [](int32_t k) { return k > 0; }) +
-                       std::count_if(work->top_p, work->top_p + work->rows, [](float p) { return p < 1.0f; });
-  const int64_t helpers = busy ? std::min<int64_t>(pool.num_threads() - 1, work->rows - 1) : 0;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
-  work->Drain();
-  std::unique_lock<std::mutex> lock(work->mu);
-  work->finished.wait(lock, [&] { return work->done.load() == work->rows; });
+  const int64_t rows = dims[0], V = dims[1];
+  const float* rows_logits = logits.typed_data();
+  const int32_t* k = top_k.typed_data();
+  const float* p = top_p.typed_data();
+  uint32_t* cut = out->typed_data();
+  // Rows that ask for nothing are answered on this thread; the pool helps with the rest.
+  const bool busy = std::any_of(k, k + rows, [](int32_t v) { return v > 0; }) ||
+                    std::any_of(p, p + rows, [](float v) { return v < 1.0f; });
+  servax::ParallelFor(pool, rows, busy ? pool.num_threads() - 1 : 0, [&](int64_t r) {
+    thread_local std::vector<uint32_t> keys;
+    thread_local std::vector<float> probs;
+    cut[r] = RowCut(rows_logits + r * V, V, k[r], p[r], keys, probs);
+  });
   return ffi::Error::Success();
 }
 
