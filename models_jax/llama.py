@@ -227,7 +227,9 @@ def fuse_layer(p: dict) -> dict:
 
 def _joined(w: dict, names: tuple[str, ...], joined: str) -> dict:
     """`w` with the weights `names` (and their "<name>_bias") joined as `joined` (and
-    "<joined>_bias"); `w` as it was where they cannot be joined."""
+    "<joined>_bias"); `w` as it was where they cannot be joined (or are joined already)."""
+    if not all(n in w for n in names):
+        return w
     weight = join_outputs([w[n] for n in names])
     if weight is None:
         return w

@@ -19,6 +19,14 @@ into runtime.layered's three programs:
 
 Architectures that do not split this way keep the whole-model step (`split_layers` says why
 in the log).
+
+The decoder layer's Linear submodules are grouped by input in the first trace of the layer
+(q/k/v, gate/up in most decoders; a Linear alone is a group of one), and `fuse` joins each
+group's weights into one matrix stored [in, out], so the layer runs one wide matmul where
+the model has several narrow ones, in the layout the native models use (what their
+fuse_layer does by name; on XLA:CPU two matmuls of a few rows by [D, F] cost nearly twice
+one by [D, 2F], and at 8-32 rows HF's [out, in] weights multiply ~20-40% slower than
+[in, out]). The runtime joins them only where a layer's weights are whole on every device.
 """
 
 from __future__ import annotations
@@ -43,6 +51,51 @@ _LAYER_SETTINGS = ("sliding_window", "is_sliding", "attention_type", "layer_type
                    "use_sliding_window", "rope_type", "head_dim", "num_key_value_groups")
 _STATIC_TYPES = (type(None), bool, int, float, str)
 _TENSOR = object()  # a tensor's slot among the decoder layer's call arguments
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearGroup:
+    """torch.nn.Linear submodules of a decoder layer that read the same input, in call order
+    (one or more)."""
+
+    members: tuple[str, ...]  # module names relative to the layer
+    out_features: tuple[int, ...]
+    bias: bool
+
+    @property
+    def weight_key(self) -> str:
+        """The joined weight's name in a fused layer's params: [in, sum of out_features],
+        the members' outputs side by side in order."""
+        return "+".join(self.members) + ".joined_weight"
+
+    @property
+    def bias_key(self) -> str:
+        return "+".join(self.members) + ".joined_bias"
+
+
+def _join_transposed(weights: list[Any]) -> Any | None:
+    """[out_i, in] weights (float, or QuantizedWeight scaled per row or in groups along `in`)
+    as one [in, sum out_i]; None when they cannot be one (mixed kinds or groupings)."""
+    from runtime.quantization import QuantizedWeight
+
+    quantized = [isinstance(w, QuantizedWeight) for w in weights]
+    if not any(quantized):
+        return jnp.concatenate(weights, axis=0).T
+    if not all(quantized) or len({(w.q.ndim, w.group_size, w.group_axis % w.q.ndim) for w in weights}) != 1:
+        return None
+    first = weights[0]
+    if first.q.ndim != 2 or (first.group_size and first.group_axis % 2 != 1):
+        return None  # grouped along the rows being joined
+    return QuantizedWeight(jnp.concatenate([w.q for w in weights], axis=0).T,
+                           jnp.concatenate([w.scale for w in weights], axis=0).T,
+                           group_size=first.group_size, group_axis=-2)
+
+
+def _plain_linears(layer: Any) -> dict[str, Any]:
+    import torch
+
+    return {name: m for name, m in layer.named_modules()
+            if isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward}
 
 
 class SplitError(Exception):
@@ -116,6 +169,7 @@ class TorchaxLayers:
     _statics: list | None = None
     _hidden: int = 0
     _rest: tuple | None = None  # a layer returning a tuple: what follows the hidden states
+    groups: tuple[LinearGroup, ...] | None = None  # found by the first trace of the layer
 
     @contextlib.contextmanager
     def _swapped(self, stand_in: Any):
@@ -189,8 +243,12 @@ class TorchaxLayers:
         args, kwargs = self._rebuild(carry)
         template = self.layers[0]
         ctx = StepContext(batch, kv_cache, kv_repeat=self.kv_repeat, qkv_sharding=self.qkv_sharding, layer=index)
-        weights = self.env.j2t_iso(dict(layer_params))
-        with self._tracing(), step_context(ctx), stateless._reparametrize_module(template, weights):
+        layer_params = dict(layer_params)
+        joined = {g: (layer_params.pop(g.weight_key), layer_params.pop(g.bias_key, None))
+                  for g in self.groups or () if g.weight_key in layer_params}
+        weights = self.env.j2t_iso(layer_params)
+        with (self._tracing(), step_context(ctx), stateless._reparametrize_module(template, weights),
+              self._recording_groups(template), self._joined_linears(template, self.env.j2t_iso(joined))):
             out = template(*args, **kwargs)
         hidden, rest = (out[0], tuple(out[1:])) if isinstance(out, tuple) else (out, None)
         if rest is not None and not all(isinstance(x, _STATIC_TYPES) for x in rest):
@@ -201,6 +259,79 @@ class TorchaxLayers:
         carry = list(carry)
         carry[self._hidden] = self.env.t2j_iso(hidden)
         return carry, ctx.kv_cache
+
+    @contextlib.contextmanager
+    def _recording_groups(self, template: Any):
+        """On the first trace: which plain Linear submodules read the same input (self.groups)."""
+        if self.groups is not None:
+            yield
+            return
+        linears = _plain_linears(template)
+        calls: list[tuple[str, Any]] = []  # (module name, its input), in call order
+        hooks = [m.register_forward_pre_hook(lambda m, args, name=name: calls.append((name, args[0])))
+                 for name, m in linears.items()]
+        try:
+            yield
+        finally:
+            for h in hooks:
+                h.remove()
+        names = [name for name, _ in calls]
+        by_input: dict[int, list[str]] = {}
+        for name, x in calls:
+            if names.count(name) == 1:  # a module called twice is left alone
+                by_input.setdefault(id(x), []).append(name)
+        groups = []
+        for members in by_input.values():
+            mods = [linears[n] for n in members]
+            if len({(m.in_features, m.bias is None, m.weight.dtype) for m in mods}) == 1:
+                groups.append(LinearGroup(tuple(members), tuple(m.out_features for m in mods), mods[0].bias is not None))
+        self.groups = tuple(groups)
+
+    @contextlib.contextmanager
+    def _joined_linears(self, template: Any, joined: dict):
+        """The members of each joined group answer from one matmul with its [in, out] weight."""
+        import torch
+
+        modules = dict(template.named_modules())
+        results: dict[LinearGroup, tuple[Any, tuple]] = {}
+
+        def answer(group: LinearGroup, k: int, weight: Any, bias: Any) -> Callable:
+            def forward(x: Any) -> Any:
+                if group not in results or results[group][0] is not x:
+                    y = torch.matmul(x, weight) if bias is None else torch.matmul(x, weight) + bias
+                    results[group] = (x, torch.split(y, list(group.out_features), dim=-1))
+                return results[group][1][k]
+            return forward
+
+        patched = []
+        try:
+            for group, (weight, bias) in joined.items():
+                for k, name in enumerate(group.members):
+                    modules[name].forward = answer(group, k, weight, bias)
+                    patched.append(modules[name])
+            yield
+        finally:
+            for m in patched:
+                del m.forward  # back to the class's forward
+
+    def fuse(self, layer_params: dict) -> dict:
+        """One layer's weights with each group's weights joined and stored [in, out] (biases
+        joined) under LinearGroup.weight_key / bias_key; a group that cannot be joined stays as
+        it was, and weights joined already pass through."""
+        out = dict(layer_params)
+        for group in self.groups or ():
+            names = [f"{m}.weight" for m in group.members]
+            if not all(n in out for n in names):
+                continue
+            weight = _join_transposed([out[n] for n in names])
+            if weight is None:
+                continue
+            for n in names:
+                del out[n]
+            out[group.weight_key] = weight
+            if group.bias:
+                out[group.bias_key] = jnp.concatenate([out.pop(f"{m}.bias") for m in group.members])
+        return out
 
     def epilogue(self, outer: dict, carry: list, batch: StepInput) -> jax.Array:
         """The final norm and LM head on the last layer's hidden states: logits [S, vocab]."""
@@ -258,6 +389,10 @@ def split_layers(
         return f"{type(e).__name__}: {e}"
     if logits.ndim != 2 or logits.shape[0] != 1:
         return f"the split forward gives logits of shape {logits.shape}"
+    if stages_impl.groups:
+        stages = dataclasses.replace(stages, fuse=stages_impl.fuse)
+        logger.info("decoder layer matmuls, by input: %s", ", ".join(
+            "/".join(g.members) for g in stages_impl.groups))
     return stages, name
 
 

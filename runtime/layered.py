@@ -66,6 +66,12 @@ def _fuse_in_place(layers: list, fuse: Any, replicated: NamedSharding) -> None:
         layers[i] = joined(layer_params)
 
 
+def _fuse_changes(fuse: Any, layer: Any) -> bool:
+    """Whether `fuse` would join anything in `layer` (False for weights joined already)."""
+    joined = jax.eval_shape(fuse, layer)
+    return jax.tree.structure(joined) != jax.tree.structure(layer)
+
+
 class LayeredStep:
     """Steps a LoadedModel layer by layer (see the module docstring).
 
@@ -80,18 +86,17 @@ class LayeredStep:
         assert stages is not None
         key, n = stages.layers_key, stages.num_layers
         self.outer = {k: v for k, v in model.params.items() if k != key}
-        if isinstance(model.params[key], list):  # a model another engine already converted
+        if isinstance(model.params[key], list):  # per-layer already (the torchax path, or another engine's)
             self.layers = model.params[key]
         else:
             self.layers = _unstack(model.params[key], model.param_shardings[key], n, mesh)
-            layer_specs = jax.tree.map(lambda spec: PartitionSpec(*tuple(spec)[1:]), model.param_shardings[key],
-                                       is_leaf=lambda x: isinstance(x, PartitionSpec))
-            if stages.fuse is not None and all(a.sharding.is_fully_replicated for a in jax.tree.leaves(self.layers)):
-                _fuse_in_place(self.layers, stages.fuse, NamedSharding(mesh, PartitionSpec()))
-                layer_specs = jax.tree.map(lambda a: a.sharding.spec, self.layers[0])
-            model.params = {**self.outer, key: self.layers}
-            model.param_shardings = {**model.param_shardings, key: [layer_specs] * n}
-            model.step_fn = functools.partial(layered_forward, stages=stages)
+        if stages.fuse is not None and _fuse_changes(stages.fuse, self.layers[0]) and all(
+                a.sharding.is_fully_replicated for a in jax.tree.leaves(self.layers)):
+            _fuse_in_place(self.layers, stages.fuse, NamedSharding(mesh, PartitionSpec()))
+        layer_specs = jax.tree.map(lambda a: a.sharding.spec, self.layers[0])
+        model.params = {**self.outer, key: self.layers}
+        model.param_shardings = {**model.param_shardings, key: [layer_specs] * n}
+        model.step_fn = functools.partial(layered_forward, stages=stages)
 
         self.replicated = NamedSharding(mesh, PartitionSpec())
         rep = self.replicated

@@ -145,6 +145,7 @@ class LayerStages:
     layers_key: str = "layers"  # params[layers_key]: the layers' weights, stacked [num_layers, ...]
     # One layer's weights -> a joined form `layer` also takes (e.g. q/k/v as one matrix),
     # applied by the runtime to per-layer weights that are whole on every device; None: none.
+    # Weights in the joined form pass through unchanged.
     fuse: Callable[[Any], Any] | None = None
 
 

@@ -233,9 +233,10 @@ def test_quantization_gguf_serves_q8_0_as_int8_with_the_same_logits(tiny_checkpo
     weights = jax.tree.leaves(llm.engine.model.params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
     quantized = [w for w in weights if isinstance(w, QuantizedWeight)]
     # Every projection, MLP, embedding and LM head matrix (the tiny model's o_proj mixes heads of
-    # 16 values in one 32-group, so the native layout keeps it float). Natively, each of the 2
-    # layers serves q/k/v and gate/up joined (still int8): qkv, gate_up, down, + embed, lm_head.
-    assert len(quantized) == (2 * 3 + 2 if model_impl == "jax" else 16)
+    # 16 values in one 32-group, so the native layout keeps it float). On both paths each of the
+    # 2 layers serves q/k/v and gate/up joined (still int8): natively qkv, gate_up, down; through
+    # torchax the same and o_proj; + embed, lm_head.
+    assert len(quantized) == 2 * (3 if model_impl == "jax" else 4) + 2
     assert all(w.q.dtype == np.int8 and w.group_size == 32 for w in quantized)
     ratio = param_bytes(llm.engine.model.params) / param_bytes(float_llm.engine.model.params)
     assert ratio < (0.33 if model_impl == "jax" else 0.3), ratio

@@ -8,6 +8,8 @@ Every step uses one padded shape (16 tokens, 2 sequences), so each model compile
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import subprocess
@@ -91,15 +93,25 @@ def checkpoints(tmp_path_factory):
     return get
 
 
+def joined(loaded):
+    """The model with each decoder layer's Linear weights joined by input and stored [in, out]
+    (LayerStages.fuse), as runtime/layered.py serves it on one device."""
+    if loaded.stages is None or loaded.stages.fuse is None:
+        return loaded
+    layers = [loaded.stages.fuse(p) for p in loaded.params["layers"]]
+    return dataclasses.replace(loaded, params={**loaded.params, "layers": layers})
+
+
 @pytest.fixture(scope="module")
 def served(checkpoints):
-    """name -> (LoadedModel, jitted step, transformers eager model), loaded and jitted once."""
+    """name -> (LoadedModel, jitted step, transformers eager model), loaded and jitted once;
+    the layers' weights joined as serving joins them (`joined`)."""
     cache: dict[str, tuple] = {}
 
     def get(name: str):
         if name not in cache:
             path = checkpoints(name)
-            loaded = load_torchax(resolved_for(path))
+            loaded = joined(load_torchax(resolved_for(path)))
             step = jax.jit(loaded.step_fn, donate_argnums=1)
             hf = transformers.AutoModelForCausalLM.from_pretrained(
                 path, dtype=torch.float32, attn_implementation="eager"
@@ -232,6 +244,29 @@ def test_weights_are_read_from_the_checkpoint_by_slice_not_loaded_whole(checkpoi
     assert names and all(p.device.type == "meta" for p in model.parameters())
     assert set(names) <= set(sources) and all(isinstance(sources[n], np.memmap) for n in names)
     assert all(b.device.type == "cpu" for b in model.buffers())  # computed buffers stay real
+
+
+def test_decoder_layer_linears_are_joined_by_input(checkpoints):
+    """Linear layers reading one input are joined (q/k/v, gate/up), each stored [in, out]; biases
+    joined alike (Qwen2's q/k/v); joining again changes nothing."""
+    loaded = load_torchax(resolved_for(checkpoints("qwen2")))
+    groups = {g.members: g for g in loaded.stages.fuse.__self__.groups}
+    assert set(groups) == {("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+                           ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",)}
+    layer = loaded.params["layers"][1]
+    fused = loaded.stages.fuse(layer)
+    qkv = groups[("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")]
+    names = [f"self_attn.{n}_proj" for n in "qkv"]
+    np.testing.assert_array_equal(fused[qkv.weight_key],
+                                  np.concatenate([np.asarray(layer[n + ".weight"]) for n in names]).T)
+    np.testing.assert_array_equal(fused[qkv.bias_key], np.concatenate([np.asarray(layer[n + ".bias"]) for n in names]))
+    assert not any(n + ".weight" in fused for n in names) and "input_layernorm.weight" in fused
+    assert jax.tree.structure(loaded.stages.fuse(fused)) == jax.tree.structure(fused)
+    prompt = make_prompt(9)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints("qwen2"), dtype=torch.float32).eval()
+    served = joined(loaded)
+    ours = PagedRunner(served, jax.jit(served.step_fn)).run([(0, 0, prompt)])[0]
+    np.testing.assert_allclose(ours, hf_logits(hf, prompt)[-1], atol=LOGITS_ATOL, rtol=0)
 
 
 def test_loaded_model_fields(served):
