@@ -9,7 +9,7 @@ jit), which each layer updates at its own `layer_idx` (a static index into the s
 arrays) and hands on to the next; the step function then returns the last one.
 
 Traced whole, the HF model's own Python loop over its layers is unrolled: the program grows
-with depth. registry.torchax_layers steps uniform layers one per call instead; the context's
+with depth. registry.torchax_layers steps uniform layers a few per call instead; the context's
 `layer` then names the (traced) KV layer in place of the module's layer_idx.
 
 Mixture-of-experts blocks that use transformers' `@use_experts_implementation` are loaded

@@ -1,4 +1,4 @@
-"""A torchax-wrapped transformers model as LayerStages: one decoder layer per call.
+"""A torchax-wrapped transformers model as LayerStages: decoder layers stepped a few per call.
 
 Traced whole, a transformers model's forward unrolls its Python loop over the decoder
 layers: every bucket's program holds all of them (on the 30-layer demo model ~8 MB of

@@ -95,8 +95,8 @@ class EngineConfig(BaseModel):
                             "elsewhere).",
     )
     layerwise: bool = Field(
-        True, description="Step native models one decoder layer per call (one compiled layer program, "
-                          "weights read in place; runtime/layered.py). False: one program per step with a "
+        True, description="Step models a few decoder layers per call (one compiled layer program of up to "
+                          "6 layers, weights read in place; runtime/layered.py). False: one program per step with a "
                           "scan over stacked layer weights (XLA:CPU then copies each layer's weights per step).",
     )
     generation_config: str = Field(

@@ -1,18 +1,29 @@
-"""Run a step one decoder layer per call: three compiled programs per bucket, not one.
+"""Run a step a few decoder layers per call: three compiled programs per bucket, not one.
 
 A model that offers `LayerStages` (runtime/step.py) can be stepped as
 
     carry = prologue(outer_params, batch)                     # program 1
-    for i in range(num_layers):                               # program 2, called L times
-        carry, kv_cache = layer(layers[i], carry, kv_cache, i, batch)
+    for i in range(0, num_layers, k):                         # program 2, called L / k times
+        for j in range(i, i + k):                             #   (k layers, unrolled)
+            carry, kv_cache = layer(layers[j], carry, kv_cache, j, batch)
     logits = epilogue(outer_params, carry, batch)             # program 3
 
 with each layer's weights in arrays of their own. The one-program alternative, a scan
 over weights stacked [num_layers, ...], makes XLA:CPU copy every layer's weights out of
 the stack before its matmuls: on the 30-layer demo model that copy is ~30 of a 54 ms
 batch-1 decode step. Here the matmuls read the weights where they lie; the layer program
-is compiled once per bucket whatever the depth (the layer index is an argument), and the
-host dispatches L + 2 calls per step asynchronously while the device runs.
+is compiled once per bucket whatever the depth (the first layer's index is an argument;
+k, at most MAX_LAYERS_PER_CALL, divides the depth), and the host dispatches L / k + 2
+calls per step asynchronously while the device runs. Each call costs a little beyond its
+work (starting the program, handing the carry on: on the demo model, steps of 1 / 16 / 32
+sequences took 25.9 / 55.9 / 84.9 ms at k = 1 and 23.9 / 52.6 / 81.7 ms at k = 5), which
+is why k is not 1; compile time per bucket grows with k, which is why it is capped.
+
+With `wide_seqs` (the runtime gives its largest sequence bucket when attention runs in the
+C++ kernel, whose cost does not depend on empty sequence slots) the prologue and layer
+programs see the batch's sequence arrays padded to that many slots: they then compile once
+per token bucket instead of once per (tokens, sequences) bucket; only the epilogue, which
+picks each sequence's row for the LM head, keeps the bucket's own sequence count.
 
 Shardings are pinned: the carry and the batch are replicated on the mesh, the weights and
 the KV cache keep their own, so every call of a bucket hits the same compiled program
@@ -21,6 +32,7 @@ the KV cache keep their own, so every call of a bucket hits the same compiled pr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -30,6 +42,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from runtime.step import KVCache, LayerStages, LoadedModel, StepInput
+
+# Decoder layers one program runs (unrolled), at most: the largest divisor of the depth up to this.
+MAX_LAYERS_PER_CALL = 6
+
+
+def layers_per_call(num_layers: int, most: int = MAX_LAYERS_PER_CALL) -> int:
+    """How many decoder layers each call of the layer program runs: the largest divisor of
+    `num_layers` that is at most `most` (30 layers: 6 per call; 28: 4; a prime depth: 1)."""
+    return max(k for k in range(1, min(most, num_layers) + 1) if num_layers % k == 0)
 
 
 def layered_forward(params: dict, kv_cache: KVCache, batch: StepInput, *, stages: LayerStages):
@@ -72,8 +93,32 @@ def _fuse_changes(fuse: Any, layer: Any) -> bool:
     return jax.tree.structure(joined) != jax.tree.structure(layer)
 
 
+def widen_seqs(batch: StepInput, num_seqs: int) -> StepInput:
+    """A host batch with its sequence arrays padded to `num_seqs` slots of no tokens (the
+    batch itself when it has that many already)."""
+    pad = num_seqs - batch.padded_num_seqs
+    if pad <= 0:
+        return batch
+    rows = lambda a, mode="constant": np.pad(np.asarray(a), [(0, pad)] + [(0, 0)] * (np.ndim(a) - 1), mode=mode)  # noqa: E731
+    return dataclasses.replace(batch, block_tables=rows(batch.block_tables), seq_lens=rows(batch.seq_lens),
+                               query_start_loc=rows(batch.query_start_loc, "edge"),
+                               logits_indices=rows(batch.logits_indices))
+
+
+def _layers_in_order(layer: Any) -> Any:
+    """A stage function running several decoder layers in one program:
+    (list of layer weights, carry, kv_cache, first index, batch) -> (carry, kv_cache)."""
+
+    def run(layer_params: list, carry: Any, kv_cache: KVCache, first: jax.Array, batch: StepInput):
+        for j, params in enumerate(layer_params):
+            carry, kv_cache = layer(params, carry, kv_cache, first + j, batch)
+        return carry, kv_cache
+
+    return run
+
+
 class LayeredStep:
-    """Steps a LoadedModel layer by layer (see the module docstring).
+    """Steps a LoadedModel a few layers per call (see the module docstring).
 
     Takes ownership of `model.params`: the stacked layer weights are replaced by per-layer
     arrays (model.params[layers_key] becomes a list, model.param_shardings likewise), and
@@ -81,7 +126,8 @@ class LayeredStep:
     already in that form (a second engine on the same LoadedModel) is used as it is.
     """
 
-    def __init__(self, model: LoadedModel, mesh: Mesh, kv_sharding: NamedSharding | KVCache):
+    def __init__(self, model: LoadedModel, mesh: Mesh, kv_sharding: NamedSharding | KVCache,
+                 wide_seqs: int | None = None):
         stages = model.stages
         assert stages is not None
         key, n = stages.layers_key, stages.num_layers
@@ -105,26 +151,42 @@ class LayeredStep:
         # A KVCache of shardings carries the cache's static metadata (attention backend, mesh).
         kv = kv_sharding if isinstance(kv_sharding, KVCache) else KVCache(kv_sharding, kv_sharding)
         self._prologue = jax.jit(stages.prologue, in_shardings=(outer_shardings, rep), out_shardings=rep)
-        self._layer = jax.jit(stages.layer, in_shardings=(layer_shardings, rep, kv, rep, rep),
-                              out_shardings=(rep, kv), donate_argnums=(2,))
+        self.per_call = k = layers_per_call(n)
+        self._layers = jax.jit(_layers_in_order(stages.layer), in_shardings=([layer_shardings] * k, rep, kv, rep, rep),
+                               out_shardings=(rep, kv), donate_argnums=(2,))
         self._epilogue = jax.jit(stages.epilogue, in_shardings=(outer_shardings, rep, rep), out_shardings=rep)
-        self._index = [jax.device_put(np.int32(i), rep) for i in range(n)]
+        self._firsts = [jax.device_put(np.int32(i), rep) for i in range(0, n, k)]  # each call's first layer
+        self.wide_seqs = wide_seqs  # see the module docstring
+
+    def _inputs(self, batch: StepInput) -> tuple[StepInput, StepInput]:
+        """(batch for the prologue and layers, batch for the epilogue), on the mesh."""
+        wide = batch if self.wide_seqs is None else widen_seqs(batch, self.wide_seqs)
+        narrow = jax.device_put(batch, self.replicated)
+        return (narrow if wide is batch else jax.device_put(wide, self.replicated)), narrow
 
     def __call__(self, kv_cache: KVCache, batch: StepInput) -> tuple[jax.Array, KVCache]:
         """One step: (logits, kv_cache), dispatched without waiting (kv_cache is donated)."""
-        batch = jax.device_put(batch, self.replicated)
-        carry = self._prologue(self.outer, batch)
-        for layer_params, i in zip(self.layers, self._index):
-            carry, kv_cache = self._layer(layer_params, carry, kv_cache, i, batch)
-        return self._epilogue(self.outer, carry, batch), kv_cache
+        wide, narrow = self._inputs(batch)
+        carry = self._prologue(self.outer, wide)
+        k = self.per_call
+        for g, first in enumerate(self._firsts):
+            carry, kv_cache = self._layers(self.layers[g * k:(g + 1) * k], carry, kv_cache, first, wide)
+        return self._epilogue(self.outer, carry, narrow), kv_cache
 
-    def lower(self, kv_cache: KVCache, batch: StepInput) -> list:
-        """The bucket of `batch` (its shapes) lowered, not yet compiled: three programs."""
-        batch = jax.device_put(batch, self.replicated)
+    def lower(self, kv_cache: KVCache, batch: StepInput, seen: set | None = None) -> list:
+        """The bucket of `batch` (its shapes) lowered, not yet compiled: prologue, layers and
+        epilogue; with `seen`, the prologue and layers only if their shapes are not in it
+        (then added): buckets that share them share those programs."""
+        wide, narrow = self._inputs(batch)
         carry = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.replicated),
-                             jax.eval_shape(self._prologue, self.outer, batch))
-        return [
-            self._prologue.lower(self.outer, batch),
-            self._layer.lower(self.layers[0], carry, kv_cache, self._index[0], batch),
-            self._epilogue.lower(self.outer, carry, batch),
-        ]
+                             jax.eval_shape(self._prologue, self.outer, wide))
+        shared = (wide.padded_num_tokens, wide.padded_num_seqs)
+        programs = []
+        if seen is None or shared not in seen:
+            programs += [
+                self._prologue.lower(self.outer, wide),
+                self._layers.lower(self.layers[:self.per_call], carry, kv_cache, self._firsts[0], wide),
+            ]
+            if seen is not None:
+                seen.add(shared)
+        return programs + [self._epilogue.lower(self.outer, carry, narrow)]

@@ -78,7 +78,7 @@ class ModelRunner:
         num_blocks, block_size, max_model_len: the KV cache geometry.
         token_buckets, seq_buckets: padded sizes to compile.
         max_logprobs: K of the sampler's top-K logprobs.
-        layerwise: step a model that offers LayerStages one decoder layer per call
+        layerwise: step a model that offers LayerStages a few decoder layers per call
             (runtime/layered.py; it takes over the model's params), else one program.
         attention_backend: "xla" or "pallas" (resolved: see runtime.attention.resolve_backend);
             the KV cache is allocated for it.
@@ -116,7 +116,11 @@ class ModelRunner:
         # Logits come out replicated whichever way the step runs, so the sampler programs
         # compiled ahead of time for that sharding are the ones serving calls.
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        self.layered = LayeredStep(model, mesh, kv_shardings) if layerwise and model.stages is not None else None
+        # With the C++ attention kernel, empty sequence slots cost nothing: the layer programs
+        # then take every batch at the largest sequence bucket and compile once per token bucket.
+        wide_seqs = seq_buckets[-1] if self.kv_cache.attention_backend == "cpu" else None
+        self.layered = (LayeredStep(model, mesh, kv_shardings, wide_seqs)
+                        if layerwise and model.stages is not None else None)
         self._step = jax.jit(model.step_fn, donate_argnums=(1,),
                              out_shardings=(self.replicated, kv_shardings))
         self.lora_targets = model.lora_targets if self._has_lora_slots() else None
@@ -198,9 +202,10 @@ class ModelRunner:
         with warnings.catch_warnings(), ThreadPoolExecutor(workers, thread_name_prefix="servax-compile") as pool:
             # The CPU backend cannot donate the KV cache; its lowering-time warning is noise.
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            compiling = []
+            compiling, shared = [], set()
             for t, s in tqdm(pairs, desc="servax: tracing buckets", disable=not show_progress):
-                compiling += [pool.submit(program.compile) for program in self._lower_step(self._padding_step_input(t, s))]
+                lowered = self._lower_step(self._padding_step_input(t, s), shared)
+                compiling += [pool.submit(program.compile) for program in lowered]
             for s in sorted({s for _, s in pairs}):
                 compiling += [pool.submit(program.compile) for program in self._lower_samplers(s)]
             for future in tqdm(as_completed(compiling), total=len(compiling), desc="servax: compiling programs",
@@ -235,9 +240,9 @@ class ModelRunner:
             times.append(time.perf_counter() - t0)
         return float(np.median(times))
 
-    def _lower_step(self, batch) -> list:
+    def _lower_step(self, batch, seen: set | None = None) -> list:
         if self.layered is not None:
-            return self.layered.lower(self.kv_cache, batch)
+            return self.layered.lower(self.kv_cache, batch, seen)
         return [self._step.lower(self.model.params, self.kv_cache, batch)]
 
     def _lower_samplers(self, s: int) -> list:

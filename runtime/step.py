@@ -135,7 +135,8 @@ class LayerStages:
     Why: under a scan over stacked weights XLA:CPU copies each layer's weights out of the
     stack before its matmuls (a copy of every weight per step, ~60% of a batch-1 decode on
     the 30-layer demo model); separate per-layer arrays are read in place, and the layer
-    program still compiles once whatever the depth. See runtime/layered.py.
+    program still compiles once whatever the depth (it runs a few layers per call, each
+    from its first layer's index). See runtime/layered.py.
     """
 
     prologue: Callable[..., Any]  # (outer_params, batch) -> carry

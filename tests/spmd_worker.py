@@ -60,7 +60,7 @@ _COLLECTIVE = re.compile(r"=.*\s(all-reduce|all-gather|reduce-scatter|all-to-all
 
 def step_collectives(runner) -> dict[str, int]:
     """Collective ops in the compiled programs a step of the smallest bucket runs (one step
-    program, or prologue + one layer + epilogue when layers run one per call)."""
+    program, or prologue + one call's layers + epilogue when layers run a few per call)."""
     batch = runner._padding_step_input(runner.token_buckets[0], runner.seq_buckets[0])
     found = []
     for lowered in runner._lower_step(batch):
@@ -103,6 +103,7 @@ def run_one(spec: dict, run: dict, tp: int) -> dict:
                 for name, path in (run.get("params", {}) if tp > 1 else {}).items()},
         joined=joined,
         collectives=step_collectives(engine.runner),
+        layers_per_call=engine.runner.layered.per_call if engine.runner.layered else None,
         startup_seconds=round(startup, 2), warmup_seconds=round(engine.warmup_seconds, 2),
     )
 

@@ -328,7 +328,7 @@ def test_layers_with_different_sliding_windows_match_transformers(tmp_path):
 
 @pytest.mark.parametrize("family", ["llama", "llama-biases", "qwen2-windows", "qwen3"])
 def test_layer_by_layer_step_equals_the_scan(tmp_path, family):
-    """runtime.layered runs the same LayerStages one layer per call, with per-layer weight
+    """runtime.layered runs the same LayerStages a few layers per call, with per-layer weight
     arrays, q/k/v and gate/up joined (biases too: qwen2, llama with attention and MLP biases;
     q/k norms: qwen3): logits and every
     layer's cache equal the one-program scan over the weights as loaded (prefill, then decode)."""
@@ -368,3 +368,51 @@ def test_layer_by_layer_step_equals_the_scan(tmp_path, family):
     whole, _ = jax.jit(layered_model.step_fn)(layered_model.params, cache(), step_input([(prompt, 0)]))
     first, _ = jax.jit(scan_model.step_fn)(scan_model.params, cache(), step_input([(prompt, 0)]))
     np.testing.assert_allclose(np.asarray(whole), np.asarray(first), atol=1e-5, rtol=1e-5)
+
+
+def test_layers_per_call_divide_the_depth():
+    from runtime.layered import MAX_LAYERS_PER_CALL, layers_per_call
+
+    assert MAX_LAYERS_PER_CALL == 6
+    assert [layers_per_call(n) for n in (1, 2, 7, 8, 12, 28, 30, 32)] == [1, 2, 1, 4, 6, 4, 6, 4]
+
+
+def test_layers_in_several_calls_with_wide_sequences_equal_the_scan(tmp_path):
+    """8 layers, 4 per call (two calls of the layer program), attention in the C++ kernel with the
+    prologue and layers taking the batch widened to 8 sequence slots: the same logits and cache
+    as the one-program scan; and the bucket's shared programs are lowered once."""
+    from registry.tiny import make_tiny_checkpoint
+    from runtime.cpu_attention import kernel_status
+    from runtime.layered import LayeredStep, widen_seqs
+    from runtime.mesh import make_mesh
+
+    assert kernel_status() == "ok", kernel_status()
+    path = make_tiny_checkpoint("llama", tmp_path / "ckpt", num_hidden_layers=8)
+    scan_model, layered_model = registry.load(str(path)), registry.load(str(path))
+    mesh = make_mesh()
+    cache = lambda backend: allocate_kv_cache(scan_model.kv_spec, NUM_BLOCKS, BLOCK_SIZE,  # noqa: E731
+                                              attention_backend=backend)
+    layered_cache = cache("cpu")
+    layered = LayeredStep(layered_model, mesh, jax.tree.map(lambda a: a.sharding, layered_cache), wide_seqs=8)
+    assert layered.per_call == 4 and len(layered.layers) == 8
+    scan_step = jax.jit(scan_model.step_fn, donate_argnums=1)
+    scan_cache = cache("xla")
+    prompts = PROMPTS[:2]
+    first = step_input([(p, 0) for p in prompts])
+    wide = widen_seqs(first, 8)
+    assert wide.block_tables.shape[0] == wide.seq_lens.shape[0] == wide.logits_indices.shape[0] == 8
+    assert wide.query_start_loc.tolist() == first.query_start_loc.tolist() + [first.query_start_loc[-1]] * (8 - S_PAD)
+    for batch in (first, step_input([(p + [7], len(p)) for p in prompts])):
+        want, scan_cache = scan_step(scan_model.params, scan_cache, batch)
+        got, layered_cache = layered(layered_cache, batch)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    # 8 layers of two attention implementations and joined matmuls: float32 rounding apart
+    np.testing.assert_allclose(np.asarray(layered_cache.k), np.asarray(scan_cache.k), atol=1e-4, rtol=1e-4)
+    seen: set = set()
+    assert len(layered.lower(layered_cache, first, seen)) == 3
+    narrower = step_input([(prompts[0], 0)])
+    assert len(layered.lower(layered_cache, narrower, seen)) == 1  # the same bucket: its epilogue only
+    assert len(layered.lower(layered_cache, dataclasses.replace(
+        narrower, **{f: getattr(narrower, f)[:1] for f in ("block_tables", "seq_lens", "logits_indices")},
+        query_start_loc=narrower.query_start_loc[:2]), seen)) == 1  # another sequence bucket, same wide shapes

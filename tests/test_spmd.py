@@ -252,25 +252,28 @@ def test_fallback_kv_heads_are_repeated_when_fewer_than_devices(fallback):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path,name,tp,all_reduces", [
-    # embedding + (attention out, MLP down) once, in the layer program (both paths step their
-    # uniform layers one per call)
-    ("native", "servax-tiny/llama", 2, 3),
-    ("native", "servax-tiny/llama", 4, 3),
-    ("native", GQA3, 4, 3),
-    ("fallback", "servax-tiny/gpt_neox", 4, 2),  # parallel residual: one per layer, + embedding
+@pytest.mark.parametrize("path,name,tp,per_layer", [
+    # the embedding's, + (attention out, MLP down) per layer, in the layer program (both paths
+    # step their uniform layers a few per call: all of the tiny models' 2 layers in one)
+    ("native", "servax-tiny/llama", 2, 2),
+    ("native", "servax-tiny/llama", 4, 2),
+    ("native", GQA3, 4, 2),
+    ("fallback", "servax-tiny/gpt_neox", 4, 1),  # parallel residual: one per layer
     # before KV heads were repeated: + 20 all-gathers (each layer's K/V cache), 10 all-to-alls
     # and 4 collective-permutes (k/v split mid-head)
-    ("fallback", "llama-torchax", 4, 3),
-    ("fallback", GPT2, 4, 3),  # before c_attn was kept whole: + 14 collective-permutes
+    ("fallback", "llama-torchax", 4, 2),
+    ("fallback", GPT2, 4, 2),  # before c_attn was kept whole: + 14 collective-permutes
 ])
-def test_step_communicates_only_megatron_all_reduces(request, path, name, tp, all_reduces):
-    """One all-gather, of the logits (split by vocabulary) for the sampler; in particular the
-    KV cache is never gathered (it was, when replicated).
+def test_step_communicates_only_megatron_all_reduces(request, path, name, tp, per_layer):
+    """All-reduces: the embedding's and per_layer per decoder layer in the programs; one
+    all-gather, of the logits (split by vocabulary) for the sampler; in particular the KV cache
+    is never gathered (it was, when replicated).
 
     Nor any collective-permute: q, k and v never move between devices.
     """
-    assert request.getfixturevalue(path)[(name, tp)]["collectives"] == {"all-reduce": all_reduces, "all-gather": 1}
+    run = request.getfixturevalue(path)[(name, tp)]
+    assert run["layers_per_call"] == 2
+    assert run["collectives"] == {"all-reduce": 1 + per_layer * run["layers_per_call"], "all-gather": 1}
 
 
 @pytest.mark.slow

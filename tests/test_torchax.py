@@ -281,7 +281,7 @@ def test_loaded_model_fields(served):
     assert loaded.eos_token_ids == (config.eos_token_id,)
     assert loaded.tokenizer is not None and loaded.tokenizer.eos_token == "<|endoftext|>"
     assert set(loaded.param_shardings) == set(loaded.params)
-    # Uniform decoder layers: stepped one per call (registry.torchax_layers), their weights
+    # Uniform decoder layers: stepped a few per call (registry.torchax_layers), their weights
     # per layer under "layers" by their names within the layer.
     assert loaded.stages is not None and loaded.stages.num_layers == config.num_hidden_layers
     layers = loaded.params["layers"]
