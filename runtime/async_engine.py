@@ -5,8 +5,8 @@
         print(out.outputs[0].delta_text, end="")
 
 The loop thread owns the synchronous Engine: it drains a command queue (add / abort),
-runs `Engine.step()` while there is work, and hands each RequestOutput to the asyncio
-loop of the request's consumer with `loop.call_soon_threadsafe`. The event loop never
+runs `Engine.step()` while there is work, and hands each step's RequestOutputs to the
+asyncio loop of their consumers with one `loop.call_soon_threadsafe` per loop. The event loop never
 runs model code. If the consumer of `generate()` stops (cancelled, generator closed,
 client gone) the request is aborted and its blocks freed.
 """
@@ -51,6 +51,11 @@ def merge_snapshots(older: RequestOutput, newer: RequestOutput) -> RequestOutput
             )
         outputs.append(c)
     return dataclasses.replace(newer, outputs=outputs)
+
+
+def _deliver(items: list) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 class _Stream:
@@ -284,11 +289,19 @@ class AsyncLLMEngine:
             stream.put(e)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            with self._streams_lock:
+        """Hand a step's outputs to their streams: one wake-up of each consumer loop per step,
+        not one per request (a step of 32 sequences wrote 32 times to the loop's wake pipe)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._streams_lock:
+            for out in outputs:
                 stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put(out)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that loop is closed; nobody is listening there
+                pass
 
     def _fail_streams(self, error: BaseException) -> None:
         with self._streams_lock:

@@ -3,6 +3,8 @@ recompilation, block accounting, seeded sampling across batch mixes, abort."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import random
 
 import pytest
@@ -258,6 +260,34 @@ def test_async_streams_match_offline_greedy(async_engine, prompts64, alone64):
         assert "".join(o.outputs[0].delta_text for o in outs) == outs[-1].outputs[0].text
     s = async_engine.stats()
     assert s.compilations_since_warmup == 0 and s.kv_blocks_used == 0
+
+
+def test_async_step_outputs_reach_a_loop_in_one_wake_up(async_engine, prompts64):
+    """8 streams decoding together on one event loop: each engine step hands its outputs over in
+    one call_soon_threadsafe, not one per request."""
+    import asyncio
+
+    from runtime import async_engine as module
+
+    batches = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        original = loop.call_soon_threadsafe
+
+        def counting(callback, *args, **kwargs):
+            if callback is module._deliver:
+                batches.append(len(args[0]))
+            return original(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counting
+        params = dataclasses.replace(GREEDY, max_tokens=12, ignore_eos=True)
+        return await asyncio.gather(*(collect(async_engine, prompts64[0], params, f"w{i}") for i in range(8)))
+
+    results = asyncio.run(main())
+    assert all(outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 12 for outs in results)
+    assert sum(batches) == sum(len(outs) for outs in results)
+    assert max(batches) == 8 and len(batches) < sum(batches) / 2, batches
 
 
 def test_async_slow_consumer_gets_merged_deltas(async_engine):
