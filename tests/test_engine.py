@@ -286,7 +286,8 @@ def test_async_step_outputs_reach_a_loop_in_one_wake_up(async_engine, prompts64)
 
     results = asyncio.run(main())
     assert all(outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 12 for outs in results)
-    assert sum(batches) == sum(len(outs) for outs in results)
+    # one output per request and token handed over (a consumer that lags merges what it finds queued)
+    assert sum(batches) == 8 * 12 and sum(len(outs) for outs in results) <= sum(batches)
     assert max(batches) == 8 and len(batches) < sum(batches) / 2, batches
 
 
