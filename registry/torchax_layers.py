@@ -74,21 +74,20 @@ class LinearGroup:
 
 
 def _join_transposed(weights: list[Any]) -> Any | None:
-    """[out_i, in] weights (float, or QuantizedWeight scaled per row or in groups along `in`)
-    as one [in, sum out_i]; None when they cannot be one (mixed kinds or groupings)."""
+    """[out_i, in] Linear weights (float, or QuantizedWeight scaled per row or in groups along
+    `in`) as one [in, sum out_i], joined as the native models join theirs
+    (models_jax.weights.join_outputs); None when they cannot be one."""
+    from models_jax.weights import join_outputs
     from runtime.quantization import QuantizedWeight
 
-    quantized = [isinstance(w, QuantizedWeight) for w in weights]
-    if not any(quantized):
-        return jnp.concatenate(weights, axis=0).T
-    if not all(quantized) or len({(w.q.ndim, w.group_size, w.group_axis % w.q.ndim) for w in weights}) != 1:
-        return None
-    first = weights[0]
-    if first.q.ndim != 2 or (first.group_size and first.group_axis % 2 != 1):
-        return None  # grouped along the rows being joined
-    return QuantizedWeight(jnp.concatenate([w.q for w in weights], axis=0).T,
-                           jnp.concatenate([w.scale for w in weights], axis=0).T,
-                           group_size=first.group_size, group_axis=-2)
+    def in_out(w: Any) -> Any:
+        if not isinstance(w, QuantizedWeight):
+            return w.T
+        # transposed, a grouping along the last axis (`in`) lies along the first
+        return QuantizedWeight(w.q.T, w.scale.T, group_size=w.group_size,
+                               group_axis=-2 if w.group_axis % w.q.ndim == 1 else -1)
+
+    return join_outputs([in_out(w) for w in weights])
 
 
 def _plain_linears(layer: Any) -> dict[str, Any]:
