@@ -51,6 +51,11 @@ class ModelEntry:
         fuse_layer: one layer's weights -> the same weights in a joined form the layer stage
             also takes (several projections of one input as one matrix); the runtime applies
             it where a layer's weights are whole on every device. None: used as loaded.
+        pack_layer: one layer's weights (after fuse_layer) -> the same with its matrices as
+            runtime.cpu_matmul.PackedWeight where they can be (the layer stage reads either
+            form); the runtime applies it where it runs its CPU kernels. None: never packed.
+        pack_head: the params without their layers -> the same with the LM head packed
+            likewise (prologue and epilogue read either form). None: never packed.
     """
 
     architectures: tuple[str, ...]
@@ -60,3 +65,5 @@ class ModelEntry:
     stages: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None = None
     lora_targets: Callable[[Any], dict[str, Any]] | None = None
     fuse_layer: Callable[[dict], dict] | None = None
+    pack_layer: Callable[[dict], dict] | None = None
+    pack_head: Callable[..., dict] | None = None

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from runtime.cpu_matmul import PackedWeight
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
 
@@ -135,19 +137,23 @@ def project_to_joined_heads(
 
 
 def project_from_heads(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x: [T, heads, head_dim] @ w: [heads, head_dim, D] (+ b: [D]) -> [T, D]."""
-    y = jnp.einsum("thk,hkd->td", x, w)
+    """x: [T, heads, head_dim] @ w: [heads, head_dim, D] (or that as a PackedWeight
+    [heads * head_dim, D]) (+ b: [D]) -> [T, D]."""
+    if isinstance(w, PackedWeight):
+        y = x.reshape(x.shape[0], -1) @ w
+    else:
+        y = jnp.einsum("thk,hkd->td", x, w)
     return y if b is None else y + b
 
 
 def gated_mlp(x: jax.Array, p: dict, lora: Any = None) -> jax.Array:
     """SwiGLU: down(silu(gate(x)) * up(x)). x: [T, D]; p: gate/up [D, F] (or gate_up [D, 2F]),
-    down [F, D], optional biases.
+    down [F, D] (joined ones also as runtime.cpu_matmul.PackedWeight), optional biases.
 
     lora: a LoRA delta function (name, input) -> [T, out] or None (see lora_delta).
     """
     if "gate_up" in p:  # gate and up joined side by side: [D, 2F]
-        gate_up = jnp.einsum("td,df->tf", x, p["gate_up"])
+        gate_up = x @ p["gate_up"]  # an array or a PackedWeight
         gate, up = jnp.split(gate_up if "gate_up_bias" not in p else gate_up + p["gate_up_bias"], 2, axis=-1)
     else:
         gate = jnp.einsum("td,df->tf", x, p["gate"])
@@ -157,7 +163,7 @@ def gated_mlp(x: jax.Array, p: dict, lora: Any = None) -> jax.Array:
     if lora is not None:
         gate, up = add_delta(gate, lora("gate_proj", x)), add_delta(up, lora("up_proj", x))
     h = jax.nn.silu(gate) * up
-    y = jnp.einsum("tf,fd->td", h, p["down"])
+    y = h @ p["down"]
     if lora is not None:
         y = add_delta(y, lora("down_proj", h))
     return y + p["down_bias"] if "down_bias" in p else y

@@ -28,6 +28,7 @@ from models_jax.weights import (
     embedding, head_bias, join_outputs, linear, linear_from_heads, linear_to_heads, stacked, vector, zeros,
 )
 from runtime.attention import NO_SLIDING_WINDOW, paged_attention
+from runtime.cpu_matmul import PackedWeight, pack_matrix
 from runtime.lora import LoRATarget
 from runtime.step import KVCache, StepInput
 
@@ -258,7 +259,11 @@ def layer_windows(a: LlamaArgs) -> tuple[int | None, jax.Array | None]:
 def prologue(params: dict, batch: StepInput, *, args: LlamaArgs) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Embeddings and rotary tables: the carry (x [T, D], cos [T, hd], sin [T, hd])."""
     with jax.named_scope("embed"):
-        x = params["embed"][batch.input_ids]  # [T, D]
+        embed = params["embed"]
+        if isinstance(embed, PackedWeight):  # a tied table packed as the LM head (pack_head)
+            x = embed.columns(batch.input_ids)  # [T, D]
+        else:
+            x = embed[batch.input_ids]  # [T, D]
     with jax.named_scope("rope"):
         tok = jnp.arange(batch.input_ids.shape[0])
         seq = jnp.searchsorted(batch.query_start_loc[1:], tok, side="right")
@@ -282,9 +287,42 @@ def epilogue(params: dict, carry: tuple, batch: StepInput, *, args: LlamaArgs) -
     x = carry[0]
     with jax.named_scope("lm_head"):
         x = layers.rms_norm(x[batch.logits_indices], params["final_norm"], args.rms_norm_eps)  # [S, D]
+        head = params["embed"] if args.tie_word_embeddings else params["lm_head"]
+        if isinstance(head, PackedWeight):  # pack_head
+            return x @ head
         if args.tie_word_embeddings:
             return jnp.einsum("sd,vd->sv", x, params["embed"], preferred_element_type=jnp.float32)
         return jnp.einsum("sd,dv->sv", x, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def pack_layer(p: dict) -> dict:
+    """One layer's joined projections (qkv, o, gate_up, down; see fuse_layer) as
+    runtime.cpu_matmul.PackedWeight for the CPU matmul kernel where they are float32; the
+    rest (norms, biases, LoRA slots, projections not joined) as it is."""
+    out = dict(p)
+    if "qkv" in p:
+        out["qkv"] = pack_matrix(p["qkv"])
+    o = p["o"]
+    if isinstance(o, jax.Array) and o.dtype == jnp.float32:  # [H, hd, D] -> [H * hd, D]
+        out["o"] = PackedWeight.pack(o.reshape(-1, o.shape[-1]))
+    mlp = dict(p["mlp"])
+    if "gate_up" in mlp:
+        mlp["gate_up"] = pack_matrix(mlp["gate_up"])
+        mlp["down"] = pack_matrix(mlp["down"])
+    out["mlp"] = mlp
+    return out
+
+
+def pack_head(params: dict, *, args: LlamaArgs) -> dict:
+    """The params without their layers, with the LM head as runtime.cpu_matmul.PackedWeight
+    where it is float32: "lm_head", or a tied model's "embed", packed as the head it is
+    ([D, vocab]; the prologue then gathers the embeddings from its columns)."""
+    out = dict(params)
+    if not args.tie_word_embeddings:
+        out["lm_head"] = pack_matrix(params["lm_head"])
+    elif isinstance(params["embed"], jax.Array) and params["embed"].dtype == jnp.float32:
+        out["embed"] = PackedWeight.pack(params["embed"].T)
+    return out
 
 
 def forward(params: dict, kv_cache: KVCache, batch: StepInput, *, args: LlamaArgs) -> tuple[jax.Array, KVCache]:
@@ -326,4 +364,6 @@ ENTRY = ModelEntry(
     stages=(prologue, decoder_layer, epilogue),
     lora_targets=lora_targets,
     fuse_layer=fuse_layer,
+    pack_layer=pack_layer,
+    pack_head=pack_head,
 )

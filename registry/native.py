@@ -70,8 +70,9 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: 
     kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads * args.kv_repeat, args.head_dim, dtype)
     stages = None
     if entry.stages is not None:
+        pack_head = functools.partial(entry.pack_head, args=args) if entry.pack_head is not None else None
         stages = LayerStages(*(functools.partial(fn, args=args) for fn in entry.stages), num_layers=args.num_layers,
-                             fuse=entry.fuse_layer)
+                             fuse=entry.fuse_layer, pack_layer=entry.pack_layer, pack_head=pack_head)
     return LoadedModel(
         step_fn=functools.partial(entry.forward, args=args),
         stages=stages,

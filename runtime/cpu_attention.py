@@ -8,7 +8,8 @@ block where it lies, once per (sequence, KV head, query tile), with an online so
 runs on XLA's own intra-op threads.
 
 The kernel (runtime/kernels/paged_attention.cc) is compiled on first use, in one library with
-the sampler's top-k/top-p cut (runtime/kernels/sampling.cc, see runtime/sampler.py), with the
+the sampler's top-k/top-p cut (runtime/kernels/sampling.cc, see runtime/sampler.py) and the
+matmul on packed weights (runtime/kernels/matmul.cc, see runtime/cpu_matmul.py), with the
 machine's C++ compiler (`CXX`, else g++ or c++) against the XLA FFI headers jaxlib ships,
 for the CPU it runs on (-march=native), and kept in ~/.cache/servax/kernels/ under a key
 of source, flags, jaxlib version and CPU: later starts load it in milliseconds. Where no
@@ -44,10 +45,11 @@ from runtime.step import StepInput
 logger = logging.getLogger("servax.engine")
 
 _KERNELS = Path(__file__).with_name("kernels")
-_SOURCES = tuple(_KERNELS / name for name in ("paged_attention.cc", "sampling.cc"))
+_SOURCES = tuple(_KERNELS / name for name in ("paged_attention.cc", "sampling.cc", "matmul.cc"))
 _HEADERS = tuple(_KERNELS / name for name in ("parallel.h",))  # part of the build key, not compiled alone
 _TARGET = "servax_paged_attention"
 TRUNCATION_TARGET = "servax_truncation_cut"  # runtime/sampler.py's top-k/top-p cut
+MATMUL_TARGET = "servax_packed_matmul"  # runtime/cpu_matmul.py
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
 NO_WINDOW = 0  # the kernel's "no sliding window"
 
@@ -119,6 +121,7 @@ def _load() -> str:
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.ServaxPagedAttention), platform="cpu")
         jax.ffi.register_ffi_target(TRUNCATION_TARGET, jax.ffi.pycapsule(library.ServaxTruncationCut), platform="cpu")
+        jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(library.ServaxPackedMatmul), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure leaves the XLA path, with the reason
         return f"{type(e).__name__}: {e}"
     return "ok"

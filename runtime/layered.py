@@ -23,7 +23,10 @@ With `wide_seqs` (the runtime gives its largest sequence bucket when attention r
 C++ kernel, whose cost does not depend on empty sequence slots) the prologue and layer
 programs see the batch's sequence arrays padded to that many slots: they then compile once
 per token bucket instead of once per (tokens, sequences) bucket; only the epilogue, which
-picks each sequence's row for the LM head, keeps the bucket's own sequence count.
+picks each sequence's row for the LM head, keeps the bucket's own sequence count. With
+`pack` (also the CPU kernels' path) the layers' matrices and the LM head are packed for the
+C++ matmul of runtime/cpu_matmul.py, where the model offers it (LayerStages.pack_layer,
+pack_head) and the weights are whole on every device.
 
 Shardings are pinned: the carry and the batch are replicated on the mesh, the weights and
 the KV cache keep their own, so every call of a bucket hits the same compiled program
@@ -41,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from runtime.cpu_matmul import packed_matmul_available
 from runtime.step import KVCache, LayerStages, LoadedModel, StepInput
 
 # Decoder layers one program runs (unrolled), at most: the largest divisor of the depth up to this.
@@ -80,15 +84,17 @@ def _unstack(stacked: Any, specs: Any, num_layers: int, mesh: Mesh) -> list:
 
 
 def _fuse_in_place(layers: list, fuse: Any, replicated: NamedSharding) -> None:
-    """layers[i] = fuse(layers[i]), one layer at a time (layer i's old arrays are freed as
-    it is replaced: at most one layer is held twice); weights whole on every device."""
+    """layers[i] = fuse(layers[i]) (or any other change of form, e.g. packing), one layer at
+    a time (layer i's old arrays are freed as it is replaced: at most one layer is held
+    twice); weights whole on every device."""
     joined = jax.jit(fuse, out_shardings=replicated)
     for i, layer_params in enumerate(layers):
         layers[i] = joined(layer_params)
 
 
 def _fuse_changes(fuse: Any, layer: Any) -> bool:
-    """Whether `fuse` would join anything in `layer` (False for weights joined already)."""
+    """Whether `fuse` would change the form of anything in `layer` (False for weights joined,
+    or packed, already)."""
     joined = jax.eval_shape(fuse, layer)
     return jax.tree.structure(joined) != jax.tree.structure(layer)
 
@@ -127,7 +133,7 @@ class LayeredStep:
     """
 
     def __init__(self, model: LoadedModel, mesh: Mesh, kv_sharding: NamedSharding | KVCache,
-                 wide_seqs: int | None = None):
+                 wide_seqs: int | None = None, pack: bool = False):
         stages = model.stages
         assert stages is not None
         key, n = stages.layers_key, stages.num_layers
@@ -139,9 +145,16 @@ class LayeredStep:
         if stages.fuse is not None and _fuse_changes(stages.fuse, self.layers[0]) and all(
                 a.sharding.is_fully_replicated for a in jax.tree.leaves(self.layers)):
             _fuse_in_place(self.layers, stages.fuse, NamedSharding(mesh, PartitionSpec()))
+        if pack and packed_matmul_available() and all(
+                a.sharding.is_fully_replicated for a in jax.tree.leaves((self.outer, self.layers))):
+            replicated = NamedSharding(mesh, PartitionSpec())
+            if stages.pack_layer is not None and _fuse_changes(stages.pack_layer, self.layers[0]):
+                _fuse_in_place(self.layers, stages.pack_layer, replicated)
+            if stages.pack_head is not None and _fuse_changes(stages.pack_head, self.outer):
+                self.outer = jax.jit(stages.pack_head, out_shardings=replicated)(self.outer)
         layer_specs = jax.tree.map(lambda a: a.sharding.spec, self.layers[0])
         model.params = {**self.outer, key: self.layers}
-        model.param_shardings = {**model.param_shardings, key: [layer_specs] * n}
+        model.param_shardings = {**jax.tree.map(lambda a: a.sharding.spec, self.outer), key: [layer_specs] * n}
         model.step_fn = functools.partial(layered_forward, stages=stages)
 
         self.replicated = NamedSharding(mesh, PartitionSpec())

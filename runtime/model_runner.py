@@ -117,9 +117,11 @@ class ModelRunner:
         # compiled ahead of time for that sharding are the ones serving calls.
         self.replicated = NamedSharding(mesh, PartitionSpec())
         # With the C++ attention kernel, empty sequence slots cost nothing: the layer programs
-        # then take every batch at the largest sequence bucket and compile once per token bucket.
-        wide_seqs = seq_buckets[-1] if self.kv_cache.attention_backend == "cpu" else None
-        self.layered = (LayeredStep(model, mesh, kv_shardings, wide_seqs)
+        # then take every batch at the largest sequence bucket and compile once per token bucket;
+        # the matmuls run on packed weights by the C++ kernel there too (runtime/cpu_matmul.py).
+        cpu_kernels = self.kv_cache.attention_backend == "cpu"
+        self.layered = (LayeredStep(model, mesh, kv_shardings, seq_buckets[-1] if cpu_kernels else None,
+                                    pack=cpu_kernels)
                         if layerwise and model.stages is not None else None)
         self._step = jax.jit(model.step_fn, donate_argnums=(1,),
                              out_shardings=(self.replicated, kv_shardings))

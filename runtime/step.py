@@ -148,6 +148,11 @@ class LayerStages:
     # applied by the runtime to per-layer weights that are whole on every device; None: none.
     # Weights in the joined form pass through unchanged.
     fuse: Callable[[Any], Any] | None = None
+    # One layer's weights (joined) -> its matrices as runtime.cpu_matmul.PackedWeight where
+    # they can be, and the outer params -> their LM head likewise (the stages read either
+    # form); applied by the runtime where it runs its CPU kernels. None: never packed.
+    pack_layer: Callable[[Any], Any] | None = None
+    pack_head: Callable[[dict], dict] | None = None
 
 
 @dataclasses.dataclass

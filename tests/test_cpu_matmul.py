@@ -1,0 +1,81 @@
+"""Matmuls on packed weights for XLA:CPU (runtime/cpu_matmul.py, runtime/kernels/matmul.cc).
+
+The C++ kernel against NumPy in float64 for row counts that take each of its row blockings
+and output widths that are not a multiple of the panel; the packed layout's column gather
+(a tied model's embeddings); and end to end: the engine on its CPU kernels packs a native
+model's joined projections and its LM head (untied, or the tied embedding table in place of
+the table), and generates transformers' greedy tokens with transformers' logprobs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from app import LLM, SamplingParams
+from conftest import hf_greedy, hf_logits, hf_model
+from runtime.cpu_matmul import PANEL, PackedWeight, pack_matrix, packed_matmul_available
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel():
+    assert packed_matmul_available(), "the packed matmul kernel must build and run on the test machine"
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 13, 32, 100])
+@pytest.mark.parametrize("d_in,d_out", [(72, 1000), (40, 16), (33, 7)])
+def test_packed_matmul_matches_numpy(rows, d_in, d_out):
+    """Rows 1-8 take one row block, 9-16 two, 32 four (AVX-512) or six (AVX2); output widths
+    1000 and 7 pad their last panel with zero columns that the result leaves out."""
+    rng = np.random.default_rng(rows * d_out)
+    w = rng.standard_normal((d_in, d_out)).astype(np.float32)
+    x = rng.standard_normal((rows, d_in)).astype(np.float32)
+    packed = PackedWeight.pack(jnp.asarray(w))
+    assert packed.panels.shape == (-(-d_out // PANEL), d_in, PANEL) and packed.shape == (d_in, d_out)
+    got = np.asarray(jax.jit(lambda x, p: x @ p)(jnp.asarray(x), packed))
+    assert got.shape == (rows, d_out) and got.dtype == np.float32
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-5, atol=1e-4)
+
+
+def test_columns_are_the_embedding_rows_and_only_float32_matrices_pack():
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((50, 24)).astype(np.float32)  # [vocab, D]: packed as the head table.T
+    ids = jnp.asarray([0, 15, 16, 49, 17, 17, 3], jnp.int32)
+    got = np.asarray(jax.jit(lambda p, i: p.columns(i))(PackedWeight.pack(jnp.asarray(table).T), ids))
+    np.testing.assert_array_equal(got, table[np.asarray(ids)])
+    bf16 = jnp.zeros((4, 4), jnp.bfloat16)
+    assert pack_matrix(bf16) is bf16 and isinstance(pack_matrix(jnp.zeros((4, 4))), PackedWeight)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_engine_packs_the_weights_and_matches_transformers(tied, tmp_path):
+    """The engine on its CPU kernels keeps only the packed matrices (no second copy), and
+    generates transformers' greedy tokens with its logprobs, prompts of several lengths
+    batched together (decode steps of 1-3 rows, a prefill beside them)."""
+    from registry.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("qwen2", tmp_path / "m", tie_word_embeddings=tied)  # q/k/v biases
+    llm = LLM(model=str(path), attention_backend="cpu", max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="")
+    params = llm.engine.runner.model.params
+    head = params["embed"] if tied else params["lm_head"]
+    assert isinstance(head, PackedWeight) and head.shape[1] == llm.engine.runner.model.vocab_size
+    assert isinstance(params["embed"], PackedWeight) is tied
+    for layer in params["layers"]:
+        assert all(isinstance(w, PackedWeight) for w in (layer["qkv"], layer["o"], layer["mlp"]["gate_up"],
+                                                         layer["mlp"]["down"]))
+        assert isinstance(layer["qkv_bias"], jax.Array)
+    prompts = [[(5 * i + 7) % 400 + 3 for i in range(n)] for n in (3, 11, 20)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    hf = hf_model(path)
+    for prompt, out in zip(prompts, outs):
+        tokens = out.outputs[0].token_ids
+        assert tokens == hf_greedy(hf, prompt, 12)
+        logits = hf_logits(hf, prompt + tokens[:-1])[len(prompt) - 1:].astype(np.float64)
+        logprobs = logits - logits.max(-1, keepdims=True)
+        logprobs -= np.log(np.exp(logprobs).sum(-1, keepdims=True))
+        got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
+        np.testing.assert_allclose(got, logprobs[np.arange(len(tokens)), tokens], atol=1e-4)
