@@ -125,35 +125,46 @@ def project_to_heads(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> 
     return y if b is None else y + b
 
 
+def matmul(x: jax.Array, w: Any, rows: jax.Array | None = None) -> jax.Array:
+    """x [T, in] @ w [in, out] (an array, or a runtime.cpu_matmul.PackedWeight, which then
+    multiplies only the first `rows` rows of x: a step's real tokens; the rest give zeros)."""
+    if isinstance(w, PackedWeight):
+        return w.matmul(x, rows)
+    return x @ w
+
+
 def project_to_joined_heads(
-    x: jax.Array, w: jax.Array, b: jax.Array | None, heads: tuple[int, ...], head_dim: int
+    x: jax.Array, w: Any, b: jax.Array | None, heads: tuple[int, ...], head_dim: int,
+    rows: jax.Array | None = None,
 ) -> list[jax.Array]:
     """x: [T, D] @ w: [D, sum(heads) * head_dim] (+ b) -> one [T, h, head_dim] per entry of
-    `heads`: projections whose weights were joined side by side (models_jax.weights.join_outputs)."""
-    y = x @ w
+    `heads`: projections whose weights were joined side by side (models_jax.weights.join_outputs).
+    rows: see `matmul`."""
+    y = matmul(x, w, rows)
     y = y if b is None else y + b
     bounds = np.cumsum([h * head_dim for h in heads])[:-1].tolist()
     return [part.reshape(x.shape[0], h, head_dim) for part, h in zip(jnp.split(y, bounds, axis=-1), heads)]
 
 
-def project_from_heads(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+def project_from_heads(x: jax.Array, w: Any, b: jax.Array | None = None, rows: jax.Array | None = None) -> jax.Array:
     """x: [T, heads, head_dim] @ w: [heads, head_dim, D] (or that as a PackedWeight
-    [heads * head_dim, D]) (+ b: [D]) -> [T, D]."""
+    [heads * head_dim, D]; rows: see `matmul`) (+ b: [D]) -> [T, D]."""
     if isinstance(w, PackedWeight):
-        y = x.reshape(x.shape[0], -1) @ w
+        y = w.matmul(x.reshape(x.shape[0], -1), rows)
     else:
         y = jnp.einsum("thk,hkd->td", x, w)
     return y if b is None else y + b
 
 
-def gated_mlp(x: jax.Array, p: dict, lora: Any = None) -> jax.Array:
+def gated_mlp(x: jax.Array, p: dict, lora: Any = None, rows: jax.Array | None = None) -> jax.Array:
     """SwiGLU: down(silu(gate(x)) * up(x)). x: [T, D]; p: gate/up [D, F] (or gate_up [D, 2F]),
     down [F, D] (joined ones also as runtime.cpu_matmul.PackedWeight), optional biases.
 
     lora: a LoRA delta function (name, input) -> [T, out] or None (see lora_delta).
+    rows: see `matmul`.
     """
     if "gate_up" in p:  # gate and up joined side by side: [D, 2F]
-        gate_up = x @ p["gate_up"]  # an array or a PackedWeight
+        gate_up = matmul(x, p["gate_up"], rows)
         gate, up = jnp.split(gate_up if "gate_up_bias" not in p else gate_up + p["gate_up_bias"], 2, axis=-1)
     else:
         gate = jnp.einsum("td,df->tf", x, p["gate"])
@@ -163,7 +174,7 @@ def gated_mlp(x: jax.Array, p: dict, lora: Any = None) -> jax.Array:
     if lora is not None:
         gate, up = add_delta(gate, lora("gate_proj", x)), add_delta(up, lora("up_proj", x))
     h = jax.nn.silu(gate) * up
-    y = h @ p["down"]
+    y = matmul(h, p["down"], rows)
     if lora is not None:
         y = add_delta(y, lora("down_proj", h))
     return y + p["down_bias"] if "down_bias" in p else y

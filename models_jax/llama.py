@@ -162,7 +162,7 @@ def attention_block(
         if "qkv" in p:  # joined by fuse_layer
             kv_heads = a.num_kv_heads * a.kv_repeat
             q, k, v = layers.project_to_joined_heads(x, p["qkv"], p.get("qkv_bias"),
-                                                     (a.num_heads, kv_heads, kv_heads), a.head_dim)
+                                                     (a.num_heads, kv_heads, kv_heads), a.head_dim, batch.num_tokens)
         else:
             q = layers.project_to_heads(x, p["q"], p.get("q_bias"))  # [T, H, hd]
             k = layers.project_to_heads(x, p["k"], p.get("k_bias"))  # [T, KV, hd]
@@ -178,7 +178,7 @@ def attention_block(
             q, k, v, kv_cache, batch, layer=i, scale=a.head_dim**-0.5, sliding_window=window
         )
     with jax.named_scope("o"):
-        y = layers.project_from_heads(out, p["o"], p.get("o_bias"))
+        y = layers.project_from_heads(out, p["o"], p.get("o_bias"), batch.num_tokens)
         if lora is not None:
             y = layers.add_delta(y, lora("o_proj", out.reshape(out.shape[0], -1)))
         return y, kv_cache
@@ -207,7 +207,8 @@ def layer(
     h, kv_cache = attention_block(h, p, kv_cache, i, batch, cos, sin, a, window)
     x = x + h
     with jax.named_scope("mlp"):
-        x = x + layers.gated_mlp(layers.rms_norm(x, p["post_attn_norm"], a.rms_norm_eps), p["mlp"], _lora(p, batch))
+        x = x + layers.gated_mlp(layers.rms_norm(x, p["post_attn_norm"], a.rms_norm_eps), p["mlp"], _lora(p, batch),
+                                 batch.num_tokens)
     return x, kv_cache
 
 
@@ -288,8 +289,8 @@ def epilogue(params: dict, carry: tuple, batch: StepInput, *, args: LlamaArgs) -
     with jax.named_scope("lm_head"):
         x = layers.rms_norm(x[batch.logits_indices], params["final_norm"], args.rms_norm_eps)  # [S, D]
         head = params["embed"] if args.tie_word_embeddings else params["lm_head"]
-        if isinstance(head, PackedWeight):  # pack_head
-            return x @ head
+        if isinstance(head, PackedWeight):  # pack_head; rows past the real sequences get zeros
+            return head.matmul(x, batch.num_seqs)
         if args.tie_word_embeddings:
             return jnp.einsum("sd,vd->sv", x, params["embed"], preferred_element_type=jnp.float32)
         return jnp.einsum("sd,dv->sv", x, params["lm_head"], preferred_element_type=jnp.float32)

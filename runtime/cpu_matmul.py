@@ -65,16 +65,23 @@ class PackedWeight:
         return self.panels.shape[1], self.out_features
 
     def __rmatmul__(self, x: jax.Array) -> jax.Array:
-        """x [M, in] @ w -> [M, out] float32, by the C++ kernel.
+        """x [M, in] @ w -> [M, out] float32, by the C++ kernel."""
+        return self.matmul(x)
+
+    def matmul(self, x: jax.Array, valid_rows: jax.Array | int | None = None) -> jax.Array:
+        """x [M, in] @ w -> [M, out] float32, by the C++ kernel; with `valid_rows` (a traced
+        int: a step's real tokens or sequences) only that many leading rows are multiplied and
+        the rest of the result is zeros.
 
         Raises:
             RuntimeError: the kernel library is not available (`kernel_status()` says why).
         """
         if not kernel_available():
             raise RuntimeError(f"the CPU matmul kernel is not available: {kernel_status()}")
+        rows = x.shape[0] if valid_rows is None else valid_rows
         call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], self.panels.shape[0] * PANEL),
                                                                     jnp.float32))
-        y = call(x.astype(jnp.float32), self.panels)
+        y = call(x.astype(jnp.float32), self.panels, jnp.reshape(jnp.asarray(rows, jnp.int32), (1,)))
         return y if y.shape[1] == self.out_features else y[:, :self.out_features]
 
     def columns(self, ids: jax.Array) -> jax.Array:

@@ -39,6 +39,18 @@ def test_packed_matmul_matches_numpy(rows, d_in, d_out):
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("valid", [0, 5, 13])
+def test_only_valid_rows_are_multiplied(valid):
+    """A step padded to its bucket: rows past `valid_rows` (traced) give zeros, the rest as before."""
+    rng = np.random.default_rng(valid)
+    w = rng.standard_normal((40, 50)).astype(np.float32)
+    x = rng.standard_normal((13, 40)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda x, p, n: p.matmul(x, n))(jnp.asarray(x), PackedWeight.pack(jnp.asarray(w)),
+                                                             jnp.int32(valid)))
+    np.testing.assert_allclose(got[:valid], x[:valid].astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+    assert not got[valid:].any()
+
+
 def test_columns_are_the_embedding_rows_and_only_float32_matrices_pack():
     rng = np.random.default_rng(0)
     table = rng.standard_normal((50, 24)).astype(np.float32)  # [vocab, D]: packed as the head table.T

@@ -7,7 +7,8 @@
 // is read from memory once, in the order it is used, and multiplied with up to kMaxRows rows
 // of x per pass while 2 x kMaxRows AVX accumulators stay in registers (outer-product
 // micro-kernel: per k, two loads of the panel and one broadcast per row); later row blocks
-// find the panel in cache. Work is split by panels over XLA's intra-op pool.
+// find the panel in cache. Work is split by panels over XLA's intra-op pool. Only the first
+// `valid_rows` rows of x are multiplied (a step padded to its bucket pays for its real tokens).
 
 #include <algorithm>
 #include <cstdint>
@@ -91,16 +92,19 @@ RowBlockFn PickRowBlock(int64_t rows) {
 }
 
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packed,
-                  ffi::ResultBuffer<ffi::F32> out) {
+                        ffi::Buffer<ffi::S32> valid_rows, ffi::ResultBuffer<ffi::F32> out) {
   auto xd = x.dimensions(), pd = packed.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || pd.size() != 3 || pd[2] != kPanel || pd[1] != xd[1] || od.size() != 2 ||
       od[0] != xd[0] || od[1] != pd[0] * kPanel)
     return ffi::Error::InvalidArgument("packed matmul: x [M, K], packed [N/16, K, 16], out [M, N]");
-  const int64_t M = xd[0], K = xd[1], panels = pd[0], N = panels * kPanel;
+  const int64_t K = xd[1], panels = pd[0], N = panels * kPanel;
+  float* c = out->typed_data();
+  // Rows past valid_rows (a step's bucket padding) are not multiplied: their results are zeros.
+  const int64_t M = std::clamp<int64_t>(valid_rows.typed_data()[0], 0, xd[0]);
+  std::fill(c + M * N, c + xd[0] * N, 0.0f);
   if (M == 0 || panels == 0) return ffi::Error::Success();
   const float* a = x.typed_data();
   const float* b = packed.typed_data();
-  float* c = out->typed_data();
   // Rows in as few blocks as the registers allow, of even sizes (8 rows: one block, not 6 + 2).
   const int64_t blocks = (M + kMaxRows - 1) / kMaxRows;
   // About four tasks per thread for small matrices (balance), at most 32 panels each for large ones.
@@ -128,4 +132,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxPackedMatmul, PackedMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // packed W [N / 16, K, 16]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // valid rows [1]: rows of x to multiply
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
