@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from registry.torchax_attention import StepContext, step_context
+from runtime.cpu_matmul import PackedWeight, pack_matrix
 from runtime.step import KVCache, LayerStages, StepInput
 
 logger = logging.getLogger("servax.registry")
@@ -245,9 +246,12 @@ class TorchaxLayers:
         layer_params = dict(layer_params)
         joined = {g: (layer_params.pop(g.weight_key), layer_params.pop(g.bias_key, None))
                   for g in self.groups or () if g.weight_key in layer_params}
+        # Packed weights (pack_layer) stay JAX arrays: their members multiply through the kernel.
+        joined = {g: (w if isinstance(w, PackedWeight) else self.env.j2t_iso(w), None if b is None else self.env.j2t_iso(b))
+                  for g, (w, b) in joined.items()}
         weights = self.env.j2t_iso(layer_params)
         with (self._tracing(), step_context(ctx), stateless._reparametrize_module(template, weights),
-              self._recording_groups(template), self._joined_linears(template, self.env.j2t_iso(joined))):
+              self._recording_groups(template), self._joined_linears(template, joined, batch.num_tokens)):
             out = template(*args, **kwargs)
         hidden, rest = (out[0], tuple(out[1:])) if isinstance(out, tuple) else (out, None)
         if rest is not None and not all(isinstance(x, _STATIC_TYPES) for x in rest):
@@ -287,17 +291,26 @@ class TorchaxLayers:
         self.groups = tuple(groups)
 
     @contextlib.contextmanager
-    def _joined_linears(self, template: Any, joined: dict):
-        """The members of each joined group answer from one matmul with its [in, out] weight."""
+    def _joined_linears(self, template: Any, joined: dict, num_tokens: jax.Array):
+        """The members of each joined group answer from one matmul with its [in, out] weight
+        (a PackedWeight: by the CPU kernel, on the step's real tokens only)."""
         import torch
 
         modules = dict(template.named_modules())
         results: dict[LinearGroup, tuple[Any, tuple]] = {}
 
+        def matmul(x: Any, weight: Any) -> Any:
+            if not isinstance(weight, PackedWeight):
+                return torch.matmul(x, weight)
+            xj = self.env.t2j_iso(x)  # [..., T, in]: the step's tokens, real ones first
+            rows = num_tokens if xj.ndim == 2 or xj.shape[0] == 1 else None
+            y = weight.matmul(xj.reshape(-1, xj.shape[-1]), rows)
+            return self.env.j2t_iso(y.reshape(*xj.shape[:-1], y.shape[-1]))
+
         def answer(group: LinearGroup, k: int, weight: Any, bias: Any) -> Callable:
             def forward(x: Any) -> Any:
                 if group not in results or results[group][0] is not x:
-                    y = torch.matmul(x, weight) if bias is None else torch.matmul(x, weight) + bias
+                    y = matmul(x, weight) if bias is None else matmul(x, weight) + bias
                     results[group] = (x, torch.split(y, list(group.out_features), dim=-1))
                 return results[group][1][k]
             return forward
@@ -330,6 +343,15 @@ class TorchaxLayers:
             out[group.weight_key] = weight
             if group.bias:
                 out[group.bias_key] = jnp.concatenate([out.pop(f"{m}.bias") for m in group.members])
+        return out
+
+    def pack_layer(self, layer_params: dict) -> dict:
+        """One (fused) layer's weights with each group's joined float32 weight as a
+        runtime.cpu_matmul.PackedWeight; packed weights pass through."""
+        out = dict(layer_params)
+        for group in self.groups or ():
+            if group.weight_key in out:
+                out[group.weight_key] = pack_matrix(out[group.weight_key])
         return out
 
     def epilogue(self, outer: dict, carry: list, batch: StepInput) -> jax.Array:
@@ -389,7 +411,7 @@ def split_layers(
     if logits.ndim != 2 or logits.shape[0] != 1:
         return f"the split forward gives logits of shape {logits.shape}"
     if stages_impl.groups:
-        stages = dataclasses.replace(stages, fuse=stages_impl.fuse)
+        stages = dataclasses.replace(stages, fuse=stages_impl.fuse, pack_layer=stages_impl.pack_layer)
         logger.info("decoder layer matmuls, by input: %s", ", ".join(
             "/".join(g.members) for g in stages_impl.groups))
     return stages, name

@@ -91,3 +91,21 @@ def test_engine_packs_the_weights_and_matches_transformers(tied, tmp_path):
         logprobs -= np.log(np.exp(logprobs).sum(-1, keepdims=True))
         got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
         np.testing.assert_allclose(got, logprobs[np.arange(len(tokens)), tokens], atol=1e-4)
+
+
+def test_torchax_path_packs_its_joined_linears_and_matches_transformers(tmp_path):
+    """The torchax path's joined Linear groups (q/k/v, gate/up, by input) multiply through the
+    kernel too, on the step's real tokens; greedy tokens are transformers'."""
+    from registry.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("qwen2", tmp_path / "m")
+    llm = LLM(model=str(path), model_impl="torchax", attention_backend="cpu", max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="")
+    layer = llm.engine.runner.model.params["layers"][0]
+    packed = [k for k, w in layer.items() if isinstance(w, PackedWeight)]
+    assert len(packed) >= 3 and all(k.endswith(".joined_weight") for k in packed), sorted(layer)
+    prompts = [[(5 * i + 7) % 400 + 3 for i in range(n)] for n in (3, 11, 20)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    hf = hf_model(path)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
