@@ -10,8 +10,8 @@ runs on XLA's own intra-op threads.
 The kernel (runtime/kernels/paged_attention.cc) is compiled on first use, in one library with
 the sampler's top-k/top-p cut (runtime/kernels/sampling.cc, see runtime/sampler.py) and the
 matmul on packed weights (runtime/kernels/matmul.cc, see runtime/cpu_matmul.py), with the
-machine's C++ compiler (`CXX`, else g++ or c++) against the XLA FFI headers jaxlib ships,
-for the CPU it runs on (-march=native), and kept in ~/.cache/servax/kernels/ under a key
+machine's C++ compiler (`CXX`, else g++ or c++; more flags from SERVAX_KERNEL_CXXFLAGS) against
+the XLA FFI headers jaxlib ships, for the CPU it runs on (-march=native), and kept in ~/.cache/servax/kernels/ under a key
 of source, flags, jaxlib version and CPU: later starts load it in milliseconds. Where no
 compiler is found or the build fails, `kernel_status()` says why and attention_backend
 "auto" keeps the XLA implementation.
@@ -51,6 +51,12 @@ _TARGET = "servax_paged_attention"
 TRUNCATION_TARGET = "servax_truncation_cut"  # runtime/sampler.py's top-k/top-p cut
 MATMUL_TARGET = "servax_packed_matmul"  # runtime/cpu_matmul.py
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
+# More compiler flags, after _FLAGS (e.g. "-mno-avx512f": the AVX2 code paths on a machine with AVX-512).
+EXTRA_FLAGS_ENV = "SERVAX_KERNEL_CXXFLAGS"
+
+
+def _flags() -> list[str]:
+    return [*_FLAGS, *os.environ.get(EXTRA_FLAGS_ENV, "").split()]
 NO_WINDOW = 0  # the kernel's "no sliding window"
 
 _lock = threading.Lock()
@@ -83,7 +89,7 @@ def _build(compiler: str) -> Path:
     import jaxlib
 
     sources = [source.read_bytes() for source in (*_SOURCES, *_HEADERS)]
-    key = hashlib.sha256(b"\0".join([*sources, " ".join(_FLAGS).encode(), jaxlib.__version__.encode(),
+    key = hashlib.sha256(b"\0".join([*sources, " ".join(_flags()).encode(), jaxlib.__version__.encode(),
                                      _cpu_key().encode(), compiler.encode()])).hexdigest()[:16]
     out = kernel_cache_dir() / f"servax_kernels-{key}.so"
     if out.exists():
@@ -92,7 +98,7 @@ def _build(compiler: str) -> Path:
     logger.info("compiling the CPU kernels (once per machine) -> %s", out)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
-        cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", str(part)]
+        cmd = [compiler, *_flags(), f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", str(part)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")

@@ -109,3 +109,36 @@ def test_torchax_path_packs_its_joined_linears_and_matches_transformers(tmp_path
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     hf = hf_model(path)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
+
+
+_AVX2_CHECK = """
+import jax, jax.numpy as jnp, numpy as np
+from runtime.cpu_matmul import PackedWeight, packed_matmul_available
+assert packed_matmul_available()
+rng = np.random.default_rng(0)
+for rows in (1, 5, 6, 7, 12, 13, 32):
+    w = rng.standard_normal((40, 100)).astype(np.float32)
+    x = rng.standard_normal((rows, 40)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda x, p: p.matmul(x, rows - 1))(jnp.asarray(x), PackedWeight.pack(jnp.asarray(w))))
+    np.testing.assert_allclose(got[:rows - 1], x[:rows - 1].astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+    assert not got[rows - 1:].any()
+print("ok")
+"""
+
+
+def test_avx2_code_path_without_avx512(tmp_path):
+    """Machines without AVX-512 (AMD Zen 2/3, many desktops) take the kernel's 6-row AVX2 blocks:
+    built here with -mno-avx512f (SERVAX_KERNEL_CXXFLAGS) into a fresh cache, in a fresh process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    env = {**os.environ, "SERVAX_KERNEL_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    if "avx512f" in flags.split():
+        env["SERVAX_KERNEL_CXXFLAGS"] = "-mno-avx512f"
+    done = subprocess.run([sys.executable, "-c", _AVX2_CHECK], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    assert len(list(tmp_path.glob("servax_kernels-*.so"))) == 1
