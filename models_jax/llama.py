@@ -28,7 +28,7 @@ from models_jax.weights import (
     embedding, head_bias, join_outputs, linear, linear_from_heads, linear_to_heads, stacked, vector, zeros,
 )
 from runtime.attention import NO_SLIDING_WINDOW, paged_attention
-from runtime.cpu_matmul import PackedWeight, pack_matrix
+from runtime.cpu_matmul import PackedWeight, pack_matrix, packable
 from runtime.lora import LoRATarget
 from runtime.step import KVCache, StepInput
 
@@ -304,7 +304,7 @@ def pack_layer(p: dict) -> dict:
     if "qkv" in p:
         out["qkv"] = pack_matrix(p["qkv"])
     o = p["o"]
-    if isinstance(o, jax.Array) and o.dtype == jnp.float32:  # [H, hd, D] -> [H * hd, D]
+    if packable(o):  # [H, hd, D] -> [H * hd, D]
         out["o"] = PackedWeight.pack(o.reshape(-1, o.shape[-1]))
     mlp = dict(p["mlp"])
     if "gate_up" in mlp:
@@ -321,7 +321,7 @@ def pack_head(params: dict, *, args: LlamaArgs) -> dict:
     out = dict(params)
     if not args.tie_word_embeddings:
         out["lm_head"] = pack_matrix(params["lm_head"])
-    elif isinstance(params["embed"], jax.Array) and params["embed"].dtype == jnp.float32:
+    elif packable(params["embed"]):
         out["embed"] = PackedWeight.pack(params["embed"].T)
     return out
 

@@ -67,6 +67,15 @@ def kernel_cache_dir() -> Path:
     return Path(os.environ.get("SERVAX_KERNEL_CACHE", Path.home() / ".cache" / "servax" / "kernels"))
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((ln for ln in info.splitlines() if ln.startswith("flags")), "").partition(":")[2].split())
+
+
 def _cpu_key() -> str:
     """What the machine code depends on besides the source: the CPU's model and flags."""
     try:

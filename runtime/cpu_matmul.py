@@ -19,30 +19,18 @@ portable loops would be slower than XLA); see runtime/layered.py.
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from runtime.cpu_attention import MATMUL_TARGET, kernel_available, kernel_status
+from runtime.cpu_attention import MATMUL_TARGET, cpu_flags, kernel_available, kernel_status
 
 PANEL = 16  # output columns per packed panel (runtime/kernels/matmul.cc kPanel)
 
 
-@functools.cache
-def _cpu_has_avx2_fma() -> bool:
-    try:
-        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return False
-    return "avx2" in flags and "fma" in flags
-
-
 def packed_matmul_available() -> bool:
     """Whether the packed matmul kernel is built, registered and fast on this CPU."""
-    return kernel_available() and _cpu_has_avx2_fma()
+    return kernel_available() and {"avx2", "fma"} <= cpu_flags()
 
 
 @flax.struct.dataclass
@@ -89,9 +77,12 @@ class PackedWeight:
         return self.panels[ids // PANEL, :, ids % PANEL]
 
 
+def packable(w: object) -> bool:
+    """Whether w is weights the kernel takes: a float32 jax.Array (not bfloat16, quantized, or
+    packed already)."""
+    return isinstance(w, jax.Array) and w.dtype == jnp.float32
+
+
 def pack_matrix(w: object) -> object:
-    """w packed when it is a float32 matrix [in, out] (jax.Array); anything else as it is
-    (bfloat16, quantized, or packed already)."""
-    if isinstance(w, jax.Array) and w.ndim == 2 and w.dtype == jnp.float32:
-        return PackedWeight.pack(w)
-    return w
+    """w packed when it is a packable matrix [in, out]; anything else as it is."""
+    return PackedWeight.pack(w) if packable(w) and w.ndim == 2 else w

@@ -16,6 +16,7 @@ import pytest
 
 from app import LLM, SamplingParams
 from conftest import hf_greedy, hf_logits, hf_model
+from runtime.cpu_attention import cpu_flags
 from runtime.cpu_matmul import PANEL, PackedWeight, pack_matrix, packed_matmul_available
 
 
@@ -134,9 +135,8 @@ def test_avx2_code_path_without_avx512(tmp_path):
     import sys
     from pathlib import Path
 
-    flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     env = {**os.environ, "SERVAX_KERNEL_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
-    if "avx512f" in flags.split():
+    if "avx512f" in cpu_flags():
         env["SERVAX_KERNEL_CXXFLAGS"] = "-mno-avx512f"
     done = subprocess.run([sys.executable, "-c", _AVX2_CHECK], env=env, capture_output=True, text=True, timeout=600,
                           cwd=Path(__file__).resolve().parents[1])
