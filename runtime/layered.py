@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from runtime.cpu_matmul import packed_matmul_available
+from runtime.cpu_matmul import PackedWeight, packed_matmul_available
 from runtime.step import KVCache, LayerStages, LoadedModel, StepInput
 
 # Decoder layers one program runs (unrolled), at most: the largest divisor of the depth up to this.
@@ -76,8 +76,13 @@ def _unstack(stacked: Any, specs: Any, num_layers: int, mesh: Mesh) -> list:
     spec_leaves = treedef.flatten_up_to(specs)
     for w, spec in zip(leaves, spec_leaves):
         sharding = NamedSharding(mesh, PartitionSpec(*tuple(spec)[1:]))
-        split = jax.jit(lambda w: tuple(w[i] for i in range(num_layers)), out_shardings=(sharding,) * num_layers)
-        for i, part in enumerate(split(w)):
+        if w.is_fully_addressable:  # split on the host: no program to compile (~2 s of a cold start)
+            host = np.array(w)  # a copy: the parts may alias it, and w is freed below
+            parts = [jax.device_put(host[i], sharding) for i in range(num_layers)]
+        else:  # shards in other processes: every process splits its own
+            split = jax.jit(lambda w: tuple(w[i] for i in range(num_layers)), out_shardings=(sharding,) * num_layers)
+            parts = split(w)
+        for i, part in enumerate(parts):
             per_layer[i].append(part)
         w.delete()
     return [jax.tree.unflatten(treedef, parts) for parts in per_layer]
@@ -159,6 +164,9 @@ class LayeredStep:
                 _fuse_in_place(self.layers, stages.pack_layer, replicated)
             if stages.pack_head is not None and _fuse_changes(stages.pack_head, self.outer):
                 self.outer = jax.jit(stages.pack_head, out_shardings=replicated)(self.outer)
+        # Whether the layers' products run on packed weights (here or by an earlier engine).
+        self.packed = any(isinstance(w, PackedWeight) for w in jax.tree.leaves(
+            self.layers[0], is_leaf=lambda x: isinstance(x, PackedWeight)))
         layer_specs = jax.tree.map(lambda a: a.sharding.spec, self.layers[0])
         model.params = {**self.outer, key: self.layers}
         model.param_shardings = {**jax.tree.map(lambda a: a.sharding.spec, self.outer), key: [layer_specs] * n}

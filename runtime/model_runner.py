@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from runtime.compilation import step_bucket, step_buckets
+from runtime.compilation import step_bucket, step_buckets, without_small_steps
 from runtime.layered import LayeredStep
 from runtime.sampler import BIAS_WIDTH, SamplingBatch, empty_sampling_batch, sample
 from runtime.scheduler import SchedulerOutput
@@ -76,7 +76,8 @@ class ModelRunner:
         model: what registry.load returned.
         mesh: the mesh the params live on (the KV cache is sharded on it too).
         num_blocks, block_size, max_model_len: the KV cache geometry.
-        token_buckets, seq_buckets: padded sizes to compile.
+        token_buckets, seq_buckets: padded sizes to compile (less the small-step token buckets
+            where the products run on packed weights: compilation.without_small_steps).
         max_logprobs: K of the sampler's top-K logprobs.
         layerwise: step a model that offers LayerStages a few decoder layers per call
             (runtime/layered.py; it takes over the model's params), else one program.
@@ -123,6 +124,8 @@ class ModelRunner:
         self.layered = (LayeredStep(model, mesh, kv_shardings, seq_buckets[-1] if cpu_kernels else None,
                                     pack=cpu_kernels)
                         if layerwise and model.stages is not None else None)
+        if self.layered is not None and self.layered.packed:
+            self.token_buckets = without_small_steps(token_buckets)
         self._step = jax.jit(model.step_fn, donate_argnums=(1,),
                              out_shardings=(self.replicated, kv_shardings))
         self.lora_targets = model.lora_targets if self._has_lora_slots() else None

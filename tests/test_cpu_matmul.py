@@ -66,7 +66,9 @@ def test_columns_are_the_embedding_rows_and_only_float32_matrices_pack():
 def test_engine_packs_the_weights_and_matches_transformers(tied, tmp_path):
     """The engine on its CPU kernels keeps only the packed matrices (no second copy), and
     generates transformers' greedy tokens with its logprobs, prompts of several lengths
-    batched together (decode steps of 1-3 rows, a prefill beside them)."""
+    batched together (decode steps of 1-3 rows, a prefill beside them). Padding rows cost
+    the kernel nothing, so no bucket below 16 tokens is compiled: those steps run padded,
+    with nothing compiled after warmup."""
     from registry.tiny import make_tiny_checkpoint
 
     path = make_tiny_checkpoint("qwen2", tmp_path / "m", tie_word_embeddings=tied)  # q/k/v biases
@@ -92,6 +94,8 @@ def test_engine_packs_the_weights_and_matches_transformers(tied, tmp_path):
         logprobs -= np.log(np.exp(logprobs).sum(-1, keepdims=True))
         got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
         np.testing.assert_allclose(got, logprobs[np.arange(len(tokens)), tokens], atol=1e-4)
+    assert llm.engine.runner.token_buckets == [16, 32]
+    assert llm.engine.stats().compilations_since_warmup == 0
 
 
 def test_torchax_path_packs_its_joined_linears_and_matches_transformers(tmp_path):
