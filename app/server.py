@@ -32,7 +32,7 @@ from app.metrics import ServerMetrics
 from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, TokenizeRequest
 from app.serving import OpenAIServing, error_response
 from runtime.errors import InvalidRequestError
-from runtime.lora import LoRARequest, stable_lora_id
+from runtime.lora_request import LoRARequest, stable_lora_id
 
 logger = logging.getLogger("ray.serve")
 _EXIT_GRACE_S = 0.25  # between an engine's death and its replica's exit (the failed streams flush)

@@ -40,7 +40,7 @@ def _pow2_range(lo: int, hi: int) -> list[int]:
 # Steps of at most this many tokens (small decode batches) get their own exact power-of-two
 # buckets: on XLA:CPU a 1-token step of a 100M model takes ~26 ms against ~88 ms padded to 16,
 # because small matmuls are far from the bandwidth floor once M grows past a few rows
-# (XLA's own matmuls; not on packed weights, see without_small_steps).
+# (XLA's own matmuls; not on packed weights, see packed_weight_buckets).
 SMALL_STEP_TOKENS = 8
 
 
@@ -59,13 +59,18 @@ def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
     return sorted(set(small + pow2 + mid))
 
 
-def without_small_steps(buckets: list[int]) -> list[int]:
-    """`buckets` less the exact small-step ones (1, 2, 4, 8), for steps whose products run on
-    packed weights (runtime/cpu_matmul.py): that kernel multiplies only a step's real rows, so
-    padding a 1-token step to 16 costs nothing measurable (demo model, decode step plus
-    sampling: 22.8 ms at (1, 1), 23.0 at (16, 8)) and those buckets would only be programs to
-    compile. The largest bucket stays when the budget is that small."""
-    return [b for b in buckets if b > SMALL_STEP_TOKENS] or buckets[-1:]
+def packed_weight_buckets(tokens: list[int], seqs: list[int]) -> tuple[list[int], list[int]]:
+    """(token buckets, sequence buckets) for steps whose products run on packed weights
+    (runtime/cpu_matmul.py). That kernel multiplies only a step's real rows, so padding 2-8
+    tokens to 16 costs little and the small-step buckets 2, 4 and 8 would only be programs
+    to compile (the demo model's default app starts ~2x faster without them). The bucket
+    of 1 token stays, with a sequence bucket of 1 beside the others: a lone sequence's decode
+    step (demo model, 96 steps in one process) takes 22.3-22.7 ms at (1, 1), 23.2-23.4 at
+    (16, 1) (the elementwise work of the padding rows) and 23.5-24.6 at (16, 8) (the
+    sampler's work grows with its rows). The largest token bucket stays when the budget is
+    that small."""
+    kept = [b for b in tokens if b == 1 or b > SMALL_STEP_TOKENS]
+    return (kept if len(kept) > 1 else sorted({1, tokens[-1]})), sorted({1, *seqs})
 
 
 def seq_buckets(max_num_seqs: int, smallest: int = 8) -> list[int]:

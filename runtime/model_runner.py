@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from runtime.compilation import step_bucket, step_buckets, without_small_steps
+from runtime.compilation import packed_weight_buckets, step_bucket, step_buckets
 from runtime.layered import LayeredStep
 from runtime.sampler import BIAS_WIDTH, SamplingBatch, empty_sampling_batch, sample
 from runtime.scheduler import SchedulerOutput
@@ -76,8 +76,8 @@ class ModelRunner:
         model: what registry.load returned.
         mesh: the mesh the params live on (the KV cache is sharded on it too).
         num_blocks, block_size, max_model_len: the KV cache geometry.
-        token_buckets, seq_buckets: padded sizes to compile (less the small-step token buckets
-            where the products run on packed weights: compilation.without_small_steps).
+        token_buckets, seq_buckets: padded sizes to compile (fewer small
+            ones where the products run on packed weights: compilation.packed_weight_buckets).
         max_logprobs: K of the sampler's top-K logprobs.
         layerwise: step a model that offers LayerStages a few decoder layers per call
             (runtime/layered.py; it takes over the model's params), else one program.
@@ -125,7 +125,7 @@ class ModelRunner:
                                     pack=cpu_kernels)
                         if layerwise and model.stages is not None else None)
         if self.layered is not None and self.layered.packed:
-            self.token_buckets = without_small_steps(token_buckets)
+            self.token_buckets, self.seq_buckets = packed_weight_buckets(token_buckets, seq_buckets)
         self._step = jax.jit(model.step_fn, donate_argnums=(1,),
                              out_shardings=(self.replicated, kv_shardings))
         self.lora_targets = model.lora_targets if self._has_lora_slots() else None
@@ -208,11 +208,11 @@ class ModelRunner:
             # The CPU backend cannot donate the KV cache; its lowering-time warning is noise.
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             compiling, shared = [], set()
+            for s in sorted({s for _, s in pairs}):  # first: they take longest to compile
+                compiling += [pool.submit(program.compile) for program in self._lower_samplers(s)]
             for t, s in tqdm(pairs, desc="servax: tracing buckets", disable=not show_progress):
                 lowered = self._lower_step(self._padding_step_input(t, s), shared)
                 compiling += [pool.submit(program.compile) for program in lowered]
-            for s in sorted({s for _, s in pairs}):
-                compiling += [pool.submit(program.compile) for program in self._lower_samplers(s)]
             for future in tqdm(as_completed(compiling), total=len(compiling), desc="servax: compiling programs",
                                disable=not show_progress):
                 future.result()

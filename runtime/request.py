@@ -14,7 +14,7 @@ from runtime.sampling_params import SamplingParams
 from runtime.speculative import AcceptanceHistory
 
 if TYPE_CHECKING:
-    from runtime.lora import LoRARequest
+    from runtime.lora_request import LoRARequest
     from runtime.structured_output import TokenConstraints
 
 

@@ -67,8 +67,8 @@ def test_engine_packs_the_weights_and_matches_transformers(tied, tmp_path):
     """The engine on its CPU kernels keeps only the packed matrices (no second copy), and
     generates transformers' greedy tokens with its logprobs, prompts of several lengths
     batched together (decode steps of 1-3 rows, a prefill beside them). Padding rows cost
-    the kernel nothing, so no bucket below 16 tokens is compiled: those steps run padded,
-    with nothing compiled after warmup."""
+    the kernel nothing, so of the buckets below 16 tokens only 1 is compiled: the other
+    small steps run padded to 16, with nothing compiled after warmup."""
     from registry.tiny import make_tiny_checkpoint
 
     path = make_tiny_checkpoint("qwen2", tmp_path / "m", tie_word_embeddings=tied)  # q/k/v biases
@@ -94,7 +94,7 @@ def test_engine_packs_the_weights_and_matches_transformers(tied, tmp_path):
         logprobs -= np.log(np.exp(logprobs).sum(-1, keepdims=True))
         got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
         np.testing.assert_allclose(got, logprobs[np.arange(len(tokens)), tokens], atol=1e-4)
-    assert llm.engine.runner.token_buckets == [16, 32]
+    assert llm.engine.runner.token_buckets == [1, 16, 32] and llm.engine.runner.seq_buckets == [1, 4]
     assert llm.engine.stats().compilations_since_warmup == 0
 
 

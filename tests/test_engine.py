@@ -403,16 +403,18 @@ def test_buckets_cover_every_step_and_pad_mixed_steps_by_at_most_half():
     """Every (tokens, rows) a step can have lands in a precompiled bucket (step_buckets lists
     all step_bucket returns), and from 128 tokens up a step pads by less than half: 32 decodes
     and a 100-token prompt (131 tokens) run as 192, not 256."""
-    from runtime.compilation import step_bucket, step_buckets, token_buckets, seq_buckets, without_small_steps
+    from runtime.compilation import packed_weight_buckets, step_bucket, step_buckets, token_buckets, seq_buckets
 
     tokens, seqs = token_buckets(512), seq_buckets(32)
     assert tokens == [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512] and seqs == [8, 16, 32]
     assert token_buckets(100) == [1, 2, 4, 8, 16, 32, 64, 100]
     assert token_buckets(300) == [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 300]
     assert step_bucket(131, 32, tokens, seqs) == (192, 32)
-    assert without_small_steps(tokens) == [16, 32, 64, 128, 192, 256, 384, 512]
-    assert without_small_steps(token_buckets(8)) == [8]
-    for tokens in (tokens, without_small_steps(tokens)):  # the packed-weights path has no small buckets
+    packed = packed_weight_buckets(tokens, seqs)  # where padding rows cost the products nothing
+    assert packed == ([1, 16, 32, 64, 128, 192, 256, 384, 512], [1, 8, 16, 32])
+    assert packed_weight_buckets(token_buckets(8), seq_buckets(4)) == ([1, 8], [1, 4])
+    assert step_bucket(1, 1, *packed) == (1, 1) and step_bucket(5, 1, *packed) == (16, 1)
+    for tokens, seqs in ((tokens, seqs), packed):
         compiled = set(step_buckets(tokens, seqs))
         for n in range(1, 513):
             for rows in range(1, min(n, 32) + 1):
