@@ -63,7 +63,7 @@ def packed_weight_buckets(tokens: list[int], seqs: list[int]) -> tuple[list[int]
     """(token buckets, sequence buckets) for steps whose products run on packed weights
     (runtime/cpu_matmul.py). That kernel multiplies only a step's real rows, so padding 2-8
     tokens to 16 costs little and the small-step buckets 2, 4 and 8 would only be programs
-    to compile (the demo model's default app starts ~2x faster without them). The bucket
+    to compile (the default app's warmup, demo model, cold: 6.9 -> 4.1 s without them). The bucket
     of 1 token stays, with a sequence bucket of 1 beside the others: a lone sequence's decode
     step (demo model, 96 steps in one process) takes 22.3-22.7 ms at (1, 1), 23.2-23.4 at
     (16, 1) (the elementwise work of the padding rows) and 23.5-24.6 at (16, 8) (the
