@@ -11,8 +11,9 @@ The kernel (runtime/kernels/paged_attention.cc) is compiled on first use, in one
 the sampler's top-k/top-p cut (runtime/kernels/sampling.cc, see runtime/sampler.py) and the
 matmul on packed weights (runtime/kernels/matmul.cc, see runtime/cpu_matmul.py), with the
 machine's C++ compiler (`CXX`, else g++ or c++; more flags from SERVAX_KERNEL_CXXFLAGS) against
-the XLA FFI headers jaxlib ships, for the CPU it runs on (-march=native), and kept in ~/.cache/servax/kernels/ under a key
-of source, flags, jaxlib version and CPU: later starts load it in milliseconds. Where no
+the XLA FFI headers jaxlib ships, for the CPU it runs on (-march=native), and kept in
+~/.cache/servax/kernels/ under a key of source, flags, jaxlib version and CPU: later starts load
+it in milliseconds. Where no
 compiler is found or the build fails, `kernel_status()` says why and attention_backend
 "auto" keeps the XLA implementation.
 
@@ -53,14 +54,14 @@ MATMUL_TARGET = "servax_packed_matmul"  # runtime/cpu_matmul.py
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
 # More compiler flags, after _FLAGS (e.g. "-mno-avx512f": the AVX2 code paths on a machine with AVX-512).
 EXTRA_FLAGS_ENV = "SERVAX_KERNEL_CXXFLAGS"
-
-
-def _flags() -> list[str]:
-    return [*_FLAGS, *os.environ.get(EXTRA_FLAGS_ENV, "").split()]
 NO_WINDOW = 0  # the kernel's "no sliding window"
 
 _lock = threading.Lock()
 _status: str | None = None  # None: not tried; "ok"; else why the kernel is unavailable
+
+
+def _flags() -> list[str]:
+    return [*_FLAGS, *os.environ.get(EXTRA_FLAGS_ENV, "").split()]
 
 
 def kernel_cache_dir() -> Path:
