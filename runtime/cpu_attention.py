@@ -51,7 +51,11 @@ _HEADERS = tuple(_KERNELS / name for name in ("parallel.h",))  # part of the bui
 _TARGET = "servax_paged_attention"
 TRUNCATION_TARGET = "servax_truncation_cut"  # runtime/sampler.py's top-k/top-p cut
 MATMUL_TARGET = "servax_packed_matmul"  # runtime/cpu_matmul.py
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC")
+# Linked apart from compiling, without -ffast-math: GCC 12 links crtfastmath.o into a shared
+# library built with it, which sets flush-to-zero and denormals-are-zero in the thread that
+# loads the library (the caller's main thread: its NumPy would round subnormals to 0).
+_LINK_FLAGS = ("-shared", "-fPIC")
 # More compiler flags, after _FLAGS (e.g. "-mno-avx512f": the AVX2 code paths on a machine with AVX-512).
 EXTRA_FLAGS_ENV = "SERVAX_KERNEL_CXXFLAGS"
 NO_WINDOW = 0  # the kernel's "no sliding window"
@@ -99,7 +103,7 @@ def _build(compiler: str) -> Path:
     import jaxlib
 
     sources = [source.read_bytes() for source in (*_SOURCES, *_HEADERS)]
-    key = hashlib.sha256(b"\0".join([*sources, " ".join(_flags()).encode(), jaxlib.__version__.encode(),
+    key = hashlib.sha256(b"\0".join([*sources, " ".join([*_flags(), *_LINK_FLAGS]).encode(), jaxlib.__version__.encode(),
                                      _cpu_key().encode(), compiler.encode()])).hexdigest()[:16]
     out = kernel_cache_dir() / f"servax_kernels-{key}.so"
     if out.exists():
@@ -108,10 +112,13 @@ def _build(compiler: str) -> Path:
     logger.info("compiling the CPU kernels (once per machine) -> %s", out)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
-        cmd = [compiler, *_flags(), f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", str(part)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        objects = [str(Path(tmp) / f"{source.stem}.o") for source in _SOURCES]
+        for cmd in [*([compiler, *_flags(), f"-I{jax.ffi.include_dir()}", "-c", str(source), "-o", obj]
+                      for source, obj in zip(_SOURCES, objects)),
+                    [compiler, *_LINK_FLAGS, *objects, "-o", str(part)]]:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
         os.replace(part, out)  # atomic: a concurrent build of the same key is harmless
     return out
 

@@ -121,6 +121,15 @@ def test_a_failed_build_says_why(tmp_path, monkeypatch):
     assert kernel_status() == "ok"
 
 
+def test_loading_the_kernels_keeps_subnormal_floats():
+    """The kernels are compiled with -ffast-math but linked without it: a library that sets
+    flush-to-zero on load would round the caller's subnormal floats to 0 (NumPy's included)."""
+    assert kernel_status() == "ok"
+    tiny = np.float32(1e-40)  # a subnormal float32
+    assert tiny * np.float32(1.0) == tiny != 0
+    assert (np.array([tiny]) * np.float32(3.0))[0] > tiny
+
+
 def test_engine_rejects_the_kernel_for_caches_it_cannot_read():
     """A quantized or bfloat16 KV cache with attention_backend="cpu" is refused with the way out;
     with "auto" the engine takes xla for them."""

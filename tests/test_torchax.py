@@ -59,6 +59,10 @@ ARCHITECTURES = {
         attn_logit_softcapping=5.0, final_logit_softcapping=3.0, query_pre_attn_scalar=16,
         initializer_range=0.2, bos_token_id=0, eos_token_id=0, pad_token_id=3,
     )),
+    # GPT-J: partial rotary (rotary_dim < head_dim), parallel attention and MLP; it routes
+    # through the AttentionInterface since transformers 5.24.
+    "gptj": ("GPTJConfig", dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=512, n_positions=1024,
+                                bos_token_id=0, eos_token_id=0)),
 }
 QUICK = "gpt2"  # the one architecture of the quick loop (pytest -m "not slow")
 
@@ -339,7 +343,6 @@ def _save_random_model(config, path: Path) -> Path:
 
 @pytest.mark.parametrize("config_class, kwargs", [
     ("FalconConfig", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=512)),
-    ("GPTJConfig", dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=512)),
     ("BloomConfig", dict(hidden_size=64, n_layer=2, n_head=4, vocab_size=512)),
 ])
 def test_architecture_without_attention_interface_fails_readably(tmp_path, config_class, kwargs):
