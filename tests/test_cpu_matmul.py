@@ -25,11 +25,13 @@ def _kernel():
     assert packed_matmul_available(), "the packed matmul kernel must build and run on the test machine"
 
 
-@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 13, 32, 100])
+@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 12, 13, 16, 24, 32, 100])
 @pytest.mark.parametrize("d_in,d_out", [(72, 1000), (40, 16), (33, 7)])
 def test_packed_matmul_matches_numpy(rows, d_in, d_out):
-    """Rows 1-8 take one row block, 9-16 two, 32 four (AVX-512) or six (AVX2); output widths
-    1000 and 7 pad their last panel with zero columns that the result leaves out."""
+    """Rows in one row block and in several (6 rows a block with AVX2, 8 with AVX-512's 256-bit
+    form, 12 for the 512-bit form's panel pairs and 16 for its lone panels); output widths 1000
+    and 7 pad their last panel with zero columns that the result leaves out, and 1000's 63
+    panels leave a lone one beside pairs."""
     rng = np.random.default_rng(rows * d_out)
     w = rng.standard_normal((d_in, d_out)).astype(np.float32)
     x = rng.standard_normal((rows, d_in)).astype(np.float32)
@@ -116,33 +118,40 @@ def test_torchax_path_packs_its_joined_linears_and_matches_transformers(tmp_path
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
 
 
-_AVX2_CHECK = """
+_FORM_CHECK = """
 import jax, jax.numpy as jnp, numpy as np
 from runtime.cpu_matmul import PackedWeight, packed_matmul_available
 assert packed_matmul_available()
 rng = np.random.default_rng(0)
-for rows in (1, 5, 6, 7, 12, 13, 32):
-    w = rng.standard_normal((40, 100)).astype(np.float32)
-    x = rng.standard_normal((rows, 40)).astype(np.float32)
-    got = np.asarray(jax.jit(lambda x, p: p.matmul(x, rows - 1))(jnp.asarray(x), PackedWeight.pack(jnp.asarray(w))))
-    np.testing.assert_allclose(got[:rows - 1], x[:rows - 1].astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
-    assert not got[rows - 1:].any()
+for rows in (1, 5, 6, 7, 12, 13, 17, 25, 32):
+    for d_out in (100, 16):  # 7 panels (pairs and a lone one), 1 panel
+        w = rng.standard_normal((40, d_out)).astype(np.float32)
+        x = rng.standard_normal((rows, 40)).astype(np.float32)
+        packed = PackedWeight.pack(jnp.asarray(w))
+        got = np.asarray(jax.jit(lambda x, p: p.matmul(x, rows - 1))(jnp.asarray(x), packed))
+        np.testing.assert_allclose(got[:rows - 1], x[:rows - 1].astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+        assert not got[rows - 1:].any()
 print("ok")
 """
 
+# Every form of the kernel this machine can run, each built in a fresh cache and process:
+# AVX2's 6-row blocks (AMD Zen 2/3, many desktops; on an AVX-512 machine built with
+# -mno-avx512f), and on AVX-512 both the 256-bit form (what AMD Zen 4 takes) and the 512-bit
+# two-panel form (what Intel takes), whichever this CPU's vendor would not pick.
+_FORMS = ["-mno-avx512f"] + (["-DSERVAX_MATMUL_WIDTH=256", "-DSERVAX_MATMUL_WIDTH=512"]
+                             if "avx512f" in cpu_flags() else [])
 
-def test_avx2_code_path_without_avx512(tmp_path):
-    """Machines without AVX-512 (AMD Zen 2/3, many desktops) take the kernel's 6-row AVX2 blocks:
-    built here with -mno-avx512f (SERVAX_KERNEL_CXXFLAGS) into a fresh cache, in a fresh process."""
+
+@pytest.mark.parametrize("flags", _FORMS)
+def test_each_kernel_form_matches_numpy(tmp_path, flags):
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    env = {**os.environ, "SERVAX_KERNEL_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
-    if "avx512f" in cpu_flags():
-        env["SERVAX_KERNEL_CXXFLAGS"] = "-mno-avx512f"
-    done = subprocess.run([sys.executable, "-c", _AVX2_CHECK], env=env, capture_output=True, text=True, timeout=600,
+    env = {**os.environ, "SERVAX_KERNEL_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu",
+           "SERVAX_KERNEL_CXXFLAGS": flags}
+    done = subprocess.run([sys.executable, "-c", _FORM_CHECK], env=env, capture_output=True, text=True, timeout=600,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
     assert len(list(tmp_path.glob("servax_kernels-*.so"))) == 1

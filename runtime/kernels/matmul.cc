@@ -7,11 +7,13 @@
 // is read from memory once, in the order it is used, and multiplied with up to kMaxRows rows
 // of x per pass while 2 x kMaxRows AVX accumulators stay in registers (outer-product
 // micro-kernel: per k, two loads of the panel and one broadcast per row); later row blocks
-// find the panel in cache. Work is split by panels over XLA's intra-op pool. Only the first
+// find the panel in cache. With full-width AVX-512 (Intel) two panels go together, 32
+// columns in two 512-bit registers per row (benchmarks/RESULTS.md, stop 38). Work is split by panels over XLA's intra-op pool. Only the first
 // `valid_rows` rows of x are multiplied (a step padded to its bucket pays for its real tokens).
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -21,15 +23,28 @@
 #define SERVAX_MATMUL_AVX2 1
 #endif
 
+// 512-bit registers: one per panel row. Intel cores with AVX-512 run 512-bit FMAs at full
+// width (twice the 256-bit rate on two ports); AMD Zen 4 splits them in two halves, and there
+// the 256-bit form measured faster. SERVAX_MATMUL_WIDTH=256 or 512 (compiler flag -D...) forces
+// one form; by default the CPU's vendor picks, at load.
+#if defined(__AVX512F__) && (!defined(SERVAX_MATMUL_WIDTH) || SERVAX_MATMUL_WIDTH == 512)
+#define SERVAX_MATMUL_ZMM 1
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kPanel = 16;  // output columns per panel: two 8-float AVX registers
+constexpr int64_t kPanel = 16;  // output columns per panel: two 8-float AVX registers, or one 16-float
 #ifdef __AVX512F__
 constexpr int kMaxRows = 8;  // 16 accumulators: AVX-512 has 32 vector registers
 #else
 constexpr int kMaxRows = 6;  // 12 accumulators of 16 registers
+#endif
+#ifdef SERVAX_MATMUL_ZMM
+constexpr int kMaxRowsZmm = 16;  // one panel: 16 accumulators, one per row
+constexpr int kMaxPairRows = 12;  // two panels: 24 accumulators, two per row, of 32 registers
+constexpr int64_t kPrefetchRowsZmm = 32;  // k rows ahead (one 64-byte line each): faster than 16 or 64
 #endif
 constexpr int64_t kMaxPanelsPerTask = 32;
 constexpr int64_t kPrefetchRows = 16;  // how far ahead (in k) the first row block prefetches its panel
@@ -77,23 +92,122 @@ void RowBlock(const float* a, int64_t lda, const float* panel, int64_t K, float*
 #endif
 }
 
+#ifdef SERVAX_MATMUL_ZMM
+// The same with one 512-bit accumulator per row: per k one load of the panel row and, per
+// row of a, one FMA with its element broadcast from memory.
+template <int MR, bool kPrefetch>
+void RowBlockZmm(const float* a, int64_t lda, const float* panel, int64_t K, float* c, int64_t ldc,
+                 const float* next) {
+  __m512 acc[MR];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    if (kPrefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchRowsZmm) * kPanel), _MM_HINT_T0);
+    } else if (next != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
+    }
+    const __m512 b = _mm512_loadu_ps(panel + k * kPanel);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + k]), b, acc[r]);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(c + r * ldc, acc[r]);
+}
+
+// Two adjacent panels at once (32 output columns, two accumulators per row): per k two panel
+// loads and one broadcast per row feed two FMAs, half the broadcasts per FMA of the above.
+// `panel` and `panel + K * kPanel` are the pair; `next` the pair after it.
+template <int MR, bool kPrefetch>
+void RowBlockZmm2(const float* a, int64_t lda, const float* panel, int64_t K, float* c, int64_t ldc,
+                  const float* next) {
+  const float* panel2 = panel + K * kPanel;
+  __m512 acc0[MR], acc1[MR];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    if (kPrefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchRowsZmm) * kPanel), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(panel2 + (k + kPrefetchRowsZmm) * kPanel), _MM_HINT_T0);
+    } else if (next != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + (K + k) * kPanel), _MM_HINT_T1);
+    }
+    const __m512 b0 = _mm512_loadu_ps(panel + k * kPanel), b1 = _mm512_loadu_ps(panel2 + k * kPanel);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const __m512 x = _mm512_set1_ps(a[r * lda + k]);
+      acc0[r] = _mm512_fmadd_ps(x, b0, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(x, b1, acc1[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    _mm512_storeu_ps(c + r * ldc, acc0[r]);
+    _mm512_storeu_ps(c + r * ldc + kPanel, acc1[r]);
+  }
+}
+#endif
+
 using RowBlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, const float*);
 
-template <bool kPrefetch>
-RowBlockFn PickRowBlock(int64_t rows) {
-  static constexpr RowBlockFn kFns[] = {nullptr,
-                                        RowBlock<1, kPrefetch>,
-                                        RowBlock<2, kPrefetch>,
-                                        RowBlock<3, kPrefetch>,
-                                        RowBlock<4, kPrefetch>,
-                                        RowBlock<5, kPrefetch>,
-                                        RowBlock<6, kPrefetch>,
+// The row-block functions of one form: fns[kPrefetch][rows], rows 1..max_rows.
+struct RowBlocks {
+  int max_rows;
+  RowBlockFn fns[2][17];
+  int max_pair_rows = 0;  // 0: no two-panel form
+  RowBlockFn pairs[2][17] = {};
+};
+
+RowBlocks Ymm() {
+  RowBlocks b{kMaxRows, {}};
+  auto fill = [&](auto prefetch) {
+    constexpr bool p = decltype(prefetch)::value;
+    RowBlockFn* f = b.fns[p];
+    f[1] = RowBlock<1, p>, f[2] = RowBlock<2, p>, f[3] = RowBlock<3, p>;
+    f[4] = RowBlock<4, p>, f[5] = RowBlock<5, p>, f[6] = RowBlock<6, p>;
 #ifdef __AVX512F__
-                                        RowBlock<7, kPrefetch>,
-                                        RowBlock<8, kPrefetch>
+    f[7] = RowBlock<7, p>, f[8] = RowBlock<8, p>;
 #endif
   };
-  return kFns[rows];
+  fill(std::false_type{});
+  fill(std::true_type{});
+  return b;
+}
+
+#ifdef SERVAX_MATMUL_ZMM
+RowBlocks Zmm() {
+  RowBlocks b{kMaxRowsZmm, {}};
+  auto fill = [&](auto prefetch) {
+    constexpr bool p = decltype(prefetch)::value;
+    RowBlockFn* f = b.fns[p];
+    f[1] = RowBlockZmm<1, p>, f[2] = RowBlockZmm<2, p>, f[3] = RowBlockZmm<3, p>, f[4] = RowBlockZmm<4, p>;
+    f[5] = RowBlockZmm<5, p>, f[6] = RowBlockZmm<6, p>, f[7] = RowBlockZmm<7, p>, f[8] = RowBlockZmm<8, p>;
+    f[9] = RowBlockZmm<9, p>, f[10] = RowBlockZmm<10, p>, f[11] = RowBlockZmm<11, p>, f[12] = RowBlockZmm<12, p>;
+    f[13] = RowBlockZmm<13, p>, f[14] = RowBlockZmm<14, p>, f[15] = RowBlockZmm<15, p>;
+    f[16] = RowBlockZmm<16, p>;
+    RowBlockFn* g = b.pairs[p];
+    g[1] = RowBlockZmm2<1, p>, g[2] = RowBlockZmm2<2, p>, g[3] = RowBlockZmm2<3, p>, g[4] = RowBlockZmm2<4, p>;
+    g[5] = RowBlockZmm2<5, p>, g[6] = RowBlockZmm2<6, p>, g[7] = RowBlockZmm2<7, p>, g[8] = RowBlockZmm2<8, p>;
+    g[9] = RowBlockZmm2<9, p>, g[10] = RowBlockZmm2<10, p>, g[11] = RowBlockZmm2<11, p>, g[12] = RowBlockZmm2<12, p>;
+  };
+  b.max_pair_rows = kMaxPairRows;
+  fill(std::false_type{});
+  fill(std::true_type{});
+  return b;
+}
+#endif
+
+// The form this CPU runs best (see SERVAX_MATMUL_ZMM), chosen once.
+const RowBlocks& Chosen() {
+#if defined(SERVAX_MATMUL_ZMM) && defined(SERVAX_MATMUL_WIDTH)
+  static const RowBlocks blocks = Zmm();
+#elif defined(SERVAX_MATMUL_ZMM)
+  static const RowBlocks blocks = __builtin_cpu_is("amd") ? Ymm() : Zmm();
+#else
+  static const RowBlocks blocks = Ymm();
+#endif
+  return blocks;
 }
 
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packed,
@@ -110,24 +224,30 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   if (M == 0 || panels == 0) return ffi::Error::Success();
   const float* a = x.typed_data();
   const float* b = packed.typed_data();
-  // Rows in as few blocks as the registers allow, of even sizes (8 rows: one block, not 6 + 2).
-  const int64_t blocks = (M + kMaxRows - 1) / kMaxRows;
-  // About four tasks per thread for small matrices (balance), at most 32 panels each for large ones.
+  const RowBlocks& form = Chosen();
+  const bool pairs = form.max_pair_rows > 0;
+  // About four tasks per thread for small matrices (balance), at most 32 panels each for large
+  // ones; an even number where panels go in pairs.
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t per_task = std::clamp<int64_t>(panels / (4 * threads), 1, kMaxPanelsPerTask);
+  int64_t per_task = std::clamp<int64_t>(panels / (4 * threads), 1, kMaxPanelsPerTask);
+  if (pairs) per_task += per_task % 2;
   const int64_t tasks = (panels + per_task - 1) / per_task;
   servax::ParallelFor(pool, tasks, threads - 1, [&](int64_t t) {
-    const int64_t last = std::min(panels, (t + 1) * per_task);
-    for (int64_t p = t * per_task; p < last; ++p) {
+    const int64_t first = t * per_task, last = std::min(panels, first + per_task);
+    for (int64_t p = first, width; p < last; p += width) {
+      width = pairs && p + 1 < last ? 2 : 1;
+      const int64_t max_rows = width == 2 ? form.max_pair_rows : form.max_rows;
+      const RowBlockFn(*fns)[17] = width == 2 ? form.pairs : form.fns;
+      // Rows in as few blocks as the registers allow, of even sizes (8 rows: one block, not 6 + 2).
+      const int64_t blocks = (M + max_rows - 1) / max_rows;
       const float* panel = b + p * K * kPanel;
       for (int64_t blk = 0, r0 = 0; blk < blocks; ++blk) {
         const int64_t rows = M / blocks + (blk < M % blocks);
         // Rows in several blocks: each panel is fetched into L2 during the previous panel's
         // second block (measured 5-15% faster at 16-32 rows than each fetching its own).
-        const bool fetch_own = blocks == 1 || p == t * per_task;
-        const float* next = (blk == 1 && p + 1 < last) ? panel + K * kPanel : nullptr;
-        (blk == 0 && fetch_own ? PickRowBlock<true> : PickRowBlock<false>)(rows)(a + r0 * K, K, panel, K,
-                                                                                   c + r0 * N + p * kPanel, N, next);
+        const bool fetch_own = blocks == 1 || p == first;
+        const float* next = (blk == 1 && p + width < last) ? panel + width * K * kPanel : nullptr;
+        fns[blk == 0 && fetch_own][rows](a + r0 * K, K, panel, K, c + r0 * N + p * kPanel, N, next);
         r0 += rows;
       }
     }
