@@ -6,6 +6,7 @@
     serving.py   the OpenAI protocol on top of an engine (runs inside LLMServer)
     protocol.py  OpenAI request/response bodies
     ingress.py   the FastAPI app and its Serve deployment (routing by `model`, errors, SSE)
+    colocated.py one model's LLMServer serving that FastAPI app itself (ingress_config.colocate)
     metrics.py   Serve metrics of a replica
     llm.py       LLM: offline batch generation in this process (vLLM's offline API)
 

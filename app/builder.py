@@ -6,7 +6,8 @@
 
 It validates the args (app.config), then binds one LLMServer deployment per model, named
 `LLMServer:<model_id>` with its `deployment_config`, and one OpenAIIngress that routes
-to them by model id.
+to them by model id; or, with `ingress_config.colocate` (one model), only that model's
+LLMServer, which answers HTTP itself (app.colocated).
 """
 
 from __future__ import annotations
@@ -33,8 +34,14 @@ def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:
         ValueError: the args are invalid; the message names each wrong field.
     """
     config = args if isinstance(args, AppConfig) else load_app_config(dict(args))
-    handles = {block.model_id: build_llm_deployment(block) for block in config.llm_configs}
     ingress = config.ingress_config
+    if ingress.colocate:
+        from app.colocated import ColocatedLLMServer
+
+        block = config.llm_configs[0]
+        return ColocatedLLMServer.options(name=block.deployment_name(), **block.serve_options()).bind(
+            block.model_dump(), ingress.resolved_api_key(), lora_routes(config))
+    handles = {block.model_id: build_llm_deployment(block) for block in config.llm_configs}
     return OpenAIIngress.options(name="OpenAIIngress", **ingress.serve_options()).bind(
         handles, ingress.resolved_api_key(), lora_routes(config))
 

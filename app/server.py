@@ -76,9 +76,9 @@ class StreamDelta:
     finish_reason: str | None = None
 
 
-@serve.deployment(max_ongoing_requests=256, health_check_period_s=10, health_check_timeout_s=30)
-class LLMServer:
-    """A replica serving one model: engine start-up in `__init__`, then requests."""
+class LLMServerImpl:
+    """A replica serving one model: engine start-up in `__init__`, then requests (the class
+    behind the `LLMServer` deployment, and the base of app.colocated's ingress replica)."""
 
     def __init__(self, llm_config: LLMConfig | dict[str, Any]):
         """Load the model, build and warm up the engine (the replica's startup; Serve waits for it).
@@ -337,6 +337,11 @@ class LLMServer:
                 engine.shutdown()
             except Exception:
                 pass
+
+
+# Serve's deployment of LLMServerImpl (the builder names each `LLMServer:<model_id>`).
+SERVER_DEFAULTS = dict(max_ongoing_requests=256, health_check_period_s=10, health_check_timeout_s=30)
+LLMServer = serve.deployment(name="LLMServer", **SERVER_DEFAULTS)(LLMServerImpl)
 
 
 class _ResidentAdapter:

@@ -326,7 +326,7 @@ def server(name: str, args, folder: str, work: Path):
                                                     "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
                                                     "show_progress": False},
                                   "deployment_config": {"max_ongoing_requests": 256},
-                              }]}}],
+                              }], "ingress_config": {"colocate": not args.separate_ingress}}}],
         }
         path = work / "servax.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -481,6 +481,8 @@ def main() -> None:
                         help=f"HTTP part: which of {','.join(SERVERS)} to load (comma-separated)")
     parser.add_argument("--server-timeout", type=float, default=900)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--separate-ingress", action="store_true",
+                        help="servax with its OpenAIIngress deployment apart (default: colocated, as configs/app.yaml)")
     args = parser.parse_args()
     if args.vllm_python and not Path(args.vllm_python).exists():
         parser.error(f"--vllm-python {args.vllm_python} does not exist")

@@ -8,7 +8,9 @@ reads the weights in the layout it multiplies in, packed once at load:
 `panels[p, k, j] = w[k, 16 p + j]`, shape [ceil(out / 16), in, 16] (zero columns pad the
 last panel). Measured on the demo model's shapes (AMD EPYC, 2 cores; benchmarks/RESULTS.md,
 stop 36): its 30 layers' four products 1.3-2.2x faster than XLA from 1 to 32 rows, 1.06-1.1x
-at 256-512 (prefill, ~210 GF/s); the 49,152 x 576 LM head at 8 rows 4.1 ms against 8.1.
+at 256-512 (prefill, ~210 GF/s); the 49,152 x 576 LM head at 8 rows 4.1 ms against 8.1. On
+Intel's full-width AVX-512 the kernel multiplies two panels a pass in 512-bit registers
+(stop 38: 1.3-1.5x its 256-bit form from 8 to 512 rows, ~270 GF/s at 512).
 
 `x @ packed` works as with the array it came from (PackedWeight defines `__rmatmul__`), so
 model code reads either form; the native models pack their layers' joined projections and

@@ -199,6 +199,30 @@ def test_build_app_binds_one_server_per_model_and_an_ingress():
     assert handles["b/c"]._bound_deployment.name == "LLMServer:b--c"
 
 
+def test_colocated_app_is_one_llm_server_deployment_serving_http():
+    from app.builder import build_app
+
+    app = build_app({"llm_configs": [_block("b/c", deployment_config={"num_replicas": 2})],
+                     "ingress_config": {"colocate": True, "api_key": "k"}})
+    server = app._bound_deployment
+    assert server.name == "LLMServer:b--c" and server.num_replicas == 2
+    assert server.init_args[1] == "k"  # the API key reaches the replica's router
+    assert hasattr(server.func_or_class, "__serve_build_asgi_app__")  # it is the app's HTTP ingress
+
+
+@pytest.mark.parametrize("args, why", [
+    ({"llm_configs": [_block("a"), _block("b")]}, "one model, not 2"),
+    ({"llm_configs": [_block(lora_config={"dynamic_lora_loading_path": "/adapters"})]}, "multiplexing"),
+    ({"llm_configs": [_block(deployment_config={"request_router_config": {"request_router_class": "x:Y"}})]},
+     "request_router_config"),
+    ({"llm_configs": [_block()], "ingress_config": {"num_replicas": 2}}, "num_replicas does not apply"),
+])
+def test_colocation_refuses_what_needs_the_separate_ingress(args, why):
+    args = {**args, "ingress_config": {**args.get("ingress_config", {}), "colocate": True}}
+    message = _error(args)
+    assert "ingress_config.colocate" in message and why in message
+
+
 # ---- OpenAI request bodies ------------------------------------------------------------
 
 def test_completion_request_maps_to_vllm_sampling_names():

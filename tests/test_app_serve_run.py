@@ -1,5 +1,9 @@
 """`serve run configs/tiny.yaml` on a real local Ray cluster, over real HTTP and real handles.
 
+tiny.yaml, as configs/app.yaml, colocates the ingress (`ingress_config.colocate`): the one
+LLMServer deployment answers HTTP itself. The separate ingress runs on a real cluster in
+tests/test_routing.py and tests/test_lora.py.
+
 The test process starts a small Ray cluster; `serve run` (the CLI, in a subprocess)
 deploys the shipped configs/tiny.yaml on it (only the HTTP port is changed, so that
 parallel sessions do not collide on 8000). Clients: the official `openai` package over
@@ -77,6 +81,16 @@ def test_errors_through_the_proxy_and_still_serving(base_url, client):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert httpx.get(base_url + "/health").status_code == 200
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_colocated_app_is_one_deployment_and_its_app_handle_is_the_llm_server(served):
+    from ray import serve
+
+    status = serve.status().applications["servax"]
+    assert sorted(status.deployments) == [DEPLOYMENT]
+    app = serve.get_app_handle("servax")  # the app's ingress is the model's server: typed methods work
+    result = app.generate.remote("Hello world", {"max_tokens": 4, "temperature": 0, "ignore_eos": True}).result()
+    assert len(result.outputs[0].token_ids) == 4
 
 
 def test_handle_generate_and_stream(handle):
