@@ -8,8 +8,9 @@
 // of x per pass while 2 x kMaxRows AVX accumulators stay in registers (outer-product
 // micro-kernel: per k, two loads of the panel and one broadcast per row); later row blocks
 // find the panel in cache. With full-width AVX-512 (Intel) two panels go together, 32
-// columns in two 512-bit registers per row (benchmarks/RESULTS.md, stop 38). Work is split by panels over XLA's intra-op pool. Only the first
-// `valid_rows` rows of x are multiplied (a step padded to its bucket pays for its real tokens).
+// columns in two 512-bit registers per row (benchmarks/RESULTS.md, stop 38). Work is split
+// by panels over XLA's intra-op pool. Only the first `valid_rows` rows of x are multiplied
+// (a step padded to its bucket pays for its real tokens).
 
 #include <algorithm>
 #include <cstdint>
