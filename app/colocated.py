@@ -20,6 +20,8 @@ from ray import serve
 from app.ingress import OpenAIRouter, build_openai_api
 from app.server import SERVER_DEFAULTS, LLMServerImpl
 
+_closing: set[asyncio.Task] = set()  # generators being closed by LocalStream.cancel
+
 
 class LocalStream:
     """An async generator of this process, shaped like a streaming DeploymentResponseGenerator."""
@@ -35,7 +37,9 @@ class LocalStream:
 
     def cancel(self) -> None:
         """Close the generator (it aborts its engine request), as cancelling a handle call does."""
-        asyncio.get_running_loop().create_task(self._gen.aclose())
+        task = asyncio.get_running_loop().create_task(self._gen.aclose())
+        _closing.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(_closing.discard)
 
 
 class _LocalMethod:

@@ -309,8 +309,8 @@ class IngressConfig(_Strict):
     ray_actor_options: RayActorOptions = Field(default_factory=lambda: RayActorOptions(num_cpus=0))
     colocate: bool = Field(
         False, description="Serve HTTP from the model's own replicas, with no separate ingress deployment: one "
-                           "process and one Serve stream fewer per token (+6% output tokens/s at 32 streams on 2 "
-                           "cores). One model only, without lora_config or a request_router_config; the model's "
+                           "process and one Serve stream fewer per token (+6-11% output tokens/s at 32 streams "
+                           "on 2 cores). One model only, without lora_config or a request_router_config; the model's "
                            "deployment_config then sets replicas and limits (see app/colocated.py).")
     allow_runtime_lora_updating: bool = Field(
         False, description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; vLLM's "
