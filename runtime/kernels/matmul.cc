@@ -13,6 +13,8 @@
 // (a step padded to its bucket pays for its real tokens).
 
 #include <algorithm>
+#include <climits>
+#include <cstdlib>
 #include <cstdint>
 #include <type_traits>
 
@@ -211,6 +213,23 @@ const RowBlocks& Chosen() {
   return blocks;
 }
 
+// Panels per task: a multiple of `unit` (2 where panels go in pairs), at most
+// kMaxPanelsPerTask, such that the thread with the most tasks has as little work as can be
+// (36 panels in pairs over 2 threads: 6 tasks of 6 panels, not 9 of 4, which leave one thread
+// 5 of them); of such splits, the one nearest four tasks a thread (balance where a thread
+// starts late).
+int64_t PanelsPerTask(int64_t panels, int64_t unit, int64_t threads) {
+  const int64_t units = (panels + unit - 1) / unit;
+  int64_t best = 1, best_load = INT64_MAX, best_gap = INT64_MAX;
+  for (int64_t per = 1; per * unit <= kMaxPanelsPerTask && per <= units; ++per) {
+    const int64_t tasks = (units + per - 1) / per;
+    const int64_t load = (tasks + threads - 1) / threads * per;
+    const int64_t gap = std::abs(tasks - 4 * threads);
+    if (load < best_load || (load == best_load && gap < best_gap)) best = per, best_load = load, best_gap = gap;
+  }
+  return best * unit;
+}
+
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packed,
                         ffi::Buffer<ffi::S32> valid_rows, ffi::ResultBuffer<ffi::F32> out) {
   auto xd = x.dimensions(), pd = packed.dimensions(), od = out->dimensions();
@@ -227,11 +246,8 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const float* b = packed.typed_data();
   const RowBlocks& form = Chosen();
   const bool pairs = form.max_pair_rows > 0;
-  // About four tasks per thread for small matrices (balance), at most 32 panels each for large
-  // ones; an even number where panels go in pairs.
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  int64_t per_task = std::clamp<int64_t>(panels / (4 * threads), 1, kMaxPanelsPerTask);
-  if (pairs) per_task += per_task % 2;
+  const int64_t per_task = PanelsPerTask(panels, pairs ? 2 : 1, threads);
   const int64_t tasks = (panels + per_task - 1) / per_task;
   servax::ParallelFor(pool, tasks, threads - 1, [&](int64_t t) {
     const int64_t first = t * per_task, last = std::min(panels, first + per_task);
@@ -244,10 +260,12 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
       const float* panel = b + p * K * kPanel;
       for (int64_t blk = 0, r0 = 0; blk < blocks; ++blk) {
         const int64_t rows = M / blocks + (blk < M % blocks);
-        // Rows in several blocks: each panel is fetched into L2 during the previous panel's
-        // second block (measured 5-15% faster at 16-32 rows than each fetching its own).
+        // Rows in several blocks: each panel is fetched into L2 while the previous one is
+        // multiplied, during its first block (its second where the first fetches its own):
+        // measured 5-15% faster at 16-32 rows than each fetching its own, and 2-7% faster
+        // from 1 to 512 rows than during the second block (benchmarks/RESULTS.md, stop 39).
         const bool fetch_own = blocks == 1 || p == first;
-        const float* next = (blk == 1 && p + width < last) ? panel + width * K * kPanel : nullptr;
+        const float* next = (blk == (fetch_own ? 1 : 0) && p + width < last) ? panel + width * K * kPanel : nullptr;
         fns[blk == 0 && fetch_own][rows](a + r0 * K, K, panel, K, c + r0 * N + p * kPanel, N, next);
         r0 += rows;
       }
