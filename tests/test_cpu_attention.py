@@ -63,6 +63,23 @@ def test_kernel_matches_numpy_oracle(heads, kv_heads, block_size, head_dim, wind
     assert np.all(got[n:] == 0), "padding tokens must produce zeros"
 
 
+@pytest.mark.parametrize("specs", [[(40, 1)], [(70, 1), (5, 1)]], ids=["one-decode", "two-decodes"])
+@pytest.mark.parametrize("heads,kv_heads,block_size,head_dim,window,soft_cap", CASES[:3], ids=CASE_IDS[:3])
+def test_few_decodes_split_by_kv_heads_match_the_oracle(specs, heads, kv_heads, block_size, head_dim, window,
+                                                         soft_cap):
+    """One or two decoding sequences alone: the kernel shares each one's KV heads among the
+    threads (each share reading its heads' part of every block)."""
+    rng = np.random.default_rng(len(specs) * 100 + kv_heads)
+    batch, seqs, n, q, k, v = _case(rng, specs, heads=heads, kv_heads=kv_heads, block_size=block_size,
+                                    head_dim=head_dim, pad_tokens=8, pad_seqs=4)
+    attend = jax.jit(lambda q, k, v, b: cpu_ragged_paged_attention(
+        q, k[None], v[None], jnp.int32(0), b, scale=0.35, sliding_window=window, logit_soft_cap=soft_cap))
+    got = np.asarray(attend(q, k, v, batch))
+    want = oracle(q, k, v, seqs, scale=0.35, sliding_window=window, soft_cap=soft_cap)
+    np.testing.assert_allclose(got[:n], want[:n], atol=TOL, rtol=0)
+    assert np.all(got[n:] == 0), "padding tokens must produce zeros"
+
+
 def test_bfloat16_queries_and_out_of_range_blocks():
     """bfloat16 queries are read as float32 and the result cast back; a block id outside the
     cache (a corrupt table) reads a clamped block instead of memory outside the cache."""

@@ -307,12 +307,20 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const int64_t tile = std::max<int64_t>(1, kRowsPerItem / p.group);
   std::fill(p.out + real * p.num_heads * p.head_dim, p.out + T * p.num_heads * p.head_dim, 0.0f);
   // A decode is one item over all KV heads (its blocks then read as one contiguous run per
-  // block); longer queries go per KV head in tiles of `tile` tokens, each tile reading the
-  // context once for all its rows.
+  // block), or over a share of them when there are fewer decodes than two per thread (batch
+  // 1 would leave all but one thread idle); longer queries go per KV head in tiles of `tile`
+  // tokens, each tile reading the context once for all its rows.
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  int64_t decodes = 0;
+  for (int64_t s = 0; s < S; ++s)
+    decodes += std::min<int64_t>(p.query_start[s + 1], real) - p.query_start[s] == 1;
+  const int64_t shares = decodes == 0 ? 1 : std::clamp<int64_t>((2 * threads + decodes - 1) / decodes, 1, p.kv_heads);
   for (int64_t s = 0; s < S; ++s) {
     const int64_t a = p.query_start[s], b = std::min<int64_t>(p.query_start[s + 1], real);
     if (b - a == 1) {
-      items.push_back({int32_t(s), 0, int32_t(p.kv_heads), int32_t(a), int32_t(b)});
+      for (int64_t i = 0; i < shares; ++i)
+        items.push_back({int32_t(s), int32_t(p.kv_heads * i / shares), int32_t(p.kv_heads * (i + 1) / shares),
+                         int32_t(a), int32_t(b)});
       continue;
     }
     for (int64_t t0 = a; t0 < b; t0 += tile)
