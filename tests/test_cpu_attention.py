@@ -80,6 +80,50 @@ def test_few_decodes_split_by_kv_heads_match_the_oracle(specs, heads, kv_heads, 
     assert np.all(got[n:] == 0), "padding tokens must produce zeros"
 
 
+_FORM_CHECK = """
+import sys
+sys.path.insert(0, "tests")
+import jax, jax.numpy as jnp, numpy as np
+from runtime.cpu_attention import cpu_ragged_paged_attention, kernel_status
+from test_attention import MIXED, TOL, build_batch, oracle
+assert kernel_status() == "ok", kernel_status()
+for heads, kv_heads, bs, d, window in [(9, 3, 16, 64, None), (8, 2, 16, 128, 20), (4, 4, 32, 64, None)]:
+    rng = np.random.default_rng(heads + bs + d)
+    for specs in (MIXED, [(40, 1)], [(0, 48), (70, 50)]):
+        batch, seqs, n = build_batch(rng, specs, block_size=bs, num_blocks=96, max_blocks=24, pad_tokens=128,
+                                     pad_seqs=8)
+        k = rng.standard_normal((96, kv_heads, bs, d)).astype(np.float32)
+        v = rng.standard_normal((96, kv_heads, bs, d)).astype(np.float32)
+        q = rng.standard_normal((128, heads, d)).astype(np.float32)
+        got = np.asarray(jax.jit(lambda q, k, v, b: cpu_ragged_paged_attention(
+            q, k[None], v[None], jnp.int32(0), b, scale=0.35, sliding_window=window))(q, k, v, batch))
+        want = oracle(q, k, v, seqs, scale=0.35, sliding_window=window, soft_cap=None)
+        np.testing.assert_allclose(got[:n], want[:n], atol=TOL, rtol=0)
+print("ok")
+"""
+
+# Every form of the kernel this CPU runs, each built in a fresh process and cache: AVX2 (as
+# on a CPU without AVX-512), and on AVX-512 also without the rows-in-lanes prefill form.
+_FORMS = ["-mno-avx512f"] + (["-DSERVAX_ATTENTION_NO_LANES"] if "avx512f" in cpu_attention.cpu_flags() else [])
+
+
+@pytest.mark.parametrize("flags", _FORMS)
+def test_each_kernel_form_matches_the_oracle(tmp_path, flags):
+    """Prefills (whole, chunked, several tiles long), decodes and a sliding window against the
+    NumPy oracle, in the kernel built with `flags` (the in-process tests run the default build)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "SERVAX_KERNEL_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu",
+           "SERVAX_KERNEL_CXXFLAGS": flags}
+    done = subprocess.run([sys.executable, "-c", _FORM_CHECK], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    assert len(list(tmp_path.glob("servax_kernels-*.so"))) == 1
+
+
 def test_bfloat16_queries_and_out_of_range_blocks():
     """bfloat16 queries are read as float32 and the result cast back; a block id outside the
     cache (a corrupt table) reads a clamped block instead of memory outside the cache."""

@@ -10,7 +10,9 @@
 // Work is split into (sequence, kv head, query tile) items shared by the caller and XLA's
 // intra-op thread pool. One item keeps its queries (tile tokens x the heads that read the kv
 // head), their running max / denominator and their output accumulators in local buffers and
-// folds the context in one block at a time (online softmax, as flash attention does).
+// folds the context in one block at a time (online softmax, as flash attention does). With
+// AVX-512, an item of several tokens (a prefill tile) keeps its rows in vector lanes instead
+// (RunItemRowsInLanes: scores, softmax and values on whole vectors, no horizontal sums).
 
 #include <algorithm>
 #include <cmath>
@@ -30,6 +32,7 @@ namespace {
 
 constexpr float kMaskValue = -1e30f;  // finite: exp() and max() stay free of NaNs
 constexpr int64_t kRowsPerItem = 32;  // query rows (tokens x heads of a group) per work item
+constexpr int64_t kRowsPerLanesItem = 48;  // the same in the rows-in-lanes form (three vectors of 16)
 
 struct Problem {
   const float* q;        // [T, H, D]
@@ -258,9 +261,172 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
       }
 }
 
+#ifdef __AVX512F__
+// exp(x) for x <= 0, 16 lanes: Exp's polynomial.
+inline __m512 Exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// A query tile of one KV head (a prefill or a chunk of one) with its rows in vector lanes:
+// 16 rows (token, query head of the group) a group, queries and accumulators stored
+// transposed, [D][16]. Per 16 keys a group's scores are 16 vectors (one a key) built by
+// broadcasting the key's elements, the online softmax runs on whole vectors (a row's max,
+// sum and correction in its lane), and the values are added the same way: no horizontal
+// sums, and each broadcast element of K or V serves 16 rows. Same results as RunItem up to
+// float rounding (the order of the sums differs).
+template <int kBS, int kD>
+void RunItemRowsInLanes(const Problem& p, const Item& it, std::vector<float>& scratch) {
+  static_assert(kBS % 16 == 0 && kD % 16 == 0, "rows-in-lanes form: block and head sizes in 16s");
+  const int64_t G = p.group, ntok = it.t1 - it.t0, R = ntok * G, groups = (R + 15) / 16;
+  scratch.resize(groups * 16 * (2 * kD + 3));
+  float* __restrict qt = scratch.data();          // [groups][kD][16], scaled
+  float* __restrict acct = qt + groups * kD * 16;  // [groups][kD][16]
+  float* __restrict m = acct + groups * kD * 16;   // [groups][16]
+  float* __restrict l = m + groups * 16;           // [groups][16]
+  int32_t* __restrict rpos = reinterpret_cast<int32_t*>(l + groups * 16);  // each row's position
+  for (int64_t r = 0; r < groups * 16; ++r) {
+    float* dst = qt + (r / 16) * kD * 16 + r % 16;
+    if (r < R) {
+      const int64_t i = r / G, g = r % G;
+      const float* src = p.q + ((it.t0 + i) * p.num_heads + it.h0 * G + g) * kD;
+      for (int64_t d = 0; d < kD; ++d) dst[d * 16] = src[d] * p.scale;
+      rpos[r] = p.positions[it.t0 + i];
+    } else {  // lanes past the tile: zero queries that see no key
+      for (int64_t d = 0; d < kD; ++d) dst[d * 16] = 0.0f;
+      rpos[r] = -1;
+    }
+  }
+  std::fill(acct, acct + groups * kD * 16, 0.0f);
+  std::fill(m, m + groups * 16, kMaskValue);
+  std::fill(l, l + groups * 16, 0.0f);
+
+  int32_t pmin = INT32_MAX, pmax = INT32_MIN;
+  for (int64_t t = it.t0; t < it.t1; ++t) {
+    pmin = std::min(pmin, p.positions[t]);
+    pmax = std::max(pmax, p.positions[t]);
+  }
+  const int64_t ctx = p.seq_lens[it.seq];
+  const int64_t hi = std::min<int64_t>({pmax + 1, ctx, p.max_blocks * kBS});
+  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pmin - p.window + 1) : 0;
+  const int32_t* table = p.block_tables + it.seq * p.max_blocks;
+  const auto block_offset = [&](int64_t b) {
+    const int64_t block = std::clamp<int64_t>(table[b], 0, p.num_blocks - 1);
+    return ((p.layer * p.num_blocks + block) * p.kv_heads + it.h0) * kBS * kD;
+  };
+  const __m512 masked = _mm512_set1_ps(kMaskValue), half_masked = _mm512_set1_ps(0.5f * kMaskValue);
+
+  for (int64_t b = lo / kBS; b * kBS < hi; ++b) {
+    const int64_t offset = block_offset(b);
+    if ((b + 1) * kBS < hi) {
+      const int64_t next = block_offset(b + 1);
+      for (int64_t i = 0; i < kBS * kD; i += 16) {
+        __builtin_prefetch(p.k_cache + next + i, 0, 1);
+        __builtin_prefetch(p.v_cache + next + i, 0, 1);
+      }
+    }
+    const bool whole = b * kBS + kBS <= std::min<int64_t>(pmin + 1, ctx) &&
+                       (p.window <= 0 || pmax - b * kBS < p.window);
+    for (int64_t jc = 0; jc < kBS; jc += 16) {
+      const float* __restrict kb = p.k_cache + offset + jc * kD;  // 16 keys [16, kD]
+      const float* __restrict vb = p.v_cache + offset + jc * kD;
+      const int64_t k0 = b * kBS + jc;
+      for (int64_t grp = 0; grp < groups; ++grp) {
+        const float* __restrict q = qt + grp * kD * 16;
+        __m512 s[16];
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) s[j] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < kD; ++d) {
+          const __m512 qd = _mm512_loadu_ps(q + d * 16);
+#pragma GCC unroll 16
+          for (int j = 0; j < 16; ++j) s[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kb[j * kD + d]), s[j]);
+        }
+        if (!whole) {
+          const __m512i pos = _mm512_loadu_si512(rpos + grp * 16);
+#pragma GCC unroll 16
+          for (int j = 0; j < 16; ++j) {
+            const int32_t kp = int32_t(k0 + j);
+            __mmask16 visible = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(kp));
+            if (kp >= ctx) visible = 0;
+            if (p.window > 0)
+              visible &= _mm512_cmplt_epi32_mask(_mm512_sub_epi32(pos, _mm512_set1_epi32(kp)),
+                                                 _mm512_set1_epi32(int32_t(p.window)));
+            s[j] = _mm512_mask_blend_ps(visible, masked, s[j]);
+          }
+        }
+        const __m512 m_old = _mm512_loadu_ps(m + grp * 16);
+        __m512 mx = m_old;
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) mx = _mm512_max_ps(mx, s[j]);
+        const __m512 correction = Exp16(_mm512_sub_ps(m_old, mx));
+        __m512 sum = _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) {  // a masked key adds nothing, also before a row saw a visible one
+          const __mmask16 seen = _mm512_cmp_ps_mask(s[j], half_masked, _CMP_GT_OQ);
+          s[j] = _mm512_maskz_mov_ps(seen, Exp16(_mm512_sub_ps(s[j], mx)));
+          sum = _mm512_add_ps(sum, s[j]);
+        }
+        _mm512_storeu_ps(m + grp * 16, mx);
+        _mm512_storeu_ps(l + grp * 16, _mm512_fmadd_ps(_mm512_loadu_ps(l + grp * 16), correction, sum));
+        float* __restrict acc = acct + grp * kD * 16;
+        for (int64_t d = 0; d < kD; ++d) {
+          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + d * 16), correction);
+#pragma GCC unroll 16
+          for (int j = 0; j < 16; ++j) a = _mm512_fmadd_ps(s[j], _mm512_set1_ps(vb[j * kD + d]), a);
+          _mm512_storeu_ps(acc + d * 16, a);
+        }
+      }
+    }
+  }
+
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t grp = r / 16, lane = r % 16, i = r / G, g = r % G;
+    const float lr = l[grp * 16 + lane], inv = lr > 0 ? 1.0f / lr : 0.0f;  // no visible key: zeros
+    const float* src = acct + grp * kD * 16 + lane;
+    float* __restrict dst = p.out + ((it.t0 + i) * p.num_heads + it.h0 * G + g) * kD;
+    for (int64_t d = 0; d < kD; ++d) dst[d] = src[d * 16] * inv;
+  }
+}
+
+// Items of several tokens and one KV head without a soft cap take the rows-in-lanes form.
+template <int kBS, int kD>
+void RunItemAvx512(const Problem& p, const Item& it, std::vector<float>& scratch) {
+  if (it.t1 - it.t0 > 1 && it.h1 - it.h0 == 1 && p.soft_cap <= 0)
+    RunItemRowsInLanes<kBS, kD>(p, it, scratch);
+  else
+    RunItem<kBS, kD>(p, it, scratch);
+}
+#endif
+
 using ItemFn = void (*)(const Problem&, const Item&, std::vector<float>&);
 
+ItemFn PickItemFnWithoutLanes(int64_t block_size, int64_t head_dim);
+
+// The item function for these shapes: with AVX-512 (unless built with
+// -DSERVAX_ATTENTION_NO_LANES) tiles of several tokens take the rows-in-lanes form.
 ItemFn PickItemFn(int64_t block_size, int64_t head_dim) {
+#if defined(__AVX512F__) && !defined(SERVAX_ATTENTION_NO_LANES)
+  if (block_size == 16 && head_dim == 64) return RunItemAvx512<16, 64>;
+  if (block_size == 16 && head_dim == 128) return RunItemAvx512<16, 128>;
+  if (block_size == 32 && head_dim == 64) return RunItemAvx512<32, 64>;
+  if (block_size == 32 && head_dim == 128) return RunItemAvx512<32, 128>;
+#endif
+  return PickItemFnWithoutLanes(block_size, head_dim);
+}
+
+ItemFn PickItemFnWithoutLanes(int64_t block_size, int64_t head_dim) {
   if (block_size == 16 && head_dim == 64) return RunItem<16, 64>;
   if (block_size == 16 && head_dim == 128) return RunItem<16, 128>;
   if (block_size == 32 && head_dim == 64) return RunItem<32, 64>;
@@ -304,7 +470,10 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const ItemFn run = PickItemFn(p.block_size, p.head_dim);
   const int64_t T = qd[0], S = td[0];
   const int64_t real = std::min<int64_t>(std::max<int32_t>(num_tokens.typed_data()[0], 0), T);
-  const int64_t tile = std::max<int64_t>(1, kRowsPerItem / p.group);
+  // The rows-in-lanes form takes tiles of about 48 rows (three vectors of 16: 16 tokens of a
+  // group of 3 query heads), the other about 32.
+  const bool lanes = run != PickItemFnWithoutLanes(p.block_size, p.head_dim) && p.soft_cap <= 0;
+  const int64_t tile = std::max<int64_t>(1, (lanes ? kRowsPerLanesItem : kRowsPerItem) / p.group);
   std::fill(p.out + real * p.num_heads * p.head_dim, p.out + T * p.num_heads * p.head_dim, 0.0f);
   // A decode is one item over all KV heads (its blocks then read as one contiguous run per
   // block), or over a share of them when there are fewer decodes than two per thread (batch
