@@ -67,6 +67,19 @@ def _release_compiled_programs() -> Iterator[None]:
     gc.collect()
 
 
+# ---- CPU kernels ------------------------------------------------------------------------
+
+def run_in_fresh_kernel_build(cache_dir: Path, flags: str, script: str) -> None:
+    """Run `script` (Python, from the repository root) in a new process whose CPU kernels are
+    built with SERVAX_KERNEL_CXXFLAGS=`flags` into the empty `cache_dir`; it must print "ok"
+    last, and exactly one kernel library must have been built."""
+    env = {**os.environ, "SERVAX_KERNEL_CACHE": str(cache_dir), "JAX_PLATFORMS": "cpu", "SERVAX_KERNEL_CXXFLAGS": flags}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    assert len(list(cache_dir.glob("servax_kernels-*.so"))) == 1
+
+
 # ---- servers and clients ----------------------------------------------------------------
 
 def free_port() -> int:

@@ -16,6 +16,7 @@ import pytest
 
 import runtime.cpu_attention as cpu_attention
 from app import LLM, SamplingParams
+from conftest import run_in_fresh_kernel_build
 from runtime.attention import resolve_attention_backend
 from runtime.cpu_attention import cpu_ragged_paged_attention, kernel_status
 from test_attention import MIXED, TOL, build_batch, check_per_shard_against_xla, oracle
@@ -111,17 +112,7 @@ _FORMS = ["-mno-avx512f"] + (["-DSERVAX_ATTENTION_NO_LANES"] if "avx512f" in cpu
 def test_each_kernel_form_matches_the_oracle(tmp_path, flags):
     """Prefills (whole, chunked, several tiles long), decodes and a sliding window against the
     NumPy oracle, in the kernel built with `flags` (the in-process tests run the default build)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {**os.environ, "SERVAX_KERNEL_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu",
-           "SERVAX_KERNEL_CXXFLAGS": flags}
-    done = subprocess.run([sys.executable, "-c", _FORM_CHECK], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parents[1])
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
-    assert len(list(tmp_path.glob("servax_kernels-*.so"))) == 1
+    run_in_fresh_kernel_build(tmp_path, flags, _FORM_CHECK)
 
 
 def test_bfloat16_queries_and_out_of_range_blocks():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from app import LLM, SamplingParams
-from conftest import hf_greedy, hf_logits, hf_model
+from conftest import hf_greedy, hf_logits, hf_model, run_in_fresh_kernel_build
 from runtime.cpu_attention import cpu_flags
 from runtime.cpu_matmul import PANEL, PackedWeight, pack_matrix, packed_matmul_available
 
@@ -144,14 +144,4 @@ _FORMS = ["-mno-avx512f"] + (["-DSERVAX_MATMUL_WIDTH=256", "-DSERVAX_MATMUL_WIDT
 
 @pytest.mark.parametrize("flags", _FORMS)
 def test_each_kernel_form_matches_numpy(tmp_path, flags):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {**os.environ, "SERVAX_KERNEL_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu",
-           "SERVAX_KERNEL_CXXFLAGS": flags}
-    done = subprocess.run([sys.executable, "-c", _FORM_CHECK], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parents[1])
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
-    assert len(list(tmp_path.glob("servax_kernels-*.so"))) == 1
+    run_in_fresh_kernel_build(tmp_path, flags, _FORM_CHECK)
