@@ -13,7 +13,6 @@
 // (a step padded to its bucket pays for its real tokens).
 
 #include <algorithm>
-#include <climits>
 #include <cstdlib>
 #include <cstdint>
 #include <type_traits>
@@ -262,8 +261,9 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
         const int64_t rows = M / blocks + (blk < M % blocks);
         // Rows in several blocks: each panel is fetched into L2 while the previous one is
         // multiplied, during its first block (its second where the first fetches its own):
-        // measured 5-15% faster at 16-32 rows than each fetching its own, and 2-7% faster
-        // from 1 to 512 rows than during the second block (benchmarks/RESULTS.md, stop 39).
+        // measured 5-15% faster at 16-32 rows than each fetching its own; this timing and
+        // PanelsPerTask together, 2-7% faster from 1 to 512 rows than the second block and
+        // the former split (benchmarks/RESULTS.md, stop 39).
         const bool fetch_own = blocks == 1 || p == first;
         const float* next = (blk == (fetch_own ? 1 : 0) && p + width < last) ? panel + width * K * kPanel : nullptr;
         fns[blk == 0 && fetch_own][rows](a + r0 * K, K, panel, K, c + r0 * N + p * kPanel, N, next);

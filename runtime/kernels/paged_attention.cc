@@ -163,6 +163,49 @@ inline void Accumulate(float* __restrict acc, float correction, const float* __r
   }
 }
 
+// What an item reads of its sequence: the positions of its tokens, the keys [lo, hi) they may
+// see (never past the table's row), and where each block of the sequence lies in the cache.
+struct ItemContext {
+  ItemContext(const Problem& p, const Item& it, int64_t BS, int64_t D)
+      : p(p), table(p.block_tables + it.seq * p.max_blocks), h0(it.h0), BS(BS), D(D), ctx(p.seq_lens[it.seq]) {
+    for (int64_t t = it.t0; t < it.t1; ++t) {
+      pmin = std::min(pmin, p.positions[t]);
+      pmax = std::max(pmax, p.positions[t]);
+    }
+    hi = std::min<int64_t>({pmax + 1, ctx, p.max_blocks * BS});
+    lo = p.window > 0 ? std::max<int64_t>(0, pmin - p.window + 1) : 0;
+  }
+
+  // Where (block b, KV head h0) starts; the item's heads follow it contiguously. Out-of-range
+  // block ids are clamped (as XLA's gather does): a bad table reads wrong values, never
+  // outside the cache.
+  int64_t Offset(int64_t b) const {
+    const int64_t block = std::clamp<int64_t>(table[b], 0, p.num_blocks - 1);
+    return ((p.layer * p.num_blocks + block) * p.kv_heads + h0) * BS * D;
+  }
+
+  // Fetches block b + 1 (its `heads` heads, K and V) into L2 while block b is read.
+  void PrefetchNext(int64_t b, int64_t heads) const {
+    if ((b + 1) * BS >= hi) return;
+    const int64_t next = Offset(b + 1);
+    for (int64_t i = 0; i < heads * BS * D; i += 16) {
+      __builtin_prefetch(p.k_cache + next + i, 0, 1);
+      __builtin_prefetch(p.v_cache + next + i, 0, 1);
+    }
+  }
+
+  // Whether every token sees every key of the `n` keys from k0: no mask needed.
+  bool Whole(int64_t k0, int64_t n) const {
+    return k0 + n <= std::min<int64_t>(pmin + 1, ctx) && (p.window <= 0 || pmax - k0 < p.window);
+  }
+
+  const Problem& p;
+  const int32_t* table;
+  int64_t h0, BS, D, ctx;
+  int32_t pmin = INT32_MAX, pmax = INT32_MIN;
+  int64_t lo, hi;
+};
+
 // Block size and head dim as compile-time constants (kBS, kD > 0) for the common shapes,
 // so the per-key dot products and the value updates vectorize fully; 0: read from `p`.
 template <int kBS, int kD>
@@ -180,11 +223,6 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   const auto row = [&](int64_t hh, int64_t i, int64_t g) { return hh * RH + i * G + g; };
   const auto head = [&](int64_t hh, int64_t g) { return (it.h0 + hh) * G + g; };
 
-  int32_t pmin = INT32_MAX, pmax = INT32_MIN;
-  for (int64_t t = it.t0; t < it.t1; ++t) {
-    pmin = std::min(pmin, p.positions[t]);
-    pmax = std::max(pmax, p.positions[t]);
-  }
   for (int64_t hh = 0; hh < heads; ++hh)
     for (int64_t i = 0; i < ntok; ++i)
       for (int64_t g = 0; g < G; ++g) {
@@ -196,32 +234,13 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   std::fill(m, m + R, kMaskValue);
   std::fill(l, l + R, 0.0f);
 
-  const int64_t ctx = p.seq_lens[it.seq];
-  // Keys [lo, hi) may be visible; never past the table's row.
-  const int64_t hi = std::min<int64_t>({pmax + 1, ctx, p.max_blocks * BS});
-  int64_t lo = 0;
-  if (p.window > 0) lo = std::max<int64_t>(0, pmin - p.window + 1);
-  const int32_t* table = p.block_tables + it.seq * p.max_blocks;
-  // Where (block, KV head h0) starts; the item's heads follow it contiguously. Out-of-range
-  // block ids are clamped (as XLA's gather does): a bad table reads wrong values, never
-  // outside the cache.
-  const auto block_offset = [&](int64_t b) {
-    const int64_t block = std::clamp<int64_t>(table[b], 0, p.num_blocks - 1);
-    return ((p.layer * p.num_blocks + block) * p.kv_heads + it.h0) * BS * D;
-  };
-
-  for (int64_t b = lo / BS; b * BS < hi; ++b) {
-    const int64_t offset = block_offset(b);
-    if ((b + 1) * BS < hi) {  // the next block's lines travel (into L2) while this one is read
-      const int64_t next = block_offset(b + 1);
-      for (int64_t i = 0; i < heads * BS * D; i += 16) {
-        __builtin_prefetch(p.k_cache + next + i, 0, 1);
-        __builtin_prefetch(p.v_cache + next + i, 0, 1);
-      }
-    }
+  const ItemContext context(p, it, BS, D);
+  const int64_t ctx = context.ctx;
+  for (int64_t b = context.lo / BS; b * BS < context.hi; ++b) {
+    const int64_t offset = context.Offset(b);
+    context.PrefetchNext(b, heads);
     const int64_t k0 = b * BS;
-    // Every row sees every key of this block: no mask needed.
-    const bool whole = k0 + BS <= std::min<int64_t>(pmin + 1, ctx) && (p.window <= 0 || pmax - k0 < p.window);
+    const bool whole = context.Whole(k0, BS);
 
     for (int64_t hh = 0; hh < heads; ++hh) {
       const float* __restrict kb = p.k_cache + offset + hh * BS * D;  // [BS, D]
@@ -311,32 +330,14 @@ void RunItemRowsInLanes(const Problem& p, const Item& it, std::vector<float>& sc
   std::fill(m, m + groups * 16, kMaskValue);
   std::fill(l, l + groups * 16, 0.0f);
 
-  int32_t pmin = INT32_MAX, pmax = INT32_MIN;
-  for (int64_t t = it.t0; t < it.t1; ++t) {
-    pmin = std::min(pmin, p.positions[t]);
-    pmax = std::max(pmax, p.positions[t]);
-  }
-  const int64_t ctx = p.seq_lens[it.seq];
-  const int64_t hi = std::min<int64_t>({pmax + 1, ctx, p.max_blocks * kBS});
-  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pmin - p.window + 1) : 0;
-  const int32_t* table = p.block_tables + it.seq * p.max_blocks;
-  const auto block_offset = [&](int64_t b) {
-    const int64_t block = std::clamp<int64_t>(table[b], 0, p.num_blocks - 1);
-    return ((p.layer * p.num_blocks + block) * p.kv_heads + it.h0) * kBS * kD;
-  };
+  const ItemContext context(p, it, kBS, kD);
+  const int64_t ctx = context.ctx;
   const __m512 masked = _mm512_set1_ps(kMaskValue), half_masked = _mm512_set1_ps(0.5f * kMaskValue);
 
-  for (int64_t b = lo / kBS; b * kBS < hi; ++b) {
-    const int64_t offset = block_offset(b);
-    if ((b + 1) * kBS < hi) {
-      const int64_t next = block_offset(b + 1);
-      for (int64_t i = 0; i < kBS * kD; i += 16) {
-        __builtin_prefetch(p.k_cache + next + i, 0, 1);
-        __builtin_prefetch(p.v_cache + next + i, 0, 1);
-      }
-    }
-    const bool whole = b * kBS + kBS <= std::min<int64_t>(pmin + 1, ctx) &&
-                       (p.window <= 0 || pmax - b * kBS < p.window);
+  for (int64_t b = context.lo / kBS; b * kBS < context.hi; ++b) {
+    const int64_t offset = context.Offset(b);
+    context.PrefetchNext(b, 1);
+    const bool whole = context.Whole(b * kBS, kBS);
     for (int64_t jc = 0; jc < kBS; jc += 16) {
       const float* __restrict kb = p.k_cache + offset + jc * kD;  // 16 keys [16, kD]
       const float* __restrict vb = p.v_cache + offset + jc * kD;
@@ -398,10 +399,10 @@ void RunItemRowsInLanes(const Problem& p, const Item& it, std::vector<float>& sc
   }
 }
 
-// Items of several tokens and one KV head without a soft cap take the rows-in-lanes form.
+// Items of several tokens (one KV head each) take the rows-in-lanes form, decodes RunItem.
 template <int kBS, int kD>
 void RunItemAvx512(const Problem& p, const Item& it, std::vector<float>& scratch) {
-  if (it.t1 - it.t0 > 1 && it.h1 - it.h0 == 1 && p.soft_cap <= 0)
+  if (it.t1 - it.t0 > 1 && it.h1 - it.h0 == 1)
     RunItemRowsInLanes<kBS, kD>(p, it, scratch);
   else
     RunItem<kBS, kD>(p, it, scratch);
@@ -410,21 +411,19 @@ void RunItemAvx512(const Problem& p, const Item& it, std::vector<float>& scratch
 
 using ItemFn = void (*)(const Problem&, const Item&, std::vector<float>&);
 
-ItemFn PickItemFnWithoutLanes(int64_t block_size, int64_t head_dim);
-
-// The item function for these shapes: with AVX-512 (unless built with
-// -DSERVAX_ATTENTION_NO_LANES) tiles of several tokens take the rows-in-lanes form.
-ItemFn PickItemFn(int64_t block_size, int64_t head_dim) {
+// The item function with the rows-in-lanes form for these shapes; nullptr where there is none
+// (no AVX-512, other shapes, or built with -DSERVAX_ATTENTION_NO_LANES).
+ItemFn PickLanesItemFn(int64_t block_size, int64_t head_dim) {
 #if defined(__AVX512F__) && !defined(SERVAX_ATTENTION_NO_LANES)
   if (block_size == 16 && head_dim == 64) return RunItemAvx512<16, 64>;
   if (block_size == 16 && head_dim == 128) return RunItemAvx512<16, 128>;
   if (block_size == 32 && head_dim == 64) return RunItemAvx512<32, 64>;
   if (block_size == 32 && head_dim == 128) return RunItemAvx512<32, 128>;
 #endif
-  return PickItemFnWithoutLanes(block_size, head_dim);
+  return nullptr;
 }
 
-ItemFn PickItemFnWithoutLanes(int64_t block_size, int64_t head_dim) {
+ItemFn PickItemFn(int64_t block_size, int64_t head_dim) {
   if (block_size == 16 && head_dim == 64) return RunItem<16, 64>;
   if (block_size == 16 && head_dim == 128) return RunItem<16, 128>;
   if (block_size == 32 && head_dim == 64) return RunItem<32, 64>;
@@ -465,13 +464,14 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   if (qd[2] != kd[4] || qd[1] % kd[2] || p.layer < 0 || p.layer >= kd[0])
     return ffi::Error::InvalidArgument("paged_attention: mismatched heads, head_dim or layer");
 
-  const ItemFn run = PickItemFn(p.block_size, p.head_dim);
+  // The rows-in-lanes form where it exists, except with a soft cap (RunItem applies it).
+  const ItemFn lanes_run = p.soft_cap > 0 ? nullptr : PickLanesItemFn(p.block_size, p.head_dim);
+  const ItemFn run = lanes_run != nullptr ? lanes_run : PickItemFn(p.block_size, p.head_dim);
   const int64_t T = qd[0], S = td[0];
   const int64_t real = std::min<int64_t>(std::max<int32_t>(num_tokens.typed_data()[0], 0), T);
   // The rows-in-lanes form takes tiles of about 48 rows (three vectors of 16: 16 tokens of a
   // group of 3 query heads), the other about 32.
-  const bool lanes = run != PickItemFnWithoutLanes(p.block_size, p.head_dim) && p.soft_cap <= 0;
-  const int64_t tile = std::max<int64_t>(1, (lanes ? kRowsPerLanesItem : kRowsPerItem) / p.group);
+  const int64_t tile = std::max<int64_t>(1, (lanes_run != nullptr ? kRowsPerLanesItem : kRowsPerItem) / p.group);
   std::fill(p.out + real * p.num_heads * p.head_dim, p.out + T * p.num_heads * p.head_dim, 0.0f);
   // A decode is one item over all KV heads (its blocks then read as one contiguous run per
   // block), or over a share of them when there are fewer decodes than two per thread (batch
