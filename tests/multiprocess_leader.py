@@ -5,7 +5,8 @@
 This process makes `LLM(model, tensor_parallel_size=8, distributed_executor_backend="ray")`
 on a fresh local Ray cluster; with 4 devices per process that is 2 processes (this one and
 one worker actor) joined by jax.distributed. It must be a fresh process: jax.distributed
-joins before JAX first uses the devices. Prints one JSON line: tokens, bytes, counters. The
+joins before JAX first uses the devices. Writes one JSON object (tokens, bytes, counters) to
+the file spec["result_path"]: not to stdout, where Ray may print after it. The
 run ends with `finish`: "shutdown" (LLM.shutdown, then are the workers gone?) or "hang" (the
 worker is stopped mid-request: how soon does the engine report it?).
 """
@@ -56,7 +57,7 @@ def main(spec: dict) -> dict:
     )
     if spec["finish"] == "hang":
         result["hang"] = hang_worker(llm)
-        print(json.dumps(result), flush=True)
+        _write(spec, result)
         # The group is broken on purpose: stop this Ray cluster, then leave without the
         # jax.distributed shutdown barrier that a killed worker cannot meet.
         ray.shutdown()
@@ -69,6 +70,11 @@ def main(spec: dict) -> dict:
         time.sleep(0.5)
     result["worker_processes_left"] = len(_worker_pids())
     return result
+
+
+def _write(spec: dict, result: dict) -> None:
+    with open(spec["result_path"], "w") as f:
+        json.dump(result, f)
 
 
 def _worker_pids() -> list[int]:
@@ -118,4 +124,5 @@ def _alive(actor) -> bool:
 
 if __name__ == "__main__":
     assert "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""), "set XLA_FLAGS first"
-    print(json.dumps(main(json.loads(sys.argv[1]))), flush=True)
+    spec = json.loads(sys.argv[1])
+    _write(spec, main(spec))

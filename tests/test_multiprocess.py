@@ -15,6 +15,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,14 +32,22 @@ ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, num_
 
 def run_leader(model: Path | str, model_impl: str, servax_cache: Path, finish: str, *, tp: int = 8,
                local_devices: int = 4) -> dict:
+    """Runs the leader in a fresh process; its result comes back in a file (the raylet may print
+    to stdout after it, e.g. that the stopped worker died)."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices}",
                JAX_PLATFORMS="cpu", SERVAX_CACHE=str(servax_cache), PYTHONPATH=str(REPO))
     spec = dict(model=str(model), model_impl=model_impl, tp=tp, prompts=PROMPTS, max_tokens=MAX_TOKENS,
-                engine=dict(ENGINE, distributed_timeout_s=HANG_TIMEOUT_S), finish=finish)
+                engine=dict(ENGINE, distributed_timeout_s=HANG_TIMEOUT_S), finish=finish,
+                result_path=tempfile.mktemp(prefix=f"leader-{model_impl}-{finish}-", suffix=".json"))
     proc = subprocess.run([sys.executable, str(LEADER), json.dumps(spec)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    result = Path(spec["result_path"])
+    assert result.exists(), f"the leader wrote no result:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    try:
+        return json.loads(result.read_text())
+    finally:
+        result.unlink()
 
 
 def one_process(model: Path | str, model_impl: str) -> dict:
