@@ -51,6 +51,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         revision=config.revision, trust_remote_code=config.trust_remote_code, tokenizer=config.tokenizer,
         tokenizer_mode=config.tokenizer_mode, skip_tokenizer_init=config.skip_tokenizer_init,
         hf_overrides=config.hf_overrides, quantization=config.quantization,
+        # the layers as the layered step takes them (LoRA slots are added to stacked layers)
+        layers_as_list=config.layerwise and not config.enable_lora,
     )
     if config.generation_config not in ("auto", "vllm"):  # a folder holding generation_config.json
         model.generation_config = sampling_defaults(Path(config.generation_config).expanduser())

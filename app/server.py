@@ -40,6 +40,23 @@ _EXIT_GRACE_S = 0.25  # between an engine's death and its replica's exit (the fa
 PromptOrMessages = str | list[int] | dict[str, Any] | list[dict[str, Any]]
 
 
+def _servax_logs_beside_serves() -> None:
+    """In a replica's own process (a Ray actor), the "servax" loggers (engine, registry,
+    runtime) write where Serve's own do (the replica's log file and the driver's console), at
+    INFO: Ray configures only "ray.serve" there, and the root logger would drop INFO lines. A
+    replica in the caller's process (local testing mode) leaves that process's logging as it is."""
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return
+    serve_logger, ours = logging.getLogger("ray.serve"), logging.getLogger("servax")
+    if serve_logger.handlers and not ours.handlers:
+        for handler in serve_logger.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
 @dataclass
 class Generation:
     """One generated sequence of a `generate` call."""
@@ -89,6 +106,7 @@ class LLMServerImpl:
         from app.llm import load_model
         from runtime import AsyncLLMEngine
 
+        _servax_logs_beside_serves()
         self.llm_config = LLMConfig.model_validate(llm_config)
         self.model_id = self.llm_config.model_id
         engine_config = self.llm_config.engine_config()

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jax.sharding import Mesh
 
 from registry.errors import ModelLoadError
-from registry.model_info import jax_dtype, read_model_info
+from registry.model_info import jax_dtype, read_model_info, read_tokenizer
 from registry.native import NATIVE_MODELS, load_native
 from registry.resolve import MODEL_IMPLS, ResolvedModel, model_impl_setting, resolve
 from runtime.mesh import check_mesh, logical_axis_size, make_mesh
@@ -35,6 +36,7 @@ def load(
     mesh: Mesh | None = None, revision: str | None = None, trust_remote_code: bool = False,
     tokenizer: str | os.PathLike | None = None, tokenizer_mode: str = "auto", skip_tokenizer_init: bool = False,
     hf_overrides: dict[str, Any] | None = None, impl: str | None = None, quantization: str | None = None,
+    layers_as_list: bool = False,
 ) -> LoadedModel:
     """Resolve (unless given a ResolvedModel) and load a model, params placed on `mesh`.
 
@@ -53,6 +55,9 @@ def load(
         quantization: None; "int8": the matrices stored as per-output-channel int8
             (runtime/quantization.py), on either path; "gguf": a GGUF checkpoint's Q8_0
             tensors kept as stored (int8, a scale per 32 inputs), other tensor types dequantized.
+        layers_as_list: native models with layer stages, unquantized: the decoder layers'
+            weights as a list of per-layer weights, the form runtime/layered.py steps (no
+            stacked [num_layers, ...] arrays to assemble here and split there).
 
     Raises:
         ModelLoadError: anything that stops the model from loading, with what to change
@@ -72,9 +77,22 @@ def load(
     check_tensor_parallel(resolved, logical_axis_size("q_heads", mesh))
     logger.info("loading %s (%s) with model_impl=%s dtype=%s",
                 resolved.model_id, resolved.architecture, resolved.impl, dtype)
-    info = read_model_info(resolved, tokenizer=tokenizer, revision=revision, tokenizer_mode=tokenizer_mode,
-                           skip_tokenizer_init=skip_tokenizer_init)
+    tokenizer_args = dict(tokenizer=tokenizer, revision=revision, tokenizer_mode=tokenizer_mode)
+    if resolved.impl == "jax" and not skip_tokenizer_init:
+        # The tokenizer (with transformers' import: ~1 s) is read on a thread while the weights load.
+        info = read_model_info(resolved, skip_tokenizer_init=True)
+        with ThreadPoolExecutor(1, thread_name_prefix="servax-tokenizer") as pool:
+            tokenizer_read = pool.submit(read_tokenizer, resolved, **tokenizer_args)
+            loaded = _load_weights(resolved, jdtype, mesh, info, quantization, layers_as_list)
+            loaded.tokenizer = tokenizer_read.result()
+        return loaded
+    info = read_model_info(resolved, skip_tokenizer_init=skip_tokenizer_init, **tokenizer_args)
+    return _load_weights(resolved, jdtype, mesh, info, quantization, layers_as_list)
 
+
+def _load_weights(resolved: ResolvedModel, jdtype: Any, mesh: Mesh, info: Any, quantization: str | None,
+                  layers_as_list: bool = False) -> LoadedModel:
+    """The model's weights loaded on `mesh` (and quantized as asked), with `info`'s fields."""
     int8_groups = _gguf_q8_0(resolved) if quantization == "gguf" else None
     if resolved.impl == "torchax":
         try:
@@ -87,7 +105,8 @@ def load(
         loaded = load_torchax(resolved, dtype=jdtype, mesh=mesh, info=info, int8_groups=int8_groups)
         reduce_axes = _torchax_quant_axes
     else:
-        loaded = load_native(resolved, dtype=jdtype, mesh=mesh, info=info, int8_groups=int8_groups)
+        loaded = load_native(resolved, dtype=jdtype, mesh=mesh, info=info, int8_groups=int8_groups,
+                             layers_as_list=layers_as_list and quantization is None)
         reduce_axes = _native_quant_axes
     if quantization == "gguf":
         from runtime.quantization import count_quantized, serve_quantized

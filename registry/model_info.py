@@ -56,25 +56,34 @@ def read_model_info(
         ModelLoadError: `tokenizer` was given and cannot be loaded (the checkpoint's own
             tokenizer may be missing: the model then has none).
     """
-    trust = bool(getattr(resolved, "trust_remote_code", False))
-    use_fast = tokenizer_mode != "slow"
-    if skip_tokenizer_init:
-        tok = None
-    elif tokenizer is None:
-        tok = load_tokenizer(resolved.path, trust_remote_code=trust, use_fast=use_fast)
-        if tok is None:
-            logger.warning("%s: no usable tokenizer; serving token ids only", resolved.model_id)
-    else:
-        tok = load_tokenizer(tokenizer, trust_remote_code=trust, revision=revision, required=True,
-                             use_fast=use_fast)
     return ModelInfo(
         model_id=str(resolved.model_id),
         hf_config=resolved.hf_config,
-        tokenizer=tok,
+        tokenizer=None if skip_tokenizer_init else read_tokenizer(
+            resolved, tokenizer=tokenizer, revision=revision, tokenizer_mode=tokenizer_mode),
         max_model_len=max_model_len(resolved.hf_config),
         eos_token_ids=eos_token_ids(Path(resolved.path), resolved.hf_config),
         generation_config=sampling_defaults(Path(resolved.path)),
     )
+
+
+def read_tokenizer(resolved: Any, *, tokenizer: str | os.PathLike | None = None, revision: str | None = None,
+                   tokenizer_mode: str = "auto") -> Any:
+    """The tokenizer of a resolved model (read_model_info's arguments): its own, or `tokenizer`;
+    None (with a warning) when the model has no usable one.
+
+    Raises:
+        ModelLoadError: `tokenizer` was given and cannot be loaded.
+    """
+    trust = bool(getattr(resolved, "trust_remote_code", False))
+    use_fast = tokenizer_mode != "slow"
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer, trust_remote_code=trust, revision=revision, required=True,
+                              use_fast=use_fast)
+    tok = load_tokenizer(resolved.path, trust_remote_code=trust, use_fast=use_fast)
+    if tok is None:
+        logger.warning("%s: no usable tokenizer; serving token ids only", resolved.model_id)
+    return tok
 
 
 # generation_config.json keys that set sampling defaults -> SamplingParams' names (vLLM's list).

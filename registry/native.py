@@ -13,6 +13,7 @@ import math
 import pkgutil
 from typing import TYPE_CHECKING, Any
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
@@ -21,6 +22,7 @@ from models_jax import ModelEntry
 from registry.errors import ModelLoadError
 from registry.model_info import ModelInfo
 from registry.weights import load_params
+from runtime.layered import layered_forward
 from runtime.mesh import logical_axis_size
 from runtime.step import KVCacheSpec, LayerStages, LoadedModel
 
@@ -52,10 +54,13 @@ NATIVE_MODELS: dict[str, ModelEntry] = declared_models()
 
 
 def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: ModelInfo,
-                int8_groups: dict | None = None) -> LoadedModel:
+                int8_groups: dict | None = None, layers_as_list: bool = False) -> LoadedModel:
     """Build the native model, its params read from the checkpoint onto `mesh`.
 
     int8_groups: weights to keep as int8 with a scale per 32 inputs (registry.weights.load_params).
+    layers_as_list: for a model with layer stages and no int8 groups, params["layers"] as a
+        list of per-layer weights (the form runtime/layered.py steps; step_fn then calls the
+        layer stage once per layer) instead of arrays stacked [num_layers, ...].
 
     Raises:
         ModelLoadError: unsupported config features, missing or misshapen weights.
@@ -66,15 +71,24 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: 
     except (ValueError, KeyError) as e:
         raise ModelLoadError(f"{resolved.model_id} ({resolved.architecture}): {e}") from e
     args = dataclasses.replace(args, kv_repeat=kv_repeat(args.num_kv_heads, logical_axis_size("kv_heads", mesh)))
-    params, shardings = load_params(resolved.path, entry.weight_table(args), mesh, dtype, int8_groups)
+    layers_as_list = layers_as_list and entry.stages is not None and not int8_groups
+    params, shardings = load_params(resolved.path, entry.weight_table(args), mesh, dtype, int8_groups,
+                                    per_layer=layers_as_list)
     kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads * args.kv_repeat, args.head_dim, dtype)
     stages = None
+    step_fn = functools.partial(entry.forward, args=args)
     if entry.stages is not None:
         pack_head = functools.partial(entry.pack_head, args=args) if entry.pack_head is not None else None
         stages = LayerStages(*(functools.partial(fn, args=args) for fn in entry.stages), num_layers=args.num_layers,
                              fuse=entry.fuse_layer, pack_layer=entry.pack_layer, pack_head=pack_head)
+    if layers_as_list:  # {name: [per-layer arrays]} -> [{name: array} per layer]
+        key, n = stages.layers_key, stages.num_layers
+        is_parts = lambda x: isinstance(x, list)  # noqa: E731
+        params[key] = [jax.tree.map(lambda parts, i=i: parts[i], params[key], is_leaf=is_parts) for i in range(n)]
+        shardings[key] = [shardings[key]] * n
+        step_fn = functools.partial(layered_forward, stages=stages)
     return LoadedModel(
-        step_fn=functools.partial(entry.forward, args=args),
+        step_fn=step_fn,
         stages=stages,
         params=params,
         param_shardings=shardings,

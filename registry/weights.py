@@ -70,11 +70,14 @@ def open_q8_0(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
 
 
 def load_params(path: Path, table, mesh: Mesh, dtype,
-                int8_groups: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> tuple[dict, dict]:
+                int8_groups: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+                per_layer: bool = False) -> tuple[dict, dict]:
     """Read every weight that `table` (a pytree of WeightSpec) declares.
 
     A stacked weight (WeightSpec.num_layers) is assembled from its per-layer tensors;
-    each device still reads only its own slice of each.
+    each device still reads only its own slice of each. With `per_layer`, a stacked weight
+    that is not kept as int8 groups comes instead as a list of per-layer arrays (and its
+    spec less the layer axis): no stack to assemble, for a runtime that would split it again.
 
     int8_groups: checkpoint tensors stored as int8 with a scale per 32 inputs (`open_q8_0`);
     a weight whose every tensor is there (and whose layout keeps those groups whole) becomes a
@@ -109,7 +112,13 @@ def load_params(path: Path, table, mesh: Mesh, dtype,
             axis = w.group_axis()
             return QuantizedWeight(q, s, Q8_0_GROUP, axis), QuantizedWeight(q_spec, s_spec, Q8_0_GROUP, axis)
         spec = w.partition_spec(mesh)
-        return _place(w, [tensors[name] for name in w.hf_names], mesh, spec, w.dtype or dtype), spec
+        sources = [tensors[name] for name in w.hf_names]
+        if per_layer and w.num_layers is not None:
+            layer = dataclasses.replace(w, hf_name=w.hf_name.format(layer=0), logical_axes=w.logical_axes[1:],
+                                        num_layers=None)
+            layer_spec = P(*tuple(spec)[1:])
+            return [_place(layer, [t], mesh, layer_spec, w.dtype or dtype) for t in sources], layer_spec
+        return _place(w, sources, mesh, spec, w.dtype or dtype), spec
 
     placed = jax.tree.map(place, table, is_leaf=is_weight_spec)
     is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], (P, QuantizedWeight))  # noqa: E731

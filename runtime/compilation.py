@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import jax
+from tqdm.auto import tqdm
 
 logger = logging.getLogger("servax.engine")
 
@@ -168,3 +173,123 @@ class CompileCounter:
     @property
     def since_warmup(self) -> int:
         return self.count - self._baseline
+
+
+BACKGROUND_NICENESS = 10  # of the threads that compile while the engine serves (Linux)
+
+
+def lower_thread_priority() -> None:
+    """Give the calling thread a lower CPU priority (Linux: a thread's own nice value; threads
+    it starts inherit it), so that compiling in the background yields the cores to serving.
+    Elsewhere (setpriority there would reach the whole process) nothing changes."""
+    if sys.platform != "linux":
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
+    except OSError as e:  # e.g. a sandbox without the permission
+        logger.debug("background compile thread keeps its priority: %s", e)
+
+
+class BucketPrograms:
+    """The compiled programs of a runner, by key: ("step", tokens, seqs) for a step bucket,
+    ("sampler", seqs, penalties) for a sampler variant; and the background thread that
+    compiles those left once the engine serves.
+
+    `submit` lowers keys' programs on the calling thread and compiles each on a pool; a key
+    is `ready` once all its programs (with those it shares with an earlier bucket of the
+    same token count) have compiled. While programs are left (`all_ready` false), a step
+    runs in the smallest ready bucket it fits in (`fitting_bucket`): the largest bucket is
+    compiled before the engine serves, so every step has one.
+    """
+
+    def __init__(self, lower: Callable[[tuple, set], list]):
+        self._lower = lower  # (key, shapes of shared programs lowered so far) -> lowered programs
+        self._seen: set = set()
+        self._shared: dict[int, list[Future]] = {}  # token bucket -> its shared programs (prologue, layers)
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._done.set()
+        self.ready: set[tuple] = set()
+        self.all_ready = True  # nothing left to compile: steps take their own buckets
+        self.error: BaseException | None = None
+        self.pool: ThreadPoolExecutor | None = None  # the pool the programs left compile on
+
+    def submit(self, keys: list[tuple], pool: ThreadPoolExecutor, show_progress: bool = False) -> list[Future]:
+        """Lower the programs of `keys` here, in order, each handed to `pool` to compile as soon
+        as it is lowered; the futures of every program."""
+        futures: list[Future] = []
+        for key in tqdm(keys, desc="servax: tracing buckets", disable=not show_progress):
+            programs = self._lower(key, self._seen)
+            own = [pool.submit(program.compile) for program in programs]
+            needs = list(own)
+            if key[0] == "step":
+                if len(programs) > 1:  # the first bucket of its token count: its shared programs too
+                    self._shared[key[1]] = own[:-1]
+                else:
+                    needs = self._shared.get(key[1], []) + own
+            self._mark_ready_when_done(key, needs)
+            futures += own
+        return futures
+
+    def _mark_ready_when_done(self, key: tuple, needs: list[Future]) -> None:
+        left = [len(needs)]
+
+        def done(_: Future) -> None:
+            with self._lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last and all(f.exception() is None for f in needs):
+                self.ready.add(key)
+
+        for future in needs:
+            future.add_done_callback(done)
+
+    def start(self, keys: list[tuple]) -> None:
+        """Compile `keys` on a background thread (lowering there, compiling on `self.pool`);
+        steps use the buckets ready meanwhile."""
+        self.all_ready = False
+        self._done.clear()
+        thread = threading.Thread(target=self._compile_later, args=(keys,), name="servax-compile-background",
+                                  daemon=True)
+        thread.start()
+
+    def _compile_later(self, keys: list[tuple]) -> None:
+        start = time.perf_counter()
+        pool = self.pool
+        try:
+            lower_thread_priority()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+                for future in self.submit(keys, pool):
+                    future.result()
+            logger.info("compiled the %d programs left in %.1fs in the background: every bucket in use",
+                        len(keys), time.perf_counter() - start)
+            self.all_ready = True
+        except BaseException as e:  # noqa: BLE001 - reported; steps keep the buckets that compiled
+            self.error = e
+            logger.exception("compiling in the background failed; steps keep to the buckets compiled")
+        finally:
+            pool.shutdown()
+            self.pool = None
+            self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the background compilation (if any); whether it has ended."""
+        return self._done.wait(timeout)
+
+    def fitting_bucket(self, t: int, s: int, penalties: bool, largest: tuple[int, int]) -> tuple[int, int]:
+        """The smallest ready bucket that holds a step of bucket (t, s) and has its sampler
+        variant; the largest bucket once its sampler variant is ready (waited for)."""
+        ready = self.ready.copy()
+        sampler = ("sampler", s, penalties)
+        if ("step", t, s) in ready and sampler in ready:
+            return t, s
+        fits = [(k[1], k[2]) for k in ready
+                if k[0] == "step" and k[1] >= t and k[2] >= s and ("sampler", k[2], penalties) in ready]
+        if fits:
+            return min(fits)
+        key = ("sampler", largest[1], penalties)  # compiled first in the background
+        while key not in self.ready:
+            if self._done.wait(0.005) and key not in self.ready:
+                raise RuntimeError(f"the sampler program {key} did not compile: {self.error!r}")
+        return largest

@@ -87,6 +87,12 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(
         False, description="Skip precompiling the buckets (debugging): programs compile on first use."
     )
+    compile_in_background: bool = Field(
+        False, description="Be ready once the largest bucket's programs are compiled and compile the others on a "
+                           "background thread while serving; until each is ready, steps run padded to a larger "
+                           "bucket that is (a server's faster start, at some speed in its first seconds). False: "
+                           "every bucket is compiled before the engine is ready.",
+    )
     attention_backend: Literal["auto", "xla", "pallas", "cpu"] = Field(
         "auto", description="Paged attention implementation: xla (pure JAX, every platform), pallas (servax's "
                             "Pallas kernel: TPU; on CPU it runs in Pallas interpret mode, slow, for tests), cpu "

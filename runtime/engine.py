@@ -173,15 +173,16 @@ class Engine:
             logger.warning("enforce_eager: no bucket is precompiled; each compiles on first use (debugging only)")
         else:
             with self.compile_counter.track():
-                warmup_s = self.runner.warmup(config.show_progress)
+                warmup_s = self.runner.warmup(config.show_progress, background=config.compile_in_background)
         self.compile_counter.mark_warm()
         self.warmup_seconds = warmup_s
         spec = config.speculative_config
         if spec is not None and spec.adaptive_drafts and not config.enforce_eager:
-            self.scheduler.draft_policy = self._measured_draft_policy(spec)
+            self.scheduler.draft_policy = self._measured_draft_policy(spec)  # (waits for every bucket)
         logger.info(
-            "servax engine ready in %.1fs (warmup %.1fs, %d programs, %d compiled): %s",
-            time.perf_counter() - t0, warmup_s, len(self.runner.bucket_pairs()), self.compile_counter.count,
+            "servax engine ready in %.1fs (warmup %.1fs, %d buckets%s): %s",
+            time.perf_counter() - t0, warmup_s, len(self.runner.bucket_pairs()),
+            ", the others compiling in the background" if self.runner.compiling_in_background else "",
             self.model_config,
         )
 

@@ -97,6 +97,16 @@ def _fuse_in_place(layers: list, fuse: Any, replicated: NamedSharding) -> None:
         layers[i] = joined(layer_params)
 
 
+def _chain(changes: list) -> Any:
+    """The changes of form applied in order, as one function."""
+    def chained(layer: Any) -> Any:
+        for change in changes:
+            layer = change(layer)
+        return layer
+
+    return chained
+
+
 def _fuse_changes(fuse: Any, layer: Any) -> bool:
     """Whether `fuse` would change the form of anything in `layer` (False for weights joined,
     or packed, already)."""
@@ -158,16 +168,20 @@ class LayeredStep:
             self.layers = model.params[key]
         else:
             self.layers = _unstack(model.params[key], model.param_shardings[key], n, mesh)
-        if stages.fuse is not None and _fuse_changes(stages.fuse, self.layers[0]) and all(
-                a.sharding.is_fully_replicated for a in jax.tree.leaves(self.layers)):
-            _fuse_in_place(self.layers, stages.fuse, NamedSharding(mesh, PartitionSpec()))
-        if pack and packed_matmul_available() and all(
-                a.sharding.is_fully_replicated for a in jax.tree.leaves((self.outer, self.layers))):
-            replicated = NamedSharding(mesh, PartitionSpec())
-            if stages.pack_layer is not None and _fuse_changes(stages.pack_layer, self.layers[0]):
-                _fuse_in_place(self.layers, stages.pack_layer, replicated)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        whole = all(a.sharding.is_fully_replicated for a in jax.tree.leaves(self.layers))
+        changes = []  # changes of each layer's form, made in one pass (one program) per layer
+        if stages.fuse is not None and whole and _fuse_changes(stages.fuse, self.layers[0]):
+            changes.append(stages.fuse)
+        if pack and packed_matmul_available() and whole and all(
+                a.sharding.is_fully_replicated for a in jax.tree.leaves(self.outer)):
+            if stages.pack_layer is not None and _fuse_changes(stages.pack_layer,
+                                                               jax.eval_shape(_chain(changes), self.layers[0])):
+                changes.append(stages.pack_layer)
             if stages.pack_head is not None and _fuse_changes(stages.pack_head, self.outer):
                 self.outer = jax.jit(stages.pack_head, out_shardings=replicated)(self.outer)
+        if changes:
+            _fuse_in_place(self.layers, _chain(changes), replicated)
         # Whether the layers' products run on packed weights (here or by an earlier engine).
         self.packed = any(isinstance(w, PackedWeight) for w in jax.tree.leaves(
             self.layers[0], is_leaf=lambda x: isinstance(x, PackedWeight)))

@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from runtime.compilation import packed_weight_buckets, step_bucket, step_buckets
+from runtime.compilation import BucketPrograms, lower_thread_priority, packed_weight_buckets, step_bucket, step_buckets
 from runtime.layered import LayeredStep
 from runtime.sampler import BIAS_WIDTH, SamplingBatch, empty_sampling_batch, sample
 from runtime.scheduler import SchedulerOutput
@@ -133,6 +133,7 @@ class ModelRunner:
         self.mask_words = mask_words(model.vocab_size)  # packed token-mask row of the logits' vocabulary
         self._sample = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "cpu_kernel"))
         self.sample_kernel = _sample_kernel_usable(mesh)  # top-k / top-p cut by the C++ kernel
+        self._compiling = BucketPrograms(self._lower)
 
     # -- LoRA slots ----------------------------------------------------------------------
     def _layers(self):
@@ -175,52 +176,99 @@ class ModelRunner:
         """Every (tokens, seqs) bucket a step can use (a sequence has at least one token)."""
         return step_buckets(self.token_buckets, self.seq_buckets)
 
-    def warmup(self, show_progress: bool = True) -> float:
+    def warmup(self, show_progress: bool = True, background: bool = False) -> float:
         """Compile (or load from the persistent cache) every program serving can call, then
-        run one smallest step and sampler as a check. Returns the seconds taken."""
+        run one step and sampler of the largest bucket as a check. Returns the seconds taken.
+
+        With `background`, only the largest bucket's programs are compiled before this returns;
+        the rest compile on a background thread while the engine serves (see compile_programs)."""
         start = time.perf_counter()
-        if self.peers is not None:
+        if self.peers is not None:  # the workers compile everything: every bucket is ready at once
             self.peers.call("compile")
-        self.compile_programs(show_progress)
+            background = False
+        later = self.compile_programs(show_progress, background=background)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             if self.lora_targets:
                 self.write_lora_slot(1, None)  # compiles the slot writers (slot 1 is empty anyway)
-            t, s = self.bucket_pairs()[0]
+            t, s = max(self.bucket_pairs())
             logits = self._run_step(self._padding_step_input(t, s))
             jax.block_until_ready(self._run_sample(logits, self._sampling_batch_padding(s, False),
                                                    use_penalties=False))
         if self.peers is not None:
             self.peers.call("mark_warm")  # the workers count compilations from here, as the engine does
+        if later:
+            self._compiling.start(later)
         return time.perf_counter() - start
 
-    def compile_programs(self, show_progress: bool = True) -> None:
+    def compile_programs(self, show_progress: bool = True, background: bool = False) -> list:
         """Compile the step of every bucket and the sampler variants of every sequence bucket.
 
         Programs are traced and lowered one by one (Python, this thread) and each is handed
         to a thread pool to compile ahead of time as soon as it is lowered (XLA compiles
         outside the GIL, so compiling overlaps the tracing of the next ones and the cores
         share the work); nothing runs.
+
+        With `background`, only the largest bucket (every step fits it) and its sampler
+        without penalties are compiled here; the programs left are returned, in the order the
+        background thread should compile them (ProgramsInBackground.start).
         """
         pairs = self.bucket_pairs()
+        largest = max(pairs)
+        samplers = sorted({(s, p) for _, s in pairs for p in (False, True)}, key=lambda k: (k[1], -k[0]))
+        if background:
+            first = [("step", *largest), ("sampler", largest[1], False)]
+            # Then the buckets from the smallest up (a lone decode runs in (1, 1)); the penalties
+            # sampler of the largest bucket after the smallest (a request with penalties waits for it).
+            rest = []
+            for t, s in sorted(pairs):
+                rest += [("step", t, s), ("sampler", s, False), ("sampler", largest[1], True)]
+            rest += [("sampler", *k) for k in samplers]
+        else:  # samplers first: they take longest to compile
+            first, rest = [("sampler", *k) for k in samplers] + [("step", *p) for p in sorted(pairs)], []
+        first = list(dict.fromkeys(first))
+        rest = [k for k in dict.fromkeys(rest) if k not in first]
         workers = max(1, min(8, os.cpu_count() or 1))
-        with warnings.catch_warnings(), ThreadPoolExecutor(workers, thread_name_prefix="servax-compile") as pool:
-            # The CPU backend cannot donate the KV cache; its lowering-time warning is noise.
-            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            compiling, shared = [], set()
-            for s in sorted({s for _, s in pairs}):  # first: they take longest to compile
-                compiling += [pool.submit(program.compile) for program in self._lower_samplers(s)]
-            for t, s in tqdm(pairs, desc="servax: tracing buckets", disable=not show_progress):
-                lowered = self._lower_step(self._padding_step_input(t, s), shared)
-                compiling += [pool.submit(program.compile) for program in lowered]
-            for future in tqdm(as_completed(compiling), total=len(compiling), desc="servax: compiling programs",
-                               disable=not show_progress):
-                future.result()
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="servax-compile")
+        try:
+            with warnings.catch_warnings():
+                # The CPU backend cannot donate the KV cache; its lowering-time warning is noise.
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+                futures = self._compiling.submit(first, pool, show_progress)
+                for future in tqdm(as_completed(futures), total=len(futures), desc="servax: compiling programs",
+                                   disable=not show_progress):
+                    future.result()
+        finally:
+            pool.shutdown()
+        if rest:  # one core left to serving
+            pool.shutdown()
+            self._compiling.pool = ThreadPoolExecutor(1, thread_name_prefix="servax-compile-background",
+                                                      initializer=lower_thread_priority)
+        return rest
+
+    @property
+    def compiling_in_background(self) -> bool:
+        """Whether programs are still compiling in the background (steps may run padded to a
+        larger bucket meanwhile)."""
+        return not self._compiling.all_ready
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait until no program compiles in the background; whether none does."""
+        return self._compiling.wait(timeout)
+
+    def _lower(self, key: tuple, seen: set) -> list:
+        """The programs of ("step", tokens, seqs) or ("sampler", seqs, penalties), lowered
+        (for a step, only those not shared with a bucket lowered before: see LayeredStep.lower)."""
+        if key[0] == "sampler":
+            return self._lower_samplers(key[1], (key[2],))
+        return self._lower_step(self._padding_step_input(key[1], key[2]), seen)
 
     def step_seconds(self, num_tokens: int, context: int = 128, repeats: int = 3) -> float:
         """Median time of a compiled step plus greedy sampling of `num_tokens` single-token
         sequences with `context` tokens of context each (reads of the null block: cost, not
-        results), from dispatch to results on the host; what a verification step costs."""
+        results), from dispatch to results on the host; what a verification step costs. Waits
+        for any programs still compiling in the background first."""
+        self.wait_compiled()
         t_pad, s_pad = step_bucket(num_tokens, num_tokens, self.token_buckets, self.seq_buckets)
         n = num_tokens
         block_tables = np.zeros((s_pad, self.max_blocks_per_seq), np.int32)
@@ -250,13 +298,14 @@ class ModelRunner:
             return self.layered.lower(self.kv_cache, batch, seen)
         return [self._step.lower(self.model.params, self.kv_cache, batch)]
 
-    def _lower_samplers(self, s: int) -> list:
-        """The sampler variants of sequence bucket `s` (logits as the step leaves them)."""
+    def _lower_samplers(self, s: int, variants: tuple[bool, ...] = (False, True)) -> list:
+        """The sampler variants (with penalties or not) of sequence bucket `s` (logits as the
+        step leaves them)."""
         logits = jax.ShapeDtypeStruct((s, self.model.vocab_size), jnp.float32, sharding=self.replicated)
         return [
             self._sample.lower(logits, self._sampling_batch_padding(s, penalties), num_logprobs=self.num_logprobs,
                                use_penalties=penalties, cpu_kernel=self.sample_kernel)
-            for penalties in (False, True)
+            for penalties in variants
         ]
 
     def _run_step(self, batch) -> jax.Array:
@@ -298,7 +347,10 @@ class ModelRunner:
         self.busy_since = time.monotonic()
         num_tokens = sched.num_scheduled_tokens
         num_rows = sched.num_slots
+        use_penalties = any(e.request.sampling_params.uses_penalties for e in sched.scheduled)
         t_pad, s_pad = step_bucket(num_tokens, num_rows, self.token_buckets, self.seq_buckets)
+        if not self._compiling.all_ready:  # programs still compiling in the background
+            t_pad, s_pad = self._compiling.fitting_bucket(t_pad, s_pad, use_penalties, max(self.bucket_pairs()))
         bs = self.block_size
 
         input_ids = np.zeros(t_pad, np.int32)
@@ -309,7 +361,6 @@ class ModelRunner:
         query_start_loc = np.zeros(s_pad + 1, np.int32)
         logits_indices = np.zeros(s_pad, np.int32)
         lora_slots = np.zeros(t_pad, np.int32) if self.lora_targets else None
-        use_penalties = any(e.request.sampling_params.uses_penalties for e in sched.scheduled)
         # Every batch ships the token mask (all ones where unconstrained): one sampler program
         # serves constrained and free batches alike.
         sb = empty_sampling_batch(s_pad, self.max_model_len if use_penalties else 1, self.mask_words, report=False)

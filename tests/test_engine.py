@@ -422,3 +422,40 @@ def test_buckets_cover_every_step_and_pad_mixed_steps_by_at_most_half():
                 assert (t, s) in compiled and t >= n and s >= rows
                 if n >= 128:
                     assert t < 1.5 * n + 1, (n, t)
+
+
+def test_compile_in_background_serves_from_the_largest_bucket_meanwhile(llm, prompts64, alone64, monkeypatch):
+    """compile_in_background: the engine is ready once the largest bucket and its sampler are
+    compiled; while the others compile (held back here), steps run padded to the largest and
+    give the same tokens; a request with penalties waits for its sampler; afterwards every
+    bucket is compiled, and the engine's own thread compiled nothing all along."""
+    import threading
+
+    from runtime.compilation import BucketPrograms
+
+    go = threading.Event()
+    compile_later = BucketPrograms._compile_later
+
+    def held_back(self, keys):
+        go.wait(60)
+        compile_later(self, keys)
+
+    monkeypatch.setattr(BucketPrograms, "_compile_later", held_back)
+    bg = make_engine(llm, num_kv_blocks=512, compile_in_background=True)
+    runner = bg.engine.runner
+    largest = max(runner.bucket_pairs())
+    assert runner.compiling_in_background and len(runner.bucket_pairs()) > 1
+    assert runner._compiling.ready == {("step", *largest), ("sampler", largest[1], False)}
+    assert tokens(bg.generate(prompts64[:6], GREEDY)) == alone64[:6]  # all padded to the largest bucket
+    assert runner._compiling.ready == {("step", *largest), ("sampler", largest[1], False)}
+
+    penalized = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3,
+                               frequency_penalty=0.5)
+    want = llm.generate([prompts64[0]], penalized)[0].outputs[0].token_ids
+    threading.Timer(0.5, go.set).start()  # the penalties sampler compiles once the thread goes on
+    assert bg.generate([prompts64[0]], penalized)[0].outputs[0].token_ids == want
+    assert runner.wait_compiled(120) and not runner.compiling_in_background
+    assert {("step", t, s) for t, s in runner.bucket_pairs()} <= runner._compiling.ready
+    assert tokens(bg.generate(prompts64[:6], GREEDY)) == alone64[:6]
+    assert bg.engine.stats().compilations_since_warmup == 0
+    assert_all_blocks_free(bg.engine)

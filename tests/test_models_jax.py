@@ -370,6 +370,29 @@ def test_layer_by_layer_step_equals_the_scan(tmp_path, family):
     np.testing.assert_allclose(np.asarray(whole), np.asarray(first), atol=1e-5, rtol=1e-5)
 
 
+def test_layers_load_as_a_list_of_the_stacks_slices(tiny_checkpoint):
+    """registry.load(..., layers_as_list=True), the form the layered runtime takes: each
+    layer's weights equal the stacked arrays' slices, their specs drop the layer axis, and
+    the model's step_fn gives the scan's logits."""
+    P = jax.sharding.PartitionSpec
+    path = str(tiny_checkpoint("qwen2"))
+    stacked, listed = registry.load(path), registry.load(path, layers_as_list=True)
+    layers = listed.params["layers"]
+    assert isinstance(layers, list) and len(layers) == stacked.kv_spec.num_layers
+    for i, layer in enumerate(layers):
+        jax.tree.map(lambda s, x, i=i: np.testing.assert_array_equal(np.asarray(s)[i], np.asarray(x)),
+                     stacked.params["layers"], layer)
+    spec = listed.param_shardings["layers"][0]
+    assert spec["q"] == P(None, "model", None) and spec["mlp"]["down"] == P("model", None)
+    assert {k: v for k, v in listed.params.items() if k != "layers"}.keys() == {
+        k for k in stacked.params if k != "layers"}
+    batch = step_input([(PROMPTS[1], 0)])
+    cache = lambda: allocate_kv_cache(stacked.kv_spec, NUM_BLOCKS, BLOCK_SIZE)  # noqa: E731
+    want, _ = jax.jit(stacked.step_fn)(stacked.params, cache(), batch)
+    got, _ = jax.jit(listed.step_fn)(listed.params, cache(), batch)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
 def test_layers_per_call_divide_the_depth():
     from runtime.layered import MAX_LAYERS_PER_CALL, layers_per_call
 
