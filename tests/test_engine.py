@@ -459,3 +459,33 @@ def test_compile_in_background_serves_from_the_largest_bucket_meanwhile(llm, pro
     assert tokens(bg.generate(prompts64[:6], GREEDY)) == alone64[:6]
     assert bg.engine.stats().compilations_since_warmup == 0
     assert_all_blocks_free(bg.engine)
+
+
+def test_a_failed_background_compilation_is_reported_and_serving_goes_on(llm, prompts64, alone64, monkeypatch,
+                                                                          caplog):
+    """A program that fails to compile in the background is logged; the buckets compiled keep
+    serving (the same tokens) and waiting for the background work ends."""
+    import threading
+
+    from runtime.compilation import BucketPrograms
+
+    go = threading.Event()
+    compile_later = BucketPrograms._compile_later
+    monkeypatch.setattr(BucketPrograms, "_compile_later", lambda self, keys: (go.wait(60), compile_later(self, keys)))
+    bg = make_engine(llm, num_kv_blocks=512, compile_in_background=True)
+    compiling, lower = bg.engine.runner._compiling, bg.engine.runner._compiling._lower
+
+    def lower_but_one(key, seen):
+        if key[0] == "step" and key[1] == 16:
+            raise RuntimeError("this program does not compile")
+        return lower(key, seen)
+
+    compiling._lower = lower_but_one
+    go.set()
+    assert bg.engine.runner.wait_compiled(120)
+    assert bg.engine.runner.compiling_in_background and isinstance(compiling.error, RuntimeError)
+    assert "compiling in the background failed" in caplog.text
+    assert ("step", 1, 1) in compiling.ready and not any(k[0] == "step" and k[1] == 16 for k in compiling.ready)
+    assert tokens(bg.generate(prompts64[:4], GREEDY)) == alone64[:4]
+    assert bg.engine.stats().compilations_since_warmup == 0
+    assert_all_blocks_free(bg.engine)
