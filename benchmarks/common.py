@@ -146,9 +146,10 @@ def running_replicas(deployment_prefix: str = "LLMServer") -> int:
 
 
 @contextlib.contextmanager
-def serve_app(config: Path, ready: Callable[[], bool], timeout_s: float = 900.0) -> Iterator[float]:
-    """`serve run <config>` from the repository (its own local cluster), until `ready()` holds;
-    yields the seconds that took, then stops the app and the cluster."""
+def serve_app(config: Path, ready: Callable[[], bool], timeout_s: float = 900.0,
+              poll_s: float = 1.0) -> Iterator[float]:
+    """`serve run <config>` from the repository (its own local cluster), until `ready()` holds
+    (asked every `poll_s`); yields the seconds that took, then stops the app and the cluster."""
     import httpx
 
     root = Path(__file__).resolve().parents[1]
@@ -167,7 +168,7 @@ def serve_app(config: Path, ready: Callable[[], bool], timeout_s: float = 900.0)
                     break
             except httpx.HTTPError:
                 pass
-            time.sleep(1)
+            time.sleep(poll_s)
         yield time.perf_counter() - t0
     finally:
         os.killpg(proc.pid, signal.SIGINT)

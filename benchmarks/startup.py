@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import bench_checkpoint, record, table  # noqa: E402
+from benchmarks.common import bench_checkpoint, record, serve_app, table  # noqa: E402
 
 _CHILD = """
 import json, sys, time
@@ -57,7 +55,7 @@ def start(model: str, impl: str, cache_dir: str) -> dict:
     return result
 
 
-def app_first_answer(config: Path, timeout_s: float = 600.0) -> tuple[float, str]:
+def app_first_answer(config: Path) -> tuple[float, str]:
     """Seconds from `serve run config` to the first answered chat completion of its first
     model, and that answer's text; the app and its cluster are stopped after."""
     import httpx
@@ -67,31 +65,17 @@ def app_first_answer(config: Path, timeout_s: float = 600.0) -> tuple[float, str
     model = app["args"]["llm_configs"][0]["model_loading_config"]["model_id"]
     body = {"model": model, "max_tokens": 8, "temperature": 0,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    answers = []
+
+    def answered() -> bool:
+        r = httpx.post("http://127.0.0.1:8000/v1/chat/completions", json=body, timeout=30)
+        if r.status_code == 200:
+            answers.append(r.json()["choices"][0]["message"]["content"])
+        return bool(answers)
+
     subprocess.run(["ray", "stop", "--force"], capture_output=True)
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(["serve", "run", str(config)], cwd=ROOT, start_new_session=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"serve run {config} exited with {proc.returncode}")
-            if time.perf_counter() - t0 > timeout_s:
-                raise TimeoutError(f"{config}: no answer in {timeout_s:.0f} s")
-            try:
-                r = httpx.post("http://127.0.0.1:8000/v1/chat/completions", json=body, timeout=30)
-                if r.status_code == 200:
-                    return time.perf_counter() - t0, r.json()["choices"][0]["message"]["content"]
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        subprocess.run(["ray", "stop", "--force"], capture_output=True)
+    with serve_app(config, answered, timeout_s=600, poll_s=0.25) as seconds:
+        return seconds, answers[0]
 
 
 def app_startup(config: Path, repeats: int) -> None:
@@ -118,7 +102,7 @@ def app_startup(config: Path, repeats: int) -> None:
     body = (table(["compilation cache", "seconds to the first answer, each start", "best", "median"], rows)
             + f"\n\n- `serve run {config}` on a fresh local Ray cluster to the first answered chat completion "
               f"(max_tokens 8, polled every 0.25 s); the answer: {answer!r}")
-    record(f"Default app start: serve run {config} to its first answer", body)
+    record(f"App start: serve run {config} to its first answer", body)
 
 
 def main() -> None:
