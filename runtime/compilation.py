@@ -281,9 +281,6 @@ class BucketPrograms:
         """The smallest ready bucket that holds a step of bucket (t, s) and has its sampler
         variant; the largest bucket once its sampler variant is ready (waited for)."""
         ready = self.ready.copy()
-        sampler = ("sampler", s, penalties)
-        if ("step", t, s) in ready and sampler in ready:
-            return t, s
         fits = [(k[1], k[2]) for k in ready
                 if k[0] == "step" and k[1] >= t and k[2] >= s and ("sampler", k[2], penalties) in ready]
         if fits:

@@ -211,23 +211,22 @@ class ModelRunner:
 
         With `background`, only the largest bucket (every step fits it) and its sampler
         without penalties are compiled here; the programs left are returned, in the order the
-        background thread should compile them (ProgramsInBackground.start).
+        background thread should compile them (BucketPrograms.start).
         """
         pairs = self.bucket_pairs()
         largest = max(pairs)
-        samplers = sorted({(s, p) for _, s in pairs for p in (False, True)}, key=lambda k: (k[1], -k[0]))
+        samplers = [("sampler", s, p) for s, p in
+                    sorted({(s, p) for _, s in pairs for p in (False, True)}, key=lambda k: (k[1], -k[0]))]
         if background:
             first = [("step", *largest), ("sampler", largest[1], False)]
-            # Then the buckets from the smallest up (a lone decode runs in (1, 1)); the penalties
-            # sampler of the largest bucket after the smallest (a request with penalties waits for it).
-            rest = []
-            for t, s in sorted(pairs):
-                rest += [("step", t, s), ("sampler", s, False), ("sampler", largest[1], True)]
-            rest += [("sampler", *k) for k in samplers]
+            # Then the buckets from the smallest up (a lone decode runs in (1, 1)), the penalties
+            # sampler of the largest bucket right after the smallest (a request with penalties
+            # waits for it), the other samplers last.
+            rest = [key for t, s in sorted(pairs) for key in (("step", t, s), ("sampler", s, False))]
+            rest.insert(2, ("sampler", largest[1], True))
+            rest = [k for k in dict.fromkeys(rest + samplers) if k not in first]
         else:  # samplers first: they take longest to compile
-            first, rest = [("sampler", *k) for k in samplers] + [("step", *p) for p in sorted(pairs)], []
-        first = list(dict.fromkeys(first))
-        rest = [k for k in dict.fromkeys(rest) if k not in first]
+            first, rest = samplers + [("step", *p) for p in sorted(pairs)], []
         workers = max(1, min(8, os.cpu_count() or 1))
         pool = ThreadPoolExecutor(workers, thread_name_prefix="servax-compile")
         try:
@@ -241,7 +240,6 @@ class ModelRunner:
         finally:
             pool.shutdown()
         if rest:  # one core left to serving
-            pool.shutdown()
             self._compiling.pool = ThreadPoolExecutor(1, thread_name_prefix="servax-compile-background",
                                                       initializer=lower_thread_priority)
         return rest
@@ -260,7 +258,7 @@ class ModelRunner:
         """The programs of ("step", tokens, seqs) or ("sampler", seqs, penalties), lowered
         (for a step, only those not shared with a bucket lowered before: see LayeredStep.lower)."""
         if key[0] == "sampler":
-            return self._lower_samplers(key[1], (key[2],))
+            return [self._lower_sampler(key[1], key[2])]
         return self._lower_step(self._padding_step_input(key[1], key[2]), seen)
 
     def step_seconds(self, num_tokens: int, context: int = 128, repeats: int = 3) -> float:
@@ -298,15 +296,12 @@ class ModelRunner:
             return self.layered.lower(self.kv_cache, batch, seen)
         return [self._step.lower(self.model.params, self.kv_cache, batch)]
 
-    def _lower_samplers(self, s: int, variants: tuple[bool, ...] = (False, True)) -> list:
-        """The sampler variants (with penalties or not) of sequence bucket `s` (logits as the
-        step leaves them)."""
+    def _lower_sampler(self, s: int, penalties: bool) -> Any:
+        """The sampler of sequence bucket `s` with penalties or without (logits as the step
+        leaves them)."""
         logits = jax.ShapeDtypeStruct((s, self.model.vocab_size), jnp.float32, sharding=self.replicated)
-        return [
-            self._sample.lower(logits, self._sampling_batch_padding(s, penalties), num_logprobs=self.num_logprobs,
-                               use_penalties=penalties, cpu_kernel=self.sample_kernel)
-            for penalties in variants
-        ]
+        return self._sample.lower(logits, self._sampling_batch_padding(s, penalties), num_logprobs=self.num_logprobs,
+                                  use_penalties=penalties, cpu_kernel=self.sample_kernel)
 
     def _run_step(self, batch) -> jax.Array:
         """Enqueue the model's step on `batch`; the logits (the KV cache is updated)."""
