@@ -18,8 +18,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {"LLM": "app.llm", "load_model": "app.llm", "SamplingParams": "runtime.sampling_params",
-            "LoRARequest": "runtime.lora"}
+_EXPORTS = {"LLM": "app.llm", "load_model": "app.llm", "SamplingParams": "runtime.engine.sampling_params",
+            "LoRARequest": "runtime.ops.lora"}
 
 __all__ = list(_EXPORTS)
 

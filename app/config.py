@@ -13,7 +13,7 @@
         - models/gpt2.yaml      # a block may live in its own file
 
 Each model block follows the shape of Ray Serve LLM's `LLMConfig`; `engine_kwargs` is
-`runtime.config.EngineConfig` without `model` (that comes from `model_source`). Every
+`runtime.engine.config.EngineConfig` without `model` (that comes from `model_source`). Every
 block forbids unknown keys so that a typo fails with the field's name instead of being
 silently ignored.
 """
@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 import warnings
 
-from runtime.config import EngineConfig, ModelImpl
+from runtime.engine.config import EngineConfig, ModelImpl
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -174,7 +174,7 @@ class LLMConfig(_Strict):
 
     model_loading_config: ModelLoadingConfig
     engine_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="runtime.config.EngineConfig fields except `model`."
+        default_factory=dict, description="runtime.engine.config.EngineConfig fields except `model`."
     )
     deployment_config: DeploymentConfig = Field(default_factory=DeploymentConfig)
     model_impl: ModelImpl | None = Field(None, description="Shortcut for engine_kwargs.model_impl.")

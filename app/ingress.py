@@ -35,7 +35,7 @@ from app.protocol import (
     ModelList, TokenizeRequest, UnloadLoRAAdapterRequest,
 )
 from app.serving import error_response
-from runtime.lora_request import stable_lora_id
+from runtime.engine.lora_request import stable_lora_id
 
 logger = logging.getLogger("ray.serve")
 

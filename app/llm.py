@@ -22,22 +22,22 @@ from tqdm.auto import tqdm
 
 import registry
 from registry.model_info import sampling_defaults
-from runtime import distributed
-from runtime.config import EngineConfig
-from runtime.engine import Engine
-from runtime.lora import LoRARequest
-from runtime.mesh import make_mesh
-from runtime.outputs import RequestOutput
-from runtime.processor import PromptType, is_chat
-from runtime.sampling_params import SamplingParams
-from runtime.step import LoadedModel
+from runtime.engine import distributed
+from runtime.engine.config import EngineConfig
+from runtime.engine.core import Engine
+from runtime.engine.lora_request import LoRARequest
+from runtime.ops.mesh import make_mesh
+from runtime.engine.outputs import RequestOutput
+from runtime.engine.input_processor import PromptType, is_chat
+from runtime.engine.sampling_params import SamplingParams
+from runtime.ops.step import LoadedModel
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
     """Load `config.model` the way the engine will run it: on the mesh its settings ask for.
 
     A mesh larger than this process's devices makes this process the leader of a
-    multi-process engine (runtime/distributed.py): the worker processes join and load their
+    multi-process engine (runtime/engine/distributed.py): the worker processes join and load their
     shards while this one loads its own.
 
     Raises:

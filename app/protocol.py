@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from app.tool_parsers import named_tool_call_schema, required_tool_calls_schema
-from runtime.errors import InvalidRequestError
+from runtime.engine.errors import InvalidRequestError
 
 
 class _Request(BaseModel):
@@ -54,7 +54,7 @@ class _Request(BaseModel):
     service_tier: str | None = None
     store: bool | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs (a dict of
-    # runtime.sampling_params.StructuredOutputsParams fields) and its older guided_* names.
+    # runtime.engine.sampling_params.StructuredOutputsParams fields) and its older guided_* names.
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None

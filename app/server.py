@@ -31,8 +31,8 @@ from app.config import LLMConfig
 from app.metrics import ServerMetrics
 from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, TokenizeRequest
 from app.serving import OpenAIServing, error_response
-from runtime.errors import InvalidRequestError
-from runtime.lora_request import LoRARequest, stable_lora_id
+from runtime.engine.errors import InvalidRequestError
+from runtime.engine.lora_request import LoRARequest, stable_lora_id
 
 logger = logging.getLogger("ray.serve")
 _EXIT_GRACE_S = 0.25  # between an engine's death and its replica's exit (the failed streams flush)
@@ -207,7 +207,7 @@ class LLMServerImpl:
             GenerateResult with `.text` (first generation) and `.outputs` (all n).
 
         Raises:
-            runtime.errors.InvalidRequestError (and PromptTooLongError), EngineOverloadedError,
+            runtime.engine.errors.InvalidRequestError (and PromptTooLongError), EngineOverloadedError,
             EngineDeadError; through a handle these arrive wrapped in a RayTaskError that is
             also an instance of the original class.
         """

@@ -29,8 +29,8 @@ from app.protocol import (
 from app.tool_parsers import (
     NamedToolCall, RequiredToolCalls, ToolCallStream, ToolParser, final_tool_calls, get_tool_parser,
 )
-from runtime.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, PromptTooLongError
-from runtime.processor import template_message
+from runtime.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, PromptTooLongError
+from runtime.engine.input_processor import template_message
 
 logger = logging.getLogger("ray.serve")
 

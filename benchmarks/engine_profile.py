@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from app import LLM, SamplingParams
-    from runtime.compilation import step_bucket
+    from runtime.engine.compilation import step_bucket
 
     llm = LLM(
         model=args.model or str(bench_checkpoint()), model_impl=args.impl, dtype="float32",

@@ -2,7 +2,7 @@
 
 The same ~100M-parameter random Llama (8 heads, so it splits 8 ways), tensor_parallel_size 8:
   * 1 process x 8 devices: one SPMD program, collectives inside the process;
-  * 2 processes x 4 devices: runtime/distributed.py, jax.distributed over gloo on 127.0.0.1,
+  * 2 processes x 4 devices: runtime/engine/distributed.py, jax.distributed over gloo on 127.0.0.1,
     the leader sending each step's host inputs to the worker through Ray;
 and, as the floor, 1 process x 1 device (no parallelism); also the time of one all-reduce of an
 activation over the 8 devices in one and in two processes, the step's unit of communication. Each runs in a fresh process (the

@@ -28,7 +28,7 @@ PROMPTS = ["The history of the Roman Empire began", "def fibonacci(n):", "Explai
 def agreement(new_tokens: int) -> list[list]:
     """The demo model's greedy tokens under each setting against float32's."""
     from app import LLM, SamplingParams
-    from runtime.quantization import param_bytes
+    from runtime.ops.quantization import param_bytes
 
     settings = {"float32": {}, "int8 weights": {"quantization": "int8"}, "int8 KV cache": {"kv_cache_dtype": "int8"}}
     tokens, sizes = {}, {}

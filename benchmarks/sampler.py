@@ -40,8 +40,8 @@ def main() -> None:
 
     import jax
 
-    from runtime.cpu_attention import kernel_status
-    from runtime.sampler import SamplingBatch, empty_sampling_batch, sample
+    from runtime.ops.attention_cpu import kernel_status
+    from runtime.engine.sampler import SamplingBatch, empty_sampling_batch, sample
 
     kernel = jax.default_backend() == "cpu" and kernel_status() == "ok"
     logits = np.random.default_rng(0).normal(size=(args.rows, args.vocab)).astype(np.float32) * 3

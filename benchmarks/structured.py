@@ -46,9 +46,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
 
-    import runtime.model_runner as model_runner
+    import runtime.engine.runner as model_runner
     from app import LLM, SamplingParams
-    from runtime.sampling_params import StructuredOutputsParams
+    from runtime.engine.sampling_params import StructuredOutputsParams
 
     llm = LLM(args.model, max_model_len=512, max_num_seqs=args.batch, max_num_batched_tokens=512,
               show_progress=False, enable_prefix_caching=False)

@@ -10,7 +10,7 @@ module's three functions:
     weight_table(args) -> pytree of models_jax.weights.WeightSpec (same structure as params)
     forward(params, kv_cache, batch, *, args) -> (logits [S, vocab] float32, kv_cache)
 
-and, optionally, the same step in three stages (runtime.step.LayerStages), which the
+and, optionally, the same step in three stages (runtime.ops.step.LayerStages), which the
 runtime calls one decoder layer at a time; `forward` should be their composition:
 
     prologue(params, batch, *, args) -> carry                    # params without "layers"
@@ -45,14 +45,14 @@ class ModelEntry:
         forward: the step function, (params, kv_cache, batch, *, args) -> (logits, kv_cache).
         stages: (prologue, layer, epilogue), the step split at its decoder layers, whose
             stacked weights are params["layers"]; None if the model does not offer it.
-        lora_targets: args -> {PEFT module name: runtime.lora.LoRATarget}, the projections
+        lora_targets: args -> {PEFT module name: runtime.ops.lora.LoRATarget}, the projections
             LoRA adapters may adapt; the layer then reads the adapter slots from
-            layer_params["lora"] (see runtime/lora.py). None: no LoRA for this model.
+            layer_params["lora"] (see runtime/ops/lora.py). None: no LoRA for this model.
         fuse_layer: one layer's weights -> the same weights in a joined form the layer stage
             also takes (several projections of one input as one matrix); the runtime applies
             it where a layer's weights are whole on every device. None: used as loaded.
         pack_layer: one layer's weights (after fuse_layer) -> the same with its matrices as
-            runtime.cpu_matmul.PackedWeight where they can be (the layer stage reads either
+            runtime.ops.matmul.PackedWeight where they can be (the layer stage reads either
             form); the runtime applies it where it runs its CPU kernels. None: never packed.
         pack_head: the params without their layers -> the same with the LM head packed
             likewise (prologue and epilogue read either form). None: never packed.

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runtime.cpu_matmul import PackedWeight
+from runtime.ops.matmul import PackedWeight
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
@@ -126,7 +126,7 @@ def project_to_heads(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> 
 
 
 def matmul(x: jax.Array, w: Any, rows: jax.Array | None = None) -> jax.Array:
-    """x [T, in] @ w [in, out] (an array, or a runtime.cpu_matmul.PackedWeight, which then
+    """x [T, in] @ w [in, out] (an array, or a runtime.ops.matmul.PackedWeight, which then
     multiplies only the first `rows` rows of x: a step's real tokens; the rest give zeros)."""
     if isinstance(w, PackedWeight):
         return w.matmul(x, rows)
@@ -158,7 +158,7 @@ def project_from_heads(x: jax.Array, w: Any, b: jax.Array | None = None, rows: j
 
 def gated_mlp(x: jax.Array, p: dict, lora: Any = None, rows: jax.Array | None = None) -> jax.Array:
     """SwiGLU: down(silu(gate(x)) * up(x)). x: [T, D]; p: gate/up [D, F] (or gate_up [D, 2F]),
-    down [F, D] (joined ones also as runtime.cpu_matmul.PackedWeight), optional biases.
+    down [F, D] (joined ones also as runtime.ops.matmul.PackedWeight), optional biases.
 
     lora: a LoRA delta function (name, input) -> [T, out] or None (see lora_delta).
     rows: see `matmul`.
@@ -189,7 +189,7 @@ def lora_delta(slots: dict, slot_of_token: jax.Array) -> Any:
     """The LoRA delta function of one layer: (name, x [T, in]) -> [T, out], or None where no
     adapter slot table exists for `name`.
 
-    slots: {PEFT module name: {"a": [S, in, r], "b": [S, r, out]}} (runtime/lora.py; slot 0
+    slots: {PEFT module name: {"a": [S, in, r], "b": [S, r, out]}} (runtime/ops/lora.py; slot 0
     is zeros); slot_of_token: [T] int32. Each token's x @ a[s] is kept for its own slot only
     and the result meets b as one matmul over (slot, rank): two dense matmuls per projection
     whatever mix of adapters the step holds.

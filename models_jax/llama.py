@@ -27,10 +27,10 @@ from models_jax import ModelEntry, layers
 from models_jax.weights import (
     embedding, head_bias, join_outputs, linear, linear_from_heads, linear_to_heads, stacked, vector, zeros,
 )
-from runtime.attention import NO_SLIDING_WINDOW, paged_attention
-from runtime.cpu_matmul import PackedWeight, pack_matrix, packable
-from runtime.lora import LoRATarget
-from runtime.step import KVCache, StepInput
+from runtime.ops.attention import NO_SLIDING_WINDOW, paged_attention
+from runtime.ops.matmul import PackedWeight, pack_matrix, packable
+from runtime.ops.lora import LoRATarget
+from runtime.ops.step import KVCache, StepInput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,7 @@ class LlamaArgs:
 def weight_table(a: LlamaArgs) -> dict:
     """The params tree as WeightSpecs: HF source, shapes, logical axes and initializers.
 
-    Under runtime.mesh's rules this is Megatron-style: q/k/v and gate/up are split by
+    Under runtime.ops.mesh's rules this is Megatron-style: q/k/v and gate/up are split by
     output (heads, features), o_proj and down_proj by input, the embedding and the LM head
     by vocab; norms are whole. k/v (and their biases) hold each KV head `a.kv_repeat`
     times, so that the KV heads split evenly even when the model axis is larger than
@@ -219,7 +219,7 @@ def fuse_layer(p: dict) -> dict:
 
     Why: on XLA:CPU a matmul of a few rows costs about as much for a narrow weight as for a
     wide one, so two matmuls of [D, F] cost nearly twice one of [D, 2F]. The runtime joins
-    them only where the weights are whole on every device (runtime/layered.py): a
+    them only where the weights are whole on every device (runtime/ops/layered.py): a
     column-parallel split of a joined matrix would not fall on head and feature boundaries.
     A group that cannot be joined (quantized unlike its siblings) stays as it was.
     """
@@ -252,10 +252,10 @@ def layer_windows(a: LlamaArgs) -> tuple[int | None, jax.Array | None]:
     return None, jnp.asarray([w or NO_SLIDING_WINDOW for w in a.sliding_windows], jnp.int32)
 
 
-# The step in three stages (runtime.step.LayerStages): what runs before the decoder layers,
+# The step in three stages (runtime.ops.step.LayerStages): what runs before the decoder layers,
 # one decoder layer (any of them: the layer index is an argument), and what runs after.
 # `forward` composes them under a scan; the runtime may instead call the layer stage once
-# per layer (see runtime.step.LayerStages for why).
+# per layer (see runtime.ops.step.LayerStages for why).
 
 def prologue(params: dict, batch: StepInput, *, args: LlamaArgs) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Embeddings and rotary tables: the carry (x [T, D], cos [T, hd], sin [T, hd])."""
@@ -298,7 +298,7 @@ def epilogue(params: dict, carry: tuple, batch: StepInput, *, args: LlamaArgs) -
 
 def pack_layer(p: dict) -> dict:
     """One layer's joined projections (qkv, o, gate_up, down; see fuse_layer) as
-    runtime.cpu_matmul.PackedWeight for the CPU matmul kernel where they are float32; the
+    runtime.ops.matmul.PackedWeight for the CPU matmul kernel where they are float32; the
     rest (norms, biases, LoRA slots, projections not joined) as it is."""
     out = dict(p)
     if "qkv" in p:
@@ -315,7 +315,7 @@ def pack_layer(p: dict) -> dict:
 
 
 def pack_head(params: dict, *, args: LlamaArgs) -> dict:
-    """The params without their layers, with the LM head as runtime.cpu_matmul.PackedWeight
+    """The params without their layers, with the LM head as runtime.ops.matmul.PackedWeight
     where it is float32: "lm_head", or a tied model's "embed", packed as the head it is
     ([D, vocab]; the prologue then gathers the embeddings from its columns)."""
     out = dict(params)

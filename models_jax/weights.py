@@ -2,7 +2,7 @@
 
 A model declares a pytree of `WeightSpec`s with the same structure as its params (as
 jax-llm-examples' ArrayInfo). That one tree drives loading (which tensor of the Hugging
-Face checkpoint, how to lay it out), sharding (logical axes, which runtime.mesh's rules
+Face checkpoint, how to lay it out), sharding (logical axes, which runtime.ops.mesh's rules
 turn into a PartitionSpec) and random initialisation (`init_params`, no checkpoint
 needed), so a layout or sharding change is a one-line edit in the model's table.
 
@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from runtime.mesh import logical_to_spec
-from runtime.quantization import QuantizedWeight
+from runtime.ops.mesh import logical_to_spec
+from runtime.ops.quantization import QuantizedWeight
 
 # (key, shape, dtype) -> array, as jax.nn.initializers.
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
@@ -111,7 +111,7 @@ class WeightSpec:
         return (self.perm.index(ndim - 1) if self.perm else ndim - 1) - ndim
 
     def partition_spec(self, mesh: Mesh) -> P:
-        """The logical axes through runtime.mesh's rules, fitted to what divides evenly on `mesh`."""
+        """The logical axes through runtime.ops.mesh's rules, fitted to what divides evenly on `mesh`."""
         return logical_to_spec(self.logical_axes, self.shape, mesh)
 
 
@@ -153,7 +153,7 @@ def init_params(table: Any, mesh: Mesh, dtype: Any, key: jax.Array) -> tuple[Any
 
 def stacked(layer_table: Any, num_layers: int) -> Any:
     """A table of one decoder layer (hf_names with `{layer}`) stacked over `num_layers`:
-    each weight gains a leading "layers" axis (never sharded, see runtime.mesh).
+    each weight gains a leading "layers" axis (never sharded, see runtime.ops.mesh).
 
     Raises:
         ValueError: a weight's hf_name has no `{layer}` to fill.

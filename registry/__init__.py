@@ -1,7 +1,7 @@
 """Model registry: find a checkpoint, pick its implementation, load it as a LoadedModel.
 
     resolved = registry.resolve("servax-tiny/llama")            # files, config, architecture, impl
-    model = registry.load("servax-tiny/llama", dtype="bfloat16")  # runtime.step.LoadedModel
+    model = registry.load("servax-tiny/llama", dtype="bfloat16")  # runtime.ops.step.LoadedModel
 
 Native JAX models (models_jax) serve the architectures in `NATIVE_MODELS` (built from
 the models' own declarations); every other architecture falls back to the transformers
@@ -21,8 +21,8 @@ from registry.errors import ModelLoadError
 from registry.model_info import jax_dtype, read_model_info, read_tokenizer
 from registry.native import NATIVE_MODELS, load_native
 from registry.resolve import MODEL_IMPLS, ResolvedModel, model_impl_setting, resolve
-from runtime.mesh import check_mesh, logical_axis_size, make_mesh
-from runtime.step import LoadedModel
+from runtime.ops.mesh import check_mesh, logical_axis_size, make_mesh
+from runtime.ops.step import LoadedModel
 
 __all__ = [
     "MODEL_IMPLS", "ModelLoadError", "NATIVE_MODELS", "ResolvedModel", "check_tensor_parallel", "load", "resolve",
@@ -44,7 +44,7 @@ def load(
         model: model ID (local folder, servax-tiny/<name>, hub ID) or a ResolvedModel.
         model_impl: auto | jax | torchax (ignored when `model` is already resolved).
         dtype: float32 | bfloat16 | float16 | auto (the checkpoint's own dtype).
-        mesh: the mesh to place params on (runtime.mesh.make_mesh); default one device.
+        mesh: the mesh to place params on (runtime.ops.mesh.make_mesh); default one device.
         revision: the hub revision of the model (and of `tokenizer`, when given).
         trust_remote_code: let the checkpoint's own modelling / tokenizer code run.
         tokenizer: a tokenizer source (folder or hub ID) other than the model's own.
@@ -53,10 +53,10 @@ def load(
         hf_overrides: config attributes to set before the model is built (vLLM's hf_overrides).
         impl: deprecated alias of model_impl (DeprecationWarning).
         quantization: None; "int8": the matrices stored as per-output-channel int8
-            (runtime/quantization.py), on either path; "gguf": a GGUF checkpoint's Q8_0
+            (runtime/ops/quantization.py), on either path; "gguf": a GGUF checkpoint's Q8_0
             tensors kept as stored (int8, a scale per 32 inputs), other tensor types dequantized.
         layers_as_list: native models with layer stages, unquantized: the decoder layers'
-            weights as a list of per-layer weights, the form runtime/layered.py steps (no
+            weights as a list of per-layer weights, the form runtime/ops/layered.py steps (no
             stacked [num_layers, ...] arrays to assemble here and split there).
 
     Raises:
@@ -109,13 +109,13 @@ def _load_weights(resolved: ResolvedModel, jdtype: Any, mesh: Mesh, info: Any, q
                              layers_as_list=layers_as_list and quantization is None)
         reduce_axes = _native_quant_axes
     if quantization == "gguf":
-        from runtime.quantization import count_quantized, serve_quantized
+        from runtime.ops.quantization import count_quantized, serve_quantized
 
         serve_quantized(loaded)
         logger.info("%s: %d of %d Q8_0 tensors kept as int8 (a scale per 32 inputs); other GGUF types were "
                     "dequantized when converted", resolved.model_id, count_quantized(loaded.params), len(int8_groups))
     elif quantization is not None:
-        from runtime.quantization import quantize_model
+        from runtime.ops.quantization import quantize_model
 
         try:
             quantize_model(loaded, quantization, mesh, reduce_axes)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from runtime.errors import ServaxError
 
-
-class ModelLoadError(ServaxError):
+class ModelLoadError(Exception):
     """A model could not be resolved or loaded: missing path, no config, unsupported architecture."""

@@ -21,10 +21,11 @@ import models_jax
 from models_jax import ModelEntry
 from registry.errors import ModelLoadError
 from registry.model_info import ModelInfo
+from registry.peft import read_peft_adapter
 from registry.weights import load_params
-from runtime.layered import layered_forward
-from runtime.mesh import logical_axis_size
-from runtime.step import KVCacheSpec, LayerStages, LoadedModel
+from runtime.ops.layered import layered_forward
+from runtime.ops.mesh import logical_axis_size
+from runtime.ops.step import KVCacheSpec, LayerStages, LoadedModel
 
 if TYPE_CHECKING:
     from registry.resolve import ResolvedModel
@@ -59,7 +60,7 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: 
 
     int8_groups: weights to keep as int8 with a scale per 32 inputs (registry.weights.load_params).
     layers_as_list: for a model with layer stages and no int8 groups, params["layers"] as a
-        list of per-layer weights (the form runtime/layered.py steps; step_fn then calls the
+        list of per-layer weights (the form runtime/ops/layered.py steps; step_fn then calls the
         layer stage once per layer) instead of arrays stacked [num_layers, ...].
 
     Raises:
@@ -87,6 +88,9 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: 
         params[key] = [jax.tree.map(lambda parts, i=i: parts[i], params[key], is_leaf=is_parts) for i in range(n)]
         shardings[key] = [shardings[key]] * n
         step_fn = functools.partial(layered_forward, stages=stages)
+    targets = entry.lora_targets(args) if entry.lora_targets is not None else None
+    read_adapter = None if targets is None else functools.partial(
+        read_peft_adapter, targets=targets, num_layers=kv_spec.num_layers, dtype=kv_spec.dtype)
     return LoadedModel(
         step_fn=step_fn,
         stages=stages,
@@ -95,7 +99,8 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: 
         kv_spec=kv_spec,
         kv_partition_spec=kv_spec.partition_spec(mesh),
         impl="jax",
-        lora_targets=entry.lora_targets(args) if entry.lora_targets is not None else None,
+        lora_targets=targets,
+        read_lora_adapter=read_adapter,
         vocab_size=int(resolved.hf_config.vocab_size),
         **vars(info),
     )

@@ -4,7 +4,7 @@ transformers looks attention up by name in `AttentionInterface`; a model loaded 
 `attn_implementation=ATTN_IMPLEMENTATION` calls `paged_attention_interface` once per
 layer with that layer's module (which carries `layer_idx`). The function cannot take the
 paged cache as an argument, so the step function opens a `StepContext` around the traced
-call: it holds the batch and the stacked KV cache (runtime.step.KVCache, tracers under
+call: it holds the batch and the stacked KV cache (runtime.ops.step.KVCache, tracers under
 jit), which each layer updates at its own `layer_idx` (a static index into the stacked
 arrays) and hands on to the next; the step function then returns the last one.
 
@@ -26,8 +26,8 @@ from typing import Any, Iterator
 import jax
 import jax.numpy as jnp
 
-from runtime.attention import paged_attention
-from runtime.step import KVCache, StepInput
+from runtime.ops.attention import paged_attention
+from runtime.ops.step import KVCache, StepInput
 
 ATTN_IMPLEMENTATION = "servax_paged"
 EXPERTS_IMPLEMENTATION = "servax_static"

@@ -5,7 +5,7 @@ layers: every bucket's program holds all of them (on the 30-layer demo model ~8 
 machine code each; a cold start compiled for minutes and a warm one spent most of its time
 loading executables). When the layers are uniform (same class, same weights' names, shapes
 and dtypes, same attention settings), the forward is split without knowing the architecture,
-into runtime.layered's three programs:
+into runtime.ops.layered's three programs:
 
     prologue: the model's forward with every decoder layer swapped for a module that raises
         with its inputs at the first call: those inputs (hidden states, rotary tables,
@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from registry.torchax_attention import StepContext, step_context
-from runtime.cpu_matmul import PackedWeight, pack_matrix
-from runtime.step import KVCache, LayerStages, StepInput
+from runtime.ops.matmul import PackedWeight, pack_matrix
+from runtime.ops.step import KVCache, LayerStages, StepInput
 
 logger = logging.getLogger("servax.registry")
 
@@ -79,7 +79,7 @@ def _join_transposed(weights: list[Any]) -> Any | None:
     `in`) as one [in, sum out_i], joined as the native models join theirs
     (models_jax.weights.join_outputs); None when they cannot be one."""
     from models_jax.weights import join_outputs
-    from runtime.quantization import QuantizedWeight
+    from runtime.ops.quantization import QuantizedWeight
 
     def in_out(w: Any) -> Any:
         if not isinstance(w, QuantizedWeight):
@@ -347,7 +347,7 @@ class TorchaxLayers:
 
     def pack_layer(self, layer_params: dict) -> dict:
         """One (fused) layer's weights with each group's joined float32 weight as a
-        runtime.cpu_matmul.PackedWeight; packed weights pass through."""
+        runtime.ops.matmul.PackedWeight; packed weights pass through."""
         out = dict(layer_params)
         for group in self.groups or ():
             if group.weight_key in out:
@@ -420,7 +420,7 @@ def split_layers(
 def _probe_batch() -> StepInput:
     import numpy as np
 
-    from runtime.step import make_step_input
+    from runtime.ops.step import make_step_input
 
     return make_step_input(
         input_ids=np.zeros(2), positions=np.arange(2), slot_mapping=np.arange(2),

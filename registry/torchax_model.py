@@ -6,10 +6,10 @@ parameters and buffers become JAX arrays placed on the mesh and passed to the st
 closed over, or XLA would bake them into the program as constants). Under jit the model
 runs through torchax with the ragged batch as one row ([1, T] ids and positions, no HF
 cache); every attention layer goes through `registry.torchax_attention`, which writes the
-layer's paged KV cache and attends with `runtime.attention.paged_attention`. Only the
+layer's paged KV cache and attends with `runtime.ops.attention.paged_attention`. Only the
 rows at `logits_indices` reach the LM head (`logits_to_keep` with an index tensor).
 
-    loaded = load_torchax(resolved, dtype="bfloat16")   # -> runtime.step.LoadedModel
+    loaded = load_torchax(resolved, dtype="bfloat16")   # -> runtime.ops.step.LoadedModel
 """
 
 from __future__ import annotations
@@ -42,16 +42,16 @@ from registry.torchax_attention import (
 from registry.torchax_compat import import_torchax
 from registry.torchax_layers import nest_layer_params, split_layers
 from registry.weights import place_int8_groups
-from runtime.layered import layered_forward
-from runtime.mesh import logical_axis_size, logical_to_spec, make_mesh
-from runtime.step import KVCache, KVCacheSpec, LoadedModel, StepInput, make_step_input
+from runtime.ops.layered import layered_forward
+from runtime.ops.mesh import logical_axis_size, logical_to_spec, make_mesh
+from runtime.ops.step import KVCache, KVCacheSpec, LoadedModel, StepInput, make_step_input
 
 # Megatron-style tensor parallelism over HF module names (the last name component).
 # "column": split the output features; "row": split the input features (one all-reduce
 # after it); "vocab": split the vocabulary. "kv_column": split the output features by KV
 # head when the model's KV heads divide the axis, else replicated (the attention then
 # repeats the KV heads, see StepContext.kv_repeat). Anything else is replicated.
-# Each kind names the logical axis of its split dimension (_KIND_AXIS); runtime.mesh's
+# Each kind names the logical axis of its split dimension (_KIND_AXIS); runtime.ops.mesh's
 # rules map it to a mesh axis, and a split is used only where it divides the dimension.
 PARTITION_RULES: tuple[tuple[str, str], ...] = (
     (r"(q|gate|up|gate_up)_proj|c_fc|fc1|fc_in|w1|w3|dense_h_to_4h|query|in_proj", "column"),
@@ -114,7 +114,7 @@ def load_torchax(
         resolved: the resolved model; only .model_id, .path, .hf_config and .architecture
             are read (and .trust_remote_code if present).
         dtype: "float32", "bfloat16" or "float16" (or the jnp dtype), for weights and KV cache.
-        mesh: where to place the weights (runtime.mesh.make_mesh); default one device.
+        mesh: where to place the weights (runtime.ops.mesh.make_mesh); default one device.
             Weights follow PARTITION_RULES.
         info: tokenizer, EOS ids and context length (registry.load reads them); default
             read from `resolved`.
@@ -292,7 +292,7 @@ def partition_spec(
 ) -> P:
     """The PartitionSpec of parameter `name` (HF naming) under `mesh`, per PARTITION_RULES.
 
-    The split dimension gets its kind's logical axis (_KIND_AXIS), which runtime.mesh's
+    The split dimension gets its kind's logical axis (_KIND_AXIS), which runtime.ops.mesh's
     rules map to a mesh axis where it divides the dimension; K/V projections
     ("kv_column") also need `num_kv_heads`, the model's own KV heads, to divide that
     axis. Linear weights are [out, in]; GPT-2's Conv1D weights are [in, out]; embeddings

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models_jax.weights import WeightSpec, is_weight_spec, zeros
 from registry.errors import ModelLoadError
-from runtime.quantization import QuantizedWeight
+from runtime.ops.quantization import QuantizedWeight
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -81,11 +81,11 @@ def load_params(path: Path, table, mesh: Mesh, dtype,
 
     int8_groups: checkpoint tensors stored as int8 with a scale per 32 inputs (`open_q8_0`);
     a weight whose every tensor is there (and whose layout keeps those groups whole) becomes a
-    runtime.quantization.QuantizedWeight instead of a float array.
+    runtime.ops.quantization.QuantizedWeight instead of a float array.
 
     Returns (params, param_shardings): jax.Arrays of `dtype` (or a weight's own dtype)
     placed on `mesh`, and their PartitionSpecs (WeightSpec.partition_spec: the logical
-    axes through runtime.mesh's rules, fitted to what divides evenly).
+    axes through runtime.ops.mesh's rules, fitted to what divides evenly).
 
     Raises:
         ModelLoadError: a weight is missing or its shape differs from the table's.

@@ -1,6 +1,6 @@
 """servax runtime: the engine that executes every model's step function.
 
-Public API (imported lazily so that `import runtime.step` stays light):
+Public API (imported lazily so that `import runtime.ops.step` stays light):
 
     from runtime import Engine, AsyncLLMEngine, EngineConfig, SamplingParams
 
@@ -14,20 +14,20 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "EngineConfig": "runtime.config",
-    "StepInput": "runtime.step",
-    "KVCacheSpec": "runtime.step",
-    "LoadedModel": "runtime.step",
-    "SamplingParams": "runtime.sampling_params",
-    "LoRARequest": "runtime.lora",
-    "RequestOutput": "runtime.outputs",
-    "CompletionOutput": "runtime.outputs",
-    "Logprob": "runtime.outputs",
-    "RequestMetrics": "runtime.outputs",
-    "Engine": "runtime.engine",
-    "EngineStats": "runtime.engine",
-    "InputProcessor": "runtime.processor",
-    "AsyncLLMEngine": "runtime.async_engine",
+    "EngineConfig": "runtime.engine.config",
+    "StepInput": "runtime.ops.step",
+    "KVCacheSpec": "runtime.ops.step",
+    "LoadedModel": "runtime.ops.step",
+    "SamplingParams": "runtime.engine.sampling_params",
+    "LoRARequest": "runtime.engine.lora_request",
+    "RequestOutput": "runtime.engine.outputs",
+    "CompletionOutput": "runtime.engine.outputs",
+    "Logprob": "runtime.engine.outputs",
+    "RequestMetrics": "runtime.engine.outputs",
+    "Engine": "runtime.engine.core",
+    "EngineStats": "runtime.engine.core",
+    "InputProcessor": "runtime.engine.input_processor",
+    "AsyncLLMEngine": "runtime.engine.async_engine",
 }
 
 __all__ = list(_EXPORTS)

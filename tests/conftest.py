@@ -319,7 +319,7 @@ class PagedRunner:
 
     def __init__(self, loaded, step=None, *, num_blocks: int = 48, block_size: int = 4,
                  max_blocks_per_seq: int = 16, pad_tokens: int = 16, pad_seqs: int = 2, seed: int = 0):
-        from runtime.step import allocate_kv_cache
+        from runtime.ops.step import allocate_kv_cache
 
         self.loaded = loaded
         self.step = step if step is not None else jax.jit(loaded.step_fn, donate_argnames="kv_cache")
@@ -337,7 +337,7 @@ class PagedRunner:
 
     def run(self, chunks: list[tuple[int, int, list[int]]]) -> np.ndarray:
         """One step over chunks (seq id, first position, new tokens) -> logits [len(chunks), vocab]."""
-        from runtime.step import make_step_input
+        from runtime.ops.step import make_step_input
 
         ids, pos, slots = np.zeros(self.pad_tokens), np.zeros(self.pad_tokens), np.full(self.pad_tokens, -1)
         tables = np.zeros((self.pad_seqs, self.max_blocks_per_seq))

@@ -28,7 +28,7 @@ import ray
 def main(spec: dict) -> dict:
     from app.llm import LLM
     from runtime import SamplingParams
-    from runtime.distributed import param_bytes
+    from runtime.engine.distributed import param_bytes
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     llm = LLM(spec["model"], tensor_parallel_size=spec["tp"], distributed_executor_backend="ray",
@@ -86,7 +86,7 @@ def hang_worker(llm) -> dict:
     """Stop (SIGSTOP) the worker process while a request decodes: the engine must report
     itself unhealthy once a step has waited distributed_timeout_s."""
     from runtime import SamplingParams
-    from runtime.errors import EngineDeadError
+    from runtime.engine.errors import EngineDeadError
 
     (pid,) = _worker_pids()
     thread = threading.Thread(target=lambda: _ignore_errors(llm.generate, [[5, 6, 7]], SamplingParams(

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def _find(params, path: str):
     """A leaf of a params tree by dotted path ("layers.q"), or by its full key (torchax dicts).
 
-    Layers served one per call (runtime/layered.py) hold a list of per-layer trees: "layers.q"
+    Layers served one per call (runtime/ops/layered.py) hold a list of per-layer trees: "layers.q"
     then names layer 0's q.
     """
     node, parts = params, path.split(".")

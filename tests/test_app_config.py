@@ -265,8 +265,8 @@ def test_completion_request_refusals_name_the_param(body, param):
 def test_value_ranges_are_sampling_params_own(body, param):
     # The HTTP schema types the fields; the ranges are checked once, by SamplingParams,
     # for HTTP, handles and the offline LLM alike.
-    from runtime.errors import InvalidRequestError
-    from runtime.processor import to_sampling_params
+    from runtime.engine.errors import InvalidRequestError
+    from runtime.engine.input_processor import to_sampling_params
 
     kwargs = CompletionRequest.model_validate({"prompt": "x", **body}).sampling_kwargs()
     with pytest.raises(InvalidRequestError) as info:
@@ -275,7 +275,7 @@ def test_value_ranges_are_sampling_params_own(body, param):
 
 
 def test_temperature_has_no_upper_limit_as_in_vllm():
-    from runtime.sampling_params import SamplingParams
+    from runtime.engine.sampling_params import SamplingParams
 
     assert SamplingParams(temperature=5.0).temperature == 5.0
 
@@ -289,7 +289,7 @@ def test_chat_request_max_completion_tokens_and_logprobs():
 
 
 def test_chat_request_text_parts_are_joined():
-    from runtime.processor import template_message
+    from runtime.engine.input_processor import template_message
 
     req = ChatCompletionRequest(messages=[{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])

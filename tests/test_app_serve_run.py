@@ -112,7 +112,7 @@ def test_handle_generate_and_stream(handle):
 
 
 def test_handle_errors_keep_their_type(handle):
-    from runtime.errors import InvalidRequestError
+    from runtime.engine.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError):
         handle.generate.remote("hi", {"temperature": -1}).result()

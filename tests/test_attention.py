@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime.attention import paged_attention, ragged_paged_attention, write_kv
-from runtime.step import make_step_input
+from runtime.ops.attention import paged_attention, ragged_paged_attention, write_kv
+from runtime.ops.step import make_step_input
 
 TOL = 2e-5  # float32, max abs diff against the float64 oracle
 
@@ -85,7 +85,7 @@ def attend_after_write(backends, q, k_full, v_full, batch, n, **attention_kw) ->
     """
     import jax.numpy as jnp
 
-    from runtime.step import KVCache
+    from runtime.ops.step import KVCache
 
     _, kv_heads, block_size, head_dim = k_full.shape
     pad_tokens = q.shape[0]
@@ -115,9 +115,9 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding
 sys.path.insert(0, "tests")
 from test_attention import MIXED, build_batch
-from runtime.attention import paged_attention
-from runtime.mesh import make_mesh
-from runtime.step import KVCacheSpec, allocate_kv_cache
+from runtime.ops.attention import paged_attention
+from runtime.ops.mesh import make_mesh
+from runtime.ops.step import KVCacheSpec, allocate_kv_cache
 
 backend, block_size, head_dim = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 rng = np.random.default_rng(5)

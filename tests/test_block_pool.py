@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.block_pool import BlockPool
-from runtime.kv_cache_manager import KVCacheManager
-from runtime.request import Request
-from runtime.sampling_params import SamplingParams
+from runtime.engine.block_pool import BlockPool
+from runtime.engine.kv_cache_manager import KVCacheManager
+from runtime.engine.request import Request
+from runtime.engine.sampling_params import SamplingParams
 
 BS = 4
 

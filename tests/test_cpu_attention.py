@@ -1,4 +1,4 @@
-"""The CPU attention backend (runtime/cpu_attention.py): servax's C++ kernel for XLA:CPU.
+"""The CPU attention backend (runtime/ops/attention_cpu.py): servax's C++ kernel for XLA:CPU.
 
 The kernel is built here with the machine's compiler, as users get it, and checked against
 the NumPy oracle of tests/test_attention.py on the compiled-in fast shapes (block 16, head
@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import runtime.cpu_attention as cpu_attention
+import runtime.ops.attention_cpu as cpu_attention
 from app import LLM, SamplingParams
 from conftest import run_in_fresh_kernel_build
-from runtime.attention import resolve_attention_backend
-from runtime.cpu_attention import cpu_ragged_paged_attention, kernel_status
+from runtime.ops.attention import resolve_attention_backend
+from runtime.ops.attention_cpu import cpu_ragged_paged_attention, kernel_status
 from test_attention import MIXED, TOL, build_batch, check_per_shard_against_xla, oracle
 
 # (heads, kv_heads, block_size, head_dim, window, soft cap): the first three take the
@@ -85,7 +85,7 @@ _FORM_CHECK = """
 import sys
 sys.path.insert(0, "tests")
 import jax, jax.numpy as jnp, numpy as np
-from runtime.cpu_attention import cpu_ragged_paged_attention, kernel_status
+from runtime.ops.attention_cpu import cpu_ragged_paged_attention, kernel_status
 from test_attention import MIXED, TOL, build_batch, oracle
 assert kernel_status() == "ok", kernel_status()
 for heads, kv_heads, bs, d, window in [(9, 3, 16, 64, None), (8, 2, 16, 128, 20), (4, 4, 32, 64, None)]:

@@ -1,4 +1,4 @@
-"""Matmuls on packed weights for XLA:CPU (runtime/cpu_matmul.py, runtime/kernels/matmul.cc).
+"""Matmuls on packed weights for XLA:CPU (runtime/ops/matmul.py, runtime/ops/kernels/matmul.cc).
 
 The C++ kernel against NumPy in float64 for row counts that take each of its row blockings
 and output widths that are not a multiple of the panel; the packed layout's column gather
@@ -16,8 +16,8 @@ import pytest
 
 from app import LLM, SamplingParams
 from conftest import hf_greedy, hf_logits, hf_model, run_in_fresh_kernel_build
-from runtime.cpu_attention import cpu_flags
-from runtime.cpu_matmul import PANEL, PackedWeight, pack_matrix, packed_matmul_available
+from runtime.ops.attention_cpu import cpu_flags
+from runtime.ops.matmul import PANEL, PackedWeight, pack_matrix, packed_matmul_available
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -120,7 +120,7 @@ def test_torchax_path_packs_its_joined_linears_and_matches_transformers(tmp_path
 
 _FORM_CHECK = """
 import jax, jax.numpy as jnp, numpy as np
-from runtime.cpu_matmul import PackedWeight, packed_matmul_available
+from runtime.ops.matmul import PackedWeight, packed_matmul_available
 assert packed_matmul_available()
 rng = np.random.default_rng(0)
 for rows in (1, 5, 6, 7, 12, 13, 17, 25, 32):

@@ -15,7 +15,7 @@ from app import LLM, SamplingParams
 from app.config import load_app_config
 from conftest import REPO, local_llm_servers
 from registry.tiny import tiny_checkpoint_path
-from runtime.config import EngineConfig
+from runtime.engine.config import EngineConfig
 
 MODEL = "servax-tiny/llama"
 SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, show_progress=False)
@@ -108,7 +108,7 @@ def test_enforce_eager_compiles_nothing_up_front_and_gives_the_same_tokens(llm):
 
 def test_skip_tokenizer_init_serves_token_ids_only(llm):
     from registry.errors import ModelLoadError  # noqa: F401  (the import path users catch)
-    from runtime.errors import InvalidRequestError
+    from runtime.engine.errors import InvalidRequestError
 
     bare = LLM(MODEL, skip_tokenizer_init=True, num_kv_blocks=64, **SMALL)
     assert bare.get_tokenizer() is None

@@ -11,7 +11,7 @@ import pytest
 
 from app import LLM, SamplingParams
 from conftest import wait_idle
-from runtime.engine import Engine
+from runtime.engine.core import Engine
 
 MODEL = "servax-tiny/llama"
 MAX_LEN = 256
@@ -349,7 +349,7 @@ def test_async_consumer_cancel_and_abort_free_blocks(async_engine):
 def test_async_errors_raise_before_first_output(async_engine):
     import asyncio
 
-    from runtime.errors import EngineOverloadedError, InvalidRequestError, PromptTooLongError
+    from runtime.engine.errors import EngineOverloadedError, InvalidRequestError, PromptTooLongError
 
     async def first(prompt, params, rid):
         async for out in async_engine.generate(prompt, params, rid):
@@ -371,7 +371,7 @@ def test_async_errors_raise_before_first_output(async_engine):
 
 def test_async_shutdown_marks_engine_dead(llm):
     from runtime import AsyncLLMEngine, EngineConfig
-    from runtime.errors import EngineDeadError
+    from runtime.engine.errors import EngineDeadError
 
     engine = AsyncLLMEngine(EngineConfig(model=MODEL, num_kv_blocks=512, **SMALL), llm.engine.model)
     engine.check_health()
@@ -384,7 +384,7 @@ def test_async_loop_death_is_reported(llm):
     import asyncio
 
     from runtime import AsyncLLMEngine, EngineConfig
-    from runtime.errors import EngineDeadError
+    from runtime.engine.errors import EngineDeadError
 
     engine = AsyncLLMEngine(EngineConfig(model=MODEL, num_kv_blocks=512, **SMALL), llm.engine.model)
 
@@ -403,7 +403,7 @@ def test_buckets_cover_every_step_and_pad_mixed_steps_by_at_most_half():
     """Every (tokens, rows) a step can have lands in a precompiled bucket (step_buckets lists
     all step_bucket returns), and from 128 tokens up a step pads by less than half: 32 decodes
     and a 100-token prompt (131 tokens) run as 192, not 256."""
-    from runtime.compilation import packed_weight_buckets, step_bucket, step_buckets, token_buckets, seq_buckets
+    from runtime.engine.compilation import packed_weight_buckets, step_bucket, step_buckets, token_buckets, seq_buckets
 
     tokens, seqs = token_buckets(512), seq_buckets(32)
     assert tokens == [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512] and seqs == [8, 16, 32]
@@ -431,7 +431,7 @@ def test_compile_in_background_serves_from_the_largest_bucket_meanwhile(llm, pro
     bucket is compiled, and the engine's own thread compiled nothing all along."""
     import threading
 
-    from runtime.compilation import BucketPrograms
+    from runtime.engine.compilation import BucketPrograms
 
     go = threading.Event()
     compile_later = BucketPrograms._compile_later
@@ -467,7 +467,7 @@ def test_a_failed_background_compilation_is_reported_and_serving_goes_on(llm, pr
     serving (the same tokens) and waiting for the background work ends."""
     import threading
 
-    from runtime.compilation import BucketPrograms
+    from runtime.engine.compilation import BucketPrograms
 
     go = threading.Event()
     compile_later = BucketPrograms._compile_later

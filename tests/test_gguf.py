@@ -216,7 +216,7 @@ def test_quantization_gguf_serves_q8_0_as_int8_with_the_same_logits(tiny_checkpo
     import jax
 
     from app import LLM, SamplingParams
-    from runtime.quantization import QuantizedWeight, param_bytes
+    from runtime.ops.quantization import QuantizedWeight, param_bytes
 
     gguf_file = write_gguf(tiny_checkpoint("llama"), gguf_dir / "tiny-Q8_0.gguf", weight_type="Q8_0")
     prompt = [(7 * i + 3) % 500 + 4 for i in range(40)]
@@ -520,7 +520,7 @@ def test_demo_prompt_perplexity_matches_transformers(demo_llm, reference):
 def test_demo_with_quantization_gguf_keeps_the_q8_0_embedding_as_int8(reference, servax_cache):
     """The demo GGUF stores its (tied) embedding as Q8_0: served as int8, the greedy tokens are still transformers'."""
     from app import LLM, SamplingParams
-    from runtime.quantization import QuantizedWeight
+    from runtime.ops.quantization import QuantizedWeight
 
     llm = LLM(model=DEMO, quantization="gguf", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256,
               enforce_eager=True, show_progress=False)

@@ -9,7 +9,7 @@ import pytest
 from app import LLM, SamplingParams
 from conftest import hf_greedy, hf_model
 from registry.tiny import tiny_checkpoint_path
-from runtime.errors import InvalidRequestError, PromptTooLongError
+from runtime.engine.errors import InvalidRequestError, PromptTooLongError
 
 MODEL = "servax-tiny/llama"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -147,14 +147,14 @@ def test_bfloat16_generates(llm):
 
 
 def stream_tokens(tokenizer, ids, **kw):
-    from runtime.detokenizer import IncrementalDetokenizer
+    from runtime.engine.detokenizer import IncrementalDetokenizer
 
     detok = IncrementalDetokenizer(tokenizer, [], **kw)
     deltas, stop = [], None
     for i, t in enumerate(ids):
         stop = detok.update([t])
         if stop:
-            detok.stop_at_match()  # what the engine does when runtime.stop says the match ends it
+            detok.stop_at_match()  # what the engine does when runtime.engine.stop says the match ends it
         deltas.append(detok.delta(finished=stop is not None or i == len(ids) - 1))
         if stop:
             break
@@ -216,7 +216,7 @@ def test_tensor_parallel_gives_the_same_tokens():
 
 
 def test_mesh_refuses_sizes_the_devices_cannot_hold():
-    from runtime.mesh import make_mesh
+    from runtime.ops.mesh import make_mesh
 
     import jax
 

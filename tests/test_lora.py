@@ -1,4 +1,4 @@
-"""LoRA adapters (runtime/lora.py) against transformers + PEFT on the tiny models."""
+"""LoRA adapters (runtime/ops/lora.py) against transformers + PEFT on the tiny models."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from app import LLM, LoRARequest, SamplingParams
 from conftest import hf_greedy, hf_model
-from runtime.errors import InvalidRequestError
+from runtime.engine.errors import InvalidRequestError
 
 PROMPT = [(7 * i + 3) % 500 + 4 for i in range(12)]
 NEW = 16

@@ -29,7 +29,7 @@ import torch
 import registry
 from conftest import hf_logits
 from models_jax import layers
-from runtime.step import allocate_kv_cache, make_step_input
+from runtime.ops.step import allocate_kv_cache, make_step_input
 
 MODELS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
 TOL = 1e-4
@@ -225,7 +225,7 @@ def test_random_params_from_the_weight_table_load_back_and_match_transformers(tm
 
     from models_jax.llama import ENTRY
     from models_jax.weights import init_params, is_weight_spec
-    from runtime.mesh import make_mesh
+    from runtime.ops.mesh import make_mesh
 
     config = transformers.Qwen3Config(  # head_dim 32 != hidden / heads: exercises every reshape
         vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -266,8 +266,8 @@ def _lowered_llama_step(num_layers: int) -> jax.stages.Lowered:
 
     from models_jax.llama import ENTRY
     from models_jax.weights import init_params
-    from runtime.mesh import make_mesh
-    from runtime.step import KVCacheSpec
+    from runtime.ops.mesh import make_mesh
+    from runtime.ops.step import KVCacheSpec
 
     config = transformers.LlamaConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
@@ -328,13 +328,13 @@ def test_layers_with_different_sliding_windows_match_transformers(tmp_path):
 
 @pytest.mark.parametrize("family", ["llama", "llama-biases", "qwen2-windows", "qwen3"])
 def test_layer_by_layer_step_equals_the_scan(tmp_path, family):
-    """runtime.layered runs the same LayerStages a few layers per call, with per-layer weight
+    """runtime.ops.layered runs the same LayerStages a few layers per call, with per-layer weight
     arrays, q/k/v and gate/up joined (biases too: qwen2, llama with attention and MLP biases;
     q/k norms: qwen3): logits and every
     layer's cache equal the one-program scan over the weights as loaded (prefill, then decode)."""
     from registry.tiny import make_tiny_checkpoint
-    from runtime.layered import LayeredStep
-    from runtime.mesh import make_mesh
+    from runtime.ops.layered import LayeredStep
+    from runtime.ops.mesh import make_mesh
 
     windows = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)
     kwargs = {"llama": {}, "llama-biases": dict(attention_bias=True, mlp_bias=True)}.get(family, windows)
@@ -394,7 +394,7 @@ def test_layers_load_as_a_list_of_the_stacks_slices(tiny_checkpoint):
 
 
 def test_layers_per_call_divide_the_depth():
-    from runtime.layered import MAX_LAYERS_PER_CALL, layers_per_call
+    from runtime.ops.layered import MAX_LAYERS_PER_CALL, layers_per_call
 
     assert MAX_LAYERS_PER_CALL == 6
     assert [layers_per_call(n) for n in (1, 2, 7, 8, 12, 28, 30, 32)] == [1, 2, 1, 4, 6, 4, 6, 4]
@@ -405,9 +405,9 @@ def test_layers_in_several_calls_with_wide_sequences_equal_the_scan(tmp_path):
     prologue and layers taking the batch widened to 8 sequence slots: the same logits and cache
     as the one-program scan; and the bucket's shared programs are lowered once."""
     from registry.tiny import make_tiny_checkpoint
-    from runtime.cpu_attention import kernel_status
-    from runtime.layered import LayeredStep, widen_seqs
-    from runtime.mesh import make_mesh
+    from runtime.ops.attention_cpu import kernel_status
+    from runtime.ops.layered import LayeredStep, widen_seqs
+    from runtime.ops.mesh import make_mesh
 
     assert kernel_status() == "ok", kernel_status()
     path = make_tiny_checkpoint("llama", tmp_path / "ckpt", num_hidden_layers=8)

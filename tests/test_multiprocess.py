@@ -2,7 +2,7 @@
 
 The leader (tests/multiprocess_leader.py, a fresh process: jax.distributed joins before
 JAX uses the devices) makes `LLM(..., tensor_parallel_size=8, distributed_executor_backend="ray")`
-on its own local Ray cluster; runtime/distributed.py starts the second process as a Ray
+on its own local Ray cluster; runtime/engine/distributed.py starts the second process as a Ray
 actor, both join jax.distributed (CPU collectives over gloo) and every step runs as one
 SPMD program over all 8 devices. Its tokens are judged against this process running the
 same engine on one device and against transformers.
@@ -79,7 +79,7 @@ def runs(request, servax_cache, tmp_path_factory):
 
 
 def test_process_count_follows_tensor_parallel_size_and_local_devices():
-    from runtime.distributed import num_processes
+    from runtime.engine.distributed import num_processes
 
     assert num_processes(4, local_devices=4) == 1
     assert num_processes(8, local_devices=4) == 2
@@ -89,7 +89,7 @@ def test_process_count_follows_tensor_parallel_size_and_local_devices():
 
 
 def test_local_device_count_reads_xla_flags_without_starting_jax(monkeypatch):
-    from runtime.distributed import local_device_count
+    from runtime.engine.distributed import local_device_count
 
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
@@ -100,8 +100,8 @@ def test_local_device_count_reads_xla_flags_without_starting_jax(monkeypatch):
 
 def test_executor_backends_vllm_has_and_servax_does_not_are_refused_saying_why(monkeypatch):
     from app.llm import load_model
-    from runtime import distributed
-    from runtime.config import EngineConfig
+    from runtime.engine import distributed
+    from runtime.engine.config import EngineConfig
 
     for backend in ("mp", "external_launcher"):
         with pytest.raises(ValueError, match="Ray actors"):

@@ -1,4 +1,4 @@
-"""The Pallas attention backend (runtime/pallas_attention.py), in Pallas' TPU interpret mode.
+"""The Pallas attention backend (runtime/ops/attention_pallas.py), in Pallas' TPU interpret mode.
 
 On this CPU the kernel runs interpreted: the same kernel a TPU compiles, checked here
 against the NumPy oracle of tests/test_attention.py, against the XLA backend through
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from app import LLM, SamplingParams
-from runtime.attention import resolve_attention_backend
-from runtime.config import EngineConfig
-from runtime.pallas_attention import pallas_ragged_paged_attention
+from runtime.ops.attention import resolve_attention_backend
+from runtime.engine.config import EngineConfig
+from runtime.ops.attention_pallas import pallas_ragged_paged_attention
 from test_attention import MIXED, TOL, build_batch, check_per_shard_against_xla, oracle
 
 # (heads, kv_heads, block_size, window, soft cap)

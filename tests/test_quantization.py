@@ -1,4 +1,4 @@
-"""int8 weight quantization (runtime/quantization.py) on both model paths."""
+"""int8 weight quantization (runtime/ops/quantization.py) on both model paths."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from app import LLM, SamplingParams
 from conftest import REPO
-from runtime.quantization import QuantizedWeight, param_bytes, quantize_int8
+from runtime.ops.quantization import QuantizedWeight, param_bytes, quantize_int8
 
 PROMPT = [(7 * i + 3) % 500 + 4 for i in range(24)]
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, show_progress=False,
@@ -105,7 +105,7 @@ def test_int8_under_tensor_parallelism_gives_the_same_tokens(tiny_checkpoint, tm
 
 
 def test_unknown_quantization_is_refused():
-    from runtime.config import EngineConfig
+    from runtime.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="supported: int8"):
         EngineConfig(model="servax-tiny/llama", quantization="awq")
@@ -119,8 +119,8 @@ def test_quantized_cache_attention_is_close_to_the_float_oracle(kv_dtype, tol):
     step) against the float oracle: mixed prefills, chunks and decodes, GQA, a window."""
     import jax
 
-    from runtime.attention import paged_attention
-    from runtime.step import KVCache
+    from runtime.ops.attention import paged_attention
+    from runtime.ops.step import KVCache
     from test_attention import MIXED, build_batch, oracle
 
     rng = np.random.default_rng(4)
@@ -137,7 +137,7 @@ def test_quantized_cache_attention_is_close_to_the_float_oracle(kv_dtype, tol):
                     k_scale=jnp.ones((1, *k_full.shape[:-1]), jnp.float32),
                     v_scale=jnp.ones((1, *k_full.shape[:-1]), jnp.float32))
     all_slots = np.arange(num_blocks * block_size, dtype=np.int32)
-    from runtime.attention import write_kv_quantized
+    from runtime.ops.attention import write_kv_quantized
 
     cache = jax.jit(write_kv_quantized)(cache, flat(k_full), flat(v_full), all_slots, 0)
     slots = np.asarray(batch.slot_mapping)[:n]

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import registry
 from conftest import PagedRunner, hf_logits, hf_model
 from registry.errors import ModelLoadError
-from runtime.step import KVCacheSpec, LoadedModel
+from runtime.ops.step import KVCacheSpec, LoadedModel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -177,12 +177,12 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     import registry
     from registry.errors import ModelLoadError
-    from runtime.step import allocate_kv_cache, make_step_input
+    from runtime.ops.step import allocate_kv_cache, make_step_input
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from models_jax.llama import ENTRY
     from models_jax.weights import init_params
-    from runtime.mesh import make_mesh
+    from runtime.ops.mesh import make_mesh
 
     def mesh(n):
         return make_mesh(n, devices=jax.devices()[:n])

@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from runtime.errors import InvalidRequestError
-from runtime.sampler import BIAS_WIDTH, SamplingBatch, _truncate, empty_sampling_batch, sample
-from runtime.sampling_params import SamplingParams
+from runtime.engine.errors import InvalidRequestError
+from runtime.engine.sampler import BIAS_WIDTH, SamplingBatch, _truncate, empty_sampling_batch, sample
+from runtime.engine.sampling_params import SamplingParams
 
 ROWS = 2048
 PROBS = np.array([0.5, 0.3, 0.15, 0.05], np.float32)
@@ -107,7 +107,7 @@ def _truncate_by_sorting(logits, top_k, top_p, min_p):
 @pytest.mark.parametrize("cpu_kernel", [False, True], ids=["bisection", "cpu_kernel"])
 @pytest.mark.parametrize("vocab", [7, 1000, 49152])
 def test_sort_free_truncation_equals_sorting(vocab, cpu_kernel):
-    """The bisection over bit patterns, and the C++ kernel (runtime/kernels/sampling.cc), keep
+    """The bisection over bit patterns, and the C++ kernel (runtime/ops/kernels/sampling.cc), keep
     exactly the tokens a full sort would keep."""
     if cpu_kernel:
         require_cpu_kernels()
@@ -130,7 +130,7 @@ def test_sort_free_truncation_equals_sorting(vocab, cpu_kernel):
 
 
 def require_cpu_kernels() -> None:
-    from runtime.cpu_attention import kernel_status
+    from runtime.ops.attention_cpu import kernel_status
 
     assert kernel_status() == "ok", f"the CPU kernels must build on the test machine: {kernel_status()}"
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.kv_cache_manager import KVCacheManager
-from runtime.request import Request, RequestStatus
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler
+from runtime.engine.kv_cache_manager import KVCacheManager
+from runtime.engine.request import Request, RequestStatus
+from runtime.engine.sampling_params import SamplingParams
+from runtime.engine.scheduler import Scheduler
 
 BS = 4
 

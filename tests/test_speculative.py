@@ -13,8 +13,8 @@ from pydantic import ValidationError
 from scipy.stats import chi2_contingency
 
 from app import LLM, SamplingParams
-from runtime.config import EngineConfig
-from runtime.speculative import (AcceptanceHistory, DraftPolicy, SpeculativeConfig, accept_drafts,
+from runtime.engine.config import EngineConfig
+from runtime.engine.speculative import (AcceptanceHistory, DraftPolicy, SpeculativeConfig, accept_drafts,
                                  candidate_draft_lengths, propose_ngram)
 
 MODEL = "servax-tiny/llama"

@@ -34,7 +34,7 @@ GPT2 = "servax-tiny/gpt2"  # fused block-major q|k|v (c_attn, Conv1D [in, 3 * hi
 MHA8 = "llama-8-heads"  # 8 query and 8 KV heads: the one model here that splits 8 ways
 GQA3 = "llama-12-heads-3-kv"  # 3 KV heads on 4 devices: stored 4 times each, 3 per device
 
-NATIVE_PARAMS = {  # layer 0 of the per-layer weights (runtime/layered.py)
+NATIVE_PARAMS = {  # layer 0 of the per-layer weights (runtime/ops/layered.py)
     "q": "layers.q", "k": "layers.k", "v": "layers.v", "o": "layers.o",
     "gate": "layers.mlp.gate", "up": "layers.mlp.up", "down": "layers.mlp.down",
     "embed": "embed", "lm_head": "lm_head",
@@ -154,7 +154,7 @@ def check_params(params: dict, expected: dict, tp: int) -> None:
 @pytest.mark.slow
 def test_native_params_are_sharded_at_tp4(native):
     # tiny llama: 2 layers, hidden 64, 4 heads x 16, 2 KV heads, intermediate 128, vocab 512.
-    # Layers are served one per call from per-layer arrays (runtime/layered.py): layer 0's.
+    # Layers are served one per call from per-layer arrays (runtime/ops/layered.py): layer 0's.
     check_params(native[("servax-tiny/llama", 4)]["params"], {
         "q": ("P(None, 'model', None)", (64, 1, 16)),  # [in, heads, head_dim], one head per device
         # 2 KV heads stored twice each ([64, 4, 16]): each device holds the KV head its query head reads
@@ -326,8 +326,8 @@ def test_sharding_rules_map_logical_axes_to_the_model_axis():
     """One table: heads, MLP features and vocab split on "model"; what does not divide stays whole."""
     from jax.sharding import AbstractMesh, PartitionSpec as P
 
-    from runtime.mesh import SHARDING_RULES, check_mesh, logical_axis_size, logical_to_spec, num_shards
-    from runtime.step import KV_CACHE_AXES, KVCacheSpec
+    from runtime.ops.mesh import SHARDING_RULES, check_mesh, logical_axis_size, logical_to_spec, num_shards
+    from runtime.ops.step import KV_CACHE_AXES, KVCacheSpec
 
     mesh = AbstractMesh((2, 4), ("data", "model"))
     assert logical_to_spec(("embed", "q_heads", "head_dim"), (64, 8, 16), mesh) == P(None, "model", None)

@@ -1,10 +1,10 @@
-"""runtime.stop: the one decision of whether a sequence finishes and why (vLLM's precedence)."""
+"""runtime.engine.stop: the one decision of whether a sequence finishes and why (vLLM's precedence)."""
 
 from __future__ import annotations
 
-from runtime.request import Request, RequestStatus
-from runtime.sampling_params import SamplingParams
-from runtime.stop import check_stop, is_stop_token, suppressed_token_ids
+from runtime.engine.request import Request, RequestStatus
+from runtime.engine.sampling_params import SamplingParams
+from runtime.engine.stop import check_stop, is_stop_token, suppressed_token_ids
 
 EOS = 2
 

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from app import LLM, SamplingParams
-from runtime.errors import InvalidRequestError
-from runtime.sampler import SamplingBatch, empty_sampling_batch, sample
-from runtime.sampling_params import StructuredOutputsParams
-from runtime.structured_output import TokenMaskCompiler, fill_token_masks, pack_token_ids, unpack_row
+from runtime.engine.errors import InvalidRequestError
+from runtime.engine.sampler import SamplingBatch, empty_sampling_batch, sample
+from runtime.engine.sampling_params import StructuredOutputsParams
+from runtime.engine.structured_output import TokenMaskCompiler, fill_token_masks, pack_token_ids, unpack_row
 
 MODEL = "servax-tiny/llama"
 # test_engine's engine shape: its programs are in the persistent compilation cache.

@@ -29,7 +29,7 @@ from registry.tiny import make_tiny_checkpoint, make_tokenizer
 from registry.torchax_model import load_torchax
 from registry.errors import ModelLoadError
 from conftest import PagedRunner, hf_greedy, hf_logits
-from runtime.step import allocate_kv_cache, make_step_input
+from runtime.ops.step import allocate_kv_cache, make_step_input
 
 # conftest.PagedRunner's default shape: 4-token blocks (48 of them, 16 per sequence = 64
 # tokens), every step padded to 16 tokens and 2 sequences.
@@ -99,7 +99,7 @@ def checkpoints(tmp_path_factory):
 
 def joined(loaded):
     """The model with each decoder layer's Linear weights joined by input and stored [in, out]
-    (LayerStages.fuse), as runtime/layered.py serves it on one device."""
+    (LayerStages.fuse), as runtime/ops/layered.py serves it on one device."""
     if loaded.stages is None or loaded.stages.fuse is None:
         return loaded
     layers = [loaded.stages.fuse(p) for p in loaded.params["layers"]]
@@ -180,7 +180,7 @@ def test_repeated_kv_heads_attend_like_grouped_query_attention(kv_repeat):
     import_torchax()
     from torchax.interop import jax_view, torch_view
 
-    from runtime.step import KVCacheSpec
+    from runtime.ops.step import KVCacheSpec
 
     num_tokens, heads, kv_heads, head_dim = 5, 8, 2, 16
     keys = jax.random.split(jax.random.key(0), 3)
@@ -374,7 +374,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     sys.path[:0] = [{root!r}, {tests!r}]
     from test_torchax import PagedRunner, make_prompt, resolved_for
     from registry.torchax_model import load_torchax
-    from runtime.mesh import make_mesh
+    from runtime.ops.mesh import make_mesh
     out = {{}}
     for path in sys.argv[1:]:
         logits = []

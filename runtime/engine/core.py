@@ -1,6 +1,6 @@
 """The synchronous engine core: add_request / step / abort_request.
 
-    model = registry.load("servax-tiny/llama", mesh=runtime.mesh.make_mesh(1))
+    model = registry.load("servax-tiny/llama", mesh=runtime.ops.mesh.make_mesh(1))
     engine = Engine(EngineConfig(model="servax-tiny/llama", max_model_len=512), model)
     engine.add_request("r1", "Hello", SamplingParams(max_tokens=8))
     while engine.has_unfinished_requests():
@@ -25,24 +25,26 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from runtime.attention import resolve_attention_backend
-from runtime.compilation import CompileCounter, enable_persistent_cache, seq_buckets, token_buckets
-from runtime import distributed
-from runtime.config import EngineConfig
-from runtime.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
-from runtime.kv_cache_manager import KVCacheManager
-from runtime.lora import LoRAError, LoRAManager, LoRARequest, add_lora_slots, load_peft_adapter
-from runtime.mesh import make_mesh, num_shards
-from runtime.model_runner import InFlightStep, ModelRunner
-from runtime.output_processor import RequestState, TokenTexts
-from runtime.outputs import RequestOutput
-from runtime.processor import InputProcessor, ProcessedRequest, PromptType
-from runtime.request import Request, RequestStatus
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler
-from runtime.speculative import DraftPolicy, SpeculativeConfig, candidate_draft_lengths
-from runtime.step import LoadedModel
-from runtime.stop import check_stop
+from runtime.ops.attention import resolve_attention_backend
+from runtime.engine.compilation import CompileCounter, enable_persistent_cache, seq_buckets, token_buckets
+from runtime.engine import distributed
+from runtime.engine.config import EngineConfig
+from runtime.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from runtime.engine.kv_cache_manager import KVCacheManager
+from runtime.engine.lora import LoRAManager
+from runtime.engine.lora_request import LoRARequest
+from runtime.ops.lora import LoRAError, add_lora_slots
+from runtime.ops.mesh import make_mesh, num_shards
+from runtime.engine.runner import InFlightStep, ModelRunner
+from runtime.engine.output_processor import RequestState, TokenTexts
+from runtime.engine.outputs import RequestOutput
+from runtime.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
+from runtime.engine.request import Request, RequestStatus
+from runtime.engine.sampling_params import SamplingParams
+from runtime.engine.scheduler import Scheduler
+from runtime.engine.speculative import DraftPolicy, SpeculativeConfig, candidate_draft_lengths
+from runtime.ops.step import LoadedModel
+from runtime.engine.stop import check_stop
 
 logger = logging.getLogger("servax.engine")
 
@@ -75,7 +77,7 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_position: list[int] = dataclasses.field(default_factory=list)
-    # A mesh over several processes (runtime/distributed.py): host inputs sent to each worker.
+    # A mesh over several processes (runtime/engine/distributed.py): host inputs sent to each worker.
     num_processes: int = 1
     distributed_calls: int = 0
     distributed_bytes_sent: int = 0
@@ -91,7 +93,7 @@ class Engine:
     Args:
         config: the engine settings (`config.model` only names the model in logs).
         model: the loaded model (registry.load), its params placed on the mesh that
-            `runtime.mesh.make_mesh(config.tensor_parallel_size)` makes.
+            `runtime.ops.mesh.make_mesh(config.tensor_parallel_size)` makes.
 
     Raises:
         ValueError: the settings cannot work (params on another mesh, KV cache too small
@@ -108,7 +110,7 @@ class Engine:
             raise ValueError(
                 f"the model's params live on {len(placed_on)} device(s) but the engine's mesh has "
                 f"{self.mesh.devices.size} (tensor_parallel_size={config.tensor_parallel_size}); load it with "
-                "registry.load(..., mesh=runtime.mesh.make_mesh(tensor_parallel_size))"
+                "registry.load(..., mesh=runtime.ops.mesh.make_mesh(tensor_parallel_size))"
             )
         self.model = model
         self.tokenizer = model.tokenizer
@@ -162,8 +164,7 @@ class Engine:
         )
         self.lora: LoRAManager | None = None
         if config.enable_lora:
-            load = functools.partial(load_peft_adapter, targets=model.lora_targets, num_layers=model.kv_spec.num_layers,
-                                     max_rank=config.max_lora_rank, dtype=model.kv_spec.dtype)
+            load = functools.partial(model.read_lora_adapter, max_rank=config.max_lora_rank)
             self.lora = LoRAManager(load, self.runner.write_lora_slot, max_loras=config.max_loras,
                                     max_cpu_loras=config.max_cpu_loras)
             self.scheduler.lora = self.lora

@@ -7,12 +7,12 @@ the offline `LLM`), so a request is judged by one set of rules wherever it comes
   `{"prompt_token_ids": [...]}`, vLLM's TextPrompt / TokensPrompt), or chat messages
   rendered with the model's chat template;
 - sampling settings are a `SamplingParams` or a dict of its fields (validated by
-  SamplingParams itself: the value ranges live in runtime/sampling_params.py);
+  SamplingParams itself: the value ranges live in runtime/engine/sampling_params.py);
 - the limits that depend on the model and the engine (vocabulary, context length,
   max_logprobs, max_num_seqs) are checked here;
 - token constraints (structured outputs, allowed_token_ids, bad_words) are compiled here,
   so a bad grammar is refused before anything is queued and compiling never holds up the
-  engine loop (runtime/structured_output.py).
+  engine loop (runtime/engine/structured_output.py).
 
 Bad input raises `InvalidRequestError` (with `.param`) or `PromptTooLongError`, before
 anything is queued. Runs on the caller's thread, never the engine loop's.
@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from runtime.errors import InvalidRequestError, PromptTooLongError
-from runtime.sampling_params import SamplingParams
-from runtime.structured_output import CompiledConstraints, TokenMaskCompiler
+from runtime.engine.errors import InvalidRequestError, PromptTooLongError
+from runtime.engine.sampling_params import SamplingParams
+from runtime.engine.structured_output import CompiledConstraints, TokenMaskCompiler
 
 # A prompt in any of the accepted forms (chat messages are a list of dicts with a role).
 PromptType = str | Sequence[int] | Mapping[str, Any] | Sequence[Mapping[str, Any]]
@@ -46,7 +46,7 @@ class ProcessedRequest:
     params: SamplingParams
     arrival_time: float
     constraints: CompiledConstraints | None = None  # the token mask's grammar / allowed ids / bad words
-    lora_request: Any = None  # runtime.lora.LoRARequest of the adapter to generate with, or None
+    lora_request: Any = None  # runtime.engine.lora_request.LoRARequest of the adapter to generate with, or None
 
 
 def to_sampling_params(fields: Mapping[str, Any]) -> SamplingParams:

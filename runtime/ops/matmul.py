@@ -1,4 +1,4 @@
-"""Matrix products on pre-packed weights, for XLA:CPU (runtime/kernels/matmul.cc).
+"""Matrix products on pre-packed weights, for XLA:CPU (runtime/ops/kernels/matmul.cc).
 
 A decode step multiplies a few rows (one per sequence) by every weight matrix of the model,
 each read once a step: it is bound by how fast the weights stream in. XLA:CPU's GEMM repacks
@@ -16,7 +16,7 @@ Intel's full-width AVX-512 the kernel multiplies two panels a pass in 512-bit re
 model code reads either form; the native models pack their layers' joined projections and
 LM head where the runtime runs its CPU kernels (attention backend "cpu"), the weights are
 float32 and whole on every device, and the CPU has AVX2 and FMA (elsewhere the kernel's
-portable loops would be slower than XLA); see runtime/layered.py.
+portable loops would be slower than XLA); see runtime/ops/layered.py.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from runtime.cpu_attention import MATMUL_TARGET, cpu_flags, kernel_available, kernel_status
+from runtime.ops.attention_cpu import MATMUL_TARGET, cpu_flags, kernel_available, kernel_status
 
-PANEL = 16  # output columns per packed panel (runtime/kernels/matmul.cc kPanel)
+PANEL = 16  # output columns per packed panel (runtime/ops/kernels/matmul.cc kPanel)
 
 
 def packed_matmul_available() -> bool:

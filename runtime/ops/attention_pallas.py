@@ -1,6 +1,6 @@
 """Ragged paged attention as a Pallas kernel (the `attention_backend="pallas"` path).
 
-Same contract as `runtime.attention.ragged_paged_attention`: the cache already holds this
+Same contract as `runtime.ops.attention.ragged_paged_attention`: the cache already holds this
 step's K/V (see `attention.write_kv`), and each token attends causally over its own
 sequence's context, read through its block table. The KV layout is the XLA path's,
 [num_layers, num_blocks, kv_heads, block_size, head_dim] per K and V: the kernel reads a
@@ -35,8 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec
 
-from runtime.attention import NO_SLIDING_WINDOW, per_kv_head_shard
-from runtime.step import StepInput
+from runtime.ops.attention import NO_SLIDING_WINDOW, per_kv_head_shard
+from runtime.ops.step import StepInput
 
 _MASK_VALUE = -1e30
 # Query tokens per program. A decode fills one row of a tile, a prefill whole tiles.

@@ -5,7 +5,7 @@ serving never compiles (see compilation.CompileCounter). The KV cache is donated
 step so that its update is in place.
 
 Rows: normally one sequence slot per scheduled request. A request that still needs prompt
-logprobs, or verifies draft tokens (runtime/speculative.py), has each of its scheduled
+logprobs, or verifies draft tokens (runtime/engine/speculative.py), has each of its scheduled
 tokens in a slot of its own (same block table, seq_len = position + 1). Because a layer
 writes all new K/V before it attends, the result equals one ragged prefill, and every
 position yields logits.
@@ -27,13 +27,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from runtime.compilation import BucketPrograms, lower_thread_priority, packed_weight_buckets, step_bucket, step_buckets
-from runtime.layered import LayeredStep
-from runtime.sampler import BIAS_WIDTH, SamplingBatch, empty_sampling_batch, sample
-from runtime.scheduler import SchedulerOutput
-from runtime.step import LoadedModel, allocate_kv_cache, make_step_input
-from runtime.stop import suppressed_token_ids
-from runtime.structured_output import fill_token_masks, mask_words
+from runtime.engine.compilation import BucketPrograms, lower_thread_priority, packed_weight_buckets, step_bucket, step_buckets
+from runtime.ops.layered import LayeredStep
+from runtime.engine.sampler import BIAS_WIDTH, SamplingBatch, empty_sampling_batch, sample
+from runtime.engine.scheduler import SchedulerOutput
+from runtime.ops.step import LoadedModel, allocate_kv_cache, make_step_input
+from runtime.engine.stop import suppressed_token_ids
+from runtime.engine.structured_output import fill_token_masks, mask_words
 
 logger = logging.getLogger("servax.engine")
 _SUPPRESS = -1e30
@@ -80,12 +80,12 @@ class ModelRunner:
             ones where the products run on packed weights: compilation.packed_weight_buckets).
         max_logprobs: K of the sampler's top-K logprobs.
         layerwise: step a model that offers LayerStages a few decoder layers per call
-            (runtime/layered.py; it takes over the model's params), else one program.
-        attention_backend: "xla" or "pallas" (resolved: see runtime.attention.resolve_backend);
+            (runtime/ops/layered.py; it takes over the model's params), else one program.
+        attention_backend: "xla" or "pallas" (resolved: see runtime.ops.attention.resolve_backend);
             the KV cache is allocated for it.
         kv_spec: the cache to allocate (default the model's; the engine's kv_cache_dtype may
             make it a quantized one).
-        peers: the runtime.distributed.ProcessGroup of a mesh that spans processes: every
+        peers: the runtime.engine.distributed.ProcessGroup of a mesh that spans processes: every
             device call below is sent to its workers first, which run the same on their shards.
     """
 
@@ -119,7 +119,7 @@ class ModelRunner:
         self.replicated = NamedSharding(mesh, PartitionSpec())
         # With the C++ attention kernel, empty sequence slots cost nothing: the layer programs
         # then take every batch at the largest sequence bucket and compile once per token bucket;
-        # the matmuls run on packed weights by the C++ kernel there too (runtime/cpu_matmul.py).
+        # the matmuls run on packed weights by the C++ kernel there too (runtime/ops/matmul.py).
         cpu_kernels = self.kv_cache.attention_backend == "cpu"
         self.layered = (LayeredStep(model, mesh, kv_shardings, seq_buckets[-1] if cpu_kernels else None,
                                     pack=cpu_kernels)
@@ -147,13 +147,13 @@ class ModelRunner:
         return "lora" in (layers[0] if isinstance(layers, list) else layers)
 
     def write_lora_slot(self, slot: int, adapter) -> None:
-        """Write an adapter (runtime.lora.LoRAAdapter; None: zeros) into device slot `slot` of
+        """Write an adapter (runtime.ops.lora.LoRAAdapter; None: zeros) into device slot `slot` of
         every layer's tables. Same shapes every time: nothing compiles after warmup."""
         layers = self._layers()
         for name in self.lora_targets:
             for j, ab in enumerate(("a", "b")):
                 stacked = None if adapter is None else adapter.weights[name][j]  # [layers, ...]
-                if isinstance(layers, list):  # one table per layer (runtime/layered.py)
+                if isinstance(layers, list):  # one table per layer (runtime/ops/layered.py)
                     for i, lp in enumerate(layers):
                         table = lp["lora"][name][ab]
                         value = np.zeros(table.shape[1:], table.dtype) if stacked is None else stacked[i]
@@ -466,10 +466,10 @@ class ModelRunner:
 
 def _sample_kernel_usable(mesh: Mesh) -> bool:
     """Whether the sampler cuts top-k / top-p with the C++ kernel: XLA:CPU, a one-device mesh
-    (the kernel is not partitioned), and the kernels built (runtime.cpu_attention)."""
+    (the kernel is not partitioned), and the kernels built (runtime.ops.attention_cpu)."""
     devices = mesh.devices.flat
     if mesh.devices.size != 1 or next(iter(devices)).platform != "cpu":
         return False
-    from runtime.cpu_attention import kernel_available
+    from runtime.ops.attention_cpu import kernel_available
 
     return kernel_available()

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from runtime.speculative import SpeculativeConfig
+from runtime.engine.speculative import SpeculativeConfig
 
 ModelImpl = Literal["auto", "jax", "torchax"]
 
@@ -58,7 +58,7 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int | None = Field(None, gt=0, description="Exact KV block count (overrides budgets).")
     tensor_parallel_size: int = Field(
         1, gt=0, description="Devices the weights and KV cache are split over; more than one process has "
-                             "makes a multi-process engine (runtime/distributed.py).")
+                             "makes a multi-process engine (runtime/engine/distributed.py).")
     distributed_executor_backend: Literal["ray", "uni"] | None = Field(
         None, description="ray: a mesh larger than one process runs over Ray actors joined by jax.distributed "
                           "(the default when it is larger); uni: one process only (vLLM's names).")
@@ -102,7 +102,7 @@ class EngineConfig(BaseModel):
     )
     layerwise: bool = Field(
         True, description="Step models a few decoder layers per call (one compiled layer program of up to "
-                          "6 layers, weights read in place; runtime/layered.py). False: one program per step with a "
+                          "6 layers, weights read in place; runtime/ops/layered.py). False: one program per step with a "
                           "scan over stacked layer weights (XLA:CPU then copies each layer's weights per step).",
     )
     generation_config: str = Field(
@@ -110,7 +110,7 @@ class EngineConfig(BaseModel):
                             "request leaves unset (vLLM's default); vllm: no model defaults; or a folder "
                             "holding a generation_config.json.",
     )
-    # LoRA adapters (vLLM's names; runtime/lora.py).
+    # LoRA adapters (vLLM's names; runtime/ops/lora.py).
     enable_lora: bool = Field(False, description="Serve LoRA adapters (native JAX models) beside the base model.")
     max_loras: int = Field(1, gt=0, description="Adapters resident at once, so the most in one step.")
     max_lora_rank: int = Field(16, gt=0, description="Highest adapter rank accepted (the slots' rank).")
@@ -122,10 +122,10 @@ class EngineConfig(BaseModel):
         None, description="None (weights in `dtype`; quantized GGUF tensors dequantized), int8: symmetric "
                           "per-output-channel int8 weights, or gguf: a GGUF file's Q8_0 tensors kept as int8 "
                           "with their scale per 32 inputs (other types dequantized); dequantized inside the "
-                          "step (runtime/quantization.py).")
+                          "step (runtime/ops/quantization.py).")
     speculative_config: SpeculativeConfig | None = Field(
         None, description='n-gram speculative decoding, vLLM\'s dict: {"method": "ngram", "num_speculative_tokens": '
-                          'k, "prompt_lookup_max": n, "prompt_lookup_min": m} (runtime/speculative.py).')
+                          'k, "prompt_lookup_max": n, "prompt_lookup_min": m} (runtime/engine/speculative.py).')
     tokenizer_mode: Literal["auto", "hf", "slow"] = "auto"
     skip_tokenizer_init: bool = Field(False, description="Load no tokenizer: prompts must be token ids.")
     hf_overrides: dict[str, Any] | None = Field(None, description="Config attributes to override.")

@@ -21,7 +21,7 @@ class IncrementalDetokenizer:
         tokenizer: a Hugging Face tokenizer, or None (text stays empty).
         prompt_token_ids: the prompt, for context of the first output tokens.
         skip_special_tokens: leave special tokens out of the text.
-        stop: stop strings to look for in new text (runtime.stop decides whether a match ends it).
+        stop: stop strings to look for in new text (runtime.engine.stop decides whether a match ends it).
         include_stop_str_in_output: keep the matched stop string in the text.
     """
 
@@ -56,7 +56,7 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int]) -> str | None:
         """Add tokens; returns the first stop string that the text they added contains, if any.
 
-        The text is not cut here: if runtime.stop decides the match ends the request, the
+        The text is not cut here: if runtime.engine.stop decides the match ends the request, the
         caller calls `stop_at_match()`.
         """
         self._match = None

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from runtime.errors import InvalidRequestError
+from runtime.engine.errors import InvalidRequestError
 
 # The limits of every request, whatever door it comes in by (HTTP, handle, offline LLM):
 # vLLM's ranges. The HTTP models type the fields but leave the ranges to this module.
@@ -44,7 +44,7 @@ class StructuredOutputsParams:
         structural_tag: vLLM's structural tags are not supported (a 400 says so).
 
     The grammar is compiled (and its errors found) when a request is admitted, see
-    runtime/structured_output.py.
+    runtime/engine/structured_output.py.
     """
 
     json: str | dict | None = None

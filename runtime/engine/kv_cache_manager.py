@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from runtime.block_pool import BlockPool, KVCacheBlock
-from runtime.request import Request
+from runtime.engine.block_pool import BlockPool, KVCacheBlock
+from runtime.engine.request import Request
 
 
 @dataclasses.dataclass(frozen=True)

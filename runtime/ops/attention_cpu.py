@@ -1,15 +1,15 @@
 """Ragged paged attention as a C++ kernel for XLA:CPU (the `attention_backend="cpu"` path).
 
 XLA:CPU has no way to read a paged cache in place: the pure-JAX attention
-(runtime/attention.py) gathers each token's blocks into a fresh array before its dots, and
+(runtime/ops/attention.py) gathers each token's blocks into a fresh array before its dots, and
 on the demo model that copy, not the arithmetic, is most of a decode step's attention
 (~0.75 of a 2.9 ms layer at 32 sequences of 128 tokens). This kernel reads every cached
 block where it lies, once per (sequence, KV head, query tile), with an online softmax; it
 runs on XLA's own intra-op threads.
 
-The kernel (runtime/kernels/paged_attention.cc) is compiled on first use, in one library with
-the sampler's top-k/top-p cut (runtime/kernels/sampling.cc, see runtime/sampler.py) and the
-matmul on packed weights (runtime/kernels/matmul.cc, see runtime/cpu_matmul.py), with the
+The kernel (runtime/ops/kernels/paged_attention.cc) is compiled on first use, in one library with
+the sampler's top-k/top-p cut (runtime/ops/kernels/sampling.cc, see runtime/engine/sampler.py) and the
+matmul on packed weights (runtime/ops/kernels/matmul.cc, see runtime/ops/matmul.py), with the
 machine's C++ compiler (`CXX`, else g++ or c++; more flags from SERVAX_KERNEL_CXXFLAGS) against
 the XLA FFI headers jaxlib ships, for the CPU it runs on (-march=native), and kept in
 ~/.cache/servax/kernels/ under a key of source, flags, jaxlib version and CPU: later starts load
@@ -40,8 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from runtime.attention import NO_SLIDING_WINDOW, per_kv_head_shard
-from runtime.step import StepInput
+from runtime.ops.attention import NO_SLIDING_WINDOW, per_kv_head_shard
+from runtime.ops.step import StepInput
 
 logger = logging.getLogger("servax.engine")
 
@@ -49,8 +49,8 @@ _KERNELS = Path(__file__).with_name("kernels")
 _SOURCES = tuple(_KERNELS / name for name in ("paged_attention.cc", "sampling.cc", "matmul.cc"))
 _HEADERS = tuple(_KERNELS / name for name in ("parallel.h",))  # part of the build key, not compiled alone
 _TARGET = "servax_paged_attention"
-TRUNCATION_TARGET = "servax_truncation_cut"  # runtime/sampler.py's top-k/top-p cut
-MATMUL_TARGET = "servax_packed_matmul"  # runtime/cpu_matmul.py
+TRUNCATION_TARGET = "servax_truncation_cut"  # runtime/engine/sampler.py's top-k/top-p cut
+MATMUL_TARGET = "servax_packed_matmul"  # runtime/ops/matmul.py
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC")
 # Linked apart from compiling, without -ffast-math: GCC 12 links crtfastmath.o into a shared
 # library built with it, which sets flush-to-zero and denormals-are-zero in the thread that
@@ -166,7 +166,7 @@ def cpu_ragged_paged_attention(
     """Causal paged attention of every token over its sequence's cached context (which
     includes the step's own K/V, already written), read in place by the C++ kernel.
 
-    Same contract as runtime.attention.ragged_paged_attention. On a mesh of several devices
+    Same contract as runtime.ops.attention.ragged_paged_attention. On a mesh of several devices
     the kernel runs per shard (shard_map): each device attends with its own KV heads.
 
     Raises:

@@ -34,7 +34,7 @@ SHARDING_RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": MODEL_AXIS,
     # Stacked decoder layers (weights and KV cache): the forward scans over it, so it stays whole.
     "layers": None,
-    # the paged KV cache, [layers, num_blocks, kv_heads, block_size, head_dim] (runtime.step.KV_CACHE_AXES)
+    # the paged KV cache, [layers, num_blocks, kv_heads, block_size, head_dim] (runtime.ops.step.KV_CACHE_AXES)
     "kv_blocks": None,
     "kv_block_tokens": None,
     # The torchax fallback knows a weight only by its module's name, not whether its
@@ -132,5 +132,5 @@ def check_mesh(mesh: Mesh) -> None:
     wanted = {a for logical in SHARDING_RULES for a in mesh_axes(logical)}
     missing = sorted(wanted - set(mesh.axis_names))
     if missing:
-        raise ValueError(f"the mesh must have the axes {missing} that runtime.mesh.SHARDING_RULES use; "
-                         f"it has {tuple(mesh.axis_names)} (runtime.mesh.make_mesh builds one)")
+        raise ValueError(f"the mesh must have the axes {missing} that runtime.ops.mesh.SHARDING_RULES use; "
+                         f"it has {tuple(mesh.axis_names)} (runtime.ops.mesh.make_mesh builds one)")

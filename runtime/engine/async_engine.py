@@ -20,13 +20,13 @@ import logging
 import threading
 from typing import Any, AsyncIterator, Callable
 
-from runtime.config import EngineConfig
-from runtime.engine import Engine, EngineStats, ProcessedRequest
-from runtime.errors import EngineDeadError, InvalidRequestError
-from runtime.outputs import RequestOutput
-from runtime.processor import PromptType
-from runtime.sampling_params import SamplingParams
-from runtime.step import LoadedModel
+from runtime.engine.config import EngineConfig
+from runtime.engine.core import Engine, EngineStats, ProcessedRequest
+from runtime.engine.errors import EngineDeadError, InvalidRequestError
+from runtime.engine.outputs import RequestOutput
+from runtime.engine.input_processor import PromptType
+from runtime.engine.sampling_params import SamplingParams
+from runtime.ops.step import LoadedModel
 
 logger = logging.getLogger("servax.engine")
 
@@ -170,7 +170,7 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutput snapshots of one request; the last has finished=True.
 
-        lora_request: a runtime.lora.LoRARequest to generate with (needs enable_lora).
+        lora_request: a runtime.engine.lora_request.LoRARequest to generate with (needs enable_lora).
 
         Raises (before the first output): InvalidRequestError, PromptTooLongError,
         EngineOverloadedError, EngineDeadError.

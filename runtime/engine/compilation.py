@@ -66,7 +66,7 @@ def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
 
 def packed_weight_buckets(tokens: list[int], seqs: list[int]) -> tuple[list[int], list[int]]:
     """(token buckets, sequence buckets) for steps whose products run on packed weights
-    (runtime/cpu_matmul.py). That kernel multiplies only a step's real rows, so padding 2-8
+    (runtime/ops/matmul.py). That kernel multiplies only a step's real rows, so padding 2-8
     tokens to 16 costs little and the small-step buckets 2, 4 and 8 would only be programs
     to compile (the default app's warmup, demo model, cold: 6.9 -> 4.1 s without them). The bucket
     of 1 token stays, with a sequence bucket of 1 beside the others: a lone sequence's decode

@@ -13,10 +13,10 @@ The life of a constrained request:
    sequences: int32 words, bit `t % 32` of word `t // 32` set when token t is allowed
    (all-ones rows for the others); the sampler unpacks them inside jit;
 4. `Request.append_output_token` advances the sequence's matcher with the sampled token,
-   and `runtime.stop.check_stop` ends the request ("stop") once the grammar is complete.
+   and `runtime.engine.stop.check_stop` ends the request ("stop") once the grammar is complete.
 
 The engine pipelines steps, but the next step is dispatched only after the scheduler has
-appended this step's tokens (runtime/engine.py `step`), so each mask is built from a
+appended this step's tokens (runtime/engine/core.py `step`), so each mask is built from a
 matcher that has seen every token before it; constrained requests need no special path.
 
 Grammars are compiled by llguidance rather than xgrammar: on this machine it compiles a
@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from runtime.errors import InvalidRequestError
-from runtime.sampling_params import SamplingParams, StructuredOutputsParams
+from runtime.engine.errors import InvalidRequestError
+from runtime.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("servax.engine")
 

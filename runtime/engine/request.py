@@ -10,12 +10,12 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-from runtime.sampling_params import SamplingParams
-from runtime.speculative import AcceptanceHistory
+from runtime.engine.sampling_params import SamplingParams
+from runtime.engine.speculative import AcceptanceHistory
 
 if TYPE_CHECKING:
-    from runtime.lora_request import LoRARequest
-    from runtime.structured_output import TokenConstraints
+    from runtime.engine.lora_request import LoRARequest
+    from runtime.engine.structured_output import TokenConstraints
 
 
 class RequestStatus(enum.Enum):
@@ -103,8 +103,8 @@ class Request:
         self.token_constraints = token_constraints
         self.block_hashes: list[int] = []
         self.lora_request = lora_request
-        self.lora_slot = 0  # the adapter's device slot while running (runtime.lora.LoRAManager)
-        self.draft_history = AcceptanceHistory()  # n-gram speculation's record (runtime.speculative)
+        self.lora_slot = 0  # the adapter's device slot while running (runtime.engine.lora.LoRAManager)
+        self.draft_history = AcceptanceHistory()  # n-gram speculation's record (runtime.engine.speculative)
         limit = max_model_len - len(prompt_token_ids)
         self.max_tokens = min(sampling_params.max_tokens or limit, limit)
         # Prompt logprobs of prompt tokens 1..P-1 are computed while the prompt is prefilled;

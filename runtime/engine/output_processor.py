@@ -6,12 +6,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from runtime.detokenizer import IncrementalDetokenizer
-from runtime.model_runner import RowResult
-from runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from runtime.request import Request
-from runtime.sampling_params import SamplingParams
-from runtime.stop import is_stop_token
+from runtime.engine.detokenizer import IncrementalDetokenizer
+from runtime.engine.runner import RowResult
+from runtime.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from runtime.engine.request import Request
+from runtime.engine.sampling_params import SamplingParams
+from runtime.engine.stop import is_stop_token
 
 
 class TokenTexts:
@@ -106,7 +106,7 @@ class RequestState:
     def add_token(self, request: Request, token: int, row: RowResult | None, texts: TokenTexts) -> str | None:
         """Record a child's new token; returns a stop string its text completed, if any.
 
-        Whether that string ends the child is runtime.stop's decision; if it does, the
+        Whether that string ends the child is runtime.engine.stop's decision; if it does, the
         caller calls `stop_at_match`.
         """
         now = time.time()

@@ -2,7 +2,7 @@
 
 One call serves a batch that mixes whole prefills, chunks of prefills that start
 mid-sequence, and single-token decodes. Keys and values live in a paged cache, stacked
-over layers ([num_layers, num_blocks, kv_heads, block_size, head_dim], runtime.step.KVCache);
+over layers ([num_layers, num_blocks, kv_heads, block_size, head_dim], runtime.ops.step.KVCache);
 a call writes and reads the layer `layer` (a traced index under the models' scan over
 layers, a static one on the torchax path), and each sequence reaches its blocks through
 its row of `block_tables`. A read gathers just the blocks it needs and a write scatters
@@ -35,7 +35,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from runtime.step import KVCache, StepInput
+from runtime.ops.step import KVCache, StepInput
 
 logger = logging.getLogger("servax.engine")
 
@@ -492,8 +492,8 @@ def resolve_attention_backend(requested: str, platform: str) -> str:
     """The attention backend an engine on `platform` ("cpu", "gpu", "tpu") runs for the
     `attention_backend` setting: "xla", "pallas" or "cpu".
 
-    auto takes the Pallas kernel (runtime/pallas_attention.py) on TPU, the C++ kernel
-    (runtime/cpu_attention.py) on CPU where it builds, and this module's XLA implementation
+    auto takes the Pallas kernel (runtime/ops/attention_pallas.py) on TPU, the C++ kernel
+    (runtime/ops/attention_cpu.py) on CPU where it builds, and this module's XLA implementation
     elsewhere. pallas on CPU runs the kernel in Pallas' TPU interpret mode (for tests:
     correct and slow).
 
@@ -512,7 +512,7 @@ def resolve_attention_backend(requested: str, platform: str) -> str:
     if requested == "cpu" and platform != "cpu":
         raise ValueError(f"attention_backend='cpu' is a kernel for XLA:CPU, not for {platform}; use 'auto'")
     if requested in ("cpu", "auto") and platform == "cpu":
-        from runtime.cpu_attention import kernel_status
+        from runtime.ops.attention_cpu import kernel_status
 
         status = kernel_status()
         if status == "ok":
@@ -594,9 +594,9 @@ def paged_attention(
         written = {"k": k_cache, "v": v_cache}
     if kv_cache.attention_backend in ("cpu", "pallas"):  # a kernel reads the whole context from the cache
         if kv_cache.attention_backend == "cpu":
-            from runtime.cpu_attention import cpu_ragged_paged_attention as kernel
+            from runtime.ops.attention_cpu import cpu_ragged_paged_attention as kernel
         else:
-            from runtime.pallas_attention import pallas_ragged_paged_attention as kernel
+            from runtime.ops.attention_pallas import pallas_ragged_paged_attention as kernel
         out = kernel(
             jnp.asarray(q), k_cache, v_cache, layer, batch, scale=scale, sliding_window=sliding_window,
             logit_soft_cap=logit_soft_cap, mesh=kv_cache.mesh, cache_spec=kv_cache.partition_spec,

@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runtime.mesh import logical_to_spec
+from runtime.ops.mesh import logical_to_spec
 
 PyTree = Any
-# The logical axes of one cache array (runtime.mesh.SHARDING_RULES maps them to mesh axes).
+# The logical axes of one cache array (runtime.ops.mesh.SHARDING_RULES maps them to mesh axes).
 # Heads before block offsets: a gathered block is [kv_heads, block_size, head_dim], each head's
 # keys contiguous, which is the operand layout attention's batched dots want (no transpose copy).
 KV_CACHE_AXES = ("layers", "kv_blocks", "kv_heads", "kv_block_tokens", "head_dim")
@@ -40,7 +40,7 @@ class KVCache:
     k: jax.Array  # [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
     v: jax.Array  # [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
     # Which attention implementation reads and writes this cache ("xla" or "pallas", see
-    # runtime.attention.paged_attention): chosen once, when the cache is allocated, and
+    # runtime.ops.attention.paged_attention): chosen once, when the cache is allocated, and
     # carried as static metadata so that a model's step function needs no setting of its own.
     attention_backend: str = flax.struct.field(pytree_node=False, default="xla")
     # The mesh the cache is sharded over and the PartitionSpec of k and v on it (None: one
@@ -100,7 +100,7 @@ class KVCacheSpec:
     head_dim: int
     dtype: Any  # a jnp dtype: the model's (attention computes in it)
     # What the cache stores: None (dtype itself), or a quantized dtype (jnp.int8,
-    # jnp.float8_e4m3fn) with a float32 scale per token and head (runtime.step.KVCache).
+    # jnp.float8_e4m3fn) with a float32 scale per token and head (runtime.ops.step.KVCache).
     cache_dtype: Any = None
 
     @property
@@ -136,7 +136,7 @@ class LayerStages:
     stack before its matmuls (a copy of every weight per step, ~60% of a batch-1 decode on
     the 30-layer demo model); separate per-layer arrays are read in place, and the layer
     program still compiles once whatever the depth (it runs a few layers per call, each
-    from its first layer's index). See runtime/layered.py.
+    from its first layer's index). See runtime/ops/layered.py.
     """
 
     prologue: Callable[..., Any]  # (outer_params, batch) -> carry
@@ -148,7 +148,7 @@ class LayerStages:
     # applied by the runtime to per-layer weights that are whole on every device; None: none.
     # Weights in the joined form pass through unchanged.
     fuse: Callable[[Any], Any] | None = None
-    # One layer's weights (joined) -> its matrices as runtime.cpu_matmul.PackedWeight where
+    # One layer's weights (joined) -> its matrices as runtime.ops.matmul.PackedWeight where
     # they can be, and the outer params -> their LM head likewise (the stages read either
     # form); applied by the runtime where it runs its CPU kernels. None: never packed.
     pack_layer: Callable[[Any], Any] | None = None
@@ -176,8 +176,10 @@ class LoadedModel:
         generation_config: sampling defaults from generation_config.json, under SamplingParams'
             names (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens).
         stages: the same step split at its decoder layers (native models), or None.
-        lora_targets: {PEFT module name: runtime.lora.LoRATarget} the model can adapt with
+        lora_targets: {PEFT module name: runtime.ops.lora.LoRATarget} the model can adapt with
             LoRA (native models), or None (LoRA not supported on this path).
+        read_lora_adapter: (LoRARequest, max_rank) -> runtime.ops.lora.LoRAAdapter, how this
+            model's adapters are read from disk (registry/peft.py; None where lora_targets is).
     """
 
     step_fn: Callable[..., tuple[jax.Array, KVCache]]
@@ -195,6 +197,7 @@ class LoadedModel:
     generation_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     stages: LayerStages | None = None
     lora_targets: dict[str, Any] | None = None
+    read_lora_adapter: Callable[[Any, int], Any] | None = None
 
 
 def allocate_kv_cache(

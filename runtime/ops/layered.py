@@ -1,6 +1,6 @@
 """Run a step a few decoder layers per call: three compiled programs per bucket, not one.
 
-A model that offers `LayerStages` (runtime/step.py) can be stepped as
+A model that offers `LayerStages` (runtime/ops/step.py) can be stepped as
 
     carry = prologue(outer_params, batch)                     # program 1
     for i in range(0, num_layers, k):                         # program 2, called L / k times
@@ -25,7 +25,7 @@ programs see the batch's sequence arrays padded to that many slots: they then co
 per token bucket instead of once per (tokens, sequences) bucket; only the epilogue, which
 picks each sequence's row for the LM head, keeps the bucket's own sequence count. With
 `pack` (also the CPU kernels' path) the layers' matrices and the LM head are packed for the
-C++ matmul of runtime/cpu_matmul.py, where the model offers it (LayerStages.pack_layer,
+C++ matmul of runtime/ops/matmul.py, where the model offers it (LayerStages.pack_layer,
 pack_head) and the weights are whole on every device.
 
 Shardings are pinned: the carry and the batch are replicated on the mesh, the weights and
@@ -44,8 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from runtime.cpu_matmul import PackedWeight, packed_matmul_available
-from runtime.step import KVCache, LayerStages, LoadedModel, StepInput
+from runtime.ops.matmul import PackedWeight, packed_matmul_available
+from runtime.ops.step import KVCache, LayerStages, LoadedModel, StepInput
 
 # Decoder layers one program runs (unrolled), at most: the largest divisor of the depth up to this.
 MAX_LAYERS_PER_CALL = 6

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from runtime.request import Request, RequestStatus
+from runtime.engine.request import Request, RequestStatus
 
 
 @dataclasses.dataclass(frozen=True)

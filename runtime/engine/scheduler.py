@@ -9,7 +9,7 @@ Order: running requests first (oldest first), then waiting ones (FIFO, preempted
 the front). When the block pool runs dry the newest running request is preempted: its
 blocks are freed and it is recomputed later (its prefix may still be in the cache).
 
-With n-gram speculation (runtime/speculative.py) a decoding request may compute its last
+With n-gram speculation (runtime/engine/speculative.py) a decoding request may compute its last
 token plus draft tokens in one step, each in a sequence slot of its own; the drafts are
 the first thing dropped when tokens, slots or blocks run short.
 """
@@ -21,11 +21,11 @@ from collections import deque
 
 import numpy as np
 
-from runtime.kv_cache_manager import KVCacheManager
-from runtime.lora import LoRAManager
-from runtime.request import Request, RequestStatus
-from runtime.speculative import DraftPolicy, SpecDecodeStats, SpeculativeConfig, accept_drafts, propose_ngram
-from runtime.stop import check_stop
+from runtime.engine.kv_cache_manager import KVCacheManager
+from runtime.engine.lora import LoRAManager
+from runtime.engine.request import Request, RequestStatus
+from runtime.engine.speculative import DraftPolicy, SpecDecodeStats, SpeculativeConfig, accept_drafts, propose_ngram
+from runtime.engine.stop import check_stop
 
 
 @dataclasses.dataclass
@@ -87,7 +87,7 @@ class Scheduler:
         self.spec_stats = SpecDecodeStats()
         # Replaced by the engine once it has measured what verification steps cost.
         self.draft_policy = DraftPolicy(speculative.num_speculative_tokens) if speculative else None
-        # LoRA: admits a waiting request only once its adapter has a device slot (runtime.lora).
+        # LoRA: admits a waiting request only once its adapter has a device slot (runtime.ops.lora).
         self.lora: LoRAManager | None = None
 
     # -- queue ---------------------------------------------------------------------------
@@ -216,7 +216,7 @@ class Scheduler:
 
         Args:
             sampled: per scheduled request, its row's token (ignored for partial prefill
-                chunks), or with drafts one token per row (see runtime.speculative).
+                chunks), or with drafts one token per row (see runtime.engine.speculative).
 
         Returns:
             (request, number of tokens appended) for the requests that got new tokens this

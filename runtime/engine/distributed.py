@@ -334,7 +334,7 @@ class EngineWorker:
     def __init__(self, loader: Callable[[Any], Any]):
         global _is_worker
         _is_worker = True
-        from runtime.compilation import CompileCounter
+        from runtime.engine.compilation import CompileCounter
 
         self.loader = loader
         self.model = None
@@ -347,14 +347,14 @@ class EngineWorker:
         _join(coordinator, processes, process_id, timeout_s)
 
     def load(self, config: Any) -> None:
-        from runtime.compilation import enable_persistent_cache
+        from runtime.engine.compilation import enable_persistent_cache
 
         enable_persistent_cache(config.compilation_cache_dir)  # the leader's engine does the same
         self.model = self.loader(config)
 
     def build_runner(self, kwargs: dict[str, Any]) -> None:
-        from runtime.mesh import make_mesh
-        from runtime.model_runner import ModelRunner
+        from runtime.ops.mesh import make_mesh
+        from runtime.engine.runner import ModelRunner
 
         mesh = make_mesh(kwargs.pop("tensor_parallel_size"), kwargs.pop("data_parallel_size"))
         self.runner = ModelRunner(self.model, mesh, **kwargs)

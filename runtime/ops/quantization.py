@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from runtime.step import LayerStages, LoadedModel
+from runtime.ops.step import LayerStages, LoadedModel
 
 QUANTIZATIONS = ("int8", "gguf")
 

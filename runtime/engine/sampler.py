@@ -3,7 +3,7 @@
 Every row carries its own settings, so greedy and sampled, penalized and plain requests
 share one compiled program per sequence bucket. Order (as vLLM): logit bias (and the
 min_tokens suppression of stop tokens) -> repetition / frequency / presence penalties ->
-the token mask (grammars, allowed_token_ids, bad_words; see runtime/structured_output.py) ->
+the token mask (grammars, allowed_token_ids, bad_words; see runtime/engine/structured_output.py) ->
 greedy argmax, or temperature -> top-k -> top-p -> min-p -> a Gumbel-max draw whose key
 is derived from (row seed, tokens generated so far) only, so a seeded request gets the
 same tokens whatever else shares its batch.
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runtime.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+from runtime.engine.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 
 # Width of the per-row bias table: user logit_bias plus the ids suppressed by min_tokens
 # (stop token ids and a few EOS ids).
@@ -162,7 +162,7 @@ def _truncate(logits: jax.Array, b: SamplingBatch, cpu_kernel: bool = False) -> 
     min-p drops tokens below min_p x the most likely one's probability. The k-th value and
     the top-p cut are found by a bisection over the logits' bit patterns rather than a sort,
     and each search only runs when some row asks for it. With `cpu_kernel` (XLA:CPU, one
-    device) both cuts come from servax's C++ kernel instead (runtime/kernels/sampling.cc:
+    device) both cuts come from servax's C++ kernel instead (runtime/ops/kernels/sampling.cc:
     ~1 ms where the bisections take ~7 and ~11 ms for 32 rows of a 49k vocabulary).
     """
     keys = _sortable(logits)
@@ -181,7 +181,7 @@ def _truncate(logits: jax.Array, b: SamplingBatch, cpu_kernel: bool = False) -> 
 
 def _truncate_by_kernel(logits: jax.Array, keys: jax.Array, b: SamplingBatch) -> jax.Array:
     """Top-k and top-p as one key cut per row from the C++ kernel (same definition as below)."""
-    from runtime.cpu_attention import TRUNCATION_TARGET
+    from runtime.ops.attention_cpu import TRUNCATION_TARGET
 
     def cut(logits):
         call = jax.ffi.ffi_call(TRUNCATION_TARGET, jax.ShapeDtypeStruct(b.top_k.shape, jnp.uint32))
@@ -265,7 +265,7 @@ def sample(
             greedy and sampled batches alike at the greedy program's cost (the runner
             compiles only that one: half the sampler programs to compile at start-up).
         cpu_kernel: cut top-k / top-p with the C++ kernel (static; XLA:CPU on one device,
-            once runtime.cpu_attention.kernel_status() is "ok").
+            once runtime.ops.attention_cpu.kernel_status() is "ok").
 
     `token_mask` applies when some row's mask is not all ones (see _apply_token_masks_if_any).
     """

@@ -1,0 +1,103 @@
+"""LoRA adapter slots in a model's params: many fine-tunes of one base model, batched in one step.
+
+An engine with `enable_lora` holds `max_loras + 1` adapter *slots* in the step's params
+(slot 0: no adapter, all zeros). For every projection a model declares as a LoRA target
+(`LoadedModel.lora_targets`, PEFT's module names: q_proj, k_proj, ...), each layer carries
+
+    a: [slots, in_features, max_lora_rank]      b: [slots, max_lora_rank, out_features]
+
+with the adapter's scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) folded into b, and each
+token of a step carries its request's slot (`StepInput.lora_slots`). The model adds
+
+    delta = ((x @ a[s]) masked to the token's slot s) @ b      (one pair of dense matmuls)
+
+so a step mixes requests of different adapters and of the base model, and loading an adapter
+is a write into a slot: same shapes, nothing recompiles. Reading an adapter from disk is
+registry/peft.py's job; which adapters sit in which slots is runtime/engine/lora.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from runtime.ops.mesh import logical_to_spec
+from runtime.ops.step import LoadedModel
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served (its rank, its modules, its shapes, its files)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRATarget:
+    """A projection a model lets LoRA adapt: y = x @ W, x [T, in_features], y [T, out_features].
+
+    in_axis / out_axis: logical axes (runtime.ops.mesh) of the base weight's input and output, so
+    the slots shard as the weight does. head_dim / head_repeat: the output is heads of
+    head_dim, each stored head_repeat times (the KV heads a model repeats for the mesh).
+    """
+
+    in_features: int
+    out_features: int
+    in_axis: str | None = None
+    out_axis: str | None = None
+    head_dim: int = 0
+    head_repeat: int = 1
+
+    @property
+    def stored_out_features(self) -> int:
+        return self.out_features * self.head_repeat
+
+
+@dataclasses.dataclass
+class LoRAAdapter:
+    """An adapter read from disk, in slot form: per target, a [layers, in, r_max] and a
+    [layers, r_max, out] array (zeros where it adapts nothing)."""
+
+    name: str  # the adapter's name (LoRARequest.lora_name)
+    rank: int
+    modules: tuple[str, ...]
+    weights: dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+def add_lora_slots(model: LoadedModel, *, max_loras: int, max_rank: int, mesh: Mesh) -> None:
+    """Give a model's layers their (zero) adapter slot tables, before a runner takes its params.
+
+    params[layers]["lora"][module] = {"a": [layers, slots, in, r], "b": [layers, slots, r, out]}
+    (slots = max_loras + 1), sharded on the logical axes of the base weight's input / output,
+    and param_shardings to match.
+
+    Raises:
+        LoRAError: the model offers no LoRA targets (the torchax path).
+    """
+    if not model.lora_targets:
+        raise LoRAError(
+            f"LoRA adapters run on the native JAX models (Llama, Mistral, Qwen2, Qwen3); {model.model_id} runs "
+            f"on the {model.impl} path, which cannot apply adapter slots"
+        )
+    key = model.stages.layers_key if model.stages is not None else "layers"
+    if isinstance(model.params[key], list) or "lora" in model.params[key]:
+        raise LoRAError(
+            f"{model.model_id}: this loaded model already serves an engine (its adapter slots or layers belong "
+            "to it); a second engine with enable_lora needs its own registry.load"
+        )
+    num_layers = model.kv_spec.num_layers
+    slots, tables, specs = max_loras + 1, {}, {}
+    for name, t in model.lora_targets.items():
+        shapes = {"a": (num_layers, slots, t.in_features, max_rank),
+                  "b": (num_layers, slots, max_rank, t.stored_out_features)}
+        axes = {"a": ("layers", None, t.in_axis, None), "b": ("layers", None, None, t.out_axis)}
+        specs[name] = {ab: logical_to_spec(axes[ab], shapes[ab], mesh) for ab in shapes}
+        tables[name] = {
+            ab: jax.jit(functools.partial(jnp.zeros, shape, model.kv_spec.dtype),
+                        out_shardings=NamedSharding(mesh, specs[name][ab]))()
+            for ab, shape in shapes.items()
+        }
+    model.params = {**model.params, key: {**model.params[key], "lora": tables}}
+    model.param_shardings = {**model.param_shardings, key: {**model.param_shardings[key], "lora": specs}}
