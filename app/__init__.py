@@ -19,7 +19,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {"LLM": "app.llm", "load_model": "app.llm", "SamplingParams": "runtime.engine.sampling_params",
-            "LoRARequest": "runtime.ops.lora"}
+            "LoRARequest": "runtime.engine.lora_request"}
 
 __all__ = list(_EXPORTS)
 

@@ -63,7 +63,7 @@ def _decode_rows(llm, backend: str, batches: list[int], args, weight_bytes: int,
     """One engine's table rows: its pure-decode step time at each batch size."""
     engine = llm.engine
     kv_bytes_per_token = engine.kv_spec.bytes_per_block(1)
-    label = f"{engine.runner.kv_cache.attention_backend} ({backend})"
+    label = f"{engine.programs.kv_cache.attention_backend} ({backend})"
     rows = []
     for batch in batches:
         step_s = decode_step_ms(llm, [None] * batch, args.prompt_len, args.new_tokens, f"{backend}-b{batch}") / 1e3

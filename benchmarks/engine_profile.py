@@ -32,7 +32,6 @@ def main() -> None:
     args = parser.parse_args()
 
     from app import LLM, SamplingParams
-    from runtime.engine.compilation import step_bucket
 
     llm = LLM(
         model=args.model or str(bench_checkpoint()), model_impl=args.impl, dtype="float32",
@@ -45,15 +44,14 @@ def main() -> None:
     dispatch = runner.dispatch
 
     def recording_dispatch(sched, block_ids):
-        buckets.append(step_bucket(sched.num_scheduled_tokens, sched.num_slots,
-                                   runner.token_buckets, runner.seq_buckets))
+        buckets.append(engine.plan.step_bucket(sched.num_scheduled_tokens, sched.num_slots))
         return dispatch(sched, block_ids)
 
     runner.dispatch = recording_dispatch
     if args.model:
         from benchmarks.peers import realistic_workload
 
-        prompts, max_tokens = realistic_workload(runner.model.vocab_size)
+        prompts, max_tokens = realistic_workload(engine.model.vocab_size)
     else:
         prompts, max_tokens = workload(64)
     for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):

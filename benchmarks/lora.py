@@ -80,10 +80,10 @@ def main() -> None:
     adapter = llm.engine.lora._load(loras[0])
     read_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    llm.engine.runner.write_lora_slot(1, adapter)
+    llm.engine.programs.write_lora_slot(1, adapter)
     jax.block_until_ready(llm.engine.model.params["layers"])
     write_s = time.perf_counter() - t0
-    llm.engine.runner.write_lora_slot(1, None)
+    llm.engine.programs.write_lora_slot(1, None)
 
     # Rounds alternate the three cases so that drift on the machine hits them alike; medians.
     mixed = [loras[i % args.adapters] for i in range(args.batch)]

@@ -51,8 +51,8 @@ def child(spec: dict) -> dict:
     t0 = time.perf_counter()
     llm = LLM(spec["model"], tensor_parallel_size=spec["tp"], **ENGINE)
     startup = time.perf_counter() - t0
-    runner = llm.engine.runner
-    step_ms = {n: 1e3 * float(np.median([runner.step_seconds(n, repeats=1) for _ in range(spec["repeats"])]))
+    programs = llm.engine.programs
+    step_ms = {n: 1e3 * float(np.median([programs.step_seconds(n, repeats=1) for _ in range(spec["repeats"])]))
                for n in (1, 4)}
     prompts = [[(7 * i + j) % 500 + 4 for j in range(32)] for i in range(4)]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)

@@ -40,12 +40,12 @@ def main() -> None:
 
     import jax
 
-    from runtime.ops.attention_cpu import kernel_status
+    from runtime.ops.cpu_kernels import kernel_status
     from runtime.engine.sampler import SamplingBatch, empty_sampling_batch, sample
 
-    kernel = jax.default_backend() == "cpu" and kernel_status() == "ok"
+    kernel = jax.default_backend() == "cpu" and kernel_status("truncation") == "ok"
     logits = np.random.default_rng(0).normal(size=(args.rows, args.vocab)).astype(np.float32) * 3
-    jitted = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "all_greedy", "cpu_kernel"))
+    jitted = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "cpu_kernel"))
 
     def timed(batch, **static) -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -66,7 +66,7 @@ def main() -> None:
             b[key][...] = value
         b["seeds"][...] = np.arange(args.rows)
         batch = SamplingBatch(**b)
-        static = dict(num_logprobs=1, use_penalties=False, all_greedy=not settings)
+        static = dict(num_logprobs=1, use_penalties=False)
         ms, compile_s = timed(batch, **static)
         row = [name, f"{ms:.1f}", f"{compile_s:.2f}"]
         if kernel:
@@ -75,7 +75,7 @@ def main() -> None:
         else:
             row += ["-", "-"]
         rows.append(row)
-    note = "" if kernel else f"\n\n- C++ kernel not measured: {kernel_status() if jax.default_backend() == 'cpu' else 'not XLA:CPU'}"
+    note = "" if kernel else f"\n\n- C++ kernel not measured: {kernel_status('truncation') if jax.default_backend() == 'cpu' else 'not XLA:CPU'}"
     record(f"Sampler program, [{args.rows}, {args.vocab}] float32 logits",
            table(["setting", "ms per call (median), XLA cut", "compile s", "ms, C++ kernel cut", "kernel speedup"],
                  rows) + note)

@@ -39,7 +39,7 @@ llm = LLM(model=sys.argv[1], model_impl=sys.argv[2], max_model_len=512, compilat
 ready = time.perf_counter() - t0
 llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
 print(json.dumps({"ready_s": ready, "warmup_s": llm.engine.warmup_seconds,
-                  "programs": len(llm.engine.runner.bucket_pairs()),
+                  "programs": len(llm.engine.plan.bucket_pairs),
                   "after_warmup": llm.engine.stats().compilations_since_warmup}))
 """
 

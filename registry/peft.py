@@ -7,14 +7,11 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from runtime.ops.lora import LoRAAdapter, LoRAError, LoRATarget
-
-if TYPE_CHECKING:
-    from runtime.engine.lora_request import LoRARequest
 
 _PEFT_KEY = re.compile(r"layers\.(\d+)\.(?:.*\.)?([A-Za-z0-9_]+)\.lora_([AB])(?:\.[A-Za-z0-9_]+)?\.weight$")
 
@@ -51,9 +48,12 @@ def _read_tensors(folder: Path) -> dict[str, np.ndarray]:
 
 
 def read_peft_adapter(
-    request: LoRARequest, max_rank: int, *, targets: dict[str, LoRATarget], num_layers: int, dtype: Any,
+    request: Any, max_rank: int, *, targets: dict[str, LoRATarget], num_layers: int, dtype: Any,
 ) -> LoRAAdapter:
     """Read a PEFT LoRA adapter and put it in slot form for a model with `targets`.
+
+    request: the adapter to read (a runtime.engine.lora_request.LoRARequest: its lora_name,
+    and lora_path, a local folder or hub repo, defaulting to the name).
 
     Raises:
         LoRAError: missing files, a rank above max_rank, modules the model lacks or cannot

@@ -58,12 +58,12 @@ def _describe(arr) -> dict:
 _COLLECTIVE = re.compile(r"=.*\s(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
 
 
-def step_collectives(runner) -> dict[str, int]:
+def step_collectives(programs) -> dict[str, int]:
     """Collective ops in the compiled programs a step of the smallest bucket runs (one step
     program, or prologue + one call's layers + epilogue when layers run a few per call)."""
-    batch = runner._padding_step_input(runner.token_buckets[0], runner.seq_buckets[0])
+    batch = programs.inputs.padding_step(programs.plan.token_buckets[0], programs.plan.seq_buckets[0])
     found = []
-    for lowered in runner._lower_step(batch):
+    for lowered in programs.lower_step(batch):
         text = lowered.compile().as_text()
         found += [m.group(1) for line in text.splitlines() if (m := _COLLECTIVE.search(line))]
     return dict(collections.Counter(found))
@@ -89,7 +89,7 @@ def run_one(spec: dict, run: dict, tp: int) -> dict:
     short = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"] // 2, ignore_eos=True)
     pair = tokens(llm.generate(prompts[-2:], [greedy, short]))
     engine = llm.engine
-    k_cache = engine.runner.kv_cache.k  # stacked over layers
+    k_cache = engine.programs.kv_cache.k  # stacked over layers
     layers = engine.model.params.get("layers")
     joined = isinstance(layers, list) and "qkv" in layers[0]  # q/k/v as one matrix (whole on every device)
     return dict(
@@ -102,8 +102,8 @@ def run_one(spec: dict, run: dict, tp: int) -> dict:
         params={name: _describe(_find(engine.model.params, path))
                 for name, path in (run.get("params", {}) if tp > 1 else {}).items()},
         joined=joined,
-        collectives=step_collectives(engine.runner),
-        layers_per_call=engine.runner.layered.per_call if engine.runner.layered else None,
+        collectives=step_collectives(engine.programs),
+        layers_per_call=engine.programs.layered.per_call if engine.programs.layered else None,
         startup_seconds=round(startup, 2), warmup_seconds=round(engine.warmup_seconds, 2),
     )
 

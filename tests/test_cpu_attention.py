@@ -14,11 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import runtime.ops.attention_cpu as cpu_attention
+import runtime.ops.cpu_kernels as cpu_kernels
 from app import LLM, SamplingParams
 from conftest import run_in_fresh_kernel_build
 from runtime.ops.attention import resolve_attention_backend
-from runtime.ops.attention_cpu import cpu_ragged_paged_attention, kernel_status
+from runtime.ops.attention_cpu import cpu_ragged_paged_attention
+from runtime.ops.cpu_kernels import kernel_status
 from test_attention import MIXED, TOL, build_batch, check_per_shard_against_xla, oracle
 
 # (heads, kv_heads, block_size, head_dim, window, soft cap): the first three take the
@@ -32,7 +33,8 @@ CASE_IDS = ["gqa-16x64", "window-16x128", "mha-32x64", "mha-generic", "sliding-g
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernel():
-    assert kernel_status() == "ok", f"the CPU attention kernel must build on the test machine: {kernel_status()}"
+    status = kernel_status("paged_attention")
+    assert status == "ok", f"the CPU attention kernel must build on the test machine: {status}"
 
 
 def _case(rng, specs, *, heads, kv_heads, block_size, head_dim, pad_tokens=128, pad_seqs=8, num_blocks=96):
@@ -85,9 +87,10 @@ _FORM_CHECK = """
 import sys
 sys.path.insert(0, "tests")
 import jax, jax.numpy as jnp, numpy as np
-from runtime.ops.attention_cpu import cpu_ragged_paged_attention, kernel_status
+from runtime.ops.attention_cpu import cpu_ragged_paged_attention
+from runtime.ops.cpu_kernels import kernel_status
 from test_attention import MIXED, TOL, build_batch, oracle
-assert kernel_status() == "ok", kernel_status()
+assert kernel_status("paged_attention") == "ok", kernel_status("paged_attention")
 for heads, kv_heads, bs, d, window in [(9, 3, 16, 64, None), (8, 2, 16, 128, 20), (4, 4, 32, 64, None)]:
     rng = np.random.default_rng(heads + bs + d)
     for specs in (MIXED, [(40, 1)], [(0, 48), (70, 50)]):
@@ -105,7 +108,7 @@ print("ok")
 
 # Every form of the kernel this CPU runs, each built in a fresh process and cache: AVX2 (as
 # on a CPU without AVX-512), and on AVX-512 also without the rows-in-lanes prefill form.
-_FORMS = ["-mno-avx512f"] + (["-DSERVAX_ATTENTION_NO_LANES"] if "avx512f" in cpu_attention.cpu_flags() else [])
+_FORMS = ["-mno-avx512f"] + (["-DSERVAX_ATTENTION_NO_LANES"] if "avx512f" in cpu_kernels.cpu_flags() else [])
 
 
 @pytest.mark.parametrize("flags", _FORMS)
@@ -146,40 +149,15 @@ def test_backend_resolution_and_a_machine_without_a_compiler(monkeypatch, caplog
     assert resolve_attention_backend("cpu", "cpu") == "cpu"
     with pytest.raises(ValueError, match="XLA:CPU"):
         resolve_attention_backend("cpu", "tpu")
-    monkeypatch.setattr(cpu_attention, "_status", None)
-    monkeypatch.setattr(cpu_attention, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "_status", {})
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
     assert resolve_attention_backend("auto", "cpu") == "xla"
     assert "no C++ compiler" in caplog.text
     with pytest.raises(ValueError, match=r"no C\+\+ compiler"):
         resolve_attention_backend("cpu", "cpu")
     monkeypatch.undo()
-    monkeypatch.setattr(cpu_attention, "_status", None)  # the next use loads the cached build again
-    assert kernel_status() == "ok"
-
-
-def test_a_failed_build_says_why(tmp_path, monkeypatch):
-    """A compiler that fails leaves the reason (its stderr) in kernel_status(), nothing half-written."""
-    fake = tmp_path / "broken-c++"
-    fake.write_text("#!/bin/sh\necho 'fatal error: no FFI headers' >&2\nexit 1\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("SERVAX_KERNEL_CACHE", str(tmp_path / "kernels"))
-    monkeypatch.setenv("CXX", str(fake))
-    monkeypatch.setattr(cpu_attention, "_status", None)
-    status = kernel_status()
-    assert "no FFI headers" in status and status != "ok"
-    assert not list((tmp_path / "kernels").glob("*.so"))
-    monkeypatch.undo()
-    monkeypatch.setattr(cpu_attention, "_status", None)
-    assert kernel_status() == "ok"
-
-
-def test_loading_the_kernels_keeps_subnormal_floats():
-    """The kernels are compiled with -ffast-math but linked without it: a library that sets
-    flush-to-zero on load would round the caller's subnormal floats to 0 (NumPy's included)."""
-    assert kernel_status() == "ok"
-    tiny = np.float32(1e-40)  # a subnormal float32
-    assert tiny * np.float32(1.0) == tiny != 0
-    assert (np.array([tiny]) * np.float32(3.0))[0] > tiny
+    monkeypatch.setattr(cpu_kernels, "_status", {})  # the next use loads the cached build again
+    assert kernel_status("paged_attention") == "ok"
 
 
 def test_engine_rejects_the_kernel_for_caches_it_cannot_read():
@@ -193,7 +171,7 @@ def test_engine_rejects_the_kernel_for_caches_it_cannot_read():
             show_progress=False, enforce_eager=True)
     llm = LLM(model="servax-tiny/llama", dtype="bfloat16", max_model_len=64, show_progress=False,
               enforce_eager=True)
-    assert llm.engine.runner.kv_cache.attention_backend == "xla"
+    assert llm.engine.programs.kv_cache.attention_backend == "xla"
 
 
 # A prompt longer than the tiny Mistral's 24-token window, one chunked over two steps
@@ -211,7 +189,7 @@ def test_greedy_tokens_equal_xla_end_to_end(model, servax_cache):
         llm = LLM(model=model, attention_backend=backend, max_model_len=128, max_num_seqs=4,
                   max_num_batched_tokens=32, num_kv_blocks=48, block_size=16, enforce_eager=True,
                   show_progress=False, compilation_cache_dir="")
-        assert llm.engine.runner.kv_cache.attention_backend == backend
+        assert llm.engine.programs.kv_cache.attention_backend == backend
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
         tokens[backend] = [o.outputs[0].token_ids for o in outs]
     assert tokens["cpu"] == tokens["xla"]

@@ -16,7 +16,7 @@ import pytest
 
 from app import LLM, SamplingParams
 from conftest import hf_greedy, hf_logits, hf_model, run_in_fresh_kernel_build
-from runtime.ops.attention_cpu import cpu_flags
+from runtime.ops.cpu_kernels import cpu_flags
 from runtime.ops.matmul import PANEL, PackedWeight, pack_matrix, packed_matmul_available
 
 
@@ -76,9 +76,9 @@ def test_engine_packs_the_weights_and_matches_transformers(tied, tmp_path):
     path = make_tiny_checkpoint("qwen2", tmp_path / "m", tie_word_embeddings=tied)  # q/k/v biases
     llm = LLM(model=str(path), attention_backend="cpu", max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="")
-    params = llm.engine.runner.model.params
+    params = llm.engine.programs.model.params
     head = params["embed"] if tied else params["lm_head"]
-    assert isinstance(head, PackedWeight) and head.shape[1] == llm.engine.runner.model.vocab_size
+    assert isinstance(head, PackedWeight) and head.shape[1] == llm.engine.programs.model.vocab_size
     assert isinstance(params["embed"], PackedWeight) is tied
     for layer in params["layers"]:
         assert all(isinstance(w, PackedWeight) for w in (layer["qkv"], layer["o"], layer["mlp"]["gate_up"],
@@ -96,7 +96,7 @@ def test_engine_packs_the_weights_and_matches_transformers(tied, tmp_path):
         logprobs -= np.log(np.exp(logprobs).sum(-1, keepdims=True))
         got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
         np.testing.assert_allclose(got, logprobs[np.arange(len(tokens)), tokens], atol=1e-4)
-    assert llm.engine.runner.token_buckets == [1, 16, 32] and llm.engine.runner.seq_buckets == [1, 4]
+    assert llm.engine.plan.token_buckets == (1, 16, 32) and llm.engine.plan.seq_buckets == (1, 4)
     assert llm.engine.stats().compilations_since_warmup == 0
 
 
@@ -108,7 +108,7 @@ def test_torchax_path_packs_its_joined_linears_and_matches_transformers(tmp_path
     path = make_tiny_checkpoint("qwen2", tmp_path / "m")
     llm = LLM(model=str(path), model_impl="torchax", attention_backend="cpu", max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="")
-    layer = llm.engine.runner.model.params["layers"][0]
+    layer = llm.engine.programs.model.params["layers"][0]
     packed = [k for k, w in layer.items() if isinstance(w, PackedWeight)]
     assert len(packed) >= 3 and all(k.endswith(".joined_weight") for k in packed), sorted(layer)
     prompts = [[(5 * i + 7) % 400 + 3 for i in range(n)] for n in (3, 11, 20)]

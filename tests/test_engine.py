@@ -442,20 +442,20 @@ def test_compile_in_background_serves_from_the_largest_bucket_meanwhile(llm, pro
 
     monkeypatch.setattr(BucketPrograms, "_compile_later", held_back)
     bg = make_engine(llm, num_kv_blocks=512, compile_in_background=True)
-    runner = bg.engine.runner
-    largest = max(runner.bucket_pairs())
-    assert runner.compiling_in_background and len(runner.bucket_pairs()) > 1
-    assert runner._compiling.ready == {("step", *largest), ("sampler", largest[1], False)}
+    programs = bg.engine.programs
+    largest = bg.engine.plan.largest_bucket
+    assert programs.compiling_in_background and len(bg.engine.plan.bucket_pairs) > 1
+    assert programs.compiled.ready == {("step", *largest), ("sampler", largest[1], False)}
     assert tokens(bg.generate(prompts64[:6], GREEDY)) == alone64[:6]  # all padded to the largest bucket
-    assert runner._compiling.ready == {("step", *largest), ("sampler", largest[1], False)}
+    assert programs.compiled.ready == {("step", *largest), ("sampler", largest[1], False)}
 
     penalized = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3,
                                frequency_penalty=0.5)
     want = llm.generate([prompts64[0]], penalized)[0].outputs[0].token_ids
     threading.Timer(0.5, go.set).start()  # the penalties sampler compiles once the thread goes on
     assert bg.generate([prompts64[0]], penalized)[0].outputs[0].token_ids == want
-    assert runner.wait_compiled(120) and not runner.compiling_in_background
-    assert {("step", t, s) for t, s in runner.bucket_pairs()} <= runner._compiling.ready
+    assert programs.wait_compiled(120) and not programs.compiling_in_background
+    assert {("step", t, s) for t, s in bg.engine.plan.bucket_pairs} <= programs.compiled.ready
     assert tokens(bg.generate(prompts64[:6], GREEDY)) == alone64[:6]
     assert bg.engine.stats().compilations_since_warmup == 0
     assert_all_blocks_free(bg.engine)
@@ -473,7 +473,7 @@ def test_a_failed_background_compilation_is_reported_and_serving_goes_on(llm, pr
     compile_later = BucketPrograms._compile_later
     monkeypatch.setattr(BucketPrograms, "_compile_later", lambda self, keys: (go.wait(60), compile_later(self, keys)))
     bg = make_engine(llm, num_kv_blocks=512, compile_in_background=True)
-    compiling, lower = bg.engine.runner._compiling, bg.engine.runner._compiling._lower
+    compiling, lower = bg.engine.programs.compiled, bg.engine.programs.compiled._lower
 
     def lower_but_one(key, seen):
         if key[0] == "step" and key[1] == 16:
@@ -482,8 +482,8 @@ def test_a_failed_background_compilation_is_reported_and_serving_goes_on(llm, pr
 
     compiling._lower = lower_but_one
     go.set()
-    assert bg.engine.runner.wait_compiled(120)
-    assert bg.engine.runner.compiling_in_background and isinstance(compiling.error, RuntimeError)
+    assert bg.engine.programs.wait_compiled(120)
+    assert bg.engine.programs.compiling_in_background and isinstance(compiling.error, RuntimeError)
     assert "compiling in the background failed" in caplog.text
     assert ("step", 1, 1) in compiling.ready and not any(k[0] == "step" and k[1] == 16 for k in compiling.ready)
     assert tokens(bg.generate(prompts64[:4], GREEDY)) == alone64[:4]

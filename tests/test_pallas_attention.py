@@ -102,7 +102,7 @@ def test_greedy_tokens_equal_xla_end_to_end(model, servax_cache):
         llm = LLM(model=model, attention_backend=backend, max_model_len=128, max_num_seqs=4,
                   max_num_batched_tokens=32, num_kv_blocks=48, block_size=4, enforce_eager=True,
                   show_progress=False, compilation_cache_dir="")
-        assert llm.engine.runner.kv_cache.attention_backend == backend
+        assert llm.engine.programs.kv_cache.attention_backend == backend
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
         tokens[backend] = [o.outputs[0].token_ids for o in outs]
     assert tokens["pallas"] == tokens["xla"]

@@ -137,7 +137,7 @@ def test_quantized_cache_attention_is_close_to_the_float_oracle(kv_dtype, tol):
                     k_scale=jnp.ones((1, *k_full.shape[:-1]), jnp.float32),
                     v_scale=jnp.ones((1, *k_full.shape[:-1]), jnp.float32))
     all_slots = np.arange(num_blocks * block_size, dtype=np.int32)
-    from runtime.ops.attention import write_kv_quantized
+    from runtime.ops.attention_common import write_kv_quantized
 
     cache = jax.jit(write_kv_quantized)(cache, flat(k_full), flat(v_full), all_slots, 0)
     slots = np.asarray(batch.slot_mapping)[:n]
@@ -167,7 +167,7 @@ def test_int8_kv_cache_holds_more_tokens_and_keeps_logprobs_close():
         engines[kv] = llm.engine
         logprobs[kv] = np.array([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
     assert engines["int8"].num_blocks >= 2 * engines["auto"].num_blocks
-    assert engines["int8"].runner.kv_cache.k.dtype == jnp.int8
+    assert engines["int8"].programs.kv_cache.k.dtype == jnp.int8
     diff = np.abs(logprobs["int8"] - logprobs["auto"])
     assert diff.max() < 0.15 and diff.mean() < 0.04, (diff.max(), diff.mean())
     assert engines["int8"].kv.num_free_blocks == engines["int8"].kv.num_usable_blocks

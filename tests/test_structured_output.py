@@ -109,8 +109,8 @@ def test_sampler_only_picks_masked_in_tokens(greedy):
         sb["token_mask"][r] = pack_token_ids(ids, 4)
     sb["temperature"][:] = 0.0 if greedy else 1.0
     sb["seeds"][:] = np.arange(rows)
-    out = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "all_greedy"))(
-        logits, SamplingBatch(**sb), num_logprobs=2, use_penalties=False, all_greedy=greedy)
+    out = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties"))(
+        logits, SamplingBatch(**sb), num_logprobs=2, use_penalties=False)
     sampled = np.asarray(out.sampled)
     for r, ids in enumerate(allowed):
         assert sampled[r] in ids

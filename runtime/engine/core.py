@@ -14,41 +14,37 @@ precompiles every bucket. Not thread-safe: AsyncLLMEngine drives it from one thr
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import logging
-import os
 import time
 from typing import Any, Callable
 
 import jax
 import numpy as np
 
-from runtime.ops.attention import resolve_attention_backend
-from runtime.engine.compilation import CompileCounter, enable_persistent_cache, seq_buckets, token_buckets
 from runtime.engine import distributed
+from runtime.engine.compilation import CompileCounter, enable_persistent_cache
 from runtime.engine.config import EngineConfig
 from runtime.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from runtime.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from runtime.engine.kv_cache_manager import KVCacheManager
 from runtime.engine.lora import LoRAManager
 from runtime.engine.lora_request import LoRARequest
-from runtime.ops.lora import LoRAError, add_lora_slots
-from runtime.ops.mesh import make_mesh, num_shards
-from runtime.engine.runner import InFlightStep, ModelRunner
-from runtime.engine.output_processor import RequestState, TokenTexts
+from runtime.engine.output_processor import OutputProcessor
 from runtime.engine.outputs import RequestOutput
-from runtime.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
+from runtime.engine.plan import make_plan
+from runtime.engine.programs import ModelPrograms
 from runtime.engine.request import Request, RequestStatus
+from runtime.engine.runner import InFlightStep, ModelRunner
 from runtime.engine.sampling_params import SamplingParams
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.speculative import DraftPolicy, SpeculativeConfig, candidate_draft_lengths
+from runtime.ops.lora import LoRAError, add_lora_slots
+from runtime.ops.mesh import make_mesh
 from runtime.ops.step import LoadedModel
-from runtime.engine.stop import check_stop
 
 logger = logging.getLogger("servax.engine")
-
-CPU_DEFAULT_KV_BYTES = 256 * 1024**2
 
 
 @dataclasses.dataclass
@@ -81,10 +77,6 @@ class EngineStats:
     num_processes: int = 1
     distributed_calls: int = 0
     distributed_bytes_sent: int = 0
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class Engine:
@@ -133,39 +125,34 @@ class Engine:
             sampling_defaults=model.generation_config if config.generation_config != "vllm" else {},
             eos_token_ids=model.eos_token_ids,
         )
-        self.block_size = config.block_size
-        self.kv_spec = model.kv_spec  # what this engine's cache stores (the model may be shared)
-        if config.kv_cache_dtype != "auto":
-            import jax.numpy as jnp
-
-            stored = jnp.int8 if config.kv_cache_dtype == "int8" else jnp.float8_e4m3fn
-            self.kv_spec = dataclasses.replace(model.kv_spec, cache_dtype=stored)
-        self.num_blocks = self._num_kv_blocks()
+        self.peers = distributed.current_group()  # the workers of a mesh over several processes
+        if self.peers is not None and config.enable_lora:
+            raise ValueError("enable_lora is not supported on a multi-process engine yet (adapter slots are "
+                             "written by the leader only); serve LoRA with tensor_parallel_size within one process")
+        self.plan = make_plan(config, model, self.mesh, max_model_len=self.max_model_len,
+                              multi_process=self.peers is not None)
+        self.block_size, self.num_blocks, self.kv_spec = self.plan.block_size, self.plan.num_kv_blocks, self.plan.kv_spec
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill, speculative=config.speculative_config,
         )
-        self.peers = distributed.current_group()  # the workers of a mesh over several processes
-        if self.peers is not None and config.enable_lora:
-            raise ValueError("enable_lora is not supported on a multi-process engine yet (adapter slots are "
-                             "written by the leader only); serve LoRA with tensor_parallel_size within one process")
         if config.enable_lora:
             try:
                 add_lora_slots(model, max_loras=config.max_loras, max_rank=config.max_lora_rank, mesh=self.mesh)
             except LoRAError as e:
                 raise ValueError(f"enable_lora: {e}") from e
-        self.runner = ModelRunner(
-            model, self.mesh, num_blocks=self.num_blocks, block_size=self.block_size,
-            max_model_len=self.max_model_len, token_buckets=token_buckets(config.max_num_batched_tokens),
-            seq_buckets=seq_buckets(config.max_num_seqs), max_logprobs=config.max_logprobs,
-            layerwise=config.layerwise,
-            attention_backend=self._attention_backend(), kv_spec=self.kv_spec, peers=self.peers,
-        )
+        self.programs = ModelPrograms(model, self.mesh, self.plan, max_model_len=self.max_model_len,
+                                      max_logprobs=config.max_logprobs)
+        if self.peers is not None:  # the workers build the same programs over their shards
+            self.programs = distributed.MirroredPrograms(self.programs, self.peers, dict(
+                tensor_parallel_size=config.tensor_parallel_size, data_parallel_size=config.data_parallel_size,
+                plan=self.plan, max_model_len=self.max_model_len, max_logprobs=config.max_logprobs))
+        self.runner = ModelRunner(self.programs)
         self.lora: LoRAManager | None = None
         if config.enable_lora:
             load = functools.partial(model.read_lora_adapter, max_rank=config.max_lora_rank)
-            self.lora = LoRAManager(load, self.runner.write_lora_slot, max_loras=config.max_loras,
+            self.lora = LoRAManager(load, self.programs.write_lora_slot, max_loras=config.max_loras,
                                     max_cpu_loras=config.max_cpu_loras)
             self.scheduler.lora = self.lora
         self.compile_counter = CompileCounter()
@@ -174,7 +161,7 @@ class Engine:
             logger.warning("enforce_eager: no bucket is precompiled; each compiles on first use (debugging only)")
         else:
             with self.compile_counter.track():
-                warmup_s = self.runner.warmup(config.show_progress, background=config.compile_in_background)
+                warmup_s = self.programs.warmup(config.show_progress)
         self.compile_counter.mark_warm()
         self.warmup_seconds = warmup_s
         spec = config.speculative_config
@@ -182,24 +169,18 @@ class Engine:
             self.scheduler.draft_policy = self._measured_draft_policy(spec)  # (waits for every bucket)
         logger.info(
             "servax engine ready in %.1fs (warmup %.1fs, %d buckets%s): %s",
-            time.perf_counter() - t0, warmup_s, len(self.runner.bucket_pairs()),
-            ", the others compiling in the background" if self.runner.compiling_in_background else "",
+            time.perf_counter() - t0, warmup_s, len(self.plan.bucket_pairs),
+            ", the others compiling in the background" if self.programs.compiling_in_background else "",
             self.model_config,
         )
 
-        # Detokenization runs on the engine thread while process_inputs may tokenize on the
-        # server's thread; a private copy keeps the two off one (Rust-borrowed) tokenizer.
-        self._detok_tokenizer = copy.deepcopy(self.tokenizer) if self.tokenizer is not None else None
-        self._texts = TokenTexts(self._detok_tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer)
         self._inflight: InFlightStep | None = None  # a step enqueued on the device, not yet collected
         # Called in step() just before the next step is scheduled (AsyncLLMEngine adds the
         # requests that arrived meanwhile here, so that they join that step, not the one after).
         self.before_schedule: Callable[[], None] | None = None
-        self._states: dict[str, RequestState] = {}  # user request id -> state
         self._rng = np.random.default_rng(config.seed)
         self._prompt_tokens = 0
-        self._generation_tokens = 0
-        self._finished = 0
 
     def _measured_draft_policy(self, spec: SpeculativeConfig) -> DraftPolicy:
         """Time verification steps of each candidate draft length against a one-token step
@@ -210,96 +191,12 @@ class Engine:
         with self.compile_counter.track():
             for _ in range(5):  # alternating, so that a slow moment does not bias one length
                 for n, times in rounds.items():
-                    times.append(self.runner.step_seconds(n, repeats=1))
+                    times.append(self.programs.step_seconds(n, repeats=1))
         one = float(np.median(rounds[1]))
         cost = {k: max(1.0, float(np.median(rounds[1 + k])) / one) for k in lengths}
         logger.info("n-gram speculation: a step verifying k drafts costs %s one-token steps (%.1f ms)",
                     ", ".join(f"k={k}: {c:.2f}" for k, c in cost.items()), one * 1e3)
         return DraftPolicy(spec.num_speculative_tokens, cost)
-
-    # -- sizing --------------------------------------------------------------------------
-    def _attention_backend(self) -> str:
-        backend = resolve_attention_backend(self.config.attention_backend, self.mesh.devices.flat[0].platform)
-        if backend in ("pallas", "cpu") and self.kv_spec.quantized:
-            if self.config.attention_backend == backend:
-                raise ValueError(f"kv_cache_dtype={self.config.kv_cache_dtype} runs on attention_backend='xla' "
-                                 f"(the {backend} kernel reads an unquantized cache)")
-            logger.info("kv_cache_dtype=%s: attention backend xla", self.config.kv_cache_dtype)
-            return "xla"
-        if backend == "cpu" and np.dtype(self.kv_spec.dtype) != np.float32:
-            if self.config.attention_backend == "cpu":
-                raise ValueError(f"attention_backend='cpu' reads a float32 KV cache; this model's is "
-                                 f"{np.dtype(self.kv_spec.dtype)} (use dtype='float32' or attention_backend='xla')")
-            logger.info("%s KV cache: attention backend xla", np.dtype(self.kv_spec.dtype))
-            return "xla"
-        return backend
-
-    def _num_kv_blocks(self) -> int:
-        cfg, spec = self.config, self.kv_spec
-        per_block = spec.bytes_per_block(self.block_size)
-        if cfg.num_kv_blocks is not None:
-            num, source = cfg.num_kv_blocks, "num_kv_blocks"
-        elif cfg.kv_cache_memory_bytes is not None:
-            num, source = cfg.kv_cache_memory_bytes // per_block, f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes}"
-        elif cfg.gpu_memory_utilization is not None:
-            num, source = self._blocks_for_memory_share(per_block)
-        else:
-            devices = self._local_devices()
-            stats = devices[0].memory_stats()
-            if stats and "bytes_limit" in stats:
-                free = min(
-                    d.memory_stats()["bytes_limit"] - d.memory_stats().get("bytes_in_use", 0) for d in devices
-                )
-                # A cache sharded over mesh axes puts 1/shards of it on each device; a
-                # replicated one (P()) puts all of it on every device.
-                shards = num_shards(self.model.kv_partition_spec, self.mesh)
-                budget = int(free * cfg.kv_cache_memory_fraction) * shards
-                source = f"{cfg.kv_cache_memory_fraction:.0%} of free device memory"
-            else:
-                budget = CPU_DEFAULT_KV_BYTES
-                source = f"default {CPU_DEFAULT_KV_BYTES // 2**20} MiB (device reports no memory stats)"
-            num = budget // per_block
-        needed = _cdiv(self.max_model_len, self.block_size) + 1  # + the null block
-        if num < needed:
-            raise ValueError(
-                f"the KV cache has {num} blocks of {self.block_size} tokens ({source}), but one "
-                f"max_model_len={self.max_model_len} sequence needs {needed} (null block included); "
-                f"raise the KV budget to >= {needed * per_block} bytes or lower max_model_len"
-            )
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d token slots, %.1f MiB (%s)",
-            num, self.block_size, (num - 1) * self.block_size, num * per_block / 2**20, source,
-        )
-        return int(num)
-
-    def _local_devices(self) -> list:
-        """The mesh's devices in this process (all of them unless the mesh spans processes;
-        every process holds the same share, so this process's memory decides)."""
-        return [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
-
-    def _blocks_for_memory_share(self, per_block: int) -> tuple[int, str]:
-        """KV blocks under gpu_memory_utilization: the share of device (on CPU, host) memory
-        the whole engine may use, less the weights, capped at twice what max_num_seqs
-        full-length sequences need (the rest would only ever hold prefix-cache entries)."""
-        share = self.config.gpu_memory_utilization
-        devices = self._local_devices()
-        stats = devices[0].memory_stats()
-        if stats and "bytes_limit" in stats:
-            total, where = min(d.memory_stats()["bytes_limit"] for d in devices), "device"
-        else:
-            total, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host"
-        shards = num_shards(self.model.kv_partition_spec, self.mesh)
-        weights = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.model.params))
-        budget = int(total * share) - weights  # per device
-        if budget <= 0:
-            raise ValueError(
-                f"gpu_memory_utilization={share} of {total / 2**30:.1f} GiB of {where} memory leaves nothing "
-                f"for the KV cache after the weights ({weights / 2**30:.2f} GiB per device); raise it"
-            )
-        wanted = 2 * self.config.max_num_seqs * _cdiv(self.max_model_len, self.block_size) + 1
-        num = min(budget * shards // per_block, wanted)
-        return num, (f"gpu_memory_utilization={share} of {total / 2**30:.1f} GiB {where} memory, "
-                     f"less {weights / 2**20:.0f} MiB of weights, capped at {wanted} blocks")
 
     @property
     def model_config(self) -> dict[str, Any]:
@@ -308,8 +205,8 @@ class Engine:
             max_model_len=self.max_model_len, vocab_size=self.model.vocab_size,
             devices=[str(d) for d in self.mesh.devices.flat], mesh=dict(self.mesh.shape),
             kv_blocks=self.num_blocks, block_size=self.block_size,
-            attention_backend=self.runner.kv_cache.attention_backend,
-            token_buckets=self.runner.token_buckets, seq_buckets=self.runner.seq_buckets,
+            attention_backend=self.plan.attention_backend,
+            token_buckets=list(self.plan.token_buckets), seq_buckets=list(self.plan.seq_buckets),
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
             served_model_name=self.served_model_name,
             enable_prefix_caching=self.config.enable_prefix_caching,
@@ -394,12 +291,10 @@ class Engine:
 
     def add_processed(self, req: ProcessedRequest) -> None:
         """Queue a request that process_inputs built (raises InvalidRequestError on a duplicate id)."""
-        if req.request_id in self._states:
+        if req.request_id in self.outputs.states:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
         params = req.params
-        state = RequestState(
-            req.request_id, req.prompt, req.prompt_token_ids, params, self._detok_tokenizer, req.arrival_time
-        )
+        state = self.outputs.add_request(req.request_id, req.prompt, req.prompt_token_ids, params, req.arrival_time)
         eos = tuple(self.model.eos_token_ids)
         for i in range(params.n):
             child_id = req.request_id if params.n == 1 else f"{req.request_id}#{i}"
@@ -417,7 +312,6 @@ class Engine:
             child.wants_prompt_logprobs = child.wants_prompt_logprobs and i == 0
             state.child_ids.append(child_id)
             self.scheduler.add_request(child)
-        self._states[req.request_id] = state
         self._prompt_tokens += len(req.prompt_token_ids)
         if self.lora is not None:
             self.lora.count_request(req.lora_request)
@@ -428,7 +322,7 @@ class Engine:
             request_ids = [request_ids]
         outs = []
         for rid in request_ids:
-            state = self._states.pop(rid, None)
+            state = self.outputs.abort_request(rid)
             if state is None:
                 continue
             for i, child_id in enumerate(state.child_ids):
@@ -442,15 +336,16 @@ class Engine:
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._states)
+        return len(self.outputs.states)
 
     # -- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Advance every scheduled request by one model step; returns snapshots of those that moved.
 
-        Pipelined: as soon as a step's tokens are on the host and the scheduler has them,
-        the next step is scheduled and enqueued on the device, and only then is this
-        step's output processed (detokenization, stop strings, snapshots), so that host
+        Schedule, run, collect, update. Pipelined: as soon as a step's tokens are on the host
+        and the scheduler has them, the next step is scheduled and enqueued on the device, and
+        only then is this step's output processed (OutputProcessor: detokenization, stop
+        strings, snapshots), so that host
         work overlaps device work. A request that a stop string ends was already part of
         the next step; that step's token for it is dropped.
         """
@@ -461,46 +356,14 @@ class Engine:
         inflight, self._inflight = self._inflight, None
         with self.compile_counter.track():
             result = self.runner.collect(inflight)
-        for rid, rows in result.prompt_logprobs.items():
-            request = self.scheduler.requests.get(rid)
-            if request is not None:
-                request.num_prompt_logprobs += len(rows)
-                state = self._states.get(request.parent_id)
-                if state is not None:
-                    state.add_prompt_logprobs(rows, self._texts)
+        self.outputs.add_prompt_logprobs(result, self.scheduler.requests)
         advanced = self.scheduler.update_from_output(inflight.sched, result.sampled)
         if self.before_schedule is not None:
             self.before_schedule()
         self._inflight = self._dispatch_next()
-
-        touched: dict[str, RequestState] = {}
-        for request, num_new in advanced:
-            state = self._states[request.parent_id]
-            touched[request.parent_id] = state
-            rows = result.sample_logprobs.get(request.request_id)
-            new_tokens = request.output_token_ids[-num_new:]  # more than one: accepted drafts
-            for j, token in enumerate(new_tokens):
-                self._generation_tokens += 1
-                stop_str = state.add_token(request, token, rows[j] if rows else None, self._texts)
-                last = j == num_new - 1
-                finish = (request.status, request.stop_reason) if last and request.is_finished else None
-                if stop_str is not None:
-                    count = request.num_output_tokens - num_new + j + 1  # output tokens through this one
-                    decision = check_stop(request, token, stop_str, num_output_tokens=count)
-                    if decision is not None and decision.reason == stop_str:
-                        state.stop_at_match(request.index)
-                        if not request.is_finished:
-                            self.scheduler.finish_request(request.request_id, decision.status, decision.reason)
-                        finish = (decision.status, decision.reason)
-                if finish is not None:
-                    state.finish_child(request.index, finish[0].finish_reason, finish[1])
-                    break
-        outs = []
-        for parent_id, state in touched.items():
-            outs.append(state.snapshot())
-            if state.finished:
-                del self._states[parent_id]
-                self._finished += 1
+        outs, stopped = self.outputs.process(advanced, result)
+        for request, decision in stopped:  # by a stop string
+            self.scheduler.finish_request(request.request_id, decision.status, decision.reason)
         return outs
 
     def _dispatch_next(self) -> InFlightStep | None:
@@ -509,7 +372,7 @@ class Engine:
             return None
         now = time.time()
         for entry in sched.scheduled:
-            metrics = self._states[entry.request.parent_id].metrics
+            metrics = self.outputs.states[entry.request.parent_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         block_ids = {e.request.request_id: self.kv.block_ids(e.request.request_id) for e in sched.scheduled}
@@ -547,7 +410,7 @@ class Engine:
             kv_blocks_total=total, kv_blocks_used=total - free, kv_blocks_free=free,
             kv_cache_usage=self.kv.usage, prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
             prefix_cache_hit_rate=prefix.hit_rate, prompt_tokens_total=self._prompt_tokens,
-            generation_tokens_total=self._generation_tokens, num_requests_finished=self._finished,
+            generation_tokens_total=self.outputs.generation_tokens, num_requests_finished=self.outputs.num_finished,
             num_preemptions=self.scheduler.num_preemptions,
             compilations_since_warmup=self.compile_counter.since_warmup,
             spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,

@@ -6,15 +6,15 @@ every process joins `jax.distributed`, holds the shards of the weights and of th
 on its own devices, and runs the same compiled programs in the same order on the same
 inputs. Here the process that builds the engine (a Serve replica, or the script that made
 `LLM(...)`) is the leader, process 0: it alone schedules. The others are `EngineWorker`
-Ray actors that load their shards and then repeat what the leader's `ModelRunner` does
-on the device: the leader sends each call's small host inputs (token ids, positions,
-block tables, sampling arrays) to every worker before running it itself
-(`ProcessGroup.call`); the workers' results are never read, the leader reads its own
-(the step's outputs are replicated).
+Ray actors that load their shards and then repeat what the leader's programs
+(runtime/engine/programs.py) do on the device: the leader's `MirroredPrograms` sends each
+call's small host inputs (token ids, positions, block tables, sampling arrays) to every
+worker before running it itself (`ProcessGroup.call`); the workers' results are never read,
+the leader reads its own (the step's outputs are replicated).
 
-    group = distributed.connect(config, load_model)  # None: the mesh fits this process
+    group = distributed.connect(config, load_model)    # None: the mesh fits this process
     ...
-    ModelRunner(..., peers=group)                    # every device call is repeated on the workers
+    MirroredPrograms(ModelPrograms(...), group, ...)   # every device call is repeated on the workers
 
 A process joins `jax.distributed` at most once, before JAX first touches its devices, so a
 process leads at most one group (`current_group`). The JAX coordination service ends every
@@ -327,9 +327,48 @@ class ProcessGroup:
             _group = None
 
 
+class MirroredPrograms:
+    """The leader's programs of a multi-process engine: every device call is sent to the
+    workers first (in order), which run the same on their shards; everything else is the
+    wrapped ModelPrograms'.
+
+    Args:
+        programs: the leader's runtime.engine.programs.ModelPrograms.
+        peers: the ProcessGroup of the workers.
+        build: the keyword arguments the workers build their ModelPrograms with.
+    """
+
+    def __init__(self, programs: Any, peers: ProcessGroup, build: dict[str, Any]):
+        self.programs = programs
+        self.peers = peers
+        peers.call("build_programs", build)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.programs, name)
+
+    def run_step(self, batch: Any) -> Any:
+        self.peers.call("run_step", batch)
+        return self.programs.run_step(batch)
+
+    def run_sample(self, logits: Any, sb: Any, *, use_penalties: bool) -> Any:
+        from runtime.engine.programs import as_arrays
+
+        arrays = sb if isinstance(sb, dict) else as_arrays(sb)
+        self.peers.call("sample", arrays, use_penalties)
+        return self.programs.run_sample(logits, arrays, use_penalties=use_penalties)
+
+    def warmup(self, show_progress: bool = True) -> float:
+        """The workers compile every bucket (no background compilation across processes),
+        then the leader warms up and the workers count compilations from there."""
+        self.peers.call("compile")
+        seconds = self.programs.warmup(show_progress)
+        self.peers.call("mark_warm")
+        return seconds
+
+
 class EngineWorker:
     """One further process of a multi-process engine (a Ray actor): it loads its shards and
-    repeats the leader's ModelRunner calls (ProcessGroup.call) in order."""
+    repeats the leader's device calls (MirroredPrograms) in order."""
 
     def __init__(self, loader: Callable[[Any], Any]):
         global _is_worker
@@ -338,7 +377,7 @@ class EngineWorker:
 
         self.loader = loader
         self.model = None
-        self.runner = None
+        self.programs = None
         self._logits = None
         self.compile_counter = CompileCounter()
 
@@ -352,23 +391,24 @@ class EngineWorker:
         enable_persistent_cache(config.compilation_cache_dir)  # the leader's engine does the same
         self.model = self.loader(config)
 
-    def build_runner(self, kwargs: dict[str, Any]) -> None:
+    def build_programs(self, kwargs: dict[str, Any]) -> None:
+        from runtime.engine.programs import ModelPrograms
         from runtime.ops.mesh import make_mesh
-        from runtime.engine.runner import ModelRunner
 
+        kwargs = dict(kwargs)
         mesh = make_mesh(kwargs.pop("tensor_parallel_size"), kwargs.pop("data_parallel_size"))
-        self.runner = ModelRunner(self.model, mesh, **kwargs)
+        self.programs = ModelPrograms(self.model, mesh, **kwargs)
 
     def compile(self) -> None:
-        self.runner.compile_programs(show_progress=False)
+        self.programs.compile_programs(show_progress=False)
 
     def run_step(self, batch: Any) -> None:
         with self.compile_counter.track():
-            self._logits = self.runner._run_step(batch)
+            self._logits = self.programs.run_step(batch)
 
-    def sample(self, sb: dict[str, np.ndarray], flags: dict[str, Any]) -> None:
+    def sample(self, sb: dict[str, np.ndarray], use_penalties: bool) -> None:
         with self.compile_counter.track():
-            self.runner._run_sample(self._logits, sb, **flags)
+            self.programs.run_sample(self._logits, sb, use_penalties=use_penalties)
         self._logits = None
 
     def mark_warm(self) -> None:

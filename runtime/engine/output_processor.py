@@ -1,17 +1,24 @@
-"""Per-request output state: regroups the n child sequences of a user request, detokenizes,
-keeps logprobs, and builds RequestOutput snapshots with streaming deltas."""
+"""The output processor: what a step's sampled tokens mean to the user.
+
+After the scheduler has taken a step's tokens (and finished the requests whose token alone
+ends them), the OutputProcessor detokenizes each new token, finds stop strings, asks the
+one stop decision (runtime/engine/stop.py) whether a stop string ends its sequence, keeps
+logprobs, regroups the n child sequences of a user request, and builds RequestOutput
+snapshots with streaming deltas.
+"""
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
 from runtime.engine.detokenizer import IncrementalDetokenizer
-from runtime.engine.runner import RowResult
+from runtime.engine.interfaces import RowResult, RunnerOutput
 from runtime.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from runtime.engine.request import Request
 from runtime.engine.sampling_params import SamplingParams
-from runtime.engine.stop import is_stop_token
+from runtime.engine.stop import StopDecision, check_stop, is_stop_token
 
 
 class TokenTexts:
@@ -150,3 +157,79 @@ class RequestState:
             outputs=[c.snapshot() for c in self.completions], finished=self.finished,
             num_cached_tokens=self.num_cached_tokens, metrics=self.metrics,
         )
+
+
+class OutputProcessor:
+    """Turns sampled tokens into RequestOutputs for every request the engine holds.
+
+    Args:
+        tokenizer: the model's tokenizer (None: token ids only). A private copy detokenizes,
+            so that the input processor may tokenize on another thread meanwhile (a Rust
+            tokenizer is borrowed by one caller at a time).
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
+        self.texts = TokenTexts(self.tokenizer)
+        self.states: dict[str, RequestState] = {}  # user request id -> state
+        self.generation_tokens = 0
+        self.num_finished = 0
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float) -> RequestState:
+        state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival_time)
+        self.states[request_id] = state
+        return state
+
+    def abort_request(self, request_id: str) -> RequestState | None:
+        """Forget a request; its state (for a final snapshot), or None if unknown."""
+        return self.states.pop(request_id, None)
+
+    def add_prompt_logprobs(self, result: RunnerOutput, requests: dict[str, Request]) -> None:
+        """Record the prompt logprobs a step computed (before the next step is scheduled: the
+        runner reads how many each request has)."""
+        for rid, rows in result.prompt_logprobs.items():
+            request = requests.get(rid)
+            if request is not None:
+                request.num_prompt_logprobs += len(rows)
+                state = self.states.get(request.parent_id)
+                if state is not None:
+                    state.add_prompt_logprobs(rows, self.texts)
+
+    def process(self, advanced: list[tuple[Request, int]], result: RunnerOutput,
+                ) -> tuple[list[RequestOutput], list[tuple[Request, StopDecision]]]:
+        """The snapshots of the requests that advanced, and the child sequences a stop string
+        ended that the scheduler has not finished yet (the caller finishes them).
+
+        advanced: (child sequence, tokens it gained this step), as the scheduler returned them.
+        """
+        touched: dict[str, RequestState] = {}
+        to_finish: list[tuple[Request, StopDecision]] = []
+        for request, num_new in advanced:
+            state = self.states[request.parent_id]
+            touched[request.parent_id] = state
+            rows = result.sample_logprobs.get(request.request_id)
+            new_tokens = request.output_token_ids[-num_new:]  # more than one: accepted drafts
+            for j, token in enumerate(new_tokens):
+                self.generation_tokens += 1
+                stop_str = state.add_token(request, token, rows[j] if rows else None, self.texts)
+                last = j == num_new - 1
+                finish = (request.status, request.stop_reason) if last and request.is_finished else None
+                if stop_str is not None:
+                    count = request.num_output_tokens - num_new + j + 1  # output tokens through this one
+                    decision = check_stop(request, token, stop_str, num_output_tokens=count)
+                    if decision is not None and decision.reason == stop_str:
+                        state.stop_at_match(request.index)
+                        if not request.is_finished:
+                            to_finish.append((request, decision))
+                        finish = (decision.status, decision.reason)
+                if finish is not None:
+                    state.finish_child(request.index, finish[0].finish_reason, finish[1])
+                    break
+        outs = []
+        for parent_id, state in touched.items():
+            outs.append(state.snapshot())
+            if state.finished:
+                del self.states[parent_id]
+                self.num_finished += 1
+        return outs, to_finish

@@ -23,7 +23,7 @@ from runtime.engine.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 # Width of the per-row bias table: user logit_bias plus the ids suppressed by min_tokens
 # (stop token ids and a few EOS ids).
 BIAS_WIDTH = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + 4
-_SUPPRESS = -1e30
+SUPPRESS = -1e30  # the bias that keeps a token from being sampled (min_tokens' stop tokens)
 
 
 @flax.struct.dataclass
@@ -181,7 +181,7 @@ def _truncate(logits: jax.Array, b: SamplingBatch, cpu_kernel: bool = False) -> 
 
 def _truncate_by_kernel(logits: jax.Array, keys: jax.Array, b: SamplingBatch) -> jax.Array:
     """Top-k and top-p as one key cut per row from the C++ kernel (same definition as below)."""
-    from runtime.ops.attention_cpu import TRUNCATION_TARGET
+    from runtime.ops.cpu_kernels import TRUNCATION_TARGET
 
     def cut(logits):
         call = jax.ffi.ffi_call(TRUNCATION_TARGET, jax.ShapeDtypeStruct(b.top_k.shape, jnp.uint32))
@@ -248,7 +248,7 @@ def _gumbel_noise(seeds: jax.Array, steps: jax.Array, vocab: int) -> jax.Array:
 
 def sample(
     logits: jax.Array, batch: SamplingBatch, *, num_logprobs: int, use_penalties: bool = True,
-    all_greedy: bool = False, cpu_kernel: bool = False,
+    cpu_kernel: bool = False,
 ) -> SamplerOutput:
     """Choose one token per row and report logprobs.
 
@@ -259,13 +259,11 @@ def sample(
         use_penalties: apply repetition / frequency / presence penalties (static). Without
             them `token_history` may be a [S, 1] placeholder, so batches that need no
             penalties neither ship nor scan a [S, max_model_len] history.
-        all_greedy: every row is greedy (static): a program without truncation and the
-            random draw. Without it the program skips them at run time when every row is
-            greedy (temperature <= 0, as padding rows are), so one program per bucket serves
-            greedy and sampled batches alike at the greedy program's cost (the runner
-            compiles only that one: half the sampler programs to compile at start-up).
+        When every row is greedy (temperature <= 0, as padding rows are) the program skips
+        truncation and the random draw at run time, so one program per bucket serves greedy
+        and sampled batches alike at the greedy program's cost.
         cpu_kernel: cut top-k / top-p with the C++ kernel (static; XLA:CPU on one device,
-            once runtime.ops.attention_cpu.kernel_status() is "ok").
+            once runtime.ops.cpu_kernels says the truncation kernel is available).
 
     `token_mask` applies when some row's mask is not all ones (see _apply_token_masks_if_any).
     """
@@ -275,8 +273,6 @@ def sample(
         processed = _apply_penalties(processed, batch)
     processed = _apply_token_masks_if_any(processed, batch.token_mask)
     greedy = _argmax(processed)
-    if all_greedy:
-        return _report(logits, greedy, batch, num_logprobs)
 
     is_greedy = batch.temperature <= 0.0
 

@@ -16,48 +16,16 @@ the first thing dropped when tokens, slots or blocks run short.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 
 import numpy as np
 
+from runtime.engine.interfaces import ScheduledRequest, SchedulerOutput
 from runtime.engine.kv_cache_manager import KVCacheManager
 from runtime.engine.lora import LoRAManager
 from runtime.engine.request import Request, RequestStatus
 from runtime.engine.speculative import DraftPolicy, SpecDecodeStats, SpeculativeConfig, accept_drafts, propose_ngram
 from runtime.engine.stop import check_stop
-
-
-@dataclasses.dataclass
-class ScheduledRequest:
-    request: Request
-    num_computed_tokens: int  # tokens already in the cache before this step
-    num_new_tokens: int  # tokens computed this step
-    # Prompt-logprob prefill: each token gets its own sequence slot so that every
-    # position yields logits (see ModelRunner).
-    one_slot_per_token: bool = False
-    # Speculation: tokens proposed after the request's last token (computed this step, after
-    # it, each in its own slot); [] without a proposal.
-    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_new_tokens if self.one_slot_per_token else 1
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    num_scheduled_tokens: int
-    preempted_ids: list[str]
-
-    @property
-    def num_slots(self) -> int:
-        return sum(s.num_slots for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:

@@ -101,3 +101,48 @@ def add_lora_slots(model: LoadedModel, *, max_loras: int, max_rank: int, mesh: M
         }
     model.params = {**model.params, key: {**model.params[key], "lora": tables}}
     model.param_shardings = {**model.param_shardings, key: {**model.param_shardings[key], "lora": specs}}
+
+
+class LoRASlots:
+    """Writes adapters into the slot tables of a model's params (see add_lora_slots).
+
+    Same shapes every time: one small program per table shape, nothing compiles after warmup.
+    """
+
+    def __init__(self, targets: dict[str, LoRATarget], layers_key: str):
+        self.targets = targets
+        self.layers_key = layers_key
+        self._writers: dict[Any, Any] = {}
+
+    @classmethod
+    def of(cls, model: LoadedModel) -> "LoRASlots | None":
+        """The slot writer of a model whose params carry adapter slots, else None."""
+        key = model.stages.layers_key if model.stages is not None else "layers"
+        if not model.lora_targets or key not in model.params:
+            return None  # the torchax path: no adapter slots
+        layers = model.params[key]
+        return cls(model.lora_targets, key) if "lora" in (layers[0] if isinstance(layers, list) else layers) else None
+
+    def write(self, model: LoadedModel, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Write `adapter` (None: zeros) into device slot `slot` of every layer's tables."""
+        layers = model.params[self.layers_key]
+        for name in self.targets:
+            for j, ab in enumerate(("a", "b")):
+                stacked = None if adapter is None else adapter.weights[name][j]  # [layers, ...]
+                if isinstance(layers, list):  # one table per layer (runtime/ops/layered.py)
+                    for i, lp in enumerate(layers):
+                        table = lp["lora"][name][ab]
+                        value = np.zeros(table.shape[1:], table.dtype) if stacked is None else stacked[i]
+                        lp["lora"][name][ab] = self._writer(table, 0)(table, np.int32(slot), value)
+                else:  # stacked [layers, slots, ...]
+                    table = layers["lora"][name][ab]
+                    value = np.zeros(table.shape[:1] + table.shape[2:], table.dtype) if stacked is None else stacked
+                    layers["lora"][name][ab] = self._writer(table, 1)(table, np.int32(slot), value)
+
+    def _writer(self, table: jax.Array, axis: int):
+        key = (table.shape, table.dtype, table.sharding, axis)
+        if key not in self._writers:
+            def write(table, slot, value):
+                return jax.lax.dynamic_update_index_in_dim(table, value.astype(table.dtype), slot, axis)
+            self._writers[key] = jax.jit(write, out_shardings=table.sharding)
+        return self._writers[key]

@@ -1,0 +1,210 @@
+"""The execution plan: how an engine will run its model, decided once at startup and logged.
+
+How many KV blocks the cache holds (and from which budget), which attention backend reads
+them, whether the model steps as one program or a few decoder layers per program (and
+whether those multiply packed weights), the (tokens, sequences) buckets every step is
+padded to, and whether buckets compile in the background. The runner and the engine read
+the plan; `ExecutionPlan.step_bucket` is the only place a step's bucket is chosen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from runtime.engine.compilation import packed_weight_buckets, seq_buckets, step_bucket, step_buckets, token_buckets
+from runtime.engine.config import EngineConfig
+from runtime.ops.attention import resolve_attention_backend
+from runtime.ops.matmul import packed_matmul_available
+from runtime.ops.mesh import num_shards
+from runtime.ops.step import KVCacheSpec, LoadedModel
+
+logger = logging.getLogger("servax.engine")
+
+# The KV budget on a device that reports no memory (XLA:CPU) when no setting names one.
+CPU_DEFAULT_KV_BYTES = 256 * 1024**2
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionPlan:
+    """How an engine runs its model (see the module docstring).
+
+    Attributes:
+        kv_spec: what one cache block stores (the model's, or quantized by kv_cache_dtype).
+        num_kv_blocks / block_size: the paged cache's geometry (block 0 is the null block).
+        kv_budget: where num_kv_blocks came from, in words.
+        attention_backend: "xla", "cpu" or "pallas"; the cache is laid out for it.
+        layered: the model steps a few decoder layers per program (runtime/ops/layered.py).
+        packed_weights: those programs multiply weights packed for the C++ matmul.
+        layer_seqs: every layer program runs at this many sequence slots (the C++ attention
+            costs nothing for empty ones, so one program per token bucket), or None.
+        token_buckets / seq_buckets: padded sizes compiled ahead of time.
+        compile_in_background: only the largest bucket compiles before serving.
+    """
+
+    kv_spec: KVCacheSpec
+    num_kv_blocks: int
+    block_size: int
+    kv_budget: str
+    attention_backend: str
+    layered: bool
+    packed_weights: bool
+    layer_seqs: int | None
+    token_buckets: tuple[int, ...]
+    seq_buckets: tuple[int, ...]
+    compile_in_background: bool
+
+    def step_bucket(self, num_tokens: int, num_rows: int) -> tuple[int, int]:
+        """The (tokens, sequences) bucket a step of `num_tokens` tokens in `num_rows` rows runs in."""
+        return step_bucket(num_tokens, num_rows, list(self.token_buckets), list(self.seq_buckets))
+
+    @property
+    def bucket_pairs(self) -> list[tuple[int, int]]:
+        """Every (tokens, sequences) bucket a step can use."""
+        return step_buckets(list(self.token_buckets), list(self.seq_buckets))
+
+    @property
+    def largest_bucket(self) -> tuple[int, int]:
+        return max(self.bucket_pairs)
+
+    def describe(self) -> str:
+        stepping = ("layered" + (", packed weights" if self.packed_weights else "")) if self.layered else "one program"
+        return (f"{self.num_kv_blocks} KV blocks x {self.block_size} tokens ({self.kv_budget}); attention "
+                f"{self.attention_backend}; {stepping}; {len(self.bucket_pairs)} buckets (tokens "
+                f"{list(self.token_buckets)}, seqs {list(self.seq_buckets)})"
+                + ("; compiling in the background" if self.compile_in_background else ""))
+
+
+def make_plan(config: EngineConfig, model: LoadedModel, mesh: Mesh, *, max_model_len: int,
+              multi_process: bool = False) -> ExecutionPlan:
+    """Decide the plan of an engine serving `model` on `mesh` with `config` (`multi_process`:
+    the mesh spans processes, whose workers compile every bucket before serving).
+
+    Raises:
+        ValueError: the settings cannot work (a KV cache too small for one max_model_len
+            sequence, a backend that cannot read this cache).
+    """
+    kv_spec = model.kv_spec
+    if config.kv_cache_dtype != "auto":
+        stored = np.int8 if config.kv_cache_dtype == "int8" else jax.numpy.float8_e4m3fn
+        kv_spec = dataclasses.replace(model.kv_spec, cache_dtype=stored)
+    num_blocks, budget = _num_kv_blocks(config, model, kv_spec, mesh, max_model_len)
+    backend = _attention_backend(config, kv_spec, mesh.devices.flat[0].platform)
+    layered = config.layerwise and model.stages is not None
+    on_cpu_kernel = backend == "cpu"
+    packed = layered and on_cpu_kernel and _packs(model)
+    tokens, seqs = token_buckets(config.max_num_batched_tokens), seq_buckets(config.max_num_seqs)
+    if packed:
+        tokens, seqs = packed_weight_buckets(tokens, seqs)
+    plan = ExecutionPlan(
+        kv_spec=kv_spec, num_kv_blocks=num_blocks, block_size=config.block_size, kv_budget=budget,
+        attention_backend=backend, layered=layered, packed_weights=packed,
+        layer_seqs=seqs[-1] if layered and on_cpu_kernel else None,
+        token_buckets=tuple(tokens), seq_buckets=tuple(seqs),
+        compile_in_background=config.compile_in_background and not config.enforce_eager and not multi_process,
+    )
+    logger.info("execution plan: %s", plan.describe())
+    return plan
+
+
+def _packs(model: LoadedModel) -> bool:
+    """Whether the layered step will run its products on packed weights: the kernel is built,
+    the model can pack its layers, and every weight is whole on each device (the packed
+    matmul is not partitioned)."""
+    stages = model.stages
+    return (packed_matmul_available() and stages is not None and stages.pack_layer is not None
+            and all(x.sharding.is_fully_replicated for x in jax.tree.leaves(model.params)))
+
+
+def _attention_backend(config: EngineConfig, kv_spec: KVCacheSpec, platform: str) -> str:
+    requested = config.attention_backend
+    backend = resolve_attention_backend(requested, platform)
+    if backend in ("pallas", "cpu") and kv_spec.quantized:
+        if requested == backend:
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype} runs on attention_backend='xla' "
+                             f"(the {backend} kernel reads an unquantized cache)")
+        logger.info("kv_cache_dtype=%s: attention backend xla", config.kv_cache_dtype)
+        return "xla"
+    if backend == "cpu" and np.dtype(kv_spec.dtype) != np.float32:
+        if requested == "cpu":
+            raise ValueError(f"attention_backend='cpu' reads a float32 KV cache; this model's is "
+                             f"{np.dtype(kv_spec.dtype)} (use dtype='float32' or attention_backend='xla')")
+        logger.info("%s KV cache: attention backend xla", np.dtype(kv_spec.dtype))
+        return "xla"
+    return backend
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _local_devices(mesh: Mesh) -> list:
+    """The mesh's devices in this process (all of them unless the mesh spans processes;
+    every process holds the same share, so this process's memory decides)."""
+    return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+
+
+def _num_kv_blocks(config: EngineConfig, model: LoadedModel, spec: KVCacheSpec, mesh: Mesh,
+                   max_model_len: int) -> tuple[int, str]:
+    block_size = config.block_size
+    per_block = spec.bytes_per_block(block_size)
+    if config.num_kv_blocks is not None:
+        num, source = config.num_kv_blocks, "num_kv_blocks"
+    elif config.kv_cache_memory_bytes is not None:
+        num, source = config.kv_cache_memory_bytes // per_block, f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
+    elif config.gpu_memory_utilization is not None:
+        num, source = _blocks_for_memory_share(config, model, mesh, per_block, max_model_len)
+    else:
+        devices = _local_devices(mesh)
+        stats = devices[0].memory_stats()
+        if stats and "bytes_limit" in stats:
+            free = min(d.memory_stats()["bytes_limit"] - d.memory_stats().get("bytes_in_use", 0) for d in devices)
+            # A cache sharded over mesh axes puts 1/shards of it on each device; a
+            # replicated one (P()) puts all of it on every device.
+            budget = int(free * config.kv_cache_memory_fraction) * num_shards(model.kv_partition_spec, mesh)
+            source = f"{config.kv_cache_memory_fraction:.0%} of free device memory"
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+            source = f"default {CPU_DEFAULT_KV_BYTES // 2**20} MiB (device reports no memory stats)"
+        num = budget // per_block
+    needed = _cdiv(max_model_len, block_size) + 1  # + the null block
+    if num < needed:
+        raise ValueError(
+            f"the KV cache has {num} blocks of {block_size} tokens ({source}), but one "
+            f"max_model_len={max_model_len} sequence needs {needed} (null block included); "
+            f"raise the KV budget to >= {needed * per_block} bytes or lower max_model_len"
+        )
+    logger.info("KV cache: %d blocks x %d tokens = %d token slots, %.1f MiB (%s)",
+                num, block_size, (num - 1) * block_size, num * per_block / 2**20, source)
+    return int(num), source
+
+
+def _blocks_for_memory_share(config: EngineConfig, model: LoadedModel, mesh: Mesh, per_block: int,
+                             max_model_len: int) -> tuple[int, str]:
+    """KV blocks under gpu_memory_utilization: the share of device (on CPU, host) memory
+    the whole engine may use, less the weights, capped at twice what max_num_seqs
+    full-length sequences need (the rest would only ever hold prefix-cache entries)."""
+    share = config.gpu_memory_utilization
+    devices = _local_devices(mesh)
+    stats = devices[0].memory_stats()
+    if stats and "bytes_limit" in stats:
+        total, where = min(d.memory_stats()["bytes_limit"] for d in devices), "device"
+    else:
+        total, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host"
+    shards = num_shards(model.kv_partition_spec, mesh)
+    weights = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(model.params))
+    budget = int(total * share) - weights  # per device
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={share} of {total / 2**30:.1f} GiB of {where} memory leaves nothing "
+            f"for the KV cache after the weights ({weights / 2**30:.2f} GiB per device); raise it"
+        )
+    wanted = 2 * config.max_num_seqs * _cdiv(max_model_len, config.block_size) + 1
+    num = min(budget * shards // per_block, wanted)
+    return num, (f"gpu_memory_utilization={share} of {total / 2**30:.1f} GiB {where} memory, "
+                 f"less {weights / 2**20:.0f} MiB of weights, capped at {wanted} blocks")
