@@ -16,9 +16,11 @@ from typing import Any
 
 from ray import serve
 
-from app.config import AppConfig, LLMConfig, load_app_config
+from app.colocated import ColocatedLLMServer
+from app.config import AppConfig, load_app_config
 from app.ingress import OpenAIIngress
-from app.server import LLMServer
+from app.llm_config import LLMConfig
+from app.llm_server import LLMServer
 
 
 def build_llm_deployment(llm_config: LLMConfig) -> serve.Application:
@@ -36,8 +38,6 @@ def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:
     config = args if isinstance(args, AppConfig) else load_app_config(dict(args))
     ingress = config.ingress_config
     if ingress.colocate:
-        from app.colocated import ColocatedLLMServer
-
         block = config.llm_configs[0]
         return ColocatedLLMServer.options(name=block.deployment_name(), **block.serve_options()).bind(
             block.model_dump(), ingress.resolved_api_key(), lora_routes(config))

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from ray import serve
 
 from app.ingress import OpenAIRouter, build_openai_api
-from app.server import SERVER_DEFAULTS, LLMServerImpl
+from app.llm_server import SERVER_DEFAULTS, LLMServerImpl
 
 _closing: set[asyncio.Task] = set()  # generators being closed by LocalStream.cancel
 

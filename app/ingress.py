@@ -30,11 +30,11 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.metrics import render_families
-from app.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, LoadLoRAAdapterRequest, ModelCard,
-    ModelList, TokenizeRequest, UnloadLoRAAdapterRequest,
+from app.openai_requests import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
-from app.serving import error_response
+from app.openai_responses import ErrorResponse, ModelCard, ModelList, error_response
 from runtime.engine.lora_request import stable_lora_id
 
 logger = logging.getLogger("ray.serve")
@@ -53,10 +53,9 @@ SERVAX_VERSION = importlib.metadata.version("servax")
 # over; beyond it the ingress answers 413 before reading further.
 MAX_REQUEST_BODY_BYTES = 16 * 2**20
 # The model's chunks stream to the ingress by value over the replicas' gRPC channel, not as
-# one Ray object per chunk (Serve's default, "by reference"): on 2 cores this halved the
-# ingress's CPU per token and gave +7% output tokens/s at 8 streams (benchmarks/RESULTS.md,
-# "Stop 33"). The option is private to Ray Serve (what RAY_SERVE_THROUGHPUT_OPTIMIZED sets
-# for every handle); a Ray without it keeps the default.
+# one Ray object per chunk (Serve's default, "by reference"), which costs the ingress less CPU
+# per token (measured in benchmarks/RESULTS.md, "Stop 33"). The option is private to Ray Serve
+# (what RAY_SERVE_THROUGHPUT_OPTIMIZED sets for every handle); a Ray without it keeps the default.
 STREAM_OPTIONS = ({"stream": True, "_by_reference": False}
                   if "_by_reference" in inspect.signature(DeploymentHandle.options).parameters else {"stream": True})
 # Lists the request fields servax did not know and ignored (vLLM only logs them).

@@ -22,13 +22,14 @@ from tqdm.auto import tqdm
 
 import registry
 from registry.model_info import sampling_defaults
+from app.serving_config import split_engine_kwargs
 from runtime.engine import distributed
 from runtime.engine.config import EngineConfig
 from runtime.engine.core import Engine
 from runtime.engine.lora_request import LoRARequest
 from runtime.ops.mesh import make_mesh
 from runtime.engine.outputs import RequestOutput
-from runtime.engine.input_processor import PromptType, is_chat
+from runtime.engine.input_processor import ChatPrompt, PromptType, is_chat
 from runtime.engine.sampling_params import SamplingParams
 from runtime.ops.step import LoadedModel
 
@@ -65,13 +66,16 @@ class LLM:
     Args:
         model: model ID, local folder or servax-tiny/<name>.
         loaded_model: an already loaded LoadedModel to serve instead of loading `model`.
-        **engine_kwargs: any EngineConfig field (model_impl, dtype, max_model_len, ...).
+        **engine_kwargs: any EngineConfig field (model_impl, dtype, max_model_len, ...); the
+            OpenAI routes' settings (tool_call_parser, ...) are accepted as in a YAML
+            block's engine_kwargs, and kept as `serving_config` (offline generation reads none).
 
     Raises:
         registry.errors.ModelLoadError, ValueError (pydantic's ValidationError for a bad setting).
     """
 
     def __init__(self, model: str, *, loaded_model: LoadedModel | None = None, **engine_kwargs: Any):
+        engine_kwargs, self.serving_config = split_engine_kwargs(engine_kwargs)
         self.config = EngineConfig(model=model, **engine_kwargs)
         self.engine = Engine(self.config, loaded_model if loaded_model is not None else load_model(self.config))
         self._ids = itertools.count()
@@ -136,19 +140,17 @@ class LLM:
             InvalidRequestError: the model has no chat template, or a message is malformed.
         """
         conversations = [messages] if is_chat(messages) else list(messages)
-        prompts = []
-        for conversation in conversations:
-            text, ids = self.engine.processor.render_chat(
-                conversation, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template=chat_template,
-                chat_template_kwargs=chat_template_kwargs, tools=tools,
-            )
-            prompts.append({"prompt_token_ids": ids})
+        prompts = [ChatPrompt(conversation, add_generation_prompt=add_generation_prompt,
+                              continue_final_message=continue_final_message, chat_template=chat_template,
+                              chat_template_kwargs=chat_template_kwargs, tools=tools)
+                   for conversation in conversations]
         return self._run(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, prompt_list: list[PromptType], sampling_params: Any, use_tqdm: bool,
              lora_request: Any = None) -> list[RequestOutput]:
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        if sampling_params is None:  # vLLM's: the defaults for generate and chat alike
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:
             params_list = list(sampling_params)

@@ -1,4 +1,4 @@
-"""The YAML/args schema (app.config) and the OpenAI request models (app.protocol): unit tests."""
+"""The YAML/args schema (app.config) and the OpenAI request models (app.openai_requests): unit tests."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import yaml
 from pydantic import ValidationError
 
 from app.config import AppConfig, load_app_config, sanitize_name
-from app.protocol import ChatCompletionRequest, CompletionRequest
+from app.openai_requests import ChatCompletionRequest, CompletionRequest
 
 REPO = Path(__file__).resolve().parents[1]
 

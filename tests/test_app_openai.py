@@ -445,7 +445,7 @@ def test_metrics_endpoint_counts_add_up(http, base_url):
 
 
 def test_handle_completions_is_rays_name_for_completion(handles):
-    from app.protocol import CompletionRequest
+    from app.openai_requests import CompletionRequest
 
     body = CompletionRequest(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, ignore_eos=True)
     ours = list(handles[MODEL].options(stream=True).completion.remote(body))

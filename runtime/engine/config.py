@@ -1,7 +1,9 @@
 """EngineConfig: the one typed configuration of the engine.
 
-`runtime.LLM(model=..., **settings)` and a YAML model block's `engine_kwargs` are both
-this object, with vLLM's names where vLLM has one.
+`app.LLM(model=..., **settings)` and a YAML model block's `engine_kwargs` are both this
+object, with vLLM's names where vLLM has one; the settings only the OpenAI routes read
+(tool_call_parser, enable_auto_tool_choice) are app.serving_config.ServingConfig, taken out
+of the same keywords before this object is built.
 """
 
 from __future__ import annotations
@@ -133,11 +135,6 @@ class EngineConfig(BaseModel):
         None, description="The name in responses and metrics (the first one, if a list); default the model."
     )
     disable_log_stats: bool = Field(False, description="Accepted for vLLM scripts; servax logs no periodic stats.")
-    # Tool calling on the OpenAI routes (vLLM's names; read by app/, see app/tool_parsers.py).
-    enable_auto_tool_choice: bool = Field(
-        False, description='Let the model decide to call tools (tool_choice "auto"); needs tool_call_parser.')
-    tool_call_parser: str | None = Field(
-        None, description="How tool calls are read from replies: hermes (Hermes, Qwen 2/2.5/3) or llama3_json.")
 
     @model_validator(mode="before")
     @classmethod
@@ -217,12 +214,6 @@ class EngineConfig(BaseModel):
                 f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, got {v!r}"
             )
         return v
-
-    @model_validator(mode="after")
-    def _auto_tool_choice_needs_parser(self) -> "EngineConfig":
-        if self.enable_auto_tool_choice and not self.tool_call_parser:
-            raise ValueError("enable_auto_tool_choice needs tool_call_parser (e.g. hermes or llama3_json)")
-        return self
 
     @model_validator(mode="after")
     def _check_budget(self) -> "EngineConfig":

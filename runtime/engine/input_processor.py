@@ -4,10 +4,12 @@ Every door into the engine passes through here (the OpenAI routes, Serve handle 
 the offline `LLM`), so a request is judged by one set of rules wherever it comes from:
 
 - a prompt is text, token ids, a prompt dict (`{"prompt": ...}` or
-  `{"prompt_token_ids": [...]}`, vLLM's TextPrompt / TokensPrompt), or chat messages
-  rendered with the model's chat template;
+  `{"prompt_token_ids": [...]}`, vLLM's TextPrompt / TokensPrompt), or chat messages (a
+  list, or a `ChatPrompt` with the template's options), rendered here with the model's
+  chat template;
 - sampling settings are a `SamplingParams` or a dict of its fields (validated by
-  SamplingParams itself: the value ranges live in runtime/engine/sampling_params.py);
+  SamplingParams itself: the value ranges live in runtime/engine/sampling_params.py); a
+  dict gets its unset fields here, `max_tokens` included (`sampling_params`);
 - the limits that depend on the model and the engine (vocabulary, context length,
   max_logprobs, max_num_seqs) are checked here;
 - token constraints (structured outputs, allowed_token_ids, bad_words) are compiled here,
@@ -32,8 +34,31 @@ from runtime.engine.errors import InvalidRequestError, PromptTooLongError
 from runtime.engine.sampling_params import SamplingParams
 from runtime.engine.structured_output import CompiledConstraints, TokenMaskCompiler
 
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation to render with the chat template, and the template's options.
+
+    Attributes:
+        messages: OpenAI-shaped messages ({"role": ..., "content": ...}).
+        add_generation_prompt: end with the assistant's turn opened.
+        continue_final_message: leave the last (assistant) message open to be continued.
+        chat_template: a Jinja template to use instead of the model's.
+        chat_template_kwargs: further variables for the template.
+        tools: OpenAI's tool entries ({"type": "function", "function": {...}}) for the template.
+    """
+
+    messages: Sequence[Mapping[str, Any]]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: Mapping[str, Any] | None = None
+    tools: Sequence[Mapping[str, Any]] | None = None
+
+
 # A prompt in any of the accepted forms (chat messages are a list of dicts with a role).
-PromptType = str | Sequence[int] | Mapping[str, Any] | Sequence[Mapping[str, Any]]
+PromptType = str | Sequence[int] | Mapping[str, Any] | Sequence[Mapping[str, Any]] | ChatPrompt
 
 
 @dataclasses.dataclass
@@ -66,8 +91,8 @@ def to_sampling_params(fields: Mapping[str, Any]) -> SamplingParams:
 
 
 def is_chat(prompt: Any) -> bool:
-    """Chat messages: a non-empty list of dicts that have a role."""
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(
+    """A conversation: a ChatPrompt, or a non-empty list of dicts that have a role."""
+    return isinstance(prompt, ChatPrompt) or isinstance(prompt, (list, tuple)) and bool(prompt) and all(
         isinstance(m, Mapping) and "role" in m for m in prompt
     )
 
@@ -98,11 +123,16 @@ class InputProcessor:
         self.max_num_seqs = max_num_seqs
 
     # -- sampling ------------------------------------------------------------------------
-    def sampling_params(self, sampling: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
+    def sampling_params(self, sampling: SamplingParams | Mapping[str, Any] | None, *,
+                        chat: bool = False) -> SamplingParams:
         """A SamplingParams from itself, a dict of its fields (vLLM's names), or None.
 
-        A dict or None gets the model's sampling defaults for the fields it leaves unset;
-        a SamplingParams is taken as given.
+        A SamplingParams is taken as given. A dict or None gets, for the fields it leaves
+        unset, the model's sampling defaults, then SamplingParams' own. This is the one place
+        that decides an unset `max_tokens`, for every door: the model's default
+        (generation_config's max_new_tokens) if it has one; else a reply to a conversation
+        (`chat`) may fill the context, as OpenAI's chat completions do, and any other prompt
+        gets SamplingParams' default (16, vLLM's and OpenAI's completions').
 
         Raises:
             InvalidRequestError: an unknown field or a value out of range (.param names it).
@@ -111,14 +141,18 @@ class InputProcessor:
             return sampling
         if sampling is not None and not isinstance(sampling, Mapping):
             raise InvalidRequestError("sampling params must be a SamplingParams or a dict", param="sampling_params")
-        return to_sampling_params({**self.sampling_defaults, **(sampling or {})})
+        unset = {"max_tokens": None} if chat else {}  # None: until the context is full
+        return to_sampling_params({**unset, **self.sampling_defaults, **(sampling or {})})
 
     # -- prompts -------------------------------------------------------------------------
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+    def render_chat(self, messages: Sequence[Mapping[str, Any]] | ChatPrompt, *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template: str | None = None,
                     chat_template_kwargs: Mapping[str, Any] | None = None,
                     tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[str, list[int]]:
         """Chat messages rendered by the model's chat template (or `chat_template`): (text, token ids).
+
+        `messages` is a list of messages with the options as keywords, or a ChatPrompt that
+        carries both (its options win).
 
         Content is a string or a list of text parts; the `developer` role is the `system`
         role to templates (as OpenAI defines it). `continue_final_message` leaves the last
@@ -130,6 +164,11 @@ class InputProcessor:
             InvalidRequestError: no chat template, a non-text part, contradicting options, or
                 the template failed.
         """
+        if isinstance(messages, ChatPrompt):
+            chat = messages
+            messages, add_generation_prompt, continue_final_message = (
+                chat.messages, chat.add_generation_prompt, chat.continue_final_message)
+            chat_template, chat_template_kwargs, tools = chat.chat_template, chat.chat_template_kwargs, chat.tools
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer; send token ids", param="messages")
         if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
@@ -195,7 +234,7 @@ class InputProcessor:
         """
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
-        params = self.sampling_params(sampling)
+        params = self.sampling_params(sampling, chat=is_chat(prompt))
         text, token_ids = self.tokenize(prompt)
         if len(token_ids) + 1 > self.max_model_len:
             raise PromptTooLongError(

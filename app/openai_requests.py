@@ -1,4 +1,5 @@
-"""OpenAI API request and response bodies (the subset servax serves), as pydantic models.
+"""OpenAI API request bodies (the subset servax serves), as pydantic models, and what each
+asks the engine for: a GenerationRequest (app.relay) of engine prompts and sampling fields.
 
 Unknown request fields are accepted and ignored, as vLLM does: the ingress logs a warning
 naming them and lists them in the `x-servax-ignored-fields` response header. Fields that
@@ -8,14 +9,14 @@ a 400 that says so, never a silent no-op.
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from app.relay import GenerationRequest
 from app.tool_parsers import named_tool_call_schema, required_tool_calls_schema
 from runtime.engine.errors import InvalidRequestError
+from runtime.engine.input_processor import ChatPrompt
 
 
 class _Request(BaseModel):
@@ -234,9 +235,12 @@ class CompletionRequest(_Request):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
+    def generation_request(self, request_id: str, lora_request: Any = None) -> GenerationRequest:
+        """What the engine runs: one request per prompt of the batch, with this body's sampling."""
+        return GenerationRequest(request_id, self.prompts(), self.sampling_kwargs(), lora_request)
+
     def sampling_kwargs(self) -> dict[str, Any]:
         kwargs = super().sampling_kwargs()
-        kwargs.setdefault("max_tokens", 16)  # OpenAI's default for completions
         if self.logprobs is not None:
             kwargs["logprobs"] = self.logprobs
             if self.echo:
@@ -311,6 +315,14 @@ class ChatCompletionRequest(_Request):
         """The messages as dicts for the engine's InputProcessor (which renders the template)."""
         return [m.model_dump(exclude_none=True) for m in self.messages]
 
+    def generation_request(self, request_id: str, lora_request: Any = None) -> GenerationRequest:
+        """What the engine runs: the conversation, rendered by the engine's InputProcessor with
+        this body's template options and tools, and this body's sampling."""
+        prompt = ChatPrompt(self.chat_messages(), add_generation_prompt=self.add_generation_prompt,
+                            continue_final_message=self.continue_final_message, chat_template=self.chat_template,
+                            chat_template_kwargs=self.chat_template_kwargs, tools=self.tool_dicts())
+        return GenerationRequest(request_id, [prompt], self.sampling_kwargs(), lora_request)
+
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:
         """tool_choice, or OpenAI's default: "auto" with tools, "none" without."""
@@ -378,117 +390,6 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-# Responses. Built by app.serving; the field names are OpenAI's.
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: dict[str, int] | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's: {id, type: function, function: {name, arguments}}
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's deltas: {index, id?, type?, function: {...}}
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(BaseModel):
-    """One entry of GET /v1/models, with servax's own metadata beside OpenAI's fields."""
-
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "servax"
-    root: str | None = None
-    parent: str | None = None  # a LoRA adapter's base model
-    max_model_len: int | None = None
-    impl: str | None = None
-    dtype: str | None = None
-    tensor_parallel_size: int | None = None
-
-
 class LoadLoRAAdapterRequest(BaseModel):
     """POST /v1/load_lora_adapter (vLLM's body; base_model_name picks the base when several serve LoRA)."""
 
@@ -502,30 +403,6 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
     lora_name: str = ""
     lora_int_id: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error body; `status_code` travels beside it from the server to the ingress."""
-
-    error: ErrorInfo
-    status_code: int = Field(400, exclude=True)
-
-    @classmethod
-    def make(cls, status_code: int, message: str, type: str = "invalid_request_error",
-             param: str | None = None, code: str | None = None) -> ErrorResponse:
-        return cls(error=ErrorInfo(message=message, type=type, param=param, code=code), status_code=status_code)
 
 
 TokenizeRequest.model_rebuild()

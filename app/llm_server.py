@@ -8,8 +8,9 @@ the typed methods through a handle:
     async for delta in handle.options(stream=True).stream.remote([{"role": "user", "content": "Hi"}]):
         print(delta.text, end="")
 
-The ingress uses `completion` / `chat` (OpenAI bodies, see app.serving), `model_info`
-and `stats`. Serve calls `check_health` periodically and replaces a replica whose
+The ingress uses `completion` / `chat` (OpenAI bodies, see app.openai_api), `model_info`
+and `stats`. Every generating method, handle or OpenAI, runs through the replica's one
+Relay (app.relay). Serve calls `check_health` periodically and replaces a replica whose
 engine loop has died.
 """
 
@@ -27,10 +28,12 @@ from typing import Any
 
 from ray import serve
 
-from app.config import LLMConfig
+from app.llm_config import LLMConfig
 from app.metrics import ServerMetrics
-from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, TokenizeRequest
-from app.serving import OpenAIServing, error_response
+from app.openai_api import OpenAIServing
+from app.openai_requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from app.openai_responses import ErrorResponse, error_response
+from app.relay import GenerationRequest, Relay
 from runtime.engine.errors import InvalidRequestError
 from runtime.engine.lora_request import LoRARequest, stable_lora_id
 
@@ -103,8 +106,10 @@ class LLMServerImpl:
         Raises:
             registry.errors.ModelLoadError / ValueError: the model or its settings are wrong.
         """
+        # Here, not at the top: the builder imports this module to bind the deployment, in a
+        # process that runs no engine, and these bring JAX.
         from app.llm import load_model
-        from runtime import AsyncLLMEngine
+        from runtime.engine.async_engine import AsyncLLMEngine
 
         _servax_logs_beside_serves()
         self.llm_config = LLMConfig.model_validate(llm_config)
@@ -115,7 +120,8 @@ class LLMServerImpl:
         self.engine.on_death = self._exit_replica
         self.startup_s = time.perf_counter() - start
         self.metrics = ServerMetrics(self.model_id, enabled=self.llm_config.log_engine_metrics)
-        self.serving = OpenAIServing(self.engine, self.model_id, self.metrics)
+        self.relay = Relay(self.engine, self.model_id, self.metrics)
+        self.serving = OpenAIServing(self.engine, self.model_id, self.relay, self.llm_config.serving_config())
         self._load_multiplexed = None
         lora_config = self.llm_config.lora_config
         if lora_config is not None and lora_config.dynamic_lora_loading_path:
@@ -212,10 +218,11 @@ class LLMServerImpl:
             also an instance of the original class.
         """
         request_id = f"gen-{uuid.uuid4().hex}"
-        stream = await self.serving.submit(prompt_or_messages, sampling, request_id, await self._lora_for(lora_request))
+        outputs = await self.relay.start(GenerationRequest(request_id, [prompt_or_messages], sampling,
+                                                           await self._lora_for(lora_request)))
         out = None
-        async with aclosing(stream):
-            async for out in stream:
+        async with aclosing(outputs):
+            async for _, out in outputs:
                 pass
         return GenerateResult(
             request_id=request_id, prompt_token_ids=list(out.prompt_token_ids or []),
@@ -233,9 +240,10 @@ class LLMServerImpl:
         generator) aborts the request in the engine.
         """
         request_id = f"gen-{uuid.uuid4().hex}"
-        stream = await self.serving.submit(prompt_or_messages, sampling, request_id, await self._lora_for(lora_request))
-        async with aclosing(stream):
-            async for out in stream:
+        outputs = await self.relay.start(GenerationRequest(request_id, [prompt_or_messages], sampling,
+                                                           await self._lora_for(lora_request)))
+        async with aclosing(outputs):
+            async for _, out in outputs:
                 for c in out.outputs:
                     if c.delta_token_ids or c.delta_text or c.finish_reason is not None:
                         yield StreamDelta(c.index, c.delta_text or "", list(c.delta_token_ids or []),
@@ -245,7 +253,7 @@ class LLMServerImpl:
 
     async def completion(self, request: CompletionRequest, lora: dict[str, Any] | None = None
                          ) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
-        """OpenAI /v1/completions bodies (see app.serving.OpenAIServing.completion); `lora`: the
+        """OpenAI /v1/completions bodies (see app.openai_api.OpenAIServing.completion); `lora`: the
         adapter the ingress resolved from `model` (or the multiplexed model id's)."""
         async with aclosing(self._serve(self.serving.completion, request, lora)) as items:
             async for item in items:
@@ -260,7 +268,7 @@ class LLMServerImpl:
 
     async def chat(self, request: ChatCompletionRequest, lora: dict[str, Any] | None = None
                    ) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
-        """OpenAI /v1/chat/completions bodies (see app.serving.OpenAIServing.chat)."""
+        """OpenAI /v1/chat/completions bodies (see app.openai_api.OpenAIServing.chat)."""
         async with aclosing(self._serve(self.serving.chat, request, lora)) as items:
             async for item in items:
                 yield item
@@ -280,7 +288,7 @@ class LLMServerImpl:
         self._update_gauges()
 
     def tokenize(self, request: TokenizeRequest) -> dict[str, Any] | ErrorResponse:
-        """vLLM's /tokenize body (see app.serving.OpenAIServing.tokenize)."""
+        """vLLM's /tokenize body (see app.openai_api.OpenAIServing.tokenize)."""
         return self.serving.tokenize(request)
 
     def detokenize(self, request: DetokenizeRequest) -> dict[str, Any] | ErrorResponse:

@@ -1,52 +1,38 @@
-"""The OpenAI protocol on top of one AsyncLLMEngine: requests in, response bodies out.
+"""The OpenAI API of one model, inside its LLMServer replica: request bodies in, response
+bodies out.
 
-Runs inside the LLMServer replica, next to the engine and its tokenizer (chat templates,
-token strings for logprobs). Each method is an async generator of plain dicts (JSON-ready
-bodies or stream chunks) so that the ingress only forwards them; a request the engine
-refuses yields a single `ErrorResponse` instead, before any chunk, so that the ingress can
-answer with the right HTTP status even for `stream: true`.
+Runs next to the engine and its tokenizer (token strings for logprobs). Each route turns
+its body into one GenerationRequest, runs it through the replica's Relay (the path the
+Python handle methods take too), and turns the engine's outputs into OpenAI's bodies. Each
+route is an async generator of plain dicts (JSON-ready bodies or stream chunks) so that the
+ingress only forwards them; a request the engine refuses yields a single `ErrorResponse`
+instead, before any chunk, so that the ingress can answer with the right HTTP status even
+for `stream: true`.
 
-Closing a generator (the client went away) closes the engine's generators, which aborts
-the requests and frees their KV blocks.
+Closing a generator (the client went away) closes the relay's, which aborts the requests
+and frees their KV blocks.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from app.metrics import ServerMetrics
-from app.protocol import (
-    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatDelta, ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
-    CompletionRequest, CompletionResponse, DetokenizeRequest, ErrorResponse, NamedToolChoice, TokenizeRequest,
-    TopLogprob, UsageInfo, new_id,
+from app.openai_requests import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice, TokenizeRequest,
 )
-from app.tool_parsers import (
-    NamedToolCall, RequiredToolCalls, ToolCallStream, ToolParser, final_tool_calls, get_tool_parser,
+from app.openai_responses import (
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta, ChatLogprobs,
+    ChatResponseMessage, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse, ErrorResponse,
+    TopLogprob, UsageInfo, error_response, new_id,
 )
-from runtime.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, PromptTooLongError
+from app.relay import Relay
+from app.serving_config import ServingConfig
+from app.tool_parsers import NamedToolCall, RequiredToolCalls, ToolCallStream, ToolParser, final_tool_calls, get_tool_parser
+from runtime.engine.errors import InvalidRequestError
 from runtime.engine.input_processor import template_message
-
-logger = logging.getLogger("ray.serve")
-
-
-def error_response(exc: BaseException, prompt_param: str = "prompt") -> ErrorResponse | None:
-    """The OpenAI error for an engine error, or None if `exc` is not one we answer for."""
-    if isinstance(exc, PromptTooLongError):
-        return ErrorResponse.make(400, str(exc), param=exc.param or prompt_param, code="context_length_exceeded")
-    if isinstance(exc, InvalidRequestError):
-        return ErrorResponse.make(400, str(exc), param=exc.param)
-    if isinstance(exc, EngineOverloadedError):
-        return ErrorResponse.make(429, str(exc) or "engine queue is full, retry later",
-                                  type="rate_limit_error", code="rate_limit_exceeded")
-    if isinstance(exc, EngineDeadError):
-        return ErrorResponse.make(503, str(exc) or "engine is dead", type="server_error", code="engine_dead")
-    return None
 
 
 def _name_constraint_param(exc: BaseException, request: Any) -> None:
@@ -62,76 +48,24 @@ def _name_constraint_param(exc: BaseException, request: Any) -> None:
 
 
 class OpenAIServing:
-    """Completions and chat completions for one model."""
+    """Completions, chat completions, /tokenize and /detokenize for one model.
 
-    def __init__(self, engine: Any, model_id: str, metrics: ServerMetrics):
+    Args:
+        engine: the replica's AsyncLLMEngine.
+        model_id: the name responses carry as `model` (an adapter's name when one is used).
+        relay: the replica's Relay on that engine.
+        serving_config: how replies are read for tool calls.
+    """
+
+    def __init__(self, engine: Any, model_id: str, relay: Relay, serving_config: ServingConfig | None = None):
         self.engine = engine
         self.model_id = model_id
-        self.metrics = metrics
+        self.relay = relay
         self.tokenizer = engine.tokenizer
         self.max_model_len: int | None = engine.model_config.get("max_model_len")
-        config = getattr(engine, "config", None)
-        self.tool_call_parser: str | None = getattr(config, "tool_call_parser", None)
-        self.enable_auto_tool_choice: bool = bool(getattr(config, "enable_auto_tool_choice", False))
-        if self.tool_call_parser is not None:
-            get_tool_parser(self.tool_call_parser)  # an unknown name fails the replica's startup
-
-    # ---- engine access shared by the OpenAI routes and the Python handle methods -------
-
-    async def submit(self, prompt: Any, sampling: Any, request_id: str, lora_request: Any = None) -> RequestStream:
-        """Start a request and wait for its first output, so that a refusal raises here.
-
-        `prompt` and `sampling` take every form the engine's InputProcessor accepts (text,
-        token ids, prompt dicts, chat messages; SamplingParams or a dict of its fields).
-
-        Returns:
-            A RequestStream over all its RequestOutput snapshots (the first included);
-            closing it aborts the request if it has not finished.
-        """
-        gen = self.engine.generate(prompt, sampling, request_id, lora_request=lora_request)
-        start = time.perf_counter()
-        try:
-            first = await gen.__anext__()
-        except BaseException:
-            await gen.aclose()
-            raise
-        return RequestStream(gen, first, start, request_id, self)
-
-    def _request_done(self, stream: RequestStream) -> None:
-        out = stream.last
-        e2e = time.perf_counter() - stream.start
-        n_gen = sum(len(c.token_ids) for c in out.outputs)
-        reasons = {c.finish_reason for c in out.outputs}
-        reason = reasons.pop() if len(reasons) == 1 else "mixed"
-        reason = reason if out.finished else "abort"
-        self.metrics.observe_request(ttft_s=stream.ttft, e2e_s=e2e, prompt_tokens=len(out.prompt_token_ids or ()),
-                                     generation_tokens=n_gen, finish_reason=reason)
-        logger.debug("servax request %s model=%s prompt_tokens=%d generated=%d cached=%s finish=%s "
-                     "ttft=%.3fs e2e=%.3fs", stream.request_id, self.model_id, len(out.prompt_token_ids or ()),
-                     n_gen, getattr(out, "num_cached_tokens", None), reason, stream.ttft or -1.0, e2e)
-
-    async def submit_all(self, prompts: list[str | list[int]], sampling: Any, request_id: str, lora_request: Any = None
-                         ) -> AsyncIterator[tuple[int, Any]]:
-        """Start one request per prompt (all at once); yield (prompt index, RequestOutput) as they come.
-
-        If any prompt is refused, the others are aborted and the first refusal is raised.
-        """
-        if len(prompts) == 1:
-            return _merge([await self.submit(prompts[0], sampling, f"{request_id}-0", lora_request)])
-        results = await asyncio.gather(*(self.submit(p, sampling, f"{request_id}-{i}", lora_request)
-                                         for i, p in enumerate(prompts)),
-                                       return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            for r in results:
-                if isinstance(r, RequestStream):
-                    await r.aclose()
-            raise errors[0]
-        return _merge(results)
-
-    def _default_max_tokens(self, kwargs: dict[str, Any], prompt_len: int) -> None:
-        if "max_tokens" not in kwargs and self.max_model_len:
-            kwargs["max_tokens"] = max(1, self.max_model_len - prompt_len)
+        serving_config = serving_config or ServingConfig()
+        self.tool_call_parser: str | None = serving_config.tool_call_parser
+        self.enable_auto_tool_choice: bool = serving_config.enable_auto_tool_choice
 
     # ---- /v1/completions ----------------------------------------------------------------
 
@@ -145,8 +79,7 @@ class OpenAIServing:
         model = lora_request.lora_name if lora_request is not None else self.model_id
         prompts = request.prompts()
         try:
-            sampling = self.engine.processor.sampling_params(request.sampling_kwargs())
-            outputs = await self.submit_all(prompts, sampling, request_id, lora_request)
+            outputs = await self.relay.start(request.generation_request(request_id, lora_request))
         except Exception as e:
             _name_constraint_param(e, request)
             err = error_response(e, "prompt")
@@ -254,21 +187,14 @@ class OpenAIServing:
         request_id = new_id("chatcmpl")
         model = lora_request.lora_name if lora_request is not None else self.model_id
         try:
-            processor = self.engine.processor
-            messages = request.chat_messages()
             tool_parser = self._tool_parser(request)
-            _, prompt_ids = processor.render_chat(
-                messages, add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message, chat_template=request.chat_template,
-                chat_template_kwargs=request.chat_template_kwargs, tools=request.tool_dicts())
+            last = request.chat_messages()[-1]
             # vLLM's chat echo: a reply that continues an assistant message starts with it.
-            echo = template_message(messages[-1])["content"] if (
-                request.echo and messages[-1].get("role") == "assistant") else ""
-            kwargs = request.sampling_kwargs()
+            echo = template_message(last)["content"] if request.echo and last.get("role") == "assistant" else ""
+            generation = request.generation_request(request_id, lora_request)
             if tool_parser is not None and tool_parser.keeps_special_tokens:
-                kwargs["skip_special_tokens"] = False  # the call markers may be special tokens
-            self._default_max_tokens(kwargs, len(prompt_ids))
-            outputs = await self.submit(prompt_ids, processor.sampling_params(kwargs), request_id, lora_request)
+                generation.sampling["skip_special_tokens"] = False  # the call markers may be special tokens
+            outputs = await self.relay.start(generation)
         except Exception as e:
             _name_constraint_param(e, request)
             err = error_response(e, "messages")
@@ -280,7 +206,7 @@ class OpenAIServing:
         async with aclosing(outputs):
             if not request.stream:
                 out = None
-                async for out in outputs:
+                async for _, out in outputs:
                     pass
                 choices = []
                 for c in out.outputs:
@@ -299,7 +225,7 @@ class OpenAIServing:
             started: set[int] = set()
             tool_streams: dict[int, ToolCallStream] = {}
             out = None
-            async for out in outputs:
+            async for _, out in outputs:
                 choices = []
                 for c in out.outputs:
                     finish_reason = c.finish_reason
@@ -397,45 +323,6 @@ class OpenAIServing:
         return ChatLogprobs(content=content)
 
 
-class RequestStream:
-    """The RequestOutput snapshots of one submitted request (an async iterator).
-
-    `aclose()` closes the engine's generator, which aborts the request if it is still
-    running; the request's metrics and debug log line are recorded then, once.
-    """
-
-    def __init__(self, gen: AsyncIterator[Any], first: Any, start: float, request_id: str, owner: OpenAIServing):
-        self._gen, self._pending, self._owner = gen, first, owner
-        self.start, self.request_id = start, request_id
-        self.last, self.ttft, self._closed = first, None, False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> Any:
-        if self._pending is not None:
-            out, self._pending = self._pending, None
-        elif self.last.finished or self._closed:
-            raise StopAsyncIteration
-        else:
-            out = await self._gen.__anext__()
-        self.last = out
-        if self.ttft is None and any(c.token_ids for c in out.outputs):
-            self.ttft = time.perf_counter() - self.start
-        if out.finished:
-            await self.aclose()
-        return out
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            await self._gen.aclose()
-        finally:
-            self._owner._request_done(self)
-
-
 def _tool_finish_reason(finish_reason: str | None, called: bool) -> str | None:
     """OpenAI's "tool_calls" for a reply that ended by itself with tool calls."""
     return "tool_calls" if called and finish_reason == "stop" else finish_reason
@@ -457,42 +344,3 @@ def _usage(outs: Any) -> UsageInfo:
     cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details={"cached_tokens": cached})
-
-
-async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
-    """Interleave several request streams as (stream index, item); closing closes them all."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as only:
-            async for item in only:
-                yield 0, item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, stream: AsyncIterator[Any]) -> None:
-        try:
-            async for item in stream:
-                await queue.put((i, item))
-        except BaseException as e:  # surfaced to the consumer below
-            await queue.put((i, e))
-            raise
-        finally:
-            await queue.put((i, done))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for s in streams:
-            await s.aclose()
