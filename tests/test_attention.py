@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime.ops.attention import paged_attention, ragged_paged_attention, write_kv
+from runtime.ops.attention import paged_attention
+from runtime.ops.attention_common import write_kv
+from runtime.ops.attention_xla import ragged_paged_attention
 from runtime.ops.step import make_step_input
 
 TOL = 2e-5  # float32, max abs diff against the float64 oracle

@@ -405,11 +405,11 @@ def test_layers_in_several_calls_with_wide_sequences_equal_the_scan(tmp_path):
     prologue and layers taking the batch widened to 8 sequence slots: the same logits and cache
     as the one-program scan; and the bucket's shared programs are lowered once."""
     from registry.tiny import make_tiny_checkpoint
-    from runtime.ops.attention_cpu import kernel_status
+    from runtime.ops.cpu_kernels import kernel_status
     from runtime.ops.layered import LayeredStep, widen_seqs
     from runtime.ops.mesh import make_mesh
 
-    assert kernel_status() == "ok", kernel_status()
+    assert kernel_status("paged_attention") == "ok", kernel_status("paged_attention")
     path = make_tiny_checkpoint("llama", tmp_path / "ckpt", num_hidden_layers=8)
     scan_model, layered_model = registry.load(str(path)), registry.load(str(path))
     mesh = make_mesh()

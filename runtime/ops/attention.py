@@ -1,30 +1,10 @@
-"""Ragged paged attention in pure JAX.
+"""Ragged paged attention: the one dispatch point models call, and the choice of backend.
 
-One call serves a batch that mixes whole prefills, chunks of prefills that start
-mid-sequence, and single-token decodes. Keys and values live in a paged cache, stacked
-over layers ([num_layers, num_blocks, kv_heads, block_size, head_dim], runtime.ops.step.KVCache);
-a call writes and reads the layer `layer` (a traced index under the models' scan over
-layers, a static one on the torchax path), and each sequence reaches its blocks through
-its row of `block_tables`. A read gathers just the blocks it needs and a write scatters
-just the new slots, indexing (layer, block, offset) at once: the cache is never sliced
-per layer, and never reshaped (a reshaped view of the scan's carry makes XLA copy it).
-
-`paged_attention` (what the models call) splits each token's context in two and merges
-the halves with an online softmax (flash-attention style):
-
-- the *cached* context, written by earlier steps: a loop over the paged cache in chunks
-  of whole blocks, gathering each token's blocks through its sequence's table. Only
-  decodes and continued prefill chunks have any; a fresh prompt skips this part.
-- the step's *own new tokens*: dense, tiled attention on the K/V just computed, masked to
-  the same sequence, causal by position and by the sliding window. Prefills cost
-  matmuls here instead of one gather per query token.
-
-The live memory is bounded by tokens x chunk (cache part) and tile x tile (new part),
-and the work by real tokens x the longest context, never padded batch x max_model_len.
-It is jittable on every backend; on CPU it is what runs.
-
-The sliding window may be a traced int32 (layers with different windows under one scan),
-with NO_SLIDING_WINDOW for a layer without one; None (static) leaves the mask out.
+`paged_attention` writes a step's K/V into the paged cache (attention_common.py) and attends
+with the backend the cache was allocated for: the pure-JAX implementation (attention_xla.py),
+servax's C++ kernel for XLA:CPU (attention_cpu.py) or its Pallas kernel (attention_pallas.py).
+`resolve_attention_backend` decides that backend once, from the `attention_backend` setting and
+the platform. Only this module imports the backends; they share attention_common.py.
 """
 
 from __future__ import annotations
@@ -35,457 +15,17 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from runtime.ops.attention_common import (
+    NO_SLIDING_WINDOW, ScaledCache, Window, write_kv, write_kv_quantized,
+)
+from runtime.ops.attention_cpu import cpu_ragged_paged_attention
+from runtime.ops.attention_xla import CACHED_CHUNK_TOKENS, CACHED_TILE, NEW_TOKEN_TILE, xla_paged_attention
+from runtime.ops.cpu_kernels import kernel_status
 from runtime.ops.step import KVCache, StepInput
 
+__all__ = ["NO_SLIDING_WINDOW", "paged_attention", "resolve_attention_backend"]
+
 logger = logging.getLogger("servax.engine")
-
-# A finite stand-in for -inf keeps exp() and max() free of NaNs on fully masked rows.
-_MASK_VALUE = -1e30
-
-# Query/key tile of the dense new-token part: scores live as tile x tile per head. On a
-# 512-token step of short prompts 32-64 beat 128 by ~15% and 256 by ~2x (visited tiles
-# waste less on causal and cross-sequence masking).
-NEW_TOKEN_TILE = 64
-# Query tile and context chunk (tokens) of the per-sequence read of cached context.
-CACHED_TILE = 64
-CACHED_CHUNK_TOKENS = 128
-# Context tokens per iteration of the per-token (decode) read: at 32 sequences on XLA:CPU,
-# 32 beat 16 by ~30% and 64 by ~15% (one layer's decode attention, mixed contexts 30-360).
-DECODE_CHUNK_TOKENS = 32
-
-# A traced sliding window this wide masks nothing (any context fits): "no window" for a
-# layer scanned together with sliding-window layers. Small enough that q_pos - W cannot overflow.
-NO_SLIDING_WINDOW = 1 << 30
-
-# (running max, running denominator, running numerator) per query token and head.
-_State = tuple[jax.Array, jax.Array, jax.Array]
-# A sliding window: a static int, a traced int32 scalar, or None.
-Window = int | jax.Array | None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Scaled:
-    """A quantized cache array and its per-token-head scales, read as float (kv_cache_dtype int8/fp8)."""
-
-    values: jax.Array  # [num_layers, num_blocks, kv_heads, block_size, head_dim], int8 / float8
-    scales: jax.Array  # [num_layers, num_blocks, kv_heads, block_size] float32
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.values.shape
-
-
-def _read_blocks(
-    cache: jax.Array | _Scaled,  # [num_layers, num_blocks, kv_heads, block_size, head_dim]
-    layer: int | jax.Array,
-    blocks: jax.Array,  # [...] int32, block ids of `layer`
-) -> jax.Array:  # [..., kv_heads, block_size, head_dim], float32
-    """One gather of the given blocks of one layer (no copy of the layer's whole cache);
-    a quantized cache is dequantized as it is read."""
-    if isinstance(cache, _Scaled):
-        return cache.values[layer, blocks].astype(jnp.float32) * cache.scales[layer, blocks][..., None]
-    return cache[layer, blocks].astype(jnp.float32)
-
-
-def _read_blocks_heads_major(
-    cache: jax.Array | _Scaled,  # [num_layers, num_blocks, kv_heads, block_size, head_dim]
-    layer: int | jax.Array,
-    blocks: jax.Array,  # [chunk] int32, block ids of `layer`
-) -> jax.Array:  # [kv_heads, chunk, block_size, head_dim], float32
-    """`_read_blocks` of one sequence's blocks, gathered with the KV head leading (the batch
-    axis of the dots that consume them), so no transpose follows the gather."""
-    idx = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), blocks.shape), blocks], axis=-1)
-    dims = jax.lax.GatherDimensionNumbers(offset_dims=(0, 2, 3), collapsed_slice_dims=(0, 1), start_index_map=(0, 1))
-
-    def gather(x: jax.Array) -> jax.Array:
-        return jax.lax.gather(x, idx, dims, slice_sizes=(1, 1, *x.shape[2:]), mode="clip")
-
-    if isinstance(cache, _Scaled):
-        return gather(cache.values).astype(jnp.float32) * gather(cache.scales[..., None])
-    return gather(cache).astype(jnp.float32)
-
-
-# Largest magnitude each quantized cache dtype holds (a token-head's largest |value| maps to it).
-_QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
-
-
-def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """x [T, kv_heads, head_dim] -> (stored values, float32 scales [T, kv_heads]), one scale per
-    token and head (its largest |value| / the dtype's largest)."""
-    qmax = _QMAX[jnp.dtype(dtype)]
-    xf = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=-1)
-    scale = jnp.where(amax == 0, 1.0, amax / qmax)
-    scaled = xf / scale[..., None]
-    if jnp.issubdtype(jnp.dtype(dtype), jnp.integer):
-        scaled = jnp.clip(jnp.round(scaled), -qmax, qmax)
-    return scaled.astype(dtype), scale
-
-
-def write_kv_quantized(cache: KVCache, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
-                       layer: int | jax.Array) -> KVCache:
-    """write_kv for a quantized cache: values and their per-token-head scales, in place."""
-    num_blocks, block_size = cache.k.shape[1], cache.k.shape[3]
-    blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
-    offsets = slot_mapping % block_size
-    out = {}
-    for name, new in (("k", k), ("v", v)):
-        values, scales = quantize_kv(new, getattr(cache, name).dtype)
-        out[name] = getattr(cache, name).at[layer, blocks, :, offsets].set(values, mode="drop")
-        out[name + "_scale"] = getattr(cache, name + "_scale").at[layer, blocks, :, offsets].set(scales, mode="drop")
-    return dataclasses.replace(cache, **out)
-
-
-def write_kv(
-    k_cache: jax.Array,  # [num_blocks, kv_heads, block_size, head_dim], or stacked [num_layers, ...]
-    v_cache: jax.Array,  # the same
-    k: jax.Array,  # [T, kv_heads, head_dim]
-    v: jax.Array,  # [T, kv_heads, head_dim]
-    slot_mapping: jax.Array,  # [T] int32, negative for padding tokens
-    layer: int | jax.Array | None = None,  # which layer of a stacked cache (None: one layer's cache)
-) -> tuple[jax.Array, jax.Array]:
-    """Scatter the new K/V of each token into its cache slot; padding tokens write nowhere.
-
-    A stacked cache is updated in place at `layer` (a scatter of T rows, under jit with
-    the cache donated or carried through a scan).
-    """
-    if layer is None:
-        k_cache, v_cache = write_kv(k_cache[None], v_cache[None], k, v, slot_mapping, 0)
-        return k_cache[0], v_cache[0]
-    num_blocks, block_size = k_cache.shape[1], k_cache.shape[3]
-    # Out-of-range indices are dropped by the scatter; negative ones would wrap around.
-    blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)  # [T]
-    offsets = slot_mapping % block_size  # [T]
-
-    def scatter(cache: jax.Array, new: jax.Array) -> jax.Array:
-        # (layer, block, :, offset) indexes [T, kv_heads, head_dim]: the advanced indices,
-        # split by the heads' slice, put the token axis first, as `new` has it.
-        return cache.at[layer, blocks, :, offsets].set(new.astype(cache.dtype), mode="drop")
-
-    return scatter(k_cache, k), scatter(v_cache, v)
-
-
-def _empty_state(num_tokens: int, kv_heads: int, group: int, head_dim: int) -> _State:
-    return (
-        jnp.full((num_tokens, kv_heads, group), _MASK_VALUE, jnp.float32),
-        jnp.zeros((num_tokens, kv_heads, group), jnp.float32),
-        jnp.zeros((num_tokens, kv_heads, group, head_dim), jnp.float32),
-    )
-
-
-def _online_update(state: _State, s: jax.Array, mask: jax.Array, pv) -> _State:
-    """Fold one block of scores s [t, kvh, g, c] (mask broadcastable) into the state.
-
-    `pv(p)` contracts probabilities p [t, kvh, g, c] with the block's values.
-    """
-    m, l, acc = state
-    s = jnp.where(mask, s, _MASK_VALUE)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    p = jnp.exp(s - m_new[..., None]) * mask
-    correction = jnp.exp(m - m_new)
-    l = l * correction + p.sum(axis=-1)
-    acc = acc * correction[..., None] + pv(p)
-    return m_new, l, acc
-
-
-def _finish(state: _State, num_heads: int, dtype) -> jax.Array:
-    _, l, acc = state
-    out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # tokens with no context -> zeros
-    return out.reshape(out.shape[0], num_heads, out.shape[-1]).astype(dtype)
-
-
-def _soft_cap(s: jax.Array, cap: float | None) -> jax.Array:
-    return s if cap is None else cap * jnp.tanh(s / cap)
-
-
-def _chunked_tables(tables: jax.Array, chunk: int, block_size: int) -> tuple[jax.Array, int, int]:
-    """Tables padded to whole chunks of blocks (padded entries are masked by the context
-    length); returns (tables, blocks per chunk, tokens per chunk)."""
-    max_blocks = tables.shape[1]
-    chunk = min(chunk, max_blocks)
-    padded = -(-max_blocks // chunk) * chunk
-    return jnp.pad(tables, ((0, 0), (0, padded - max_blocks))), chunk, chunk * block_size
-
-
-def _first_chunk(q_pos: jax.Array, active: jax.Array, sliding_window: Window,
-                 chunk_tokens: int, last: jax.Array) -> jax.Array:
-    """The first context chunk any active query can see through its sliding window."""
-    if sliding_window is None:
-        return jnp.int32(0)
-    lowest = jnp.where(active, q_pos - sliding_window + 1, jnp.iinfo(jnp.int32).max)
-    return jnp.minimum(jnp.maximum(jnp.min(lowest), 0) // chunk_tokens, last)
-
-
-def _pad_to_tile(x: jax.Array, tile: int, value=0) -> jax.Array:
-    """Pad axis 0 up to a multiple of `tile` (buckets need not be powers of two)."""
-    extra = -x.shape[0] % tile
-    if extra == 0:
-        return x
-    return jnp.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1), constant_values=value)
-
-
-def _tiles_heads_major(x: jax.Array, tile: int, value=0) -> jax.Array:
-    """[T, kvh, ...] -> [num_tiles, kvh, tile, ...], padded to whole tiles with `value`."""
-    x = _pad_to_tile(x, tile, value)
-    return jnp.moveaxis(x.reshape(-1, tile, *x.shape[1:]), 2, 1)
-
-
-def _tokens_from_tiles(x: jax.Array, num_tokens: int) -> jax.Array:
-    """[num_tiles, kvh, tile, ...] -> [T, kvh, ...], the inverse of `_tiles_heads_major`."""
-    return jnp.moveaxis(x, 1, 2).reshape(-1, x.shape[1], *x.shape[3:])[:num_tokens]
-
-
-def _token_layout(batch: StepInput, num_tokens: int) -> tuple[jax.Array, jax.Array]:
-    """(sequence slot of each token [T], whether the token is real [T])."""
-    num_seqs = batch.block_tables.shape[0]
-    tok = jnp.arange(num_tokens)
-    seq_of_token = jnp.searchsorted(batch.query_start_loc[1:], tok, side="right")
-    return jnp.minimum(seq_of_token, num_seqs - 1), tok < batch.num_tokens
-
-
-def _paged_context(
-    qg: jax.Array,  # [T, kvh, g, d], float32, scaled
-    k_cache: jax.Array,  # [num_layers, num_blocks, kvh, block_size, d]
-    v_cache: jax.Array,
-    layer: int | jax.Array,
-    tables: jax.Array,  # [T, max_blocks], each token's sequence's block table
-    q_pos: jax.Array,  # [T]
-    ctx_len: jax.Array,  # [T], attend to cache positions < ctx_len (0 for none)
-    state: _State,
-    *,
-    chunk: int,
-    sliding_window: Window,
-    logit_soft_cap: float | None,
-) -> _State:
-    """Fold each token's context from the paged cache into its softmax state."""
-    num_tokens, kv_heads, group, head_dim = qg.shape
-    block_size = k_cache.shape[3]
-    tables, chunk, chunk_tokens = _chunked_tables(tables, chunk, block_size)
-    # Only visit the chunks some token needs.
-    last_chunk = (jnp.max(ctx_len) + chunk_tokens - 1) // chunk_tokens
-    first_chunk = _first_chunk(q_pos, ctx_len > 0, sliding_window, chunk_tokens, last_chunk)
-
-    def body(j, state):
-        blocks = jax.lax.dynamic_slice_in_dim(tables, j * chunk, chunk, axis=1)  # [T, chunk]
-        k = _read_blocks(k_cache, layer, blocks)  # [T, chunk, kvh, block_size, d]
-        v = _read_blocks(v_cache, layer, blocks)
-        s = jnp.einsum("tkgd,tbkcd->tkgbc", qg, k).reshape(num_tokens, kv_heads, group, chunk_tokens)
-        s = _soft_cap(s, logit_soft_cap)
-        k_pos = j * chunk_tokens + jnp.arange(chunk_tokens)  # [C]
-        mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx_len[:, None])
-        if sliding_window is not None:
-            mask &= q_pos[:, None] - k_pos[None, :] < sliding_window
-        pv = lambda p: jnp.einsum(
-            "tkgbc,tbkcd->tkgd", p.reshape(num_tokens, kv_heads, group, chunk, block_size), v
-        )
-        return _online_update(state, s, mask[:, None, None, :], pv)
-
-    return jax.lax.fori_loop(first_chunk, last_chunk, body, state)
-
-
-def _paged_context_by_sequence(
-    qg: jax.Array,  # [T, kvh, g, d], float32, scaled
-    k_cache: jax.Array,  # [num_layers, num_blocks, kvh, block_size, d]
-    v_cache: jax.Array,
-    layer: int | jax.Array,
-    block_tables: jax.Array,  # [S, max_blocks]
-    seq_of_token: jax.Array,  # [T]
-    q_pos: jax.Array,  # [T]
-    ctx_len: jax.Array,  # [T], attend to cache positions < ctx_len (0 for none)
-    seq_ctx_len: jax.Array,  # [S], the same per sequence
-    first_token: int,  # tokens before this one are left alone
-    state: _State,
-    *,
-    tile: int,
-    chunk: int,
-    sliding_window: Window,
-    logit_soft_cap: float | None,
-) -> _State:
-    """The paged context of multi-token sequences, read once per sequence, not per token.
-
-    Query tokens go in tiles; for each sequence a tile touches, its cached context is
-    gathered a chunk of blocks at a time and attended by the whole tile as one matmul
-    (masked to that sequence's tokens). For a continued prefill chunk or a prompt with a
-    prefix-cache hit this reads the context once per tile instead of once per token.
-    Heads-major inside, like `_new_token_context` (~17% faster on a continued 512-token step).
-    """
-    num_tokens, kv_heads, group, head_dim = qg.shape
-    block_size = k_cache.shape[3]
-    tables, chunk, chunk_tokens = _chunked_tables(block_tables, chunk, block_size)
-    wanted = (jnp.arange(num_tokens) >= first_token) & (ctx_len > 0)
-    t_seq = jnp.where(wanted, seq_of_token, -1)
-    num_tiles = -(-num_tokens // tile)
-    tiled = lambda x, value=0: _pad_to_tile(x, tile, value).reshape(num_tiles, tile, *x.shape[1:])
-    heads_major = lambda x: _tiles_heads_major(x, tile)
-    xs = (heads_major(qg), tiled(t_seq, -1), tiled(q_pos), tiled(ctx_len), jax.tree.map(heads_major, state))
-
-    def one_tile(args):
-        q, seqs, pos, ctx, st = args
-        lo = jnp.min(jnp.where(seqs >= 0, seqs, jnp.iinfo(jnp.int32).max))
-        hi = jnp.max(seqs) + 1  # no wanted token: lo = max int, hi = 0 -> no trips
-
-        def per_sequence(s, st):
-            last = (seq_ctx_len[s] + chunk_tokens - 1) // chunk_tokens
-            first = _first_chunk(pos, seqs == s, sliding_window, chunk_tokens, last)
-
-            def per_chunk(j, st):
-                blocks = jax.lax.dynamic_slice_in_dim(tables[s], j * chunk, chunk)
-                k = _read_blocks_heads_major(k_cache, layer, blocks)  # [kvh, chunk, block_size, d]
-                v = _read_blocks_heads_major(v_cache, layer, blocks)
-                sc = jnp.einsum("ktgd,kbcd->ktgbc", q, k).reshape(*q.shape[:3], chunk_tokens)
-                sc = _soft_cap(sc, logit_soft_cap)
-                k_pos = j * chunk_tokens + jnp.arange(chunk_tokens)
-                mask = (seqs[:, None] == s) & (k_pos[None, :] < ctx[:, None])
-                if sliding_window is not None:
-                    mask &= pos[:, None] - k_pos[None, :] < sliding_window
-                pv = lambda p: jnp.einsum("ktgbc,kbcd->ktgd", p.reshape(*p.shape[:3], chunk, block_size), v)
-                return _online_update(st, sc, mask[None, :, None, :], pv)
-
-            return jax.lax.fori_loop(first, last, per_chunk, st)
-
-        return jax.lax.fori_loop(lo, jnp.maximum(lo, hi), per_sequence, st)
-
-    out = jax.lax.map(one_tile, xs)
-    return jax.tree.map(lambda x: _tokens_from_tiles(x, num_tokens), out)
-
-
-def _new_token_context(
-    qg: jax.Array,  # [T, kvh, g, d], float32, scaled
-    k: jax.Array,  # [T, kvh, d], this step's keys
-    v: jax.Array,  # [T, kvh, d]
-    seq_of_token: jax.Array,  # [T]
-    q_pos: jax.Array,  # [T]
-    is_real: jax.Array,  # [T]
-    seq_start: jax.Array,  # [T], index of the first token of each token's sequence
-    state: _State,
-    *,
-    tile: int,
-    sliding_window: Window,
-    logit_soft_cap: float | None,
-) -> _State:
-    """Fold attention over the step's own tokens (same sequence, causal) into the state.
-
-    Tokens are tiled by `tile`; a query tile only visits the key tiles from its first
-    token's sequence start up to itself, so long ragged batches stay near-causal in cost.
-    The work runs heads-major ([kvh, T, ...]): the KV head is then the leading batch axis
-    of every tile's dots, which XLA:CPU runs without transposing operands per tile (a
-    token-major layout cost 2x on a 512-token prefill step of SmolLM2's shapes).
-    """
-    num_tokens = qg.shape[0]
-    tile = min(tile, num_tokens)
-    num_tiles = -(-num_tokens // tile)
-    # Pad to whole tiles with tokens that are not real (they attend to and feed nothing).
-    pad = lambda x, value=0: _pad_to_tile(x, tile, value)
-    heads_major = lambda x: jnp.moveaxis(pad(x), 1, 0)  # [T, kvh, ...] -> [kvh, T', ...]
-    q, k, v = heads_major(qg), heads_major(k.astype(jnp.float32)), heads_major(v.astype(jnp.float32))
-    q_pos, seq_start, seq_of_token, is_real = pad(q_pos), pad(seq_start), pad(seq_of_token, -1), pad(is_real, False)
-    tiled_state = jax.tree.map(lambda x: _tiles_heads_major(x, tile), state)  # [num_tiles, kvh, tile, ...]
-    token_window = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * tile, tile)
-    head_window = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * tile, tile, axis=1)
-
-    def fold(st, qq, qs, qp, qr, kk, vv, ks, kp, kr):
-        """Fold keys kk/vv [kvh, tile, d] (sequence ks, position kp, real kr) into queries qq's state."""
-        sc = _soft_cap(jnp.einsum("ktgd,kud->ktgu", qq, kk), logit_soft_cap)
-        mask = (qs[:, None] == ks[None, :]) & (kp[None, :] <= qp[:, None]) & qr[:, None] & kr[None, :]
-        if sliding_window is not None:
-            mask &= qp[:, None] - kp[None, :] < sliding_window
-        pv = lambda p: jnp.einsum("ktgu,kud->ktgd", p, vv)
-        return _online_update(st, sc, mask[None, :, None, :], pv)
-
-    if num_tiles == 1:  # decode-sized steps: one fold, no loop
-        tokens = (seq_of_token, q_pos, is_real)
-        out = fold(jax.tree.map(lambda x: x[0], tiled_state), q, *tokens, k, v, *tokens)
-        return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1)[:num_tokens], out)
-
-    def one_query_tile(args):
-        i, st = args
-        qq = head_window(q, i)  # [kvh, tile, g, d]
-        qs, qp, qr = (token_window(x, i) for x in (seq_of_token, q_pos, is_real))
-        # Key tiles from the start of the tile's first sequence up to the tile itself.
-        lo = seq_start[i * tile] // tile
-        hi = jnp.where(is_real[i * tile], i + 1, lo)  # a tile of padding attends to nothing
-
-        def body(j, st):
-            keys = (head_window(k, j), head_window(v, j), *(token_window(x, j) for x in (seq_of_token, q_pos, is_real)))
-            return fold(st, qq, qs, qp, qr, *keys)
-
-        return jax.lax.fori_loop(lo, hi, body, st)
-
-    out = jax.lax.map(one_query_tile, (jnp.arange(num_tiles), tiled_state))
-    return jax.tree.map(lambda x: _tokens_from_tiles(x, num_tokens), out)
-
-
-def ragged_paged_attention(
-    q: jax.Array,  # [T, num_heads, head_dim]
-    k_cache: jax.Array,  # [num_blocks, kv_heads, block_size, head_dim]
-    v_cache: jax.Array,  # [num_blocks, kv_heads, block_size, head_dim]
-    batch: StepInput,
-    *,
-    scale: float,
-    sliding_window: Window = None,
-    logit_soft_cap: float | None = None,
-    kv_chunk_blocks: int | None = None,
-) -> jax.Array:  # [T, num_heads, head_dim], dtype of q
-    """Causal attention of each token over its own sequence's context, all read from the cache.
-
-    The cache must already hold this step's K/V (see `write_kv`). Token t of sequence s
-    attends to positions p with p <= positions[t], p < seq_lens[s] and, with a sliding
-    window W, positions[t] - p < W (transformers' convention). Grouped-query attention:
-    num_heads must be a multiple of kv_heads; query head h reads kv head h // group.
-
-    `paged_attention` computes the same with the step's own tokens taken densely; this
-    all-cache form is its reference and suits steps that are nearly all decodes.
-
-    Args:
-        scale: multiplier of q.k (usually head_dim ** -0.5).
-        sliding_window: attend only to the last W positions (an int or a traced int32,
-            NO_SLIDING_WINDOW for none), or None.
-        logit_soft_cap: if set, scores become cap * tanh(scores / cap) (Gemma 2).
-        kv_chunk_blocks: blocks processed per loop iteration (default: ~32 tokens, the
-            fastest on XLA:CPU, where the per-token batched dots favour short chunks).
-    """
-    q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
-    batch = jax.tree.map(jnp.asarray, batch)
-    num_tokens, num_heads, head_dim = q.shape
-    _, kv_heads, block_size, _ = k_cache.shape
-    if num_heads % kv_heads:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of kv_heads={kv_heads}")
-    group = num_heads // kv_heads
-    seq_of_token, is_real = _token_layout(batch, num_tokens)
-    ctx_len = jnp.where(is_real, batch.seq_lens[seq_of_token], 0)
-    qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, kv_heads, group, head_dim)
-    state = _paged_context(
-        qg, k_cache[None], v_cache[None], 0, batch.block_tables[seq_of_token], batch.positions, ctx_len,
-        _empty_state(num_tokens, kv_heads, group, head_dim),
-        chunk=kv_chunk_blocks or max(1, DECODE_CHUNK_TOKENS // block_size),
-        sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-    )
-    return _finish(state, num_heads, q.dtype)
-
-
-def per_kv_head_shard(attend, q, k_cache, v_cache, layer, window, batch: StepInput, *, mesh, cache_spec,
-                      kernel: str) -> jax.Array:
-    """attend(q, k_cache, v_cache, layer, window, batch) -> out [T, H, D], run per shard of the
-    KV cache's heads (shard_map) on a mesh of several devices, or as it is on one.
-
-    Each device attends with its own KV heads and the query heads that read them; the layer,
-    window and batch are replicated. `kernel` names the caller in the error for a cache
-    sharded along any other axis.
-    """
-    layer, window = jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)
-    if mesh is None or mesh.size == 1:
-        return attend(q, k_cache, v_cache, layer, window, batch)
-    spec = tuple(cache_spec or ()) + (None,) * (5 - len(tuple(cache_spec or ())))
-    if any(axis is not None for i, axis in enumerate(spec) if i != 2):
-        raise NotImplementedError(f"the {kernel} shards the KV cache by heads only, not {cache_spec}")
-    heads = jax.sharding.PartitionSpec(None, spec[2], None)  # q and out: query heads split as their KV heads are
-    replicated = jax.sharding.PartitionSpec()
-    cache = jax.sharding.PartitionSpec(*spec)
-    return jax.shard_map(
-        attend, mesh=mesh, check_vma=False,
-        in_specs=(heads, cache, cache, replicated, replicated, jax.tree.map(lambda _: replicated, batch)),
-        out_specs=heads,
-    )(q, k_cache, v_cache, layer, window, batch)
 
 
 def resolve_attention_backend(requested: str, platform: str) -> str:
@@ -493,8 +33,8 @@ def resolve_attention_backend(requested: str, platform: str) -> str:
     `attention_backend` setting: "xla", "pallas" or "cpu".
 
     auto takes the Pallas kernel (runtime/ops/attention_pallas.py) on TPU, the C++ kernel
-    (runtime/ops/attention_cpu.py) on CPU where it builds, and this module's XLA implementation
-    elsewhere. pallas on CPU runs the kernel in Pallas' TPU interpret mode (for tests:
+    (runtime/ops/attention_cpu.py) on CPU where it builds, and the XLA implementation
+    (runtime/ops/attention_xla.py) elsewhere. pallas on CPU runs the kernel in Pallas' TPU interpret mode (for tests:
     correct and slow).
 
     Raises:
@@ -512,9 +52,7 @@ def resolve_attention_backend(requested: str, platform: str) -> str:
     if requested == "cpu" and platform != "cpu":
         raise ValueError(f"attention_backend='cpu' is a kernel for XLA:CPU, not for {platform}; use 'auto'")
     if requested in ("cpu", "auto") and platform == "cpu":
-        from runtime.ops.attention_cpu import kernel_status
-
-        status = kernel_status()
+        status = kernel_status("paged_attention")
         if status == "ok":
             backend = "cpu"
         elif requested == "cpu":
@@ -555,23 +93,17 @@ def paged_attention(
     layer's (k_cache, v_cache), each [num_blocks, kv_heads, block_size, head_dim], with
     `layer` None. The cache comes back in the form it was given.
 
-    Same masks and conventions as `ragged_paged_attention`; the step's own tokens are
-    attended densely from k/v and only the context cached by earlier steps is read
-    through the block tables.
-
-    The cached context is read two ways. The first S tokens (S = padded sequence slots;
-    the scheduler puts running decodes first) read it per token, as decodes must. Tokens
-    after them (continued prefill chunks, prompts with a prefix-cache hit) read it per
-    sequence and query tile, so a long chunk gathers its context once per tile rather
-    than once per token. Fresh prompts have no cached context and skip both.
+    The backend is the one the cache was allocated for (`kv_cache.attention_backend`: "xla",
+    "cpu" or "pallas"; a one-layer tuple runs on xla). Masks and conventions are
+    attention_xla.ragged_paged_attention's.
 
     Args:
-        new_token_tile / cached_tile: query tiles of the dense new-token part and of the
-            per-sequence cached part.
-        cached_chunk_tokens: context tokens gathered per iteration of the per-sequence part.
+        kv_chunk_blocks, new_token_tile, cached_tile, cached_chunk_tokens: the XLA path's
+            tiling (see attention_xla.xla_paged_attention); the kernels ignore them.
 
     Raises:
         ValueError: heads that do not group over the KV heads, or a KVCache without `layer`.
+        NotImplementedError: a quantized cache on a kernel backend.
     """
     if not isinstance(kv_cache, KVCache):
         out, cache = paged_attention(
@@ -587,57 +119,24 @@ def paged_attention(
         if kv_cache.attention_backend != "xla":
             raise NotImplementedError("a quantized KV cache (kv_cache_dtype) runs on the xla attention backend")
         kv_cache = write_kv_quantized(kv_cache, k, v, batch.slot_mapping, layer)
-        k_cache, v_cache = _Scaled(kv_cache.k, kv_cache.k_scale), _Scaled(kv_cache.v, kv_cache.v_scale)
+        k_cache, v_cache = ScaledCache(kv_cache.k, kv_cache.k_scale), ScaledCache(kv_cache.v, kv_cache.v_scale)
         written = {}
     else:
         k_cache, v_cache = write_kv(kv_cache.k, kv_cache.v, k, v, batch.slot_mapping, layer)
         written = {"k": k_cache, "v": v_cache}
     if kv_cache.attention_backend in ("cpu", "pallas"):  # a kernel reads the whole context from the cache
         if kv_cache.attention_backend == "cpu":
-            from runtime.ops.attention_cpu import cpu_ragged_paged_attention as kernel
-        else:
+            kernel = cpu_ragged_paged_attention
+        else:  # imported on use: Pallas' TPU modules add to every start's import time, and few engines use them
             from runtime.ops.attention_pallas import pallas_ragged_paged_attention as kernel
         out = kernel(
             jnp.asarray(q), k_cache, v_cache, layer, batch, scale=scale, sliding_window=sliding_window,
             logit_soft_cap=logit_soft_cap, mesh=kv_cache.mesh, cache_spec=kv_cache.partition_spec,
         )
         return out, dataclasses.replace(kv_cache, k=k_cache, v=v_cache)
-    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    num_tokens, num_heads, head_dim = q.shape
-    _, _, kv_heads, block_size, _ = k_cache.shape
-    if num_heads % kv_heads:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of kv_heads={kv_heads}")
-    group = num_heads // kv_heads
-    num_seqs = batch.block_tables.shape[0]
-
-    seq_of_token, is_real = _token_layout(batch, num_tokens)
-    query_len = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
-    seq_cached_len = batch.seq_lens - query_len  # [S], context written by earlier steps
-    cached_len = jnp.where(is_real, seq_cached_len[seq_of_token], 0)  # [T]
-    seq_start = batch.query_start_loc[seq_of_token]
-    q_pos = batch.positions
-    qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, kv_heads, group, head_dim)
-    empty = _empty_state(num_tokens, kv_heads, group, head_dim)
-    chunk = kv_chunk_blocks or max(1, DECODE_CHUNK_TOKENS // block_size)
-
-    # Decodes (and whatever else is among the first S tokens): per token.
-    head = min(num_seqs, num_tokens)
-    state = _paged_context(
-        qg[:head], k_cache, v_cache, layer, batch.block_tables[seq_of_token[:head]], q_pos[:head],
-        cached_len[:head], jax.tree.map(lambda x: x[:head], empty),
-        chunk=chunk, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+    out = xla_paged_attention(
+        q, k, v, k_cache, v_cache, layer, batch, scale=scale, sliding_window=sliding_window,
+        logit_soft_cap=logit_soft_cap, kv_chunk_blocks=kv_chunk_blocks, new_token_tile=new_token_tile,
+        cached_tile=cached_tile, cached_chunk_tokens=cached_chunk_tokens,
     )
-    state = jax.tree.map(lambda a, e: jnp.concatenate([a, e[head:]]), state, empty)
-    # Multi-token sequences with cached context beyond them: per sequence and query tile.
-    if head < num_tokens:
-        state = _paged_context_by_sequence(
-            qg, k_cache, v_cache, layer, batch.block_tables, seq_of_token, q_pos, cached_len,
-            seq_cached_len, head, state,
-            tile=min(cached_tile, num_tokens), chunk=max(1, cached_chunk_tokens // block_size),
-            sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-        )
-    state = _new_token_context(
-        qg, k, v, seq_of_token, q_pos, is_real, seq_start, state,
-        tile=new_token_tile, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-    )
-    return _finish(state, num_heads, q.dtype), dataclasses.replace(kv_cache, **written)
+    return out, dataclasses.replace(kv_cache, **written)

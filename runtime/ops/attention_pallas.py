@@ -1,7 +1,7 @@
 """Ragged paged attention as a Pallas kernel (the `attention_backend="pallas"` path).
 
-Same contract as `runtime.ops.attention.ragged_paged_attention`: the cache already holds this
-step's K/V (see `attention.write_kv`), and each token attends causally over its own
+Same contract as `runtime.ops.attention_xla.ragged_paged_attention`: the cache already holds this
+step's K/V (see `attention_common.write_kv`), and each token attends causally over its own
 sequence's context, read through its block table. The KV layout is the XLA path's,
 [num_layers, num_blocks, kv_heads, block_size, head_dim] per K and V: the kernel reads a
 block of one head as one contiguous [block_size, head_dim] copy, so the backends share the
@@ -35,10 +35,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec
 
-from runtime.ops.attention import NO_SLIDING_WINDOW, per_kv_head_shard
+from runtime.ops.attention_common import MASK_VALUE, NO_SLIDING_WINDOW, per_kv_head_shard
 from runtime.ops.step import StepInput
 
-_MASK_VALUE = -1e30
 # Query tokens per program. A decode fills one row of a tile, a prefill whole tiles.
 QUERY_TILE = 8
 
@@ -97,7 +96,7 @@ def _kernel(
                 s = soft_cap * jnp.tanh(s / soft_cap)
             k_pos = page * block_size + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
             mask = (k_pos <= q_pos) & (q_pos - k_pos < window)
-            s = jnp.where(mask, s, _MASK_VALUE)
+            s = jnp.where(mask, s, MASK_VALUE)
             m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
             p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
             correction = jnp.exp(m - m_new)
@@ -105,7 +104,7 @@ def _kernel(
             acc = acc * correction + jnp.dot(p, v, preferred_element_type=jnp.float32)
             return m_new, l, acc
 
-        init = (jnp.full((rows, 1), _MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+        init = (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
                 jnp.zeros((rows, q.shape[1]), jnp.float32))
         _, l, acc = jax.lax.fori_loop(first_page, num_pages, body, init)
         out_ref[...] = (acc / jnp.where(l == 0, 1.0, l)).astype(out_ref.dtype)

@@ -2,15 +2,12 @@
 
 A decode step multiplies a few rows (one per sequence) by every weight matrix of the model,
 each read once a step: it is bound by how fast the weights stream in. XLA:CPU's GEMM repacks
-its weight operand on every call (and streams a 2-8 row product at 13-16 GB/s); the kernel
-reads the weights in the layout it multiplies in, packed once at load:
-`PackedWeight.pack(w)` stores w [in, out] as panels of 16 output columns,
-`panels[p, k, j] = w[k, 16 p + j]`, shape [ceil(out / 16), in, 16] (zero columns pad the
-last panel). Measured on the demo model's shapes (AMD EPYC, 2 cores; benchmarks/RESULTS.md,
-stop 36): its 30 layers' four products 1.3-2.2x faster than XLA from 1 to 32 rows, 1.06-1.1x
-at 256-512 (prefill, ~210 GF/s); the 49,152 x 576 LM head at 8 rows 4.1 ms against 8.1. On
-Intel's full-width AVX-512 the kernel multiplies two panels a pass in 512-bit registers
-(stop 38: 1.3-1.5x its 256-bit form from 8 to 512 rows, ~270 GF/s at 512).
+its weight operand on every call; the kernel reads the weights in the layout it multiplies
+in, packed once at load: `PackedWeight.pack(w)` stores w [in, out] as panels of 16 output
+columns, `panels[p, k, j] = w[k, 16 p + j]`, shape [ceil(out / 16), in, 16] (zero columns
+pad the last panel). On CPUs with full-width AVX-512 the kernel multiplies two panels a pass
+in 512-bit registers. The measurements behind these choices are in benchmarks/RESULTS.md
+(stops 36 and 38).
 
 `x @ packed` works as with the array it came from (PackedWeight defines `__rmatmul__`), so
 model code reads either form; the native models pack their layers' joined projections and
@@ -25,14 +22,14 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from runtime.ops.attention_cpu import MATMUL_TARGET, cpu_flags, kernel_available, kernel_status
+from runtime.ops.cpu_kernels import MATMUL_TARGET, cpu_flags, kernel_available, kernel_status
 
 PANEL = 16  # output columns per packed panel (runtime/ops/kernels/matmul.cc kPanel)
 
 
 def packed_matmul_available() -> bool:
     """Whether the packed matmul kernel is built, registered and fast on this CPU."""
-    return kernel_available() and {"avx2", "fma"} <= cpu_flags()
+    return kernel_available("matmul") and {"avx2", "fma"} <= cpu_flags()
 
 
 @flax.struct.dataclass
@@ -64,10 +61,10 @@ class PackedWeight:
         the rest of the result is zeros.
 
         Raises:
-            RuntimeError: the kernel library is not available (`kernel_status()` says why).
+            RuntimeError: the kernel is not available (`kernel_status("matmul")` says why).
         """
-        if not kernel_available():
-            raise RuntimeError(f"the CPU matmul kernel is not available: {kernel_status()}")
+        if not kernel_available("matmul"):
+            raise RuntimeError(f"the CPU matmul kernel is not available: {kernel_status('matmul')}")
         rows = x.shape[0] if valid_rows is None else valid_rows
         call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], self.panels.shape[0] * PANEL),
                                                                     jnp.float32))

@@ -66,7 +66,7 @@ void RowBlock(const float* a, int64_t lda, const float* panel, int64_t K, float*
 #else
   __m256 lo[MR], hi[MR];
   // GCC keeps the accumulators in registers only when these loops are unrolled explicitly
-  // (otherwise it spills them to the stack on every k: 2.5x slower).
+  // (otherwise it spills them to the stack on every k).
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
     lo[r] = _mm256_setzero_ps();
@@ -261,9 +261,8 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
         const int64_t rows = M / blocks + (blk < M % blocks);
         // Rows in several blocks: each panel is fetched into L2 while the previous one is
         // multiplied, during its first block (its second where the first fetches its own):
-        // measured 5-15% faster at 16-32 rows than each fetching its own; this timing and
-        // PanelsPerTask together, 2-7% faster from 1 to 512 rows than the second block and
-        // the former split (benchmarks/RESULTS.md, stop 39).
+        // faster at 16-32 rows than each fetching its own, and with PanelsPerTask faster at
+        // every row count than the former split (measured in benchmarks/RESULTS.md, stop 39).
         const bool fetch_own = blocks == 1 || p == first;
         const float* next = (blk == (fetch_own ? 1 : 0) && p + width < last) ? panel + width * K * kPanel : nullptr;
         fns[blk == 0 && fetch_own][rows](a + r0 * K, K, panel, K, c + r0 * N + p * kPanel, N, next);

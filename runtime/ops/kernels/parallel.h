@@ -1,6 +1,8 @@
-// Work sharing for the servax kernels (paged_attention.cc, sampling.cc): run fn(i) for every
-// i in [0, n) on the calling thread and on up to `helpers` threads of XLA's intra-op pool,
-// each thread taking the next unclaimed index, and return once all n are done.
+// Work sharing for the servax kernels (paged_attention.cc, sampling.cc, matmul.cc): run fn(i)
+// for every i in [0, n) on the calling thread and on up to `helpers` threads of XLA's intra-op
+// pool, each thread taking the next unclaimed index, and return once all n are done. Header
+// only and stateless (the pool is the one XLA passes each call), so every kernel's library
+// carries its own copy and the kernels still share one pool.
 //
 // A helper may start only after the call has returned (the pool was busy and the caller did
 // all the work); the shared state it touches is kept alive by the helper's own reference,
@@ -60,7 +62,7 @@ inline void ParallelFor(xla::ffi::ThreadPool pool, int64_t n, int64_t helpers, s
   work->Drain();
   // What is left runs on a helper that has claimed it (items take microseconds): spin a while
   // before sleeping, since a futex sleep and wake-up cost about as much as a small item
-  // (batch-1 decode of the demo model: 32.0 -> 29.8-30.7 ms a token, benchmarks/RESULTS.md stop 38).
+  // (measured on batch-1 decode: benchmarks/RESULTS.md, stop 38).
   const auto deadline = std::chrono::steady_clock::now() + kSpinBeforeSleep;
   while (work->done.load(std::memory_order_acquire) != n) {
     for (int i = 0; i < 64; ++i) Pause();

@@ -1,0 +1,130 @@
+"""What every attention backend shares: the paged KV cache's writes, its quantized form, the
+sliding-window and soft-cap conventions, and running a backend per shard of the KV heads.
+
+The cache is stacked over layers ([num_layers, num_blocks, kv_heads, block_size, head_dim],
+runtime.ops.step.KVCache); a write scatters just the step's new slots of one layer, indexing
+(layer, block, offset) at once, so the cache is never sliced per layer nor reshaped (a reshaped
+view of a scan's carry makes XLA copy it). The backends (attention_xla.py, attention_cpu.py,
+attention_pallas.py) import this module; runtime/ops/attention.py picks among them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from runtime.ops.step import KVCache, StepInput
+
+# A finite stand-in for -inf keeps exp() and max() free of NaNs on fully masked rows.
+MASK_VALUE = -1e30
+
+# A traced sliding window this wide masks nothing (any context fits): "no window" for a
+# layer scanned together with sliding-window layers. Small enough that q_pos - W cannot overflow.
+NO_SLIDING_WINDOW = 1 << 30
+
+# A sliding window: a static int, a traced int32 scalar, or None.
+Window = int | jax.Array | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledCache:
+    """A quantized cache array and its per-token-head scales, read as float (kv_cache_dtype int8/fp8)."""
+
+    values: jax.Array  # [num_layers, num_blocks, kv_heads, block_size, head_dim], int8 / float8
+    scales: jax.Array  # [num_layers, num_blocks, kv_heads, block_size] float32
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+
+# Largest magnitude each quantized cache dtype holds (a token-head's largest |value| maps to it).
+_QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+
+
+def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """x [T, kv_heads, head_dim] -> (stored values, float32 scales [T, kv_heads]), one scale per
+    token and head (its largest |value| / the dtype's largest)."""
+    qmax = _QMAX[jnp.dtype(dtype)]
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    scale = jnp.where(amax == 0, 1.0, amax / qmax)
+    scaled = xf / scale[..., None]
+    if jnp.issubdtype(jnp.dtype(dtype), jnp.integer):
+        scaled = jnp.clip(jnp.round(scaled), -qmax, qmax)
+    return scaled.astype(dtype), scale
+
+
+def write_kv_quantized(cache: KVCache, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
+                       layer: int | jax.Array) -> KVCache:
+    """write_kv for a quantized cache: values and their per-token-head scales, in place."""
+    num_blocks, block_size = cache.k.shape[1], cache.k.shape[3]
+    blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
+    offsets = slot_mapping % block_size
+    out = {}
+    for name, new in (("k", k), ("v", v)):
+        values, scales = quantize_kv(new, getattr(cache, name).dtype)
+        out[name] = getattr(cache, name).at[layer, blocks, :, offsets].set(values, mode="drop")
+        out[name + "_scale"] = getattr(cache, name + "_scale").at[layer, blocks, :, offsets].set(scales, mode="drop")
+    return dataclasses.replace(cache, **out)
+
+
+def write_kv(
+    k_cache: jax.Array,  # [num_blocks, kv_heads, block_size, head_dim], or stacked [num_layers, ...]
+    v_cache: jax.Array,  # the same
+    k: jax.Array,  # [T, kv_heads, head_dim]
+    v: jax.Array,  # [T, kv_heads, head_dim]
+    slot_mapping: jax.Array,  # [T] int32, negative for padding tokens
+    layer: int | jax.Array | None = None,  # which layer of a stacked cache (None: one layer's cache)
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter the new K/V of each token into its cache slot; padding tokens write nowhere.
+
+    A stacked cache is updated in place at `layer` (a scatter of T rows, under jit with
+    the cache donated or carried through a scan).
+    """
+    if layer is None:
+        k_cache, v_cache = write_kv(k_cache[None], v_cache[None], k, v, slot_mapping, 0)
+        return k_cache[0], v_cache[0]
+    num_blocks, block_size = k_cache.shape[1], k_cache.shape[3]
+    # Out-of-range indices are dropped by the scatter; negative ones would wrap around.
+    blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)  # [T]
+    offsets = slot_mapping % block_size  # [T]
+
+    def scatter(cache: jax.Array, new: jax.Array) -> jax.Array:
+        # (layer, block, :, offset) indexes [T, kv_heads, head_dim]: the advanced indices,
+        # split by the heads' slice, put the token axis first, as `new` has it.
+        return cache.at[layer, blocks, :, offsets].set(new.astype(cache.dtype), mode="drop")
+
+    return scatter(k_cache, k), scatter(v_cache, v)
+
+
+def soft_cap(s: jax.Array, cap: float | None) -> jax.Array:
+    """Scores capped as cap * tanh(s / cap) (Gemma 2), or as they are with cap None."""
+    return s if cap is None else cap * jnp.tanh(s / cap)
+
+
+def per_kv_head_shard(attend, q, k_cache, v_cache, layer, window, batch: StepInput, *, mesh, cache_spec,
+                      kernel: str) -> jax.Array:
+    """attend(q, k_cache, v_cache, layer, window, batch) -> out [T, H, D], run per shard of the
+    KV cache's heads (shard_map) on a mesh of several devices, or as it is on one.
+
+    Each device attends with its own KV heads and the query heads that read them; the layer,
+    window and batch are replicated. `kernel` names the caller in the error for a cache
+    sharded along any other axis.
+    """
+    layer, window = jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)
+    if mesh is None or mesh.size == 1:
+        return attend(q, k_cache, v_cache, layer, window, batch)
+    spec = tuple(cache_spec or ()) + (None,) * (5 - len(tuple(cache_spec or ())))
+    if any(axis is not None for i, axis in enumerate(spec) if i != 2):
+        raise NotImplementedError(f"the {kernel} shards the KV cache by heads only, not {cache_spec}")
+    heads = jax.sharding.PartitionSpec(None, spec[2], None)  # q and out: query heads split as their KV heads are
+    replicated = jax.sharding.PartitionSpec()
+    cache = jax.sharding.PartitionSpec(*spec)
+    return jax.shard_map(
+        attend, mesh=mesh, check_vma=False,
+        in_specs=(heads, cache, cache, replicated, replicated, jax.tree.map(lambda _: replicated, batch)),
+        out_specs=heads,
+    )(q, k_cache, v_cache, layer, window, batch)

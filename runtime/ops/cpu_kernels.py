@@ -1,0 +1,162 @@
+"""servax's C++ kernels for XLA:CPU: building, caching and loading them, with a status per kernel.
+
+Three kernels, each its own source in runtime/ops/kernels/ (sharing the header-only work
+splitter parallel.h, which runs on the thread pool XLA hands each call, so nothing is shared
+between the libraries at run time):
+
+- "paged_attention" (paged_attention.cc): ragged paged attention, runtime/ops/attention_cpu.py;
+- "truncation" (sampling.cc): the sampler's top-k / top-p cut, runtime/engine/sampler.py;
+- "matmul" (matmul.cc): products on packed weights, runtime/ops/matmul.py.
+
+Each kernel is compiled on its first use into its own shared library, with the machine's C++
+compiler (`CXX`, else g++ or c++; more flags from SERVAX_KERNEL_CXXFLAGS) against the XLA FFI
+headers jaxlib ships, for the CPU it runs on (-march=native), and kept in the kernel cache
+(SERVAX_KERNEL_CACHE, default ~/.cache/servax/kernels/) under a key of its source, parallel.h,
+flags, jaxlib version, CPU and compiler: later starts load it without compiling. Its FFI target
+is then registered with XLA:CPU. `kernel_status(name)` is "ok" once that is done, else why the
+kernel is unavailable (no compiler, its compiler error, ...); a kernel that fails leaves the
+others usable, and each caller keeps its XLA path where its kernel is missing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+
+logger = logging.getLogger("servax.engine")
+
+PAGED_ATTENTION_TARGET = "servax_paged_attention"  # runtime/ops/attention_cpu.py
+TRUNCATION_TARGET = "servax_truncation_cut"  # runtime/engine/sampler.py's top-k/top-p cut
+MATMUL_TARGET = "servax_packed_matmul"  # runtime/ops/matmul.py
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One C++ kernel: its source file, the FFI handler symbol it defines and the target name it is registered as."""
+
+    name: str
+    source: str  # file name in SOURCE_DIR
+    symbol: str  # XLA_FFI_DEFINE_HANDLER_SYMBOL's name
+    target: str
+
+
+KERNELS = {k.name: k for k in (
+    Kernel("paged_attention", "paged_attention.cc", "ServaxPagedAttention", PAGED_ATTENTION_TARGET),
+    Kernel("truncation", "sampling.cc", "ServaxTruncationCut", TRUNCATION_TARGET),
+    Kernel("matmul", "matmul.cc", "ServaxPackedMatmul", MATMUL_TARGET),
+)}
+
+SOURCE_DIR = Path(__file__).with_name("kernels")
+_HEADERS = ("parallel.h",)  # included by every kernel: part of each build key, not compiled alone
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC")
+# Linked apart from compiling, without -ffast-math: GCC 12 links crtfastmath.o into a shared
+# library built with it, which sets flush-to-zero and denormals-are-zero in the thread that
+# loads the library (the caller's main thread: its NumPy would round subnormals to 0).
+_LINK_FLAGS = ("-shared", "-fPIC")
+# More compiler flags, after _FLAGS (e.g. "-mno-avx512f": the AVX2 code paths on a machine with AVX-512).
+EXTRA_FLAGS_ENV = "SERVAX_KERNEL_CXXFLAGS"
+CACHE_ENV = "SERVAX_KERNEL_CACHE"
+
+_lock = threading.Lock()
+_status: dict[str, str] = {}  # kernel name -> "ok" or why it is unavailable; absent: not tried
+
+
+def kernel_status(name: str) -> str:
+    """"ok" once kernel `name` (a key of KERNELS) is built and registered with XLA:CPU; else why it is not.
+
+    The first call for a kernel builds (or loads the cached build of) that kernel only.
+
+    Raises:
+        KeyError: an unknown kernel name.
+    """
+    kernel = KERNELS[name]
+    with _lock:
+        if name not in _status:
+            _status[name] = _load(kernel)
+        return _status[name]
+
+
+def kernel_available(name: str) -> bool:
+    """Whether kernel `name` is built and registered (see `kernel_status`)."""
+    return kernel_status(name) == "ok"
+
+
+def kernel_cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "servax" / "kernels"))
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((ln for ln in info.splitlines() if ln.startswith("flags")), "").partition(":")[2].split())
+
+
+def _flags() -> list[str]:
+    return [*_FLAGS, *os.environ.get(EXTRA_FLAGS_ENV, "").split()]
+
+
+def _cpu_key() -> str:
+    """What the machine code depends on besides the source: the CPU's model and flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = [platform.processor()]
+    return platform.machine() + "\n" + "\n".join(lines)
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build(kernel: Kernel, compiler: str) -> Path:
+    """The kernel's shared library, compiled now unless a build for this machine is cached."""
+    import jaxlib
+
+    source = SOURCE_DIR / kernel.source
+    texts = [source.read_bytes(), *((SOURCE_DIR / header).read_bytes() for header in _HEADERS)]
+    key = hashlib.sha256(b"\0".join([*texts, " ".join([*_flags(), *_LINK_FLAGS]).encode(), jaxlib.__version__.encode(),
+                                     _cpu_key().encode(), compiler.encode()])).hexdigest()[:16]
+    out = kernel_cache_dir() / f"servax_{kernel.name}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("compiling the CPU kernel %s (once per machine) -> %s", kernel.name, out)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        part, obj = Path(tmp) / out.name, str(Path(tmp) / f"{source.stem}.o")
+        for cmd in ([compiler, *_flags(), f"-I{jax.ffi.include_dir()}", "-c", str(source), "-o", obj],
+                    [compiler, *_LINK_FLAGS, obj, "-o", str(part)]):
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        os.replace(part, out)  # atomic: a concurrent build of the same key is harmless
+    return out
+
+
+def _load(kernel: Kernel) -> str:
+    compiler = _compiler()
+    if compiler is None:
+        return "no C++ compiler found (set CXX, or install g++)"
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_build(kernel, compiler)))
+        jax.ffi.register_ffi_target(kernel.target, jax.ffi.pycapsule(getattr(library, kernel.symbol)), platform="cpu")
+    except Exception as e:  # noqa: BLE001 - any failure leaves the caller's XLA path, with the reason
+        return f"{type(e).__name__}: {e}"
+    return "ok"
