@@ -18,9 +18,9 @@ from typing import Any
 from jax.sharding import Mesh
 
 from registry.errors import ModelLoadError
-from registry.model_info import jax_dtype, read_model_info, read_tokenizer
+from registry.model_info import ResolvedModel, jax_dtype, read_model_info, read_tokenizer
 from registry.native import NATIVE_MODELS, load_native
-from registry.resolve import MODEL_IMPLS, ResolvedModel, model_impl_setting, resolve
+from registry.resolve import MODEL_IMPLS, model_impl_setting, resolve
 from runtime.ops.mesh import check_mesh, logical_axis_size, make_mesh
 from runtime.ops.step import LoadedModel
 
@@ -79,7 +79,7 @@ def load(
                 resolved.model_id, resolved.architecture, resolved.impl, dtype)
     tokenizer_args = dict(tokenizer=tokenizer, revision=revision, tokenizer_mode=tokenizer_mode)
     if resolved.impl == "jax" and not skip_tokenizer_init:
-        # The tokenizer (with transformers' import: ~1 s) is read on a thread while the weights load.
+        # The tokenizer (and transformers' slow import under it) is read on a thread while the weights load.
         info = read_model_info(resolved, skip_tokenizer_init=True)
         with ThreadPoolExecutor(1, thread_name_prefix="servax-tokenizer") as pool:
             tokenizer_read = pool.submit(read_tokenizer, resolved, **tokenizer_args)

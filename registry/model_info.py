@@ -1,6 +1,7 @@
-"""What the registry reads about a model besides its weights, once, for both model paths.
+"""What the registry knows about a model besides its weights, once, for both model paths.
 
-The dtype table, the tokenizer (the checkpoint's own or another source), the
+`ResolvedModel` is the checkpoint registry.resolve found (files, config, architecture,
+implementation). The dtype table, the tokenizer (the checkpoint's own or another source), the
 end-of-sequence ids and the context length. `registry.load` reads them into a
 `ModelInfo`, which the native and the torchax loaders put on the LoadedModel unchanged.
 """
@@ -24,6 +25,28 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 # Where configs keep the context length, in order (GPT-2 and a few others use other names).
 _MAX_LENGTH_ATTRS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclasses.dataclass
+class ResolvedModel:
+    """A checkpoint found on disk.
+
+    Attributes:
+        model_id: what the user asked for.
+        path: the folder holding config.json and the weights.
+        hf_config: the transformers PretrainedConfig; for a native model possibly its attributes as an
+            earlier start recorded them (registry.hf_cache.ConfigRecord).
+        architecture: config.architectures[0], e.g. "LlamaForCausalLM".
+        impl: "jax" (a native models_jax model) or "torchax" (wrapped transformers model).
+        trust_remote_code: whether the checkpoint's own modelling code may run (torchax path).
+    """
+
+    model_id: str
+    path: Path
+    hf_config: Any
+    architecture: str
+    impl: str
+    trust_remote_code: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

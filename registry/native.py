@@ -11,7 +11,7 @@ import functools
 import importlib
 import math
 import pkgutil
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,15 +20,12 @@ from jax.sharding import Mesh
 import models_jax
 from models_jax import ModelEntry
 from registry.errors import ModelLoadError
-from registry.model_info import ModelInfo
+from registry.model_info import ModelInfo, ResolvedModel
 from registry.peft import read_peft_adapter
 from registry.weights import load_params
 from runtime.ops.layered import layered_forward
 from runtime.ops.mesh import logical_axis_size
 from runtime.ops.step import KVCacheSpec, LayerStages, LoadedModel
-
-if TYPE_CHECKING:
-    from registry.resolve import ResolvedModel
 
 
 def declared_models(package: Any = models_jax) -> dict[str, ModelEntry]:

@@ -8,7 +8,6 @@ hub repo ID (downloaded into the hub cache, or found there when HF_HUB_OFFLINE i
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 from pathlib import Path
@@ -16,32 +15,11 @@ from typing import Any
 
 from registry import hf_cache
 from registry.errors import ModelLoadError
+from registry.model_info import ResolvedModel
 from registry.native import NATIVE_MODELS
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
 MODEL_IMPLS = ("auto", "jax", "torchax")
-
-
-@dataclasses.dataclass
-class ResolvedModel:
-    """A checkpoint found on disk.
-
-    Attributes:
-        model_id: what the user asked for.
-        path: the folder holding config.json and the weights.
-        hf_config: the transformers PretrainedConfig; for a native model possibly its attributes as an
-            earlier start recorded them (registry.hf_cache.ConfigRecord).
-        architecture: config.architectures[0], e.g. "LlamaForCausalLM".
-        impl: "jax" (a native models_jax model) or "torchax" (wrapped transformers model).
-        trust_remote_code: whether the checkpoint's own modelling code may run (torchax path).
-    """
-
-    model_id: str
-    path: Path
-    hf_config: Any
-    architecture: str
-    impl: str
-    trust_remote_code: bool = False
 
 
 def resolve(

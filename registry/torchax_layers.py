@@ -1,9 +1,9 @@
 """A torchax-wrapped transformers model as LayerStages: decoder layers stepped a few per call.
 
 Traced whole, a transformers model's forward unrolls its Python loop over the decoder
-layers: every bucket's program holds all of them (on the 30-layer demo model ~8 MB of
-machine code each; a cold start compiled for minutes and a warm one spent most of its time
-loading executables). When the layers are uniform (same class, same weights' names, shapes
+layers: every bucket's program holds all of them (megabytes of machine code each on a deep
+model; a cold start compiled for minutes and a warm one spent most of its time loading
+executables). When the layers are uniform (same class, same weights' names, shapes
 and dtypes, same attention settings), the forward is split without knowing the architecture,
 into runtime.ops.layered's three programs:
 
@@ -24,9 +24,9 @@ The decoder layer's Linear submodules are grouped by input in the first trace of
 (q/k/v, gate/up in most decoders; a Linear alone is a group of one), and `fuse` joins each
 group's weights into one matrix stored [in, out], so the layer runs one wide matmul where
 the model has several narrow ones, in the layout the native models use (what their
-fuse_layer does by name; on XLA:CPU two matmuls of a few rows by [D, F] cost nearly twice
-one by [D, 2F], and at 8-32 rows HF's [out, in] weights multiply ~20-40% slower than
-[in, out]). The runtime joins them only where a layer's weights are whole on every device.
+fuse_layer does by name; on XLA:CPU a matmul of a few rows costs about as much by [D, F] as
+by [D, 2F], and HF's [out, in] weights multiply more slowly than [in, out]; figures in
+benchmarks/RESULTS.md). The runtime joins them only where a layer's weights are whole on every device.
 """
 
 from __future__ import annotations
