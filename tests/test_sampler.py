@@ -122,7 +122,8 @@ def test_sort_free_truncation_equals_sorting(vocab, cpu_kernel):
 def require_cpu_kernels() -> None:
     from runtime.ops.cpu_kernels import kernel_status
 
-    assert kernel_status("truncation") == "ok", f"the CPU kernels must build on the test machine: {kernel_status("truncation")}"
+    status = kernel_status("truncation")
+    assert status == "ok", f"the CPU truncation kernel must build on the test machine: {status}"
 
 
 def test_cpu_kernel_draws_the_tokens_the_bisection_draws():
