@@ -68,6 +68,7 @@ METRICS = (
     MetricSpec("lora_slot_loads", "gauge", "LoRA adapter writes into device slots so far.", http_only=True),
     MetricSpec("lora_requests", "gauge", "Requests per LoRA adapter so far.", labels=("lora_name",), http_only=True),
 )
+_RECORD = {"counter": "inc", "gauge": "set", "histogram": "observe"}  # the method that records a value
 # Engine counters (EngineStats fields of the same names), exported as increments.
 ENGINE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "spec_decode_num_drafts",
                    "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
@@ -89,7 +90,7 @@ class PrometheusMetrics:
 
     def record(self, spec: MetricSpec, value: float, labels: dict[str, str]) -> None:
         metric = self._metrics[spec.name].labels(model_name=self._model, **labels)
-        {"counter": metric.inc, "gauge": metric.set, "histogram": metric.observe}[spec.kind](value)
+        getattr(metric, _RECORD[spec.kind])(value)
 
     def families(self) -> list[Metric]:
         """The registry's metric families (picklable), for the ingress to merge and render."""
@@ -129,7 +130,7 @@ class RayMetrics:
             return  # Ray's counters refuse increments of zero
         metric, tags = self._metrics[spec.name], {"model_id": self._model, **labels}
         try:
-            {"counter": metric.inc, "gauge": metric.set, "histogram": metric.observe}[spec.kind](value, tags)
+            getattr(metric, _RECORD[spec.kind])(value, tags)
         except Exception as e:
             self.enabled = False
             logger.debug("servax metrics disabled after error: %s", e)

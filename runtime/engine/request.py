@@ -106,6 +106,7 @@ class Request:
         self.lora_slot = 0  # the adapter's device slot while running (runtime.engine.lora.LoRAManager)
         self.draft_history = AcceptanceHistory()  # n-gram speculation's record (runtime.engine.speculative)
         limit = max_model_len - len(prompt_token_ids)
+        # Not a default (InputProcessor.sampling_params decides those): None's meaning, and the cap.
         self.max_tokens = min(sampling_params.max_tokens or limit, limit)
         # Prompt logprobs of prompt tokens 1..P-1 are computed while the prompt is prefilled;
         # this counts how many are done (the results go straight to the output processor).

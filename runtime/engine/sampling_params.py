@@ -139,7 +139,10 @@ class SamplingParams:
             include_stop_str_in_output.
         stop_token_ids: token ids that end generation (kept in token_ids, not in text).
         ignore_eos: keep generating past the end-of-sequence token.
-        max_tokens: most tokens to generate (None: until the context is full).
+        max_tokens: most tokens to generate (None: until the context is full); 16 when a
+            SamplingParams is built without it, as vLLM's. A request given as a dict of
+            fields gets an unset max_tokens from InputProcessor.sampling_params, the one
+            place that decides it.
         min_tokens: EOS and stop tokens are suppressed until this many were generated.
         logprobs: return the top-N logprobs of each generated token (and the chosen one).
         prompt_logprobs: return the top-N logprobs of each prompt token.
