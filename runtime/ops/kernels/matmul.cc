@@ -1,4 +1,4 @@
-// Matrix products for XLA:CPU on pre-packed weights (runtime/cpu_matmul.py): y [M, N] = x [M, K] . W,
+// Matrix products for XLA:CPU on pre-packed weights (runtime/ops/matmul.py): y [M, N] = x [M, K] . W,
 // where W [K, N] was packed once, at load, into panels of 16 output columns: packed[p, k, j] =
 // W[k, 16 p + j], shape [N / 16, K, 16] (N padded to a multiple of 16 with zero columns).
 //
@@ -57,7 +57,7 @@ constexpr int64_t kPrefetchRows = 16;  // how far ahead (in k) the first row blo
 template <int MR, bool kPrefetch>
 void RowBlock(const float* a, int64_t lda, const float* panel, int64_t K, float* c, int64_t ldc, const float* next) {
 #ifndef SERVAX_MATMUL_AVX2
-  // Portable loops (runtime/cpu_matmul.py uses the kernel only where AVX2 and FMA are there).
+  // Portable loops (runtime/ops/matmul.py uses the kernel only where AVX2 and FMA are there).
   float acc[MR][kPanel] = {};
   for (int64_t k = 0; k < K; ++k)
     for (int r = 0; r < MR; ++r)

@@ -1,7 +1,8 @@
 // Ragged paged attention for XLA:CPU, called from JAX as an FFI custom call
-// (runtime/cpu_attention.py builds this file with the machine's C++ compiler and registers it).
+// (runtime/ops/cpu_kernels.py builds this file with the machine's C++ compiler and registers it;
+// runtime/ops/attention_cpu.py calls it).
 //
-// Same contract as runtime.attention.ragged_paged_attention: token t of sequence s attends to
+// Same contract as runtime.ops.attention_xla.ragged_paged_attention: token t of sequence s attends to
 // the cached positions p with p <= positions[t], p < seq_lens[s] and, with a window W,
 // positions[t] - p < W; the cache already holds this step's keys and values. The cache is
 // [num_layers, num_blocks, kv_heads, block_size, head_dim] and is read in place, a block at

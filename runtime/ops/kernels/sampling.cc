@@ -1,7 +1,7 @@
-// The sampler's top-k / top-p cut for XLA:CPU (runtime/sampler.py, `_truncate`).
+// The sampler's top-k / top-p cut for XLA:CPU (runtime/engine/sampler.py, `_truncate`).
 //
 // For each row of temperature-scaled logits [S, V] it finds the smallest sortable key
-// (runtime/sampler.py `_sortable`: float32 bits mapped so that unsigned order is float order)
+// (runtime/engine/sampler.py `_sortable`: float32 bits mapped so that unsigned order is float order)
 // that the row keeps; the sampler then masks every token whose key is below it. Same
 // definition as the XLA path's bisection:
 //   top-k: keep the k largest keys (ties with the k-th included);
