@@ -267,7 +267,7 @@ def test_async_step_outputs_reach_a_loop_in_one_wake_up(async_engine, prompts64)
     one call_soon_threadsafe, not one per request."""
     import asyncio
 
-    from runtime import async_engine as module
+    from runtime.engine import async_engine as module
 
     batches = []
 
@@ -403,7 +403,7 @@ def test_buckets_cover_every_step_and_pad_mixed_steps_by_at_most_half():
     """Every (tokens, rows) a step can have lands in a precompiled bucket (step_buckets lists
     all step_bucket returns), and from 128 tokens up a step pads by less than half: 32 decodes
     and a 100-token prompt (131 tokens) run as 192, not 256."""
-    from runtime.engine.compilation import packed_weight_buckets, step_bucket, step_buckets, token_buckets, seq_buckets
+    from runtime.engine.plan import packed_weight_buckets, step_bucket, step_buckets, token_buckets, seq_buckets
 
     tokens, seqs = token_buckets(512), seq_buckets(32)
     assert tokens == [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512] and seqs == [8, 16, 32]

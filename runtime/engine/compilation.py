@@ -1,7 +1,7 @@
-"""Compilation: shape buckets, the persistent XLA cache, and a counter of compilations.
+"""Compilation: the persistent XLA cache, the programs of every bucket, and a counter of compilations.
 
-Every step is padded to a (tokens, sequences) bucket so that serving only ever runs
-programs compiled at warmup. `CompileCounter` proves it: it counts XLA backend
+Every step is padded to a (tokens, sequences) bucket (the execution plan's, runtime/engine/plan.py)
+so that serving only ever runs programs compiled at warmup. `CompileCounter` proves it: it counts XLA backend
 compilations (the `/jax/core/compile/backend_compile_duration` event, which fires for
 jitted functions and for eager jnp ops on new shapes alike) made while the engine's own
 thread is inside `counter.track()`, so other threads' work is not blamed on the engine.
@@ -31,79 +31,6 @@ _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _local = threading.local()
 _listener_lock = threading.Lock()
 _listener_installed = False
-
-
-def _pow2_range(lo: int, hi: int) -> list[int]:
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= 2
-    out.append(hi)
-    return sorted(set(out))
-
-
-# Steps of at most this many tokens (small decode batches) get their own exact power-of-two
-# buckets: on XLA:CPU a 1-token step of a 100M model takes ~26 ms against ~88 ms padded to 16,
-# because small matmuls are far from the bandwidth floor once M grows past a few rows
-# (XLA's own matmuls; not on packed weights, see packed_weight_buckets).
-SMALL_STEP_TOKENS = 8
-
-
-# From this many tokens up, a bucket halfway (1.5x) between powers of two as well: a step of
-# 32 decodes and one ~100-token prompt (what serving under load runs between pure decode steps)
-# then pays for 192 tokens, not 256.
-MID_BUCKETS_FROM = 128
-
-
-def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
-    """Padded token counts: 1, 2, 4, 8, then powers of two from `smallest` up to the budget,
-    with 1.5x steps between them from MID_BUCKETS_FROM (192, 384, ...)."""
-    small = [b for b in (1, 2, 4, 8) if b <= min(SMALL_STEP_TOKENS, max_num_batched_tokens)]
-    pow2 = _pow2_range(min(smallest, max_num_batched_tokens), max_num_batched_tokens)
-    mid = [b * 3 // 2 for b in pow2 if b >= MID_BUCKETS_FROM and b * 3 // 2 < max_num_batched_tokens]
-    return sorted(set(small + pow2 + mid))
-
-
-def packed_weight_buckets(tokens: list[int], seqs: list[int]) -> tuple[list[int], list[int]]:
-    """(token buckets, sequence buckets) for steps whose products run on packed weights
-    (runtime/ops/matmul.py). That kernel multiplies only a step's real rows, so padding 2-8
-    tokens to 16 costs little and the small-step buckets 2, 4 and 8 would only be programs
-    to compile (the default app's warmup, demo model, cold: 6.9 -> 4.1 s without them). The bucket
-    of 1 token stays, with a sequence bucket of 1 beside the others: a lone sequence's decode
-    step (demo model, 96 steps in one process) takes 22.3-22.7 ms at (1, 1), 23.2-23.4 at
-    (16, 1) (the elementwise work of the padding rows) and 23.5-24.6 at (16, 8) (the
-    sampler's work grows with its rows). The largest token bucket stays when the budget is
-    that small."""
-    kept = [b for b in tokens if b == 1 or b > SMALL_STEP_TOKENS]
-    return (kept if len(kept) > 1 else sorted({1, tokens[-1]})), sorted({1, *seqs})
-
-
-def seq_buckets(max_num_seqs: int, smallest: int = 8) -> list[int]:
-    """Padded sequence counts: powers of two from `smallest` (cheap to pad) up to max_num_seqs."""
-    return _pow2_range(min(smallest, max_num_seqs), max_num_seqs)
-
-
-def step_bucket(num_tokens: int, num_rows: int, tokens: list[int], seqs: list[int]) -> tuple[int, int]:
-    """The (tokens, sequences) bucket of a step: small steps pad rows to the token bucket
-    (one program each), larger ones pick their sequence bucket independently."""
-    t = bucket_for(num_tokens, tokens)
-    if t <= SMALL_STEP_TOKENS:
-        return t, min(t, seqs[-1])
-    return t, bucket_for(num_rows, seqs)
-
-
-def step_buckets(tokens: list[int], seqs: list[int]) -> list[tuple[int, int]]:
-    """Every (tokens, sequences) bucket `step_bucket` can return (a row has at least one token)."""
-    small = [(t, min(t, seqs[-1])) for t in tokens if t <= SMALL_STEP_TOKENS]
-    return small + [(t, s) for t in tokens if t > SMALL_STEP_TOKENS for s in seqs if s <= t]
-
-
-def bucket_for(n: int, buckets: list[int]) -> int:
-    """The smallest bucket >= n. Raises ValueError when n exceeds the largest."""
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
 def default_cache_dir() -> str:
@@ -198,8 +125,9 @@ class BucketPrograms:
     `submit` lowers keys' programs on the calling thread and compiles each on a pool; a key
     is `ready` once all its programs (with those it shares with an earlier bucket of the
     same token count) have compiled. While programs are left (`all_ready` false), a step
-    runs in the smallest ready bucket it fits in (`fitting_bucket`): the largest bucket is
-    compiled before the engine serves, so every step has one.
+    runs in the smallest ready bucket it fits in (`step_ready`, asked by the plan's
+    `compiled_bucket`): the largest bucket is compiled before the engine serves, so every
+    step has one.
     """
 
     def __init__(self, lower: Callable[[tuple, set], list]):
@@ -277,16 +205,15 @@ class BucketPrograms:
         """Wait for the background compilation (if any); whether it has ended."""
         return self._done.wait(timeout)
 
-    def fitting_bucket(self, t: int, s: int, penalties: bool, largest: tuple[int, int]) -> tuple[int, int]:
-        """The smallest ready bucket that holds a step of bucket (t, s) and has its sampler
-        variant; the largest bucket once its sampler variant is ready (waited for)."""
-        ready = self.ready.copy()
-        fits = [(k[1], k[2]) for k in ready
-                if k[0] == "step" and k[1] >= t and k[2] >= s and ("sampler", k[2], penalties) in ready]
-        if fits:
-            return min(fits)
-        key = ("sampler", largest[1], penalties)  # compiled first in the background
+    def step_ready(self, bucket: tuple[int, int], penalties: bool) -> bool:
+        """Whether a step of `bucket` can run now: its programs and its sampler variant are compiled."""
+        ready = self.ready
+        return ("step", *bucket) in ready and ("sampler", bucket[1], penalties) in ready
+
+    def wait_for_sampler(self, seqs: int, penalties: bool) -> None:
+        """Wait until the sampler variant of `seqs` sequences is compiled (the background
+        thread compiles the largest bucket's first). Raises RuntimeError if it cannot be."""
+        key = ("sampler", seqs, penalties)
         while key not in self.ready:
             if self._done.wait(0.005) and key not in self.ready:
                 raise RuntimeError(f"the sampler program {key} did not compile: {self.error!r}")
-        return largest

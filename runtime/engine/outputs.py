@@ -41,9 +41,6 @@ class CompletionOutput:
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
     delta_logprobs: SampleLogprobs | None = None
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclasses.dataclass
 class RequestMetrics:

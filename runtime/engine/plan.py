@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from typing import Callable
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from runtime.engine.compilation import packed_weight_buckets, seq_buckets, step_bucket, step_buckets, token_buckets
 from runtime.engine.config import EngineConfig
 from runtime.ops.attention import resolve_attention_backend
 from runtime.ops.matmul import packed_matmul_available
@@ -72,6 +72,12 @@ class ExecutionPlan:
     def largest_bucket(self) -> tuple[int, int]:
         return max(self.bucket_pairs)
 
+    def compiled_bucket(self, t: int, s: int, compiled: Callable[[tuple[int, int]], bool]) -> tuple[int, int] | None:
+        """While buckets compile in the background: the smallest compiled bucket that holds a
+        step of bucket (t, s), or None (the largest bucket compiles first: wait for it)."""
+        fits = [b for b in self.bucket_pairs if b[0] >= t and b[1] >= s and compiled(b)]
+        return min(fits) if fits else None
+
     def describe(self) -> str:
         stepping = ("layered" + (", packed weights" if self.packed_weights else "")) if self.layered else "one program"
         return (f"{self.num_kv_blocks} KV blocks x {self.block_size} tokens ({self.kv_budget}); attention "
@@ -110,6 +116,78 @@ def make_plan(config: EngineConfig, model: LoadedModel, mesh: Mesh, *, max_model
     )
     logger.info("execution plan: %s", plan.describe())
     return plan
+
+
+# -- buckets ---------------------------------------------------------------------------
+def _pow2_range(lo: int, hi: int) -> list[int]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return sorted(set(out))
+
+
+# Steps of at most this many tokens (small decode batches) get their own exact power-of-two
+# buckets: XLA:CPU's own matmuls of a few rows cost several times less than padded to 16,
+# being far from the bandwidth floor once M grows past a few rows (not so on packed weights,
+# see packed_weight_buckets; benchmarks/RESULTS.md has the measurements).
+SMALL_STEP_TOKENS = 8
+
+
+# From this many tokens up, a bucket halfway (1.5x) between powers of two as well: a step of
+# 32 decodes and one ~100-token prompt (what serving under load runs between pure decode steps)
+# then pays for 192 tokens, not 256.
+MID_BUCKETS_FROM = 128
+
+
+def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
+    """Padded token counts: 1, 2, 4, 8, then powers of two from `smallest` up to the budget,
+    with 1.5x steps between them from MID_BUCKETS_FROM (192, 384, ...)."""
+    small = [b for b in (1, 2, 4, 8) if b <= min(SMALL_STEP_TOKENS, max_num_batched_tokens)]
+    pow2 = _pow2_range(min(smallest, max_num_batched_tokens), max_num_batched_tokens)
+    mid = [b * 3 // 2 for b in pow2 if b >= MID_BUCKETS_FROM and b * 3 // 2 < max_num_batched_tokens]
+    return sorted(set(small + pow2 + mid))
+
+
+def packed_weight_buckets(tokens: list[int], seqs: list[int]) -> tuple[list[int], list[int]]:
+    """(token buckets, sequence buckets) for steps whose products run on packed weights
+    (runtime/ops/matmul.py). That kernel multiplies only a step's real rows, so padding 2-8
+    tokens to 16 costs little and the small-step buckets 2, 4 and 8 would only be programs
+    to compile (a shorter warmup without them). The bucket of 1 token stays, with a sequence
+    bucket of 1 beside the others: a lone sequence's decode step still pays for the
+    elementwise work of padding rows and for the sampler's rows. The largest token bucket
+    stays when the budget is that small."""
+    kept = [b for b in tokens if b == 1 or b > SMALL_STEP_TOKENS]
+    return (kept if len(kept) > 1 else sorted({1, tokens[-1]})), sorted({1, *seqs})
+
+
+def seq_buckets(max_num_seqs: int, smallest: int = 8) -> list[int]:
+    """Padded sequence counts: powers of two from `smallest` (cheap to pad) up to max_num_seqs."""
+    return _pow2_range(min(smallest, max_num_seqs), max_num_seqs)
+
+
+def step_bucket(num_tokens: int, num_rows: int, tokens: list[int], seqs: list[int]) -> tuple[int, int]:
+    """The (tokens, sequences) bucket of a step: small steps pad rows to the token bucket
+    (one program each), larger ones pick their sequence bucket independently."""
+    t = bucket_for(num_tokens, tokens)
+    if t <= SMALL_STEP_TOKENS:
+        return t, min(t, seqs[-1])
+    return t, bucket_for(num_rows, seqs)
+
+
+def step_buckets(tokens: list[int], seqs: list[int]) -> list[tuple[int, int]]:
+    """Every (tokens, sequences) bucket `step_bucket` can return (a row has at least one token)."""
+    small = [(t, min(t, seqs[-1])) for t in tokens if t <= SMALL_STEP_TOKENS]
+    return small + [(t, s) for t in tokens if t > SMALL_STEP_TOKENS for s in seqs if s <= t]
+
+
+def bucket_for(n: int, buckets: list[int]) -> int:
+    """The smallest bucket >= n. Raises ValueError when n exceeds the largest."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
 def _packs(model: LoadedModel) -> bool:

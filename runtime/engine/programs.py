@@ -174,7 +174,12 @@ class ModelPrograms:
         compiled one that holds it."""
         if self.compiled.all_ready:
             return t, s
-        return self.compiled.fitting_bucket(t, s, use_penalties, self.plan.largest_bucket)
+        found = self.plan.compiled_bucket(t, s, lambda b: self.compiled.step_ready(b, use_penalties))
+        if found is not None:
+            return found
+        largest = self.plan.largest_bucket
+        self.compiled.wait_for_sampler(largest[1], use_penalties)
+        return largest
 
     def _lower(self, key: tuple, seen: set) -> list:
         """The programs of ("step", tokens, seqs) or ("sampler", seqs, penalties), lowered
