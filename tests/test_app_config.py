@@ -299,3 +299,30 @@ def test_chat_request_text_parts_are_joined():
 def test_unknown_request_fields_are_listed_as_ignored():
     req = CompletionRequest.model_validate({"prompt": "x", "tempreature": 1, "vendor": {}})
     assert req.ignored_fields == ["tempreature", "vendor"] and "tempreature" not in req.sampling_kwargs()
+
+
+def test_serving_settings_are_written_in_engine_kwargs_and_kept_out_of_the_engine():
+    def block(**engine_kwargs):
+        return {"llm_configs": [{"model_loading_config": {"model_id": "m"}, "engine_kwargs": engine_kwargs}]}
+
+    (llm,) = load_app_config(block(tool_call_parser="hermes", enable_auto_tool_choice=True)).llm_configs
+    assert llm.serving_config().tool_call_parser == "hermes" and llm.serving_config().enable_auto_tool_choice
+    assert not {"tool_call_parser", "enable_auto_tool_choice"} & set(type(llm.engine_config()).model_fields)
+    with pytest.raises(ValueError, match=r"engine_kwargs.*tool_call_parser.*hermes"):
+        load_app_config(block(tool_call_parser="nope"))
+    with pytest.raises(ValueError, match="enable_auto_tool_choice needs tool_call_parser"):
+        load_app_config(block(enable_auto_tool_choice=True))
+
+
+def test_an_unset_max_tokens_is_decided_once_by_the_input_processor():
+    from runtime.engine.input_processor import InputProcessor
+
+    def processor(**defaults):
+        return InputProcessor(None, vocab_size=100, max_model_len=64, max_logprobs=5, max_num_seqs=4,
+                              sampling_defaults=defaults)
+
+    assert "max_tokens" not in CompletionRequest(prompt="x").sampling_kwargs()  # the protocol sets no default
+    assert processor().sampling_params({}).max_tokens == 16  # a prompt: vLLM's and OpenAI completions' 16
+    assert processor().sampling_params({}, chat=True).max_tokens is None  # a conversation may fill the context
+    assert processor().sampling_params({"max_tokens": 3}, chat=True).max_tokens == 3
+    assert processor(max_tokens=7).sampling_params({}, chat=True).max_tokens == 7  # the model's generation_config
