@@ -23,7 +23,6 @@ _EXPORTS = {
     "RequestOutput": "runtime.engine.outputs",
     "CompletionOutput": "runtime.engine.outputs",
     "Logprob": "runtime.engine.outputs",
-    "RequestMetrics": "runtime.engine.outputs",
     "Engine": "runtime.engine.core",
     "EngineStats": "runtime.engine.core",
     "InputProcessor": "runtime.engine.input_processor",

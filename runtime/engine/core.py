@@ -294,7 +294,7 @@ class Engine:
         if req.request_id in self.outputs.states:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
         params = req.params
-        state = self.outputs.add_request(req.request_id, req.prompt, req.prompt_token_ids, params, req.arrival_time)
+        state = self.outputs.add_request(req.request_id, req.prompt, req.prompt_token_ids, params)
         eos = tuple(self.model.eos_token_ids)
         for i in range(params.n):
             child_id = req.request_id if params.n == 1 else f"{req.request_id}#{i}"
@@ -370,11 +370,6 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return None
-        now = time.time()
-        for entry in sched.scheduled:
-            metrics = self.outputs.states[entry.request.parent_id].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
         block_ids = {e.request.request_id: self.kv.block_ids(e.request.request_id) for e in sched.scheduled}
         with self.compile_counter.track():
             return self.runner.dispatch(sched, block_ids)

@@ -10,12 +10,11 @@ snapshots with streaming deltas.
 from __future__ import annotations
 
 import copy
-import time
 from typing import Any
 
 from runtime.engine.detokenizer import IncrementalDetokenizer
 from runtime.engine.interfaces import RowResult, RunnerOutput
-from runtime.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from runtime.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from runtime.engine.request import Request
 from runtime.engine.sampling_params import SamplingParams
 from runtime.engine.stop import StopDecision, check_stop, is_stop_token
@@ -78,17 +77,16 @@ class CompletionState:
 
 
 class RequestState:
-    """A user request: its prompt, its n completions and its timings."""
+    """A user request: its prompt and its n completions."""
 
     def __init__(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-        tokenizer: Any, arrival_time: float,
+        tokenizer: Any,
     ):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
-        self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] if params.prompt_logprobs is not None else None
         )
@@ -116,10 +114,6 @@ class RequestState:
         Whether that string ends the child is runtime.engine.stop's decision; if it does, the
         caller calls `stop_at_match`.
         """
-        now = time.time()
-        if self.metrics.first_token_time is None:
-            self.metrics.first_token_time = now
-        self.metrics.last_token_time = now
         self.num_cached_tokens = max(self.num_cached_tokens, request.num_cached_tokens)
         comp = self.completions[request.index]
         comp.token_ids.append(token)
@@ -147,15 +141,13 @@ class RequestState:
         if comp.finish_reason is None:
             comp.finish_reason = finish_reason
             comp.stop_reason = stop_reason
-        if self.finished and self.metrics.finished_time is None:
-            self.metrics.finished_time = time.time()
 
     def snapshot(self) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
             outputs=[c.snapshot() for c in self.completions], finished=self.finished,
-            num_cached_tokens=self.num_cached_tokens, metrics=self.metrics,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
 
@@ -175,9 +167,9 @@ class OutputProcessor:
         self.generation_tokens = 0
         self.num_finished = 0
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float) -> RequestState:
-        state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival_time)
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams) -> RequestState:
+        state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
         self.states[request_id] = state
         return state
 

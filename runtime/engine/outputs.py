@@ -43,17 +43,6 @@ class CompletionOutput:
 
 
 @dataclasses.dataclass
-class RequestMetrics:
-    """Wall-clock times (time.time()) of a request's milestones."""
-
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-
-
-@dataclasses.dataclass
 class RequestOutput:
     """A snapshot of one request: its prompt and its n completions so far."""
 
@@ -64,4 +53,3 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    metrics: RequestMetrics | None = None
