@@ -54,6 +54,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         hf_overrides=config.hf_overrides, quantization=config.quantization,
         # the layers as the layered step takes them (LoRA slots are added to stacked layers)
         layers_as_list=config.layerwise and not config.enable_lora,
+        expert_parallel=config.enable_expert_parallel,
     )
     if config.generation_config not in ("auto", "vllm"):  # a folder holding generation_config.json
         model.generation_config = sampling_defaults(Path(config.generation_config).expanduser())

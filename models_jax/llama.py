@@ -69,7 +69,7 @@ class LlamaArgs:
         layer_types = getattr(cfg, "layer_types", None)
         layer_types = layer_types or ["sliding_attention" if window else "full_attention"] * num_layers
         windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
-        is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -84,14 +84,16 @@ class LlamaArgs:
             qkv_bias=is_qwen2 or bool(getattr(cfg, "attention_bias", False)),
             o_bias=not is_qwen2 and bool(getattr(cfg, "attention_bias", False)),
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             initializer_range=float(getattr(cfg, "initializer_range", 0.02)),
         )
 
 
-def weight_table(a: LlamaArgs) -> dict:
+def weight_table(a: LlamaArgs, layer: dict | None = None) -> dict:
     """The params tree as WeightSpecs: HF source, shapes, logical axes and initializers.
+
+    layer: one decoder layer's table (hf_names with `{layer}`), default `layer_table(a)`.
 
     Under runtime.ops.mesh's rules this is Megatron-style: q/k/v and gate/up are split by
     output (heads, features), o_proj and down_proj by input, the embedding and the LM head
@@ -99,51 +101,54 @@ def weight_table(a: LlamaArgs) -> dict:
     times, so that the KV heads split evenly even when the model axis is larger than
     num_kv_heads.
     """
-    d, f, hd = a.hidden_size, a.intermediate_size, a.head_dim
+    d = a.hidden_size
     normal = jax.nn.initializers.normal(a.initializer_range)
-
-    def layer() -> dict:  # one decoder layer; `stacked` fills in {layer}
-        pre = "model.layers.{layer}."
-        attn, mlp = pre + "self_attn.", pre + "mlp."
-        w = {
-            "input_norm": vector(pre + "input_layernorm.weight", d, ("embed",)),
-            "q": linear_to_heads(attn + "q_proj.weight", d, a.num_heads, hd, "q_heads", normal),
-            "k": linear_to_heads(attn + "k_proj.weight", d, a.num_kv_heads, hd, "kv_heads", normal, a.kv_repeat),
-            "v": linear_to_heads(attn + "v_proj.weight", d, a.num_kv_heads, hd, "kv_heads", normal, a.kv_repeat),
-            "o": linear_from_heads(attn + "o_proj.weight", a.num_heads, hd, d, normal),
-            "post_attn_norm": vector(pre + "post_attention_layernorm.weight", d, ("embed",)),
-            "mlp": {
-                "gate": linear(mlp + "gate_proj.weight", d, f, ("embed", "mlp"), normal),
-                "up": linear(mlp + "up_proj.weight", d, f, ("embed", "mlp"), normal),
-                "down": linear(mlp + "down_proj.weight", f, d, ("mlp", "embed"), normal),
-            },
-        }
-        if a.qkv_bias:
-            for name, heads, axis, repeat in (
-                ("q", a.num_heads, "q_heads", 1),
-                ("k", a.num_kv_heads, "kv_heads", a.kv_repeat),
-                ("v", a.num_kv_heads, "kv_heads", a.kv_repeat),
-            ):
-                w[name + "_bias"] = head_bias(attn + f"{name}_proj.bias", heads, hd, axis, repeat)
-        if a.o_bias:
-            w["o_bias"] = vector(attn + "o_proj.bias", d, ("embed",), zeros)
-        if a.qk_norm:
-            w["q_norm"] = vector(attn + "q_norm.weight", hd, ("head_dim",))
-            w["k_norm"] = vector(attn + "k_norm.weight", hd, ("head_dim",))
-        if a.mlp_bias:
-            w["mlp"]["gate_bias"] = vector(mlp + "gate_proj.bias", f, ("mlp",), zeros)
-            w["mlp"]["up_bias"] = vector(mlp + "up_proj.bias", f, ("mlp",), zeros)
-            w["mlp"]["down_bias"] = vector(mlp + "down_proj.bias", d, ("embed",), zeros)
-        return w
-
     table = {
         "embed": embedding("model.embed_tokens.weight", a.vocab_size, d, normal),
-        "layers": stacked(layer(), a.num_layers),  # each weight [num_layers, ...]
+        "layers": stacked(layer or layer_table(a), a.num_layers),  # each weight [num_layers, ...]
         "final_norm": vector("model.norm.weight", d, ("embed",)),
     }
     if not a.tie_word_embeddings:
         table["lm_head"] = linear("lm_head.weight", d, a.vocab_size, ("embed", "vocab"), normal)
     return table
+
+
+def layer_table(a: LlamaArgs) -> dict:
+    """One decoder layer's WeightSpecs (hf_names with `{layer}`, which `stacked` fills in)."""
+    d, f, hd = a.hidden_size, a.intermediate_size, a.head_dim
+    normal = jax.nn.initializers.normal(a.initializer_range)
+    pre = "model.layers.{layer}."
+    attn, mlp = pre + "self_attn.", pre + "mlp."
+    w = {
+        "input_norm": vector(pre + "input_layernorm.weight", d, ("embed",)),
+        "q": linear_to_heads(attn + "q_proj.weight", d, a.num_heads, hd, "q_heads", normal),
+        "k": linear_to_heads(attn + "k_proj.weight", d, a.num_kv_heads, hd, "kv_heads", normal, a.kv_repeat),
+        "v": linear_to_heads(attn + "v_proj.weight", d, a.num_kv_heads, hd, "kv_heads", normal, a.kv_repeat),
+        "o": linear_from_heads(attn + "o_proj.weight", a.num_heads, hd, d, normal),
+        "post_attn_norm": vector(pre + "post_attention_layernorm.weight", d, ("embed",)),
+        "mlp": {
+            "gate": linear(mlp + "gate_proj.weight", d, f, ("embed", "mlp"), normal),
+            "up": linear(mlp + "up_proj.weight", d, f, ("embed", "mlp"), normal),
+            "down": linear(mlp + "down_proj.weight", f, d, ("mlp", "embed"), normal),
+        },
+    }
+    if a.qkv_bias:
+        for name, heads, axis, repeat in (
+            ("q", a.num_heads, "q_heads", 1),
+            ("k", a.num_kv_heads, "kv_heads", a.kv_repeat),
+            ("v", a.num_kv_heads, "kv_heads", a.kv_repeat),
+        ):
+            w[name + "_bias"] = head_bias(attn + f"{name}_proj.bias", heads, hd, axis, repeat)
+    if a.o_bias:
+        w["o_bias"] = vector(attn + "o_proj.bias", d, ("embed",), zeros)
+    if a.qk_norm:
+        w["q_norm"] = vector(attn + "q_norm.weight", hd, ("head_dim",))
+        w["k_norm"] = vector(attn + "k_norm.weight", hd, ("head_dim",))
+    if a.mlp_bias:
+        w["mlp"]["gate_bias"] = vector(mlp + "gate_proj.bias", f, ("mlp",), zeros)
+        w["mlp"]["up_bias"] = vector(mlp + "up_proj.bias", f, ("mlp",), zeros)
+        w["mlp"]["down_bias"] = vector(mlp + "down_proj.bias", d, ("embed",), zeros)
+    return w
 
 
 def attention_block(

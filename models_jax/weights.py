@@ -45,7 +45,8 @@ class WeightSpec:
 
     Stacked (`num_layers` set, see `stacked`): `hf_name` holds `{layer}`, there is one
     checkpoint tensor of `hf_shape` per layer, and `shape` / `logical_axes` have a leading
-    "layers" axis; `view`, `perm` and `repeat` describe one layer.
+    "layers" axis; `view`, `perm` and `repeat` describe one layer. Experts (`num_experts`
+    set): likewise `{expert}`, one tensor per expert, an axis of experts after the layers'.
     """
 
     hf_name: str
@@ -57,6 +58,7 @@ class WeightSpec:
     repeat: tuple[int, int] | None = None  # (axis of the native layout, times)
     dtype: Any = None
     num_layers: int | None = None  # stacked over this many layers
+    num_experts: int | None = None  # stacked over this many experts (after the layers)
 
     def __post_init__(self):
         if self.view is not None and math.prod(self.view) != math.prod(self.hf_shape):
@@ -72,14 +74,21 @@ class WeightSpec:
         if self.repeat:
             axis, times = self.repeat
             shape[axis] *= times
-        return (self.num_layers, *shape) if self.num_layers else tuple(shape)
+        return (*self.stacked_shape, *shape)
+
+    @property
+    def stacked_shape(self) -> tuple[int, ...]:
+        """The leading axes of stacked tensors: (layers, experts), either, or none."""
+        return tuple(n for n in (self.num_layers, self.num_experts) if n)
 
     @property
     def hf_names(self) -> list[str]:
         """The checkpoint tensors this weight is read from: one per layer when stacked."""
-        if self.num_layers is None:
-            return [self.hf_name]
-        return [self.hf_name.format(layer=i) for i in range(self.num_layers)]
+        names = [self.hf_name]
+        for key, count in (("{layer}", self.num_layers), ("{expert}", self.num_experts)):
+            if count:
+                names = [name.replace(key, str(i)) for name in names for i in range(count)]
+        return names
 
     def to_native(self, tensor: Any) -> Any:
         """A checkpoint-layout tensor (numpy, a lazy view of a memmap, or jax) in the native
@@ -135,10 +144,11 @@ def init_params(table: Any, mesh: Mesh, dtype: Any, key: jax.Array) -> tuple[Any
     pspecs = [w.partition_spec(mesh) for w in specs]
 
     def draw(w: WeightSpec, key: jax.Array) -> jax.Array:
-        if w.num_layers is None:
-            return w.to_native(w.init(key, w.hf_shape, w.dtype or dtype))
-        layers = w.init(key, (w.num_layers, *w.hf_shape), w.dtype or dtype)  # [L, *hf_shape]
-        return jax.vmap(w.to_native)(layers)
+        tensors = w.init(key, (*w.stacked_shape, *w.hf_shape), w.dtype or dtype)  # [L?, E?, *hf_shape]
+        native = w.to_native
+        for _ in w.stacked_shape:
+            native = jax.vmap(native)
+        return native(tensors)
 
     def make(key: jax.Array) -> list[jax.Array]:
         keys = jax.random.split(key, len(specs))

@@ -24,7 +24,7 @@ from registry.model_info import ModelInfo, ResolvedModel
 from registry.peft import read_peft_adapter
 from registry.weights import load_params
 from runtime.ops.layered import layered_forward
-from runtime.ops.mesh import logical_axis_size
+from runtime.ops.mesh import MODEL_AXIS, logical_axis_size
 from runtime.ops.step import KVCacheSpec, LayerStages, LoadedModel
 
 
@@ -52,7 +52,8 @@ NATIVE_MODELS: dict[str, ModelEntry] = declared_models()
 
 
 def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: ModelInfo,
-                int8_groups: dict | None = None, layers_as_list: bool = False) -> LoadedModel:
+                int8_groups: dict | None = None, layers_as_list: bool = False,
+                expert_parallel: bool = False) -> LoadedModel:
     """Build the native model, its params read from the checkpoint onto `mesh`.
 
     int8_groups: weights to keep as int8 with a scale per 32 inputs (registry.weights.load_params).
@@ -69,6 +70,7 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: 
     except (ValueError, KeyError) as e:
         raise ModelLoadError(f"{resolved.model_id} ({resolved.architecture}): {e}") from e
     args = dataclasses.replace(args, kv_repeat=kv_repeat(args.num_kv_heads, logical_axis_size("kv_heads", mesh)))
+    args = _place_experts(args, mesh, expert_parallel, resolved)
     layers_as_list = layers_as_list and entry.stages is not None and not int8_groups
     params, shardings = load_params(resolved.path, entry.weight_table(args), mesh, dtype, int8_groups,
                                     per_layer=layers_as_list)
@@ -101,6 +103,31 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: 
         vocab_size=int(resolved.hf_config.vocab_size),
         **vars(info),
     )
+
+
+def _place_experts(args: Any, mesh: Mesh, expert_parallel: bool, resolved: ResolvedModel) -> Any:
+    """A mixture-of-experts model's args with the mesh its experts split over (whole experts per
+    device with `expert_parallel`, else each expert's features).
+
+    Raises:
+        ModelLoadError: expert_parallel on a dense model, or experts (or their features) that
+            the model axis does not divide.
+    """
+    config = getattr(args, "moe", None)
+    if config is None:
+        if expert_parallel:
+            raise ModelLoadError(f"{resolved.model_id}: enable_expert_parallel needs a mixture-of-experts model; "
+                                 f"{resolved.architecture} has no experts")
+        return args
+    ways = mesh.shape[MODEL_AXIS]
+    split, name = ((config.num_experts, "num_experts") if expert_parallel
+                   else (config.intermediate_size, "the experts' intermediate size"))
+    if split % ways:
+        raise ModelLoadError(f"{resolved.model_id}: {name} = {split} does not split over a model axis of {ways} "
+                             f"devices; choose a tensor_parallel_size that divides it"
+                             + ("" if expert_parallel else " or set enable_expert_parallel"))
+    placed = dataclasses.replace(config, expert_parallel=expert_parallel, mesh=mesh if ways > 1 else None)
+    return dataclasses.replace(args, moe=placed)
 
 
 def kv_repeat(num_kv_heads: int, tp: int) -> int:

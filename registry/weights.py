@@ -114,10 +114,12 @@ def load_params(path: Path, table, mesh: Mesh, dtype,
         spec = w.partition_spec(mesh)
         sources = [tensors[name] for name in w.hf_names]
         if per_layer and w.num_layers is not None:
-            layer = dataclasses.replace(w, hf_name=w.hf_name.format(layer=0), logical_axes=w.logical_axes[1:],
+            layer = dataclasses.replace(w, hf_name=w.hf_name.replace("{layer}", "0"), logical_axes=w.logical_axes[1:],
                                         num_layers=None)
             layer_spec = P(*tuple(spec)[1:])
-            return [_place(layer, [t], mesh, layer_spec, w.dtype or dtype) for t in sources], layer_spec
+            per = len(sources) // w.num_layers  # tensors of one layer (its experts)
+            return [_place(layer, sources[i * per:(i + 1) * per], mesh, layer_spec, w.dtype or dtype)
+                    for i in range(w.num_layers)], layer_spec
         return _place(w, sources, mesh, spec, w.dtype or dtype), spec
 
     placed = jax.tree.map(place, table, is_leaf=is_weight_spec)
@@ -149,9 +151,15 @@ def _place(w: WeightSpec, sources: list[np.ndarray], mesh: Mesh, spec: P, dt) ->
     each device reading only its own slice."""
     native = [w.to_native(t) for t in sources]  # lazy views of the memory maps (repeats copy)
 
+    lead = w.stacked_shape  # (layers, experts): `native` holds one tensor per combination, in order
+
     def read(index: tuple[slice, ...]) -> np.ndarray:  # this device's slice only
-        if w.num_layers is None:
+        if not lead:
             return np.array(native[0][index], dtype=dt, order="C")
-        return np.stack([np.asarray(layer[index[1:]], dtype=dt) for layer in native[index[0]]])
+        picks = [np.arange(n)[index[i]] for i, n in enumerate(lead)]
+        flat = np.ravel_multi_index(np.meshgrid(*picks, indexing="ij"), lead).reshape(-1)
+        rest = index[len(lead):]
+        parts = np.stack([np.asarray(native[i][rest], dtype=dt) for i in flat])
+        return parts.reshape(*(len(p) for p in picks), *parts.shape[1:])
 
     return jax.make_array_from_callback(w.shape, NamedSharding(mesh, spec), read)

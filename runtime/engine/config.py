@@ -61,6 +61,9 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(
         1, gt=0, description="Devices the weights and KV cache are split over; more than one process has "
                              "makes a multi-process engine (runtime/engine/distributed.py).")
+    enable_expert_parallel: bool = Field(
+        False, description="Mixture-of-experts models: whole experts per device of the model axis (expert "
+                           "parallelism) instead of every expert's features split over it.")
     distributed_executor_backend: Literal["ray", "uni"] | None = Field(
         None, description="ray: a mesh larger than one process runs over Ray actors joined by jax.distributed "
                           "(the default when it is larger); uni: one process only (vLLM's names).")

@@ -6,7 +6,7 @@ between the libraries at run time):
 
 - "paged_attention" (paged_attention.cc): ragged paged attention, runtime/ops/attention_cpu.py;
 - "truncation" (sampling.cc): the sampler's top-k / top-p cut, runtime/engine/sampler.py;
-- "matmul" (matmul.cc): products on packed weights, runtime/ops/matmul.py.
+- "matmul" (matmul.cc): products on packed weights, and experts' grouped products, runtime/ops/matmul.py.
 
 Each kernel is compiled on its first use into its own shared library, with the machine's C++
 compiler (`CXX`, else g++ or c++; more flags from SERVAX_KERNEL_CXXFLAGS) against the XLA FFI
@@ -39,22 +39,26 @@ logger = logging.getLogger("servax.engine")
 PAGED_ATTENTION_TARGET = "servax_paged_attention"  # runtime/ops/attention_cpu.py
 TRUNCATION_TARGET = "servax_truncation_cut"  # runtime/engine/sampler.py's top-k/top-p cut
 MATMUL_TARGET = "servax_packed_matmul"  # runtime/ops/matmul.py
+GROUPED_MATMUL_TARGET = "servax_grouped_matmul"  # runtime/ops/matmul.py's experts (models_jax/moe.py)
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """One C++ kernel: its source file, the FFI handler symbol it defines and the target name it is registered as."""
+    """One C++ kernel: its source file, the FFI handler symbol it defines and the target name it is
+    registered as (and any further handlers of the same source, as (symbol, target) pairs)."""
 
     name: str
     source: str  # file name in SOURCE_DIR
     symbol: str  # XLA_FFI_DEFINE_HANDLER_SYMBOL's name
     target: str
+    more: tuple[tuple[str, str], ...] = ()
 
 
 KERNELS = {k.name: k for k in (
     Kernel("paged_attention", "paged_attention.cc", "ServaxPagedAttention", PAGED_ATTENTION_TARGET),
     Kernel("truncation", "sampling.cc", "ServaxTruncationCut", TRUNCATION_TARGET),
-    Kernel("matmul", "matmul.cc", "ServaxPackedMatmul", MATMUL_TARGET),
+    Kernel("matmul", "matmul.cc", "ServaxPackedMatmul", MATMUL_TARGET,
+           more=(("ServaxGroupedMatmul", GROUPED_MATMUL_TARGET),)),
 )}
 
 SOURCE_DIR = Path(__file__).with_name("kernels")
@@ -156,7 +160,8 @@ def _load(kernel: Kernel) -> str:
         return "no C++ compiler found (set CXX, or install g++)"
     try:
         library = ctypes.cdll.LoadLibrary(str(_build(kernel, compiler)))
-        jax.ffi.register_ffi_target(kernel.target, jax.ffi.pycapsule(getattr(library, kernel.symbol)), platform="cpu")
+        for symbol, target in ((kernel.symbol, kernel.target), *kernel.more):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure leaves the caller's XLA path, with the reason
         return f"{type(e).__name__}: {e}"
     return "ok"

@@ -22,7 +22,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from runtime.ops.cpu_kernels import MATMUL_TARGET, cpu_flags, kernel_available, kernel_status
+from runtime.ops.cpu_kernels import GROUPED_MATMUL_TARGET, MATMUL_TARGET, cpu_flags, kernel_available, kernel_status
 
 PANEL = 16  # output columns per packed panel (runtime/ops/kernels/matmul.cc kPanel)
 
@@ -74,6 +74,42 @@ class PackedWeight:
     def columns(self, ids: jax.Array) -> jax.Array:
         """Columns `ids` of w, as rows: [len(ids), in] (a tied embedding's rows, w = table.T)."""
         return self.panels[ids // PANEL, :, ids % PANEL]
+
+
+@flax.struct.dataclass
+class PackedExperts:
+    """Experts' float32 matrices w [E, in, out], each packed as PackedWeight packs one:
+    panels [E, ceil(out / 16), in, 16]. `grouped_matmul` multiplies each expert by the rows
+    routed to it only (models_jax/moe.py)."""
+
+    panels: jax.Array
+    out_features: int = flax.struct.field(pytree_node=False)
+
+    @classmethod
+    def pack(cls, w: jax.Array) -> "PackedExperts":
+        """w [E, in, out] (any float dtype; stored float32) in the packed layout."""
+        e, d_in, d_out = w.shape
+        w = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, 0), (0, -d_out % PANEL)))
+        return cls(w.reshape(e, d_in, -1, PANEL).transpose(0, 2, 1, 3), d_out)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The shape of the matrices it packs, [E, in, out]."""
+        return self.panels.shape[0], self.panels.shape[2], self.out_features
+
+    def grouped_matmul(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """x [M, in] with its rows sorted by expert, group_sizes[e] rows for expert e, ->
+        [M, out] float32: each group times its expert's matrix; rows past the groups are zeros.
+
+        Raises:
+            RuntimeError: the kernel is not available (`kernel_status("matmul")` says why).
+        """
+        if not kernel_available("matmul"):
+            raise RuntimeError(f"the CPU matmul kernel is not available: {kernel_status('matmul')}")
+        call = jax.ffi.ffi_call(GROUPED_MATMUL_TARGET,
+                                jax.ShapeDtypeStruct((x.shape[0], self.panels.shape[1] * PANEL), jnp.float32))
+        y = call(x.astype(jnp.float32), self.panels, group_sizes.astype(jnp.int32))
+        return y if y.shape[1] == self.out_features else y[:, :self.out_features]
 
 
 def packable(w: object) -> bool:

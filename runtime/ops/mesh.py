@@ -32,6 +32,10 @@ SHARDING_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": MODEL_AXIS,  # also the KV cache's head axis
     "head_dim": None,
     "mlp": MODEL_AXIS,
+    # Mixture of experts: an expert's features split like a dense MLP's (tensor parallel), or
+    # whole experts per device (expert parallel); a model's weight table names one of the two.
+    "moe_mlp": MODEL_AXIS,
+    "expert": MODEL_AXIS,
     # Stacked decoder layers (weights and KV cache): the forward scans over it, so it stays whole.
     "layers": None,
     # the paged KV cache, [layers, num_blocks, kv_heads, block_size, head_dim] (runtime.ops.step.KV_CACHE_AXES)

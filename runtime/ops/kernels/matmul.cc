@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -229,6 +230,31 @@ int64_t PanelsPerTask(int64_t panels, int64_t unit, int64_t threads) {
   return best * unit;
 }
 
+// Multiplies the rows of a [M, K] by panels [first, last) of one packed matrix b into c [M, N].
+void MultiplyPanels(const RowBlocks& form, const float* a, int64_t M, int64_t K, const float* b, int64_t first,
+                    int64_t last, float* c, int64_t N) {
+  const bool pairs = form.max_pair_rows > 0;
+  for (int64_t p = first, width; p < last; p += width) {
+    width = pairs && p + 1 < last ? 2 : 1;
+    const int64_t max_rows = width == 2 ? form.max_pair_rows : form.max_rows;
+    const RowBlockFn(*fns)[17] = width == 2 ? form.pairs : form.fns;
+    // Rows in as few blocks as the registers allow, of even sizes (8 rows: one block, not 6 + 2).
+    const int64_t blocks = (M + max_rows - 1) / max_rows;
+    const float* panel = b + p * K * kPanel;
+    for (int64_t blk = 0, r0 = 0; blk < blocks; ++blk) {
+      const int64_t rows = M / blocks + (blk < M % blocks);
+      // Rows in several blocks: each panel is fetched into L2 while the previous one is
+      // multiplied, during its first block (its second where the first fetches its own):
+      // faster at 16-32 rows than each fetching its own, and with PanelsPerTask faster at
+      // every row count than the former split (measured in benchmarks/RESULTS.md, stop 39).
+      const bool fetch_own = blocks == 1 || p == first;
+      const float* next = (blk == (fetch_own ? 1 : 0) && p + width < last) ? panel + width * K * kPanel : nullptr;
+      fns[blk == 0 && fetch_own][rows](a + r0 * K, K, panel, K, c + r0 * N + p * kPanel, N, next);
+      r0 += rows;
+    }
+  }
+}
+
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packed,
                         ffi::Buffer<ffi::S32> valid_rows, ffi::ResultBuffer<ffi::F32> out) {
   auto xd = x.dimensions(), pd = packed.dimensions(), od = out->dimensions();
@@ -241,34 +267,48 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const int64_t M = std::clamp<int64_t>(valid_rows.typed_data()[0], 0, xd[0]);
   std::fill(c + M * N, c + xd[0] * N, 0.0f);
   if (M == 0 || panels == 0) return ffi::Error::Success();
-  const float* a = x.typed_data();
-  const float* b = packed.typed_data();
   const RowBlocks& form = Chosen();
-  const bool pairs = form.max_pair_rows > 0;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t per_task = PanelsPerTask(panels, pairs ? 2 : 1, threads);
+  const int64_t per_task = PanelsPerTask(panels, form.max_pair_rows > 0 ? 2 : 1, threads);
   const int64_t tasks = (panels + per_task - 1) / per_task;
   servax::ParallelFor(pool, tasks, threads - 1, [&](int64_t t) {
-    const int64_t first = t * per_task, last = std::min(panels, first + per_task);
-    for (int64_t p = first, width; p < last; p += width) {
-      width = pairs && p + 1 < last ? 2 : 1;
-      const int64_t max_rows = width == 2 ? form.max_pair_rows : form.max_rows;
-      const RowBlockFn(*fns)[17] = width == 2 ? form.pairs : form.fns;
-      // Rows in as few blocks as the registers allow, of even sizes (8 rows: one block, not 6 + 2).
-      const int64_t blocks = (M + max_rows - 1) / max_rows;
-      const float* panel = b + p * K * kPanel;
-      for (int64_t blk = 0, r0 = 0; blk < blocks; ++blk) {
-        const int64_t rows = M / blocks + (blk < M % blocks);
-        // Rows in several blocks: each panel is fetched into L2 while the previous one is
-        // multiplied, during its first block (its second where the first fetches its own):
-        // faster at 16-32 rows than each fetching its own, and with PanelsPerTask faster at
-        // every row count than the former split (measured in benchmarks/RESULTS.md, stop 39).
-        const bool fetch_own = blocks == 1 || p == first;
-        const float* next = (blk == (fetch_own ? 1 : 0) && p + width < last) ? panel + width * K * kPanel : nullptr;
-        fns[blk == 0 && fetch_own][rows](a + r0 * K, K, panel, K, c + r0 * N + p * kPanel, N, next);
-        r0 += rows;
-      }
-    }
+    const int64_t first = t * per_task;
+    MultiplyPanels(form, x.typed_data(), M, K, packed.typed_data(), first, std::min(panels, first + per_task), c, N);
+  });
+  return ffi::Error::Success();
+}
+
+// Experts' products (runtime/ops/matmul.py PackedExperts): the rows of x come sorted by
+// expert, group_sizes[e] of them for expert e, and each group is multiplied by its own
+// expert's packed matrix only; rows past the last group are zeros. Tasks are (expert, panel
+// range) pairs of the experts that have rows, so a decode step reads only its active experts.
+ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packed,
+                         ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions(), pd = packed.dimensions(), gd = group_sizes.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || pd.size() != 4 || pd[3] != kPanel || pd[2] != xd[1] || gd.size() != 1 || gd[0] != pd[0] ||
+      od.size() != 2 || od[0] != xd[0] || od[1] != pd[1] * kPanel)
+    return ffi::Error::InvalidArgument(
+        "grouped matmul: x [M, K], packed [E, N/16, K, 16], group_sizes [E], out [M, N]");
+  const int64_t M = xd[0], K = xd[1], experts = pd[0], panels = pd[1], N = panels * kPanel;
+  const int32_t* sizes = group_sizes.typed_data();
+  std::vector<int64_t> begin(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) begin[e + 1] = std::min<int64_t>(M, begin[e] + std::max<int32_t>(sizes[e], 0));
+  float* c = out->typed_data();
+  std::fill(c + begin[experts] * N, c + M * N, 0.0f);
+  if (begin[experts] == 0 || panels == 0) return ffi::Error::Success();
+  const RowBlocks& form = Chosen();
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t per_task = PanelsPerTask(panels, form.max_pair_rows > 0 ? 2 : 1, threads);
+  const int64_t chunks = (panels + per_task - 1) / per_task;
+  std::vector<int64_t> task_expert;
+  for (int64_t e = 0; e < experts; ++e)
+    if (begin[e + 1] > begin[e]) task_expert.push_back(e);
+  const float* a = x.typed_data();
+  const float* b = packed.typed_data();
+  servax::ParallelFor(pool, static_cast<int64_t>(task_expert.size()) * chunks, threads - 1, [&](int64_t t) {
+    const int64_t e = task_expert[t / chunks], first = (t % chunks) * per_task, rows = begin[e + 1] - begin[e];
+    MultiplyPanels(form, a + begin[e] * K, rows, K, b + e * panels * K * kPanel, first,
+                   std::min(panels, first + per_task), c + begin[e] * N, N);
   });
   return ffi::Error::Success();
 }
@@ -281,4 +321,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxPackedMatmul, PackedMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // packed W [N / 16, K, 16]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // valid rows [1]: rows of x to multiply
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxGroupedMatmul, GroupedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], rows sorted by expert
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // packed experts [E, N / 16, K, 16]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]: rows of each expert, in order
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]

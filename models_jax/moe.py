@@ -1,0 +1,170 @@
+"""The mixture-of-experts block, one for every MoE model: route, group, multiply, combine.
+
+    router -> top-k experts per token -> the (token, expert) pairs sorted by expert
+           -> grouped matmuls over each expert's own tokens only -> weighted sum per token
+    (+ a shared expert beside it, gated by a sigmoid, where the architecture has one)
+
+The grouped matmul multiplies each expert's weights by exactly the rows routed to it: the
+C++ kernel on packed weights on XLA:CPU (`runtime.ops.matmul.PackedExperts`), else
+`jax.lax.ragged_dot` (a grouped-matmul kernel on TPU/GPU). There is no capacity factor and no
+token is dropped: the result equals transformers' loop over experts.
+
+Sharding (the weight table names the axes, runtime/ops/mesh.py maps them): with tensor
+parallelism each device holds every expert's slice of the intermediate features
+("moe_mlp"); with expert parallelism (`enable_expert_parallel`) each device holds whole
+experts ("expert"). Either way the block runs under `shard_map`: the tokens and their
+routing are replicated (as the attention output is), each device computes what its
+weights give (its experts' rows, or its feature slice of every row), and one all-reduce
+sums the partial outputs. Dispatching rows to the device of their expert by all-to-all
+would move fewer bytes at many devices; at the sizes tested here the replicated tokens
+cost less than a second collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from models_jax.weights import WeightSpec, linear, zeros
+from runtime.ops.matmul import PackedExperts
+from runtime.ops.mesh import MODEL_AXIS
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """The routed experts of one MoE layer (hashable: closed over by the jitted step).
+
+    Attributes:
+        num_experts / top_k: experts, and how many each token is routed to.
+        intermediate_size: each expert's hidden features.
+        norm_topk_prob: renormalize the top-k probabilities to sum to 1 (Mixtral always does).
+        shared_intermediate_size: a shared expert every token passes through (Qwen2-MoE), 0: none.
+        shared_expert_gate: the shared expert's output is scaled by sigmoid(x @ gate).
+        expert_parallel: experts split over the model axis instead of their features.
+        mesh: the mesh the weights live on (None: one device, no collective).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool = True
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    expert_parallel: bool = False
+    mesh: Mesh | None = None
+
+
+def expert_weights(prefix: str, names: tuple[str, str, str], d: int, f: int, num_experts: int, init: Any,
+                   expert_parallel: bool) -> dict[str, WeightSpec]:
+    """The routed experts' gate, up and down projections, each stacked over experts:
+    gate/up [E, D, F] from HF "{prefix}.{e}.{gate}.weight" [F, D], down [E, F, D].
+
+    names: the HF module names of (gate, up, down): ("gate_proj", "up_proj", "down_proj"), or
+    Mixtral's ("w1", "w3", "w2")."""
+    expert_axis, feature_axis = ("expert", None) if expert_parallel else (None, "moe_mlp")
+    pattern = prefix + ".{expert}.{name}.weight"
+
+    def one(name: str, d_in: int, d_out: int, axes: tuple) -> WeightSpec:
+        w = linear(pattern.replace("{name}", name), d_in, d_out, axes, init)
+        return dataclasses.replace(w, num_experts=num_experts, logical_axes=(expert_axis, *w.logical_axes))
+
+    gate, up, down = names
+    return {
+        "gate": one(gate, d, f, ("embed", feature_axis)),
+        "up": one(up, d, f, ("embed", feature_axis)),
+        "down": one(down, f, d, (feature_axis, "embed")),
+    }
+
+
+def router_weight(hf_name: str, d: int, num_experts: int, init: Any) -> WeightSpec:
+    """The router [D, E] (HF [E, D]), whole on every device."""
+    return linear(hf_name, d, num_experts, ("embed", None), init)
+
+
+def shared_gate_weight(hf_name: str, d: int) -> WeightSpec:
+    return linear(hf_name, d, 1, ("embed", None), zeros)
+
+
+def route(x: jax.Array, router: jax.Array, cfg: MoeConfig) -> tuple[jax.Array, jax.Array]:
+    """Softmax routing: (weights [T, k] in x's dtype, expert ids [T, k] int32)."""
+    logits = jnp.einsum("td,de->te", x, router, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    top, ids = jax.lax.top_k(probs, cfg.top_k)
+    if cfg.norm_topk_prob:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return top.astype(x.dtype), ids.astype(jnp.int32)
+
+
+def grouped_matmul(x: jax.Array, w: Any, group_sizes: jax.Array) -> jax.Array:
+    """x [M, K] (rows sorted by group) @ w[group] -> [M, N]; rows past sum(group_sizes) are 0.
+
+    w: [G, K, N] (jax.lax.ragged_dot) or PackedExperts (the C++ kernel)."""
+    if isinstance(w, PackedExperts):
+        return w.grouped_matmul(x, group_sizes)
+    return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
+
+
+def _experts_mlp(x: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, num_tokens: jax.Array,
+                 first_expert: jax.Array | int, num_local: int) -> jax.Array:
+    """The gated MLP of experts [first_expert, first_expert + num_local) on the tokens routed
+    to them, weighted and summed per token ([T, D] float32; 0 where no local expert)."""
+    t, k = ids.shape
+    local = ids - first_expert
+    real = (jnp.arange(t) < num_tokens)[:, None]
+    local = jnp.where(real & (local >= 0) & (local < num_local), local, num_local).reshape(-1)  # [T k]
+    order = jnp.argsort(local, stable=True)  # pairs grouped by expert, the rest (num_local) last
+    group_sizes = jnp.bincount(local, length=num_local).astype(jnp.int32)  # [E_local]
+    rows = x[order // k]  # [T k, D]
+    if "gate_up" in p:  # joined for the kernel: [gate | up] per expert
+        h = grouped_matmul(rows, p["gate_up"], group_sizes)
+        gate, up = jnp.split(h, 2, axis=-1)
+    else:
+        gate = grouped_matmul(rows, p["gate"], group_sizes)
+        up = grouped_matmul(rows, p["up"], group_sizes)
+    h = (jax.nn.silu(gate) * up).astype(x.dtype)
+    y = grouped_matmul(h, p["down"], group_sizes)  # [T k, D]
+    y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)
+    return jnp.einsum("tkd,tk->td", y, weights.astype(jnp.float32))
+
+
+def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, cfg: MoeConfig,
+                   num_tokens: jax.Array) -> jax.Array:
+    """The routed experts' output [T, D] (float32), sharded as their weights are."""
+    mesh = cfg.mesh
+    if mesh is None or mesh.shape[MODEL_AXIS] == 1:
+        return _experts_mlp(x, weights, ids, p, num_tokens, 0, cfg.num_experts)
+    ways = mesh.shape[MODEL_AXIS]
+    num_local = cfg.num_experts // ways if cfg.expert_parallel else cfg.num_experts
+    w_spec = jax.tree.map(lambda a: P(*([None] * a.ndim)), p)
+    for name in p:  # the expert axis, or the features, on the model axis (as the weight table says)
+        w_spec[name] = P(MODEL_AXIS) if cfg.expert_parallel else (
+            P(None, None, MODEL_AXIS) if name != "down" else P(None, MODEL_AXIS, None))
+
+    def local(x, weights, ids, p, num_tokens):
+        first = jax.lax.axis_index(MODEL_AXIS) * num_local if cfg.expert_parallel else 0
+        return jax.lax.psum(_experts_mlp(x, weights, ids, p, num_tokens, first, num_local), MODEL_AXIS)
+
+    replicated = P()
+    return jax.shard_map(local, mesh=mesh, check_vma=False,
+                         in_specs=(replicated, replicated, replicated, w_spec, replicated),
+                         out_specs=replicated)(x, weights, ids, p, num_tokens)
+
+
+def moe_block(x: jax.Array, p: dict, cfg: MoeConfig, num_tokens: jax.Array, shared_mlp=None) -> jax.Array:
+    """The MoE feed-forward of a layer: routed experts, plus the shared expert where there is one.
+
+    x: [T, D]; p: {"router", "experts", ("shared_gate")}; shared_mlp: x -> the shared expert's
+    [T, D] output (a dense gated MLP), or None. Returns [T, D] in x's dtype."""
+    weights, ids = route(x, p["router"], cfg)
+    y = routed_experts(x, weights, ids, p["experts"], cfg, num_tokens)
+    if shared_mlp is not None:
+        shared = shared_mlp(x).astype(jnp.float32)
+        if cfg.shared_expert_gate:
+            shared = shared * jax.nn.sigmoid(jnp.einsum("td,do->to", x, p["shared_gate"],
+                                                        preferred_element_type=jnp.float32))
+        y = y + shared
+    return y.astype(x.dtype)
