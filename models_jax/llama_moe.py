@@ -37,8 +37,10 @@ class MoeArgs(llama.LlamaArgs):
         """Raises ValueError on config features these models do not implement."""
         base = llama.LlamaArgs.from_hf(cfg)
         arch = (cfg.architectures or ["MixtralForCausalLM"])[0]
+        # transformers names the expert count num_local_experts in to_dict() (num_experts an alias)
+        num_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
         if arch == "MixtralForCausalLM":
-            config = moe.MoeConfig(num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
+            config = moe.MoeConfig(num_experts=num_experts, top_k=cfg.num_experts_per_tok,
                                    intermediate_size=cfg.intermediate_size, norm_topk_prob=True)
             return cls(**vars(base), moe=config, expert_names=("w1", "w3", "w2"), moe_prefix="block_sparse_moe")
         mlp_only = list(getattr(cfg, "mlp_only_layers", None) or [])
@@ -48,7 +50,7 @@ class MoeArgs(llama.LlamaArgs):
                              f"{step}) are not served natively; use model_impl='torchax'")
         shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
         config = moe.MoeConfig(
-            num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, intermediate_size=cfg.moe_intermediate_size,
+            num_experts=num_experts, top_k=cfg.num_experts_per_tok, intermediate_size=cfg.moe_intermediate_size,
             norm_topk_prob=bool(getattr(cfg, "norm_topk_prob", False)), shared_intermediate_size=shared,
             shared_expert_gate=shared > 0,
         )

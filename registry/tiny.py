@@ -88,6 +88,10 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         _LLAMA_LIKE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
         shared_expert_intermediate_size=128, decoder_sparse_step=1, use_sliding_window=False,
     )),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        _LLAMA_LIKE, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True, decoder_sparse_step=1,
+    )),
 }
 
 

@@ -7,7 +7,8 @@ XLA_FLAGS must be set before jax is imported, which is why this runs in its own 
 
     {"model_impl": "jax", "prompts": [[ids...], ...], "max_tokens": 24,
      "engine": {EngineConfig fields},
-     "runs": [{"model": "servax-tiny/llama", "tp": [1, 2, 4], "params": {"q": "layers.q", ...}},
+     "runs": [{"model": "servax-tiny/llama", "tp": [1, 2, 4], "params": {"q": "layers.q", ...},
+               "engine": {EngineConfig fields of this run only}},
               {"model": "servax-tiny/llama", "tp": [8], "expect_error": true}]}
 
 For every (model, tp) the output holds the greedy tokens of all prompts batched, of each
@@ -76,7 +77,7 @@ def run_one(spec: dict, run: dict, tp: int) -> dict:
     t0 = time.perf_counter()
     try:
         llm = LLM(run["model"], model_impl=run.get("model_impl", spec["model_impl"]), tensor_parallel_size=tp,
-                  **spec["engine"])
+                  **{**spec["engine"], **run.get("engine", {})})
     except Exception as e:  # noqa: BLE001 - reported to the test, which judges it
         if run.get("expect_error"):
             return dict(error_type=type(e).__name__, error=str(e))

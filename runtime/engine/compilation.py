@@ -141,6 +141,7 @@ class BucketPrograms:
         self.all_ready = True  # nothing left to compile: steps take their own buckets
         self.error: BaseException | None = None
         self.pool: ThreadPoolExecutor | None = None  # the pool the programs left compile on
+        self.num_programs = 0  # programs lowered and handed to a pool to compile
 
     def submit(self, keys: list[tuple], pool: ThreadPoolExecutor, show_progress: bool = False) -> list[Future]:
         """Lower the programs of `keys` here, in order, each handed to `pool` to compile as soon
@@ -148,6 +149,7 @@ class BucketPrograms:
         futures: list[Future] = []
         for key in tqdm(keys, desc="servax: tracing buckets", disable=not show_progress):
             programs = self._lower(key, self._seen)
+            self.num_programs += len(programs)
             own = [pool.submit(program.compile) for program in programs]
             needs = list(own)
             if key[0] == "step":
