@@ -27,6 +27,31 @@ BENCH_LLAMA = dict(
 )
 
 
+# Random checkpoints the benchmarks write themselves, by the name `--model` takes:
+# a small Qwen3-MoE (32 experts, 4 active per token, experts 256 wide), shaped like the
+# released Qwen3-MoE models at a size that runs here (experts hold ~80% of the weights).
+BENCH_MODELS = {
+    "bench/qwen3-moe": ("qwen3_moe", dict(
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=True,
+        max_position_embeddings=2048, initializer_range=0.05,
+    )),
+}
+
+
+def bench_model_path(model: str) -> Path | None:
+    """The folder of a BENCH_MODELS checkpoint (written on first use), or None for any other name."""
+    if model not in BENCH_MODELS:
+        return None
+    from registry.tiny import make_tiny_checkpoint
+
+    arch, config = BENCH_MODELS[model]
+    out = BENCH_DIR / model.replace("/", "-")
+    if not (out / "servax_tiny.json").exists():
+        make_tiny_checkpoint(arch, out, **config)
+    return out
+
+
 def bench_checkpoint(name: str = "llama", **overrides) -> Path:
     """A ~100M-parameter random Llama checkpoint, made once under BENCH_DIR."""
     from registry.tiny import make_tiny_checkpoint

@@ -2,12 +2,17 @@
 
 A decode step must read every weight once and each sequence's KV cache once, so
     floor = (weight bytes + batch x context x KV bytes per token) / read bandwidth.
+A mixture-of-experts model reads only the experts its tokens are routed to: of E experts with
+k active per token, a batch of b tokens touches E (1 - (1 - k/E)^b) of them per layer on
+average (uniform routing, as random weights route), so its floor counts the dense weights and
+that share of the experts' bytes.
 This measures the machine's read bandwidth in the same run, then the engine's own step
 time (`LLMEngine.step()`, host work included) at batch 1 and 32, timed over steps in which
 every request is decoding (after all prompts were prefilled).
 
     python benchmarks/decode_floor.py
     python benchmarks/decode_floor.py --attention-backends xla,cpu      # the C++ kernel against pure JAX (CPU)
+    python benchmarks/decode_floor.py --model bench/qwen3-moe           # MoE: the active-expert floor
     python benchmarks/decode_floor.py --attention-backends xla,pallas   # side by side (on a TPU)
 
 On CPU the Pallas backend runs interpreted (a correctness mode): its times there mean nothing.
@@ -21,12 +26,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import bench_checkpoint, decode_step_ms, memory_read_bandwidth, record, table  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    bench_checkpoint, bench_model_path, decode_step_ms, memory_read_bandwidth, record, table,
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--impl", default="jax")
+    parser.add_argument("--model", default=None, help="a benchmarks.common.BENCH_MODELS name (default the ~100M Llama)")
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -36,9 +44,9 @@ def main() -> None:
 
     from app import LLM
 
-    path = bench_checkpoint()
+    path = bench_model_path(args.model) if args.model else bench_checkpoint()
     batches = [int(b) for b in args.batches.split(",")]
-    weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    weight_bytes = _weights_read(path)
     bandwidth = memory_read_bandwidth()
     rows = []
     for backend in args.attention_backends.split(","):
@@ -56,10 +64,27 @@ def main() -> None:
         + table(["attention", "batch", "weights MB", "KV read MB", "floor ms", "step ms", "step/floor", "tokens/s"],
                 rows)
     )
-    record("Decode step against the bandwidth floor (~100M Llama float32)", body)
+    record(f"Decode step against the bandwidth floor ({args.model or '~100M Llama'} float32)", body)
 
 
-def _decode_rows(llm, backend: str, batches: list[int], args, weight_bytes: int, bandwidth: float) -> list[list]:
+def _weights_read(path: Path):
+    """batch -> bytes of weights a decode step of that many tokens reads (see the module docstring)."""
+    import json
+
+    from registry.weights import open_checkpoint
+
+    config = json.loads((path / "config.json").read_text())
+    sizes = {name: t.nbytes for name, t in open_checkpoint(path).items()}
+    experts = sum(n for name, n in sizes.items() if ".experts." in name)
+    dense = sum(sizes.values()) - experts
+    count = config.get("num_local_experts") or config.get("num_experts") or 0
+    k = config.get("num_experts_per_tok", 0)
+    if not experts:
+        return lambda batch: dense
+    return lambda batch: dense + experts * (1 - (1 - k / count) ** batch)
+
+
+def _decode_rows(llm, backend: str, batches: list[int], args, weight_bytes, bandwidth: float) -> list[list]:
     """One engine's table rows: its pure-decode step time at each batch size."""
     engine = llm.engine
     kv_bytes_per_token = engine.kv_spec.bytes_per_block(1)
@@ -70,9 +95,9 @@ def _decode_rows(llm, backend: str, batches: list[int], args, weight_bytes: int,
         steps = args.new_tokens // 2
         context = args.prompt_len + steps  # mean context over the timed steps (about)
         kv_read = batch * context * kv_bytes_per_token
-        floor = (weight_bytes + kv_read) / bandwidth
+        floor = (weight_bytes(batch) + kv_read) / bandwidth
         rows.append([
-            label, batch, f"{weight_bytes / 1e6:.0f}", f"{kv_read / 1e6:.1f}",
+            label, batch, f"{weight_bytes(batch) / 1e6:.0f}", f"{kv_read / 1e6:.1f}",
             f"{floor * 1e3:.1f}", f"{step_s * 1e3:.1f}", f"{step_s / floor:.2f}", f"{batch / step_s:.0f}",
         ])
     return rows

@@ -25,6 +25,7 @@ are skipped with a message, and `vllm bench serve` is needed for the HTTP part.
     python benchmarks/peers.py --vllm-python "$PY" --parts http --servers servax   # servax alone
     python benchmarks/peers.py --model servax-tiny/llama --parts offline    # servax and HF only
     python benchmarks/peers.py --vllm-python "$PY" --parts phases          # decode and prefill apart
+    python benchmarks/peers.py --vllm-python "$PY" --model bench/qwen3-moe --parts offline --with-torchax
 
 Run it with nothing else on the machine; compare only ratios from one run.
 """
@@ -80,6 +81,7 @@ t0 = time.perf_counter()
 from app import LLM, SamplingParams
 llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
           max_num_batched_tokens=spec["max_num_batched_tokens"], show_progress=False,
+          model_impl=spec.get("model_impl", "auto"),
           **({"compilation_cache_dir": spec["cache_dir"]} if spec.get("cache_dir") else {}))
 ready = time.perf_counter() - t0
 out = {"ready_s": ready}
@@ -186,6 +188,9 @@ def offline(args, folder: str, vocab: int) -> None:
         if args.vllm_python:
             print(f"offline round {r + 1}/{args.rounds}: vLLM", flush=True)
             runs["vLLM"].append(run_child(args.vllm_python, _VLLM_OFFLINE, spec, VLLM_ENV))
+    if args.with_torchax:
+        print("offline: servax, model_impl=torchax", flush=True)
+        runs["servax (torchax path)"] = [run_child(sys.executable, _SERVAX_OFFLINE, dict(spec, model_impl="torchax"))]
     if not args.skip_hf:
         print("offline: transformers generate()", flush=True)
         runs["transformers generate()"] = [run_child(sys.executable, _HF_OFFLINE, dict(spec, batch_size=16))]
@@ -481,15 +486,19 @@ def main() -> None:
                         help=f"HTTP part: which of {','.join(SERVERS)} to load (comma-separated)")
     parser.add_argument("--server-timeout", type=float, default=900)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--with-torchax", action="store_true",
+                        help="offline: servax's torchax path on the same weights as well (model_impl=torchax)")
     parser.add_argument("--separate-ingress", action="store_true",
                         help="servax with its OpenAIIngress deployment apart (default: colocated, as configs/app.yaml)")
     args = parser.parse_args()
     if args.vllm_python and not Path(args.vllm_python).exists():
         parser.error(f"--vllm-python {args.vllm_python} does not exist")
 
+    from benchmarks.common import bench_model_path
     from registry import resolve
 
-    folder = str(resolve(args.model).path)  # a float32 safetensors folder that every system reads
+    # a float32 safetensors folder that every system reads (BENCH_MODELS: written here, random weights)
+    folder = str(bench_model_path(args.model) or resolve(args.model).path)
     vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
     parts = args.parts.split(",")
     if "offline" in parts:

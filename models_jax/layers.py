@@ -17,7 +17,7 @@ import numpy as np
 
 from runtime.ops.matmul import PackedWeight
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -34,9 +34,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 class RopeConfig:
     """Rotary embedding settings read from a HF config (its `rope_parameters` / `rope_scaling`).
 
-    rope_type: default | linear | dynamic | llama3 (transformers' names).
+    rope_type: default | linear | dynamic | llama3 | yarn (transformers' names).
     inv_freq: [head_dim // 2] inverse frequencies after static scaling (float64 numpy, as a tuple).
     dynamic_factor / max_position: dynamic NTK only; the base grows with the sequence length.
+    attention_scaling: cos and sin are multiplied by it (YaRN's attention factor; 1 otherwise).
     """
 
     rope_type: str
@@ -45,6 +46,7 @@ class RopeConfig:
     inv_freq: tuple[float, ...]
     dynamic_factor: float = 1.0
     max_position: int = 0
+    attention_scaling: float = 1.0
 
     @classmethod
     def from_hf(cls, hf_config: Any, head_dim: int) -> "RopeConfig":
@@ -62,14 +64,16 @@ class RopeConfig:
         if params.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("partial_rotary_factor != 1 is not supported by the native JAX models")
         inv_freq = default_inv_freq(theta, head_dim)
-        dynamic_factor, max_position = 1.0, 0
-        if rope_type == "linear":
+        dynamic_factor, max_position, scaling = 1.0, 0, 1.0
+        if rope_type == "yarn":
+            inv_freq, scaling = yarn_inv_freq(theta, head_dim, params, int(hf_config.max_position_embeddings))
+        elif rope_type == "linear":
             inv_freq = inv_freq / params["factor"]
         elif rope_type == "llama3":
             inv_freq = llama3_inv_freq(inv_freq, params)
         elif rope_type == "dynamic":
             dynamic_factor, max_position = float(params["factor"]), int(hf_config.max_position_embeddings)
-        return cls(rope_type, head_dim, theta, tuple(inv_freq.tolist()), dynamic_factor, max_position)
+        return cls(rope_type, head_dim, theta, tuple(inv_freq.tolist()), dynamic_factor, max_position, scaling)
 
 
 def default_inv_freq(theta: float, head_dim: int) -> np.ndarray:  # [head_dim // 2] float32
@@ -90,6 +94,39 @@ def llama3_inv_freq(inv_freq: np.ndarray, params: dict) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def yarn_inv_freq(theta: float, head_dim: int, params: dict, max_position: int) -> tuple[np.ndarray, float]:
+    """YaRN (transformers' `_compute_yarn_parameters`): inverse frequencies blended between
+    interpolated and extrapolated by a linear ramp over the dimensions, and the attention
+    factor that scales cos and sin (from `factor`, or DeepSeek's mscale / mscale_all_dim)."""
+    factor = params.get("factor") or max_position / params["original_max_position_embeddings"]
+    original = params["original_max_position_embeddings"]
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    scaling = params.get("attention_factor")
+    if scaling is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        scaling = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+                   else get_mscale(factor))
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    pos_freqs = (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)).astype(np.float32)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq.astype(np.float32), float(scaling)
+
+
 def rope_cos_sin(
     rope: RopeConfig,
     positions: jax.Array,  # [T] int32
@@ -106,6 +143,8 @@ def rope_cos_sin(
         inv_freq = 1.0 / base**exponents  # [T, head_dim // 2]
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
+    if rope.attention_scaling != 1.0:
+        return jnp.cos(emb) * rope.attention_scaling, jnp.sin(emb) * rope.attention_scaling
     return jnp.cos(emb), jnp.sin(emb)
 
 

@@ -140,7 +140,8 @@ def pack_layer(p: dict) -> dict:
     if packable(o):  # [H, hd, D] -> [H * hd, D]
         out["o"] = PackedWeight.pack(o.reshape(-1, o.shape[-1]))
     block = dict(p["mlp"])
-    block["experts"] = {k: PackedExperts.pack(w) if packable(w) else w for k, w in block["experts"].items()}
+    block["experts"] = {k: PackedExperts.pack(w) if packable(w) and w.ndim == 3 else w  # biases stay
+                        for k, w in block["experts"].items()}
     if "shared" in block and "gate_up" in block["shared"]:
         block["shared"] = {**block["shared"], "gate_up": pack_matrix(block["shared"]["gate_up"]),
                            "down": pack_matrix(block["shared"]["down"])}

@@ -44,6 +44,10 @@ class MoeConfig:
         norm_topk_prob: renormalize the top-k probabilities to sum to 1 (Mixtral always does).
         shared_intermediate_size: a shared expert every token passes through (Qwen2-MoE), 0: none.
         shared_expert_gate: the shared expert's output is scaled by sigmoid(x @ gate).
+        routing: "softmax_topk" (softmax over all experts, then the top k: Mixtral, Qwen) or
+            "topk_softmax" (the top k logits, then a softmax over them: gpt-oss).
+        activation: "silu" (SwiGLU, gate and up side by side) or "clamped_swiglu" (gpt-oss: gate
+            and up interleaved in one matrix, clamped at `swiglu_limit`, (up + 1) * gate * sigmoid(alpha gate)).
         expert_parallel: experts split over the model axis instead of their features.
         mesh: the mesh the weights live on (None: one device, no collective).
     """
@@ -54,8 +58,17 @@ class MoeConfig:
     norm_topk_prob: bool = True
     shared_intermediate_size: int = 0
     shared_expert_gate: bool = False
+    routing: str = "softmax_topk"
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     expert_parallel: bool = False
     mesh: Mesh | None = None
+
+    @property
+    def axes(self) -> tuple[str | None, str | None]:
+        """The logical axes of (the expert index, an expert's intermediate features)."""
+        return ("expert", None) if self.expert_parallel else (None, "moe_mlp")
 
 
 def expert_weights(prefix: str, names: tuple[str, str, str], d: int, f: int, num_experts: int, init: Any,
@@ -65,7 +78,7 @@ def expert_weights(prefix: str, names: tuple[str, str, str], d: int, f: int, num
 
     names: the HF module names of (gate, up, down): ("gate_proj", "up_proj", "down_proj"), or
     Mixtral's ("w1", "w3", "w2")."""
-    expert_axis, feature_axis = ("expert", None) if expert_parallel else (None, "moe_mlp")
+    expert_axis, feature_axis = MoeConfig(0, 0, 0, expert_parallel=expert_parallel).axes
     pattern = prefix + ".{expert}.{name}.weight"
 
     def one(name: str, d_in: int, d_out: int, axes: tuple) -> WeightSpec:
@@ -89,11 +102,15 @@ def shared_gate_weight(hf_name: str, d: int) -> WeightSpec:
     return linear(hf_name, d, 1, ("embed", None), zeros)
 
 
-def route(x: jax.Array, router: jax.Array, cfg: MoeConfig) -> tuple[jax.Array, jax.Array]:
-    """Softmax routing: (weights [T, k] in x's dtype, expert ids [T, k] int32)."""
-    logits = jnp.einsum("td,de->te", x, router, preferred_element_type=jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
-    top, ids = jax.lax.top_k(probs, cfg.top_k)
+def route(x: jax.Array, p: dict, cfg: MoeConfig) -> tuple[jax.Array, jax.Array]:
+    """(weights [T, k] in x's dtype, expert ids [T, k] int32) of each token's experts."""
+    logits = jnp.einsum("td,de->te", x, p["router"], preferred_element_type=jnp.float32)
+    if "router_bias" in p:
+        logits = logits + p["router_bias"].astype(jnp.float32)
+    if cfg.routing == "topk_softmax":
+        top, ids = jax.lax.top_k(logits.astype(x.dtype), cfg.top_k)
+        return jax.nn.softmax(top, axis=-1), ids.astype(jnp.int32)
+    top, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.top_k)
     if cfg.norm_topk_prob:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
     return top.astype(x.dtype), ids.astype(jnp.int32)
@@ -108,10 +125,23 @@ def grouped_matmul(x: jax.Array, w: Any, group_sizes: jax.Array) -> jax.Array:
     return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
 
 
-def _experts_mlp(x: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, num_tokens: jax.Array,
+def _activation(h: jax.Array, rows_expert: jax.Array, p: dict, cfg: MoeConfig) -> jax.Array:
+    """The experts' hidden activations [M, F] from their gate/up products (see MoeConfig.activation)."""
+    if cfg.activation == "clamped_swiglu":
+        if "gate_up_bias" in p:
+            h = h + p["gate_up_bias"][rows_expert].astype(jnp.float32)
+        gate, up = h[:, ::2], h[:, 1::2]
+        gate = jnp.minimum(gate, cfg.swiglu_limit)
+        up = jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
+    gate, up = jnp.split(h, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+def _experts_mlp(x: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, cfg: MoeConfig, num_tokens: jax.Array,
                  first_expert: jax.Array | int, num_local: int) -> jax.Array:
-    """The gated MLP of experts [first_expert, first_expert + num_local) on the tokens routed
-    to them, weighted and summed per token ([T, D] float32; 0 where no local expert)."""
+    """The experts [first_expert, first_expert + num_local) on the tokens routed to them,
+    weighted and summed per token ([T, D] float32; 0 where no local expert)."""
     t, k = ids.shape
     local = ids - first_expert
     real = (jnp.arange(t) < num_tokens)[:, None]
@@ -119,16 +149,25 @@ def _experts_mlp(x: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, num_
     order = jnp.argsort(local, stable=True)  # pairs grouped by expert, the rest (num_local) last
     group_sizes = jnp.bincount(local, length=num_local).astype(jnp.int32)  # [E_local]
     rows = x[order // k]  # [T k, D]
-    if "gate_up" in p:  # joined for the kernel: [gate | up] per expert
+    rows_expert = jnp.minimum(local[order], num_local - 1)  # each sorted row's expert (rows past the groups: any)
+    if "gate_up" in p:  # one matrix: [gate | up] joined for the kernel, or interleaved (gpt-oss)
         h = grouped_matmul(rows, p["gate_up"], group_sizes)
-        gate, up = jnp.split(h, 2, axis=-1)
     else:
-        gate = grouped_matmul(rows, p["gate"], group_sizes)
-        up = grouped_matmul(rows, p["up"], group_sizes)
-    h = (jax.nn.silu(gate) * up).astype(x.dtype)
-    y = grouped_matmul(h, p["down"], group_sizes)  # [T k, D]
+        h = jnp.concatenate([grouped_matmul(rows, p["gate"], group_sizes),
+                             grouped_matmul(rows, p["up"], group_sizes)], axis=-1)
+    h = _activation(h, rows_expert, p, cfg).astype(x.dtype)
+    y = grouped_matmul(h, p["down"], group_sizes)  # [T k, D]; rows past the groups are 0
     y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)
     return jnp.einsum("tkd,tk->td", y, weights.astype(jnp.float32))
+
+
+def _spec(name: str, ndim: int, expert_parallel: bool) -> P:
+    """How an expert tensor lies on the model axis (as its weight table's logical axes say)."""
+    if expert_parallel:
+        return P(MODEL_AXIS)  # whole experts
+    if name == "down":  # [E, F, D]: features in
+        return P(None, MODEL_AXIS, None)
+    return P(*([None] * (ndim - 1)), MODEL_AXIS)  # [E, D, F] / [E, D, 2F] / bias [E, 2F]: features out
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, cfg: MoeConfig,
@@ -136,17 +175,14 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, cf
     """The routed experts' output [T, D] (float32), sharded as their weights are."""
     mesh = cfg.mesh
     if mesh is None or mesh.shape[MODEL_AXIS] == 1:
-        return _experts_mlp(x, weights, ids, p, num_tokens, 0, cfg.num_experts)
+        return _experts_mlp(x, weights, ids, p, cfg, num_tokens, 0, cfg.num_experts)
     ways = mesh.shape[MODEL_AXIS]
     num_local = cfg.num_experts // ways if cfg.expert_parallel else cfg.num_experts
-    w_spec = jax.tree.map(lambda a: P(*([None] * a.ndim)), p)
-    for name in p:  # the expert axis, or the features, on the model axis (as the weight table says)
-        w_spec[name] = P(MODEL_AXIS) if cfg.expert_parallel else (
-            P(None, None, MODEL_AXIS) if name != "down" else P(None, MODEL_AXIS, None))
+    w_spec = {name: _spec(name, w.ndim, cfg.expert_parallel) for name, w in p.items()}
 
     def local(x, weights, ids, p, num_tokens):
         first = jax.lax.axis_index(MODEL_AXIS) * num_local if cfg.expert_parallel else 0
-        return jax.lax.psum(_experts_mlp(x, weights, ids, p, num_tokens, first, num_local), MODEL_AXIS)
+        return jax.lax.psum(_experts_mlp(x, weights, ids, p, cfg, num_tokens, first, num_local), MODEL_AXIS)
 
     replicated = P()
     return jax.shard_map(local, mesh=mesh, check_vma=False,
@@ -157,10 +193,13 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, cf
 def moe_block(x: jax.Array, p: dict, cfg: MoeConfig, num_tokens: jax.Array, shared_mlp=None) -> jax.Array:
     """The MoE feed-forward of a layer: routed experts, plus the shared expert where there is one.
 
-    x: [T, D]; p: {"router", "experts", ("shared_gate")}; shared_mlp: x -> the shared expert's
-    [T, D] output (a dense gated MLP), or None. Returns [T, D] in x's dtype."""
-    weights, ids = route(x, p["router"], cfg)
+    x: [T, D]; p: {"router", ("router_bias"), "experts", ("down_bias"), ("shared_gate")};
+    shared_mlp: x -> the shared expert's [T, D] output (a dense gated MLP), or None. Returns
+    [T, D] in x's dtype."""
+    weights, ids = route(x, p, cfg)
     y = routed_experts(x, weights, ids, p["experts"], cfg, num_tokens)
+    if "down_bias" in p:  # [E, D], whole on every device: added once, after any all-reduce
+        y = y + jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), p["down_bias"][ids].astype(jnp.float32))
     if shared_mlp is not None:
         shared = shared_mlp(x).astype(jnp.float32)
         if cfg.shared_expert_gate:

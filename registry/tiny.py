@@ -88,6 +88,12 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         _LLAMA_LIKE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
         shared_expert_intermediate_size=128, decoder_sparse_step=1, use_sliding_window=False,
     )),
+    "gpt_oss": ("GptOssConfig", dict(
+        _LLAMA_LIKE, head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, original_max_position_embeddings=256,
+                             beta_fast=32.0, beta_slow=1.0, truncate=False),
+    )),
     "qwen3_moe": ("Qwen3MoeConfig", dict(
         _LLAMA_LIKE, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         norm_topk_prob=True, decoder_sparse_step=1,

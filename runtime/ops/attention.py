@@ -85,6 +85,7 @@ def paged_attention(
     new_token_tile: int = NEW_TOKEN_TILE,
     cached_tile: int = CACHED_TILE,
     cached_chunk_tokens: int = CACHED_CHUNK_TOKENS,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | tuple[jax.Array, jax.Array]]:
     """Write this step's K/V into the cache and attend. Returns (out [T, H, D], the cache).
 
@@ -100,6 +101,9 @@ def paged_attention(
     Args:
         kv_chunk_blocks, new_token_tile, cached_tile, cached_chunk_tokens: the XLA path's
             tiling (see attention_xla.xla_paged_attention); the kernels ignore them.
+        sinks: [num_heads] attention-sink logits (gpt-oss): each softmax's denominator gains
+            exp(sink). The kernels do not take them: such layers attend on the XLA path, which
+            reads the same cache layout.
 
     Raises:
         ValueError: heads that do not group over the KV heads, or a KVCache without `layer`.
@@ -110,6 +114,7 @@ def paged_attention(
             q, k, v, KVCache(kv_cache[0][None], kv_cache[1][None]), batch, layer=0, scale=scale,
             sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, kv_chunk_blocks=kv_chunk_blocks,
             new_token_tile=new_token_tile, cached_tile=cached_tile, cached_chunk_tokens=cached_chunk_tokens,
+            sinks=sinks,
         )
         return out, (cache.k[0], cache.v[0])
     if layer is None:
@@ -124,7 +129,7 @@ def paged_attention(
     else:
         k_cache, v_cache = write_kv(kv_cache.k, kv_cache.v, k, v, batch.slot_mapping, layer)
         written = {"k": k_cache, "v": v_cache}
-    if kv_cache.attention_backend in ("cpu", "pallas"):  # a kernel reads the whole context from the cache
+    if kv_cache.attention_backend in ("cpu", "pallas") and sinks is None:  # a kernel reads the whole context
         if kv_cache.attention_backend == "cpu":
             kernel = cpu_ragged_paged_attention
         else:  # imported on use: Pallas' TPU modules add to every start's import time, and few engines use them
@@ -137,6 +142,6 @@ def paged_attention(
     out = xla_paged_attention(
         q, k, v, k_cache, v_cache, layer, batch, scale=scale, sliding_window=sliding_window,
         logit_soft_cap=logit_soft_cap, kv_chunk_blocks=kv_chunk_blocks, new_token_tile=new_token_tile,
-        cached_tile=cached_tile, cached_chunk_tokens=cached_chunk_tokens,
+        cached_tile=cached_tile, cached_chunk_tokens=cached_chunk_tokens, sinks=sinks,
     )
     return out, dataclasses.replace(kv_cache, **written)

@@ -100,8 +100,12 @@ def _online_update(state: _State, s: jax.Array, mask: jax.Array, pv) -> _State:
     return m_new, l, acc
 
 
-def _finish(state: _State, num_heads: int, dtype) -> jax.Array:
-    _, l, acc = state
+def _finish(state: _State, num_heads: int, dtype, sinks: jax.Array | None = None) -> jax.Array:
+    """The attention output [T, H, D] of the folded state. `sinks` [H]: a logit per head that
+    joins every softmax's denominator and contributes no value (gpt-oss's attention sinks)."""
+    m, l, acc = state
+    if sinks is not None:  # exp(sink - m) more in the denominator; no context: m = -inf-ish, out 0
+        l = l + jnp.exp(sinks.astype(jnp.float32).reshape(l.shape[1:])[None] - m)
     out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # tokens with no context -> zeros
     return out.reshape(out.shape[0], num_heads, out.shape[-1]).astype(dtype)
 
@@ -333,6 +337,7 @@ def ragged_paged_attention(
     sliding_window: Window = None,
     logit_soft_cap: float | None = None,
     kv_chunk_blocks: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:  # [T, num_heads, head_dim], dtype of q
     """Causal attention of each token over its own sequence's context, all read from the cache.
 
@@ -351,6 +356,7 @@ def ragged_paged_attention(
         logit_soft_cap: if set, scores become cap * tanh(scores / cap) (Gemma 2).
         kv_chunk_blocks: blocks processed per loop iteration (default: DECODE_CHUNK_TOKENS
             tokens' worth: XLA:CPU's per-token batched dots favour short chunks).
+        sinks: [num_heads] attention-sink logits (gpt-oss), or None.
     """
     q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
     batch = jax.tree.map(jnp.asarray, batch)
@@ -368,7 +374,7 @@ def ragged_paged_attention(
         chunk=kv_chunk_blocks or max(1, DECODE_CHUNK_TOKENS // block_size),
         sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
     )
-    return _finish(state, num_heads, q.dtype)
+    return _finish(state, num_heads, q.dtype, sinks)
 
 
 def xla_paged_attention(
@@ -387,6 +393,7 @@ def xla_paged_attention(
     new_token_tile: int = NEW_TOKEN_TILE,
     cached_tile: int = CACHED_TILE,
     cached_chunk_tokens: int = CACHED_CHUNK_TOKENS,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:  # [T, num_heads, head_dim], dtype of q
     """`ragged_paged_attention` with the step's own tokens attended densely from k/v; only the
     context cached by earlier steps is read through the block tables (runtime.ops.attention.paged_attention's
@@ -444,4 +451,4 @@ def xla_paged_attention(
         qg, k, v, seq_of_token, q_pos, is_real, seq_start, state,
         tile=new_token_tile, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
     )
-    return _finish(state, num_heads, q.dtype)
+    return _finish(state, num_heads, q.dtype, sinks)

@@ -74,6 +74,7 @@ CACHE_ENV = "SERVAX_KERNEL_CACHE"
 
 _lock = threading.Lock()
 _status: dict[str, str] = {}  # kernel name -> "ok" or why it is unavailable; absent: not tried
+_registered: set[str] = set()  # FFI target names registered with XLA:CPU in this process
 
 
 def kernel_status(name: str) -> str:
@@ -161,7 +162,10 @@ def _load(kernel: Kernel) -> str:
     try:
         library = ctypes.cdll.LoadLibrary(str(_build(kernel, compiler)))
         for symbol, target in ((kernel.symbol, kernel.target), *kernel.more):
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+            handler = getattr(library, symbol)
+            if target not in _registered:  # XLA keeps a process's first registration of a name
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+                _registered.add(target)
     except Exception as e:  # noqa: BLE001 - any failure leaves the caller's XLA path, with the reason
         return f"{type(e).__name__}: {e}"
     return "ok"

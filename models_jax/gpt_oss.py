@@ -1,0 +1,137 @@
+"""gpt-oss: the Llama decoder with attention sinks and a mixture of biased experts.
+
+What differs from models_jax/llama.py, all read from the Hugging Face config:
+- attention: q/k/v/o with biases; a learned sink logit per head that joins each softmax's
+  denominator (runtime.ops.attention.paged_attention's `sinks`); sliding-window and full
+  layers alternate (`layer_types`); YaRN rotary embeddings;
+- the MLP is the MoE block (models_jax/moe.py) with gpt-oss's routing (the top-k logits of a
+  biased router, then a softmax over them) and experts: gate and up interleaved in one
+  [E, D, 2F] matrix with a bias, the clamped SwiGLU `(up + 1) * gate * sigmoid(alpha gate)`,
+  and a biased down projection.
+
+The released checkpoints store the experts in MXFP4; this module reads them as float
+tensors (bf16/float32 safetensors, as transformers saves a dequantized model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from models_jax import ModelEntry, layers, llama, moe
+from models_jax.llama_moe import pack_layer
+from models_jax.weights import WeightSpec, linear, vector, zeros
+from runtime.ops.attention import paged_attention
+from runtime.ops.step import KVCache, StepInput
+
+
+@dataclasses.dataclass(frozen=True)
+class GptOssArgs(llama.LlamaArgs):
+    """The Llama family's hyperparameters plus the experts' (hashable)."""
+
+    moe: moe.MoeConfig | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> "GptOssArgs":
+        """Raises ValueError on config features this model does not implement."""
+        base = llama.LlamaArgs.from_hf(cfg)
+        num_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+        config = moe.MoeConfig(
+            num_experts=num_experts, top_k=cfg.num_experts_per_tok, intermediate_size=cfg.intermediate_size,
+            routing="topk_softmax", activation="clamped_swiglu",
+            swiglu_alpha=float(getattr(cfg, "swiglu_alpha", 1.702)), swiglu_limit=float(getattr(cfg, "swiglu_limit", 7.0)),
+        )
+        return cls(**{**vars(base), "qkv_bias": True, "o_bias": True}, moe=config)
+
+
+def weight_table(a: GptOssArgs) -> dict:
+    """The Llama family's table with attention sinks and gpt-oss's MoE block in each layer."""
+    d, m = a.hidden_size, a.moe
+    normal = jax.nn.initializers.normal(a.initializer_range)
+    expert_axis, feature_axis = m.axes
+    e, f = m.num_experts, m.intermediate_size
+    pre = "model.layers.{layer}."
+    experts = pre + "mlp.experts."
+    layer = {k: v for k, v in llama.layer_table(a).items() if k != "mlp"}
+    layer["sinks"] = vector(pre + "self_attn.sinks", a.num_heads, ("q_heads",), normal)
+    layer["mlp"] = {
+        "router": linear(pre + "mlp.router.weight", d, e, ("embed", None), normal),
+        "router_bias": vector(pre + "mlp.router.bias", e, (None,), zeros),
+        "experts": {  # stored as transformers keeps them: [E, in, out], gate and up interleaved
+            "gate_up": WeightSpec(experts + "gate_up_proj", (e, d, 2 * f), (expert_axis, "embed", feature_axis),
+                                  normal),
+            "gate_up_bias": WeightSpec(experts + "gate_up_proj_bias", (e, 2 * f), (expert_axis, feature_axis), zeros),
+            "down": WeightSpec(experts + "down_proj", (e, f, d), (expert_axis, feature_axis, "embed"), normal),
+        },
+        "down_bias": WeightSpec(experts + "down_proj_bias", (e, d), (None, "embed"), zeros),
+    }
+    return llama.weight_table(a, layer)
+
+
+def attention_block(x: jax.Array, p: dict, kv_cache: KVCache, i: jax.Array, batch: StepInput, cos: jax.Array,
+                    sin: jax.Array, a: GptOssArgs, window) -> tuple[jax.Array, KVCache]:
+    """q/k/v with biases, YaRN rope, paged attention with the layer's sinks, o with its bias."""
+    with jax.named_scope("qkv"):
+        if "qkv" in p:  # joined by fuse_layer
+            kv_heads = a.num_kv_heads * a.kv_repeat
+            q, k, v = layers.project_to_joined_heads(x, p["qkv"], p.get("qkv_bias"),
+                                                     (a.num_heads, kv_heads, kv_heads), a.head_dim, batch.num_tokens)
+        else:
+            q = layers.project_to_heads(x, p["q"], p.get("q_bias"))
+            k = layers.project_to_heads(x, p["k"], p.get("k_bias"))
+            v = layers.project_to_heads(x, p["v"], p.get("v_bias"))
+        q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
+    with jax.named_scope("paged_attention"):
+        out, kv_cache = paged_attention(q, k, v, kv_cache, batch, layer=i, scale=a.head_dim**-0.5,
+                                        sliding_window=window, sinks=p["sinks"])
+    with jax.named_scope("o"):
+        return layers.project_from_heads(out, p["o"], p.get("o_bias"), batch.num_tokens), kv_cache
+
+
+def decoder_layer(p: dict, carry: tuple, kv_cache: KVCache, i: jax.Array, batch: StepInput, *,
+                  args: GptOssArgs) -> tuple[tuple, KVCache]:
+    """Decoder layer `i`: attention with sinks, then the MoE block."""
+    x, cos, sin = carry
+    window, windows = llama.layer_windows(args)
+    h = layers.rms_norm(x, p["input_norm"], args.rms_norm_eps)
+    h, kv_cache = attention_block(h, p, kv_cache, i, batch, cos, sin, args, window if windows is None else windows[i])
+    x = x + h
+    with jax.named_scope("moe"):
+        x = x + moe.moe_block(layers.rms_norm(x, p["post_attn_norm"], args.rms_norm_eps), p["mlp"], args.moe,
+                              batch.num_tokens)
+    return (x, cos, sin), kv_cache
+
+
+def forward(params: dict, kv_cache: KVCache, batch: StepInput, *, args: GptOssArgs) -> tuple[jax.Array, KVCache]:
+    """One serving step. Returns (logits [S, vocab] float32, the updated kv_cache)."""
+    carry = llama.prologue(params, batch, args=args)
+
+    def one_layer(state, per_layer):
+        carry, kv_cache = state
+        p, i = per_layer
+        return decoder_layer(p, carry, kv_cache, i, batch, args=args), None
+
+    with jax.named_scope("layers"):
+        per_layer = (params["layers"], jnp.arange(args.num_layers, dtype=jnp.int32))
+        (carry, kv_cache), _ = jax.lax.scan(one_layer, (carry, kv_cache), per_layer)
+    return llama.epilogue(params, carry, batch, args=args), kv_cache
+
+
+def fuse_layer(p: dict) -> dict:
+    """q/k/v (and their biases) joined into one matrix, as the Llama family joins them."""
+    return llama._joined(p, ("q", "k", "v"), "qkv")
+
+
+ENTRY = ModelEntry(
+    architectures=("GptOssForCausalLM",),
+    config_from_hf=GptOssArgs.from_hf,
+    weight_table=weight_table,
+    forward=forward,
+    stages=(llama.prologue, decoder_layer, llama.epilogue),
+    fuse_layer=fuse_layer,
+    pack_layer=pack_layer,
+    pack_head=llama.pack_head,
+)
