@@ -24,7 +24,7 @@ def _error(args) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("name", ["app", "tiny", "multi-model", "tensor-parallel", "hub-qwen", "multiprocess-cpu"])
+@pytest.mark.parametrize("name", ["app", "tiny", "multi-model", "tensor-parallel", "hub-qwen", "multiprocess-cpu", "moe"])
 def test_shipped_configs_validate(name):
     config = load_app_config(REPO / "configs" / f"{name}.yaml")
     assert config.llm_configs

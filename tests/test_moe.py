@@ -150,3 +150,24 @@ def test_the_number_of_programs_does_not_grow_with_the_experts(tmp_path):
         assert llm.engine.programs.model.params["layers"][0]["mlp"]["experts"]["down"].shape[0] == experts
         llm.shutdown()
     assert counts[0] == counts[1] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_serve_run_moe_yaml_streams_the_offline_tokens(servax_cache, tmp_path_factory):
+    """`serve run configs/moe.yaml` as a user starts it: the official client's completion, streamed
+    and not, gives the offline engine's greedy tokens (a native MoE model behind real HTTP)."""
+    from app import LLM
+    from conftest import REPO, openai_client, serve_run
+
+    prompt = "The experts of a mixture"
+    llm = LLM("servax-tiny/qwen3_moe", **ENGINE)
+    want = llm.generate([prompt], greedy(max_tokens=12))[0].outputs[0].text
+    llm.shutdown()
+    with serve_run(REPO / "configs" / "moe.yaml", tmp_path_factory.mktemp("serve-moe")) as run:
+        client = openai_client(run.base_url)
+        args = dict(model="servax-tiny/qwen3_moe", prompt=prompt, max_tokens=12, temperature=0,
+                    extra_body={"ignore_eos": True})
+        assert client.completions.create(**args).choices[0].text == want
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **args) if c.choices)
+        assert streamed == want
