@@ -16,10 +16,10 @@ tensors (bf16/float32 safetensors, as transformers saves a dequantized model).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from models_jax import ModelEntry, layers, llama, moe
 from models_jax.llama_moe import pack_layer
@@ -105,19 +105,8 @@ def decoder_layer(p: dict, carry: tuple, kv_cache: KVCache, i: jax.Array, batch:
     return (x, cos, sin), kv_cache
 
 
-def forward(params: dict, kv_cache: KVCache, batch: StepInput, *, args: GptOssArgs) -> tuple[jax.Array, KVCache]:
-    """One serving step. Returns (logits [S, vocab] float32, the updated kv_cache)."""
-    carry = llama.prologue(params, batch, args=args)
-
-    def one_layer(state, per_layer):
-        carry, kv_cache = state
-        p, i = per_layer
-        return decoder_layer(p, carry, kv_cache, i, batch, args=args), None
-
-    with jax.named_scope("layers"):
-        per_layer = (params["layers"], jnp.arange(args.num_layers, dtype=jnp.int32))
-        (carry, kv_cache), _ = jax.lax.scan(one_layer, (carry, kv_cache), per_layer)
-    return llama.epilogue(params, carry, batch, args=args), kv_cache
+# One serving step: the Llama family's prologue, these decoder layers under a scan, its epilogue.
+forward = functools.partial(llama.forward, layer_fn=decoder_layer)
 
 
 def fuse_layer(p: dict) -> dict:

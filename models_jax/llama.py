@@ -331,14 +331,19 @@ def pack_head(params: dict, *, args: LlamaArgs) -> dict:
     return out
 
 
-def forward(params: dict, kv_cache: KVCache, batch: StepInput, *, args: LlamaArgs) -> tuple[jax.Array, KVCache]:
-    """One serving step. Returns (logits [S, vocab] float32, the updated kv_cache)."""
+def forward(params: dict, kv_cache: KVCache, batch: StepInput, *, args: Any,
+            layer_fn: Any = None) -> tuple[jax.Array, KVCache]:
+    """One serving step. Returns (logits [S, vocab] float32, the updated kv_cache).
+
+    layer_fn: the decoder layer stage (default this module's `decoder_layer`); the models built
+    on this decoder pass theirs (functools.partial) and share the prologue, scan and epilogue."""
+    layer_fn = layer_fn or decoder_layer
     carry = prologue(params, batch, args=args)
 
     def one_layer(state, per_layer):
         carry, kv_cache = state
         p, i = per_layer
-        return decoder_layer(p, carry, kv_cache, i, batch, args=args), None
+        return layer_fn(p, carry, kv_cache, i, batch, args=args), None
 
     with jax.named_scope("layers"):
         per_layer = (params["layers"], jnp.arange(args.num_layers, dtype=jnp.int32))

@@ -14,13 +14,14 @@ on these models (their MLP is the experts).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 
 from models_jax import ModelEntry, layers, llama, moe
 from models_jax.weights import linear
-from runtime.ops.matmul import PackedExperts, PackedWeight, pack_matrix, packable
+from runtime.ops.matmul import PackedExperts, pack_matrix, packable
 from runtime.ops.step import KVCache, StepInput
 
 
@@ -81,10 +82,8 @@ def weight_table(a: MoeArgs) -> dict:
 
 def mlp(x: jax.Array, p: dict, a: MoeArgs, batch: StepInput) -> jax.Array:
     """The MoE block of one layer: x [T, D] -> [T, D]."""
-    shared = None
-    if "shared" in p:
-        def shared(h):
-            return layers.gated_mlp(h, p["shared"], None, batch.num_tokens)
+    shared = (functools.partial(layers.gated_mlp, p=p["shared"], rows=batch.num_tokens) if "shared" in p
+              else None)
     return moe.moe_block(x, p, a.moe, batch.num_tokens, shared)
 
 
@@ -102,19 +101,8 @@ def decoder_layer(p: dict, carry: tuple, kv_cache: KVCache, i: jax.Array, batch:
     return (x, cos, sin), kv_cache
 
 
-def forward(params: dict, kv_cache: KVCache, batch: StepInput, *, args: MoeArgs) -> tuple[jax.Array, KVCache]:
-    """One serving step. Returns (logits [S, vocab] float32, the updated kv_cache)."""
-    carry = llama.prologue(params, batch, args=args)
-
-    def one_layer(state, per_layer):
-        carry, kv_cache = state
-        p, i = per_layer
-        return decoder_layer(p, carry, kv_cache, i, batch, args=args), None
-
-    with jax.named_scope("layers"):
-        per_layer = (params["layers"], jax.numpy.arange(args.num_layers, dtype=jax.numpy.int32))
-        (carry, kv_cache), _ = jax.lax.scan(one_layer, (carry, kv_cache), per_layer)
-    return llama.epilogue(params, carry, batch, args=args), kv_cache
+# One serving step: the Llama family's prologue, these decoder layers under a scan, its epilogue.
+forward = functools.partial(llama.forward, layer_fn=decoder_layer)
 
 
 def fuse_layer(p: dict) -> dict:
@@ -132,13 +120,9 @@ def fuse_layer(p: dict) -> dict:
 
 
 def pack_layer(p: dict) -> dict:
-    """Attention's joined projections and the experts as packed weights for the CPU kernels."""
-    out = dict(p)
-    if "qkv" in p:
-        out["qkv"] = pack_matrix(p["qkv"])
-    o = p["o"]
-    if packable(o):  # [H, hd, D] -> [H * hd, D]
-        out["o"] = PackedWeight.pack(o.reshape(-1, o.shape[-1]))
+    """Attention's joined projections (as the Llama family packs them) and the experts as packed
+    weights for the CPU kernels."""
+    out = llama.pack_layer(p)
     block = dict(p["mlp"])
     block["experts"] = {k: PackedExperts.pack(w) if packable(w) and w.ndim == 3 else w  # biases stay
                         for k, w in block["experts"].items()}

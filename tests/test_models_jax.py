@@ -173,9 +173,13 @@ def test_bfloat16_load_agrees_on_first_greedy_token(family):
 @pytest.mark.parametrize("rope", [
     dict(rope_type="linear", factor=2.0, rope_theta=10000.0),
     dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0),
+    # YaRN with its attention factor from `factor` (gpt-oss) and from DeepSeek's mscale pair
+    dict(rope_type="yarn", factor=4.0, rope_theta=10000.0, original_max_position_embeddings=16),
+    dict(rope_type="yarn", factor=4.0, rope_theta=10000.0, original_max_position_embeddings=16, mscale=0.707,
+         mscale_all_dim=1.0, beta_fast=16.0, beta_slow=2.0),
 ])
 def test_rope_scaling_variants_match_transformers(tmp_path, rope):
-    """Linear and dynamic NTK rope on a 40-token prompt, past max_position_embeddings=32."""
+    """Linear, dynamic NTK and YaRN rope on a 40-token prompt, past max_position_embeddings=32."""
     from registry.tiny import make_tiny_checkpoint
     from transformers import AutoModelForCausalLM
 
@@ -189,8 +193,8 @@ def test_rope_scaling_variants_match_transformers(tmp_path, rope):
 
 
 def test_unknown_rope_type_is_rejected():
-    cfg = types.SimpleNamespace(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
-    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
+    cfg = types.SimpleNamespace(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4})
+    with pytest.raises(ValueError, match="rope_type 'longrope' is not supported"):
         layers.RopeConfig.from_hf(cfg, head_dim=16)
 
 
