@@ -3,8 +3,9 @@
 A `.gguf` file, or a folder holding exactly one (and no config.json), is read with the
 `gguf` package (pure Python + NumPy, memory-mapped). Its metadata becomes config.json and
 generation_config.json; its tensors are dequantized and renamed to the Hugging Face names,
-undoing the Q/K row permutation that llama.cpp's converter applies to Llama models
-(registry/gguf_tensors.py); the tokenizer and chat template are built by transformers from
+undoing the Q/K row permutation that llama.cpp's converter applies to Llama models and
+splitting mixture-of-experts layers' merged experts into one tensor per expert (Mixtral,
+Qwen2-MoE, Qwen3-MoE; registry/gguf_tensors.py); the tokenizer and chat template are built by transformers from
 the `tokenizer.ggml.*` metadata. The folder lives in the servax cache under `gguf/<stem>-<sha256 prefix>/` and
 is written atomically, so every later start reads plain safetensors through the normal
 paths (native JAX or torchax) and never parses the GGUF again.
@@ -31,8 +32,8 @@ from typing import Any
 
 from registry.errors import ModelLoadError
 from registry.gguf_tensors import (
-    ARCHITECTURES, GGUFArchitecture, check_tensor_types, hf_names, hf_shape_dtype, hf_tensor, q8_0_parts,
-    write_safetensors,
+    ARCHITECTURES, GGUFArchitecture, architecture, check_tensor_types, hf_names, hf_shape_dtype, hf_tensor,
+    q8_0_parts, write_safetensors,
 )
 
 GGUF_SUFFIX = ".gguf"
@@ -125,12 +126,12 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, source: dict | None = None) 
     reader = read_gguf(gguf_file)
     meta = _Metadata(reader, gguf_file)
     arch_name = meta.get("general.architecture")
-    if arch_name not in ARCHITECTURES:
+    arch = architecture(arch_name, int(meta.get(f"{arch_name}.expert_count", 0)))
+    if arch is None:
         raise ModelLoadError(
             f"{gguf_file.name}: GGUF architecture {arch_name!r} is not supported; supported: "
-            f"{', '.join(ARCHITECTURES)}"
+            f"{', '.join(ARCHITECTURES)} (llama with expert_count: Mixtral)"
         )
-    arch = ARCHITECTURES[arch_name]
     tensors = {t.name: t for t in reader.tensors}
     check_tensor_types(gguf_file, reader.tensors)
     _check_tokenizer_metadata(gguf_file, meta)
@@ -142,11 +143,11 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, source: dict | None = None) 
     config.save_pretrained(out_dir)
     (out_dir / "generation_config.json").write_text(json.dumps(_special_ids(meta), indent=2) + "\n")
     write_safetensors(out_dir / "model.safetensors", [
-        (hf_name, *hf_shape_dtype(tensors[name]), functools.partial(hf_tensor, tensors[name], config, arch))
-        for name, hf_name in names.items()
+        (hf_name, *hf_shape_dtype(tensor), functools.partial(hf_tensor, tensor, config, arch))
+        for hf_name, tensor in names.items()
     ])
-    q8_0 = [(hf_name, tensors[name]) for name, hf_name in names.items()
-            if tensors[name].tensor_type.name == "Q8_0" and len(tensors[name].shape) >= 2]
+    q8_0 = [(hf_name, tensor) for hf_name, tensor in names.items()
+            if tensor.tensor_type.name == "Q8_0" and len(tensor.shape) >= 2]
     if q8_0:
         from registry.weights import Q8_0_FOLDER
 
@@ -253,7 +254,7 @@ def _hf_config(meta: _Metadata, arch_name: str, arch: GGUFArchitecture, tensors:
         architectures=[arch.hf_architecture],
         vocab_size=vocab or len(meta.get("tokenizer.ggml.tokens")),
         hidden_size=hidden,
-        intermediate_size=int(_one(meta, p + "feed_forward_length")),
+        intermediate_size=int(_one(meta, p + "feed_forward_length", 0 if arch.moe_prefix else ...)),
         num_hidden_layers=int(meta.get(p + "block_count")),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -266,7 +267,30 @@ def _hf_config(meta: _Metadata, arch_name: str, arch: GGUFArchitecture, tensors:
         dtype=_checkpoint_dtype(tensors.values()),
         **_special_ids(meta),
     )
+    if arch.moe_prefix:
+        kwargs.update(_moe_config(meta, p, arch, tensors))
     return getattr(transformers, arch.config_class)(**kwargs)
+
+
+def _moe_config(meta: _Metadata, p: str, arch: GGUFArchitecture, tensors: dict) -> dict[str, Any]:
+    """The experts' config keys, from `{arch}.expert_*` metadata (sizes missing there: from the tensors).
+
+    Every layer must be a MoE layer (llama.cpp's leading dense blocks are refused by hf_names:
+    their ffn_gate/ffn_up/ffn_down have no counterpart)."""
+    num_experts, top_k = int(meta.get(p + "expert_count")), int(meta.get(p + "expert_used_count"))
+    gate = tensors.get("blk.0.ffn_gate_exps.weight")
+    expert_size = int(meta.get(p + "expert_feed_forward_length", gate.shape[1] if gate is not None else 0))
+    if arch.hf_architecture == "MixtralForCausalLM":  # llama.cpp writes the experts' size as feed_forward_length
+        return dict(num_local_experts=num_experts, num_experts_per_tok=top_k,
+                    intermediate_size=int(gate.shape[1]) if gate is not None else expert_size)
+    config = dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_size,
+                  norm_topk_prob=bool(meta.get(p + "expert_weights_norm", arch.norm_topk_prob)),
+                  decoder_sparse_step=1, mlp_only_layers=[])
+    shared = tensors.get("blk.0.ffn_gate_shexp.weight")
+    if shared is not None:
+        config["shared_expert_intermediate_size"] = int(
+            meta.get(p + "expert_shared_feed_forward_length", shared.shape[1]))
+    return config
 
 
 def _checkpoint_dtype(tensors) -> str:

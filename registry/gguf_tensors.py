@@ -1,6 +1,12 @@
 """GGUF tensors in Hugging Face form: which architectures map onto which transformers model,
 tensor names, shapes and layout (Q/K rows un-permuted), dequantization, Q8_0 tensors as
 stored, and the safetensors file they are written to (registry/gguf.py runs the conversion).
+
+Mixture-of-experts files store each layer's experts merged, as llama.cpp's converter writes
+them: `blk.N.ffn_{gate,up,down}_exps.weight` of GGUF shape [in, out, experts] (numpy
+[experts, out, in]); each expert's slice becomes its own Hugging Face tensor, read from the
+file's own bytes (a quantized tensor's blocks never cross an expert), so one expert is
+dequantized at a time.
 """
 
 from __future__ import annotations
@@ -24,6 +30,14 @@ class GGUFArchitecture:
     hf_architecture: str  # config.architectures[0]
     permuted_qk: bool  # llama.cpp interleaved the Q/K rows for its rotary layout
     layer_tensors: tuple[str, ...]  # allowed `blk.N.<kind>.<weight|bias>` names
+    required: tuple[str, ...] = ()  # of those, the ones every layer must have (default: the Llama block)
+    moe_prefix: str = ""  # the HF module of a layer's experts ("mlp", Mixtral's "block_sparse_moe"); "": dense
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # HF (gate, up, down) per expert
+    norm_topk_prob: bool = False  # what llama.cpp's graph does when the file has no expert_weights_norm
+
+    @property
+    def required_tensors(self) -> tuple[str, ...]:
+        return self.required or _LLAMA_BLOCK
 
 
 _BLOCK_TENSORS = {  # GGUF kind -> Hugging Face module under model.layers.N
@@ -45,6 +59,24 @@ _LLAMA_BLOCK = tuple(
         "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"
     )
 )
+_ATTENTION_BLOCK = _LLAMA_BLOCK[:6]  # attn_norm .. ffn_norm
+_EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # merged experts, in expert_names' order
+_MOE_BLOCK = tuple(f"{kind}.weight" for kind in ("ffn_gate_inp", *_EXPERTS))
+_SHARED_EXPERT = tuple(f"{kind}.weight" for kind in (
+    "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"
+))
+_MOE_TENSORS = {  # GGUF kind -> Hugging Face module under the MoE block (moe_prefix)
+    "ffn_gate_inp": "gate",
+    "ffn_gate_shexp": "shared_expert.gate_proj",
+    "ffn_up_shexp": "shared_expert.up_proj",
+    "ffn_down_shexp": "shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "shared_expert_gate",
+}
+# llama.cpp writes Mixtral as "llama" with {arch}.expert_count set (see `architecture`).
+MIXTRAL = GGUFArchitecture(
+    "MixtralConfig", "MixtralForCausalLM", True, _ATTENTION_BLOCK + _MOE_BLOCK, _ATTENTION_BLOCK + _MOE_BLOCK,
+    moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2"), norm_topk_prob=True,
+)
 ARCHITECTURES: dict[str, GGUFArchitecture] = {
     # Mistral GGUFs say "llama" too: same tensors, same permutation.
     "llama": GGUFArchitecture("LlamaConfig", "LlamaForCausalLM", True, _LLAMA_BLOCK),
@@ -55,7 +87,42 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "qwen3": GGUFArchitecture(
         "Qwen3Config", "Qwen3ForCausalLM", False, _LLAMA_BLOCK + ("attn_q_norm.weight", "attn_k_norm.weight"),
     ),
+    "qwen2moe": GGUFArchitecture(
+        "Qwen2MoeConfig", "Qwen2MoeForCausalLM", False,
+        _ATTENTION_BLOCK + _MOE_BLOCK + _SHARED_EXPERT + ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+        _ATTENTION_BLOCK + _MOE_BLOCK + _SHARED_EXPERT, moe_prefix="mlp",
+    ),
+    # llama.cpp's qwen3moe graph always renormalizes the top-k weights (norm_topk_prob)
+    "qwen3moe": GGUFArchitecture(
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM", False,
+        _ATTENTION_BLOCK + _MOE_BLOCK + ("attn_q_norm.weight", "attn_k_norm.weight"),
+        _ATTENTION_BLOCK + _MOE_BLOCK, moe_prefix="mlp", norm_topk_prob=True,
+    ),
 }
+
+
+def architecture(arch_name: str, num_experts: int) -> GGUFArchitecture | None:
+    """The architecture a file's `general.architecture` and `{arch}.expert_count` name (None: unsupported)."""
+    if arch_name == "llama" and num_experts:
+        return MIXTRAL
+    return ARCHITECTURES.get(arch_name)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorPart:
+    """The part of a GGUF tensor that is one Hugging Face tensor: one expert of merged experts,
+    or a tensor given another shape. Quacks like the reader's tensors (name, tensor_type, shape
+    innermost first, data)."""
+
+    name: str
+    tensor_type: Any
+    shape: np.ndarray  # GGUF order, innermost first
+    data: np.ndarray
+
+
+def expert_part(tensor, expert: int) -> TensorPart:
+    """Expert `expert` of a merged [experts, out, in] tensor (its own rows of the file's bytes)."""
+    return TensorPart(tensor.name, tensor.tensor_type, tensor.shape[:-1], tensor.data[expert])
 
 
 def supported_types() -> list[str]:
@@ -78,30 +145,55 @@ def check_tensor_types(gguf_file: Path, tensors: list) -> None:
         )
 
 
-def hf_names(gguf_file: Path, arch_name: str, arch: GGUFArchitecture, tensors: dict, config) -> dict[str, str]:
-    """GGUF tensor name -> Hugging Face name, refusing any tensor without a counterpart."""
-    names = {}
-    for name in tensors:
+def hf_names(gguf_file: Path, arch_name: str, arch: GGUFArchitecture, tensors: dict, config) -> dict[str, Any]:
+    """Hugging Face name -> the GGUF tensor (or TensorPart) it is read from, refusing any
+    tensor without a counterpart; merged experts give one entry per expert."""
+    names: dict[str, Any] = {}
+    for name, tensor in tensors.items():
         base, _, suffix = name.rpartition(".")
         if base in _GLOBAL_TENSORS and suffix == "weight":
-            names[name] = f"{_GLOBAL_TENSORS[base]}.weight"
+            names[f"{_GLOBAL_TENSORS[base]}.weight"] = tensor
             continue
         parts = name.split(".", 2)
         if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in arch.layer_tensors:
             kind, suffix = parts[2].rsplit(".", 1)
-            names[name] = f"model.layers.{parts[1]}.{_BLOCK_TENSORS[kind]}.{suffix}"
+            layer = f"model.layers.{parts[1]}"
+            if kind in _EXPERTS:
+                names.update(_expert_names(gguf_file, tensor, f"{layer}.{arch.moe_prefix}.experts",
+                                           arch.expert_names[_EXPERTS.index(kind)], config))
+            elif kind in _MOE_TENSORS:
+                names[f"{layer}.{arch.moe_prefix}.{_MOE_TENSORS[kind]}.{suffix}"] = _as_matrix(tensor)
+            else:
+                names[f"{layer}.{_BLOCK_TENSORS[kind]}.{suffix}"] = tensor
             continue
         raise ModelLoadError(
             f"{gguf_file.name}: tensor {name} has no counterpart in {arch.hf_architecture} "
-            f"(GGUF architecture {arch_name}); mixture-of-experts and other variants are not supported"
+            f"(GGUF architecture {arch_name}); other variants of it are not supported"
         )
     expected = {"token_embd.weight", "output_norm.weight"} | {
-        f"blk.{i}.{kind}" for i in range(config.num_hidden_layers) for kind in _LLAMA_BLOCK
+        f"blk.{i}.{kind}" for i in range(config.num_hidden_layers) for kind in arch.required_tensors
     }
     missing = sorted(expected - set(tensors))
     if missing:
         raise ModelLoadError(f"{gguf_file.name}: {len(missing)} tensors missing, e.g. {', '.join(missing[:4])}")
     return names
+
+
+def _expert_names(gguf_file: Path, tensor, prefix: str, module: str, config) -> dict[str, TensorPart]:
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    if len(tensor.shape) != 3 or int(tensor.shape[-1]) != experts:
+        raise ModelLoadError(f"{gguf_file.name}: tensor {tensor.name} has GGUF shape {tensor.shape.tolist()}; "
+                             f"merged experts are [in, out, {experts}] (expert_count {experts})")
+    return {f"{prefix}.{e}.{module}.weight": expert_part(tensor, e) for e in range(experts)}
+
+
+def _as_matrix(tensor) -> Any:
+    """A 1-D GGUF tensor that Hugging Face stores as a [1, n] matrix (Qwen2-MoE's shared expert
+    gate; llama.cpp's converter may write it either way)."""
+    if len(tensor.shape) != 1:
+        return tensor
+    return TensorPart(tensor.name, tensor.tensor_type, np.array([int(tensor.shape[0]), 1]),
+                      np.asarray(tensor.data).reshape(1, -1))
 
 
 def hf_shape_dtype(tensor) -> tuple[tuple[int, ...], str]:
