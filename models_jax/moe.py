@@ -32,6 +32,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from models_jax.weights import WeightSpec, linear, zeros
 from runtime.ops.matmul import PackedExperts
 from runtime.ops.mesh import MODEL_AXIS
+from runtime.ops.quantization import QuantizedWeight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +120,16 @@ def route(x: jax.Array, p: dict, cfg: MoeConfig) -> tuple[jax.Array, jax.Array]:
 def grouped_matmul(x: jax.Array, w: Any, group_sizes: jax.Array) -> jax.Array:
     """x [M, K] (rows sorted by group) @ w[group] -> [M, N]; rows past sum(group_sizes) are 0.
 
-    w: [G, K, N] (jax.lax.ragged_dot) or PackedExperts (the C++ kernel)."""
+    w: [G, K, N] (jax.lax.ragged_dot), PackedExperts (the C++ kernel) or a QuantizedWeight
+    ([G, K, N] int8 with its scales: `quantization="int8"` or GGUF's Q8_0)."""
     if isinstance(w, PackedExperts):
         return w.grouped_matmul(x, group_sizes)
+    if isinstance(w, QuantizedWeight):
+        # Dequantized to the activations' dtype, then the float grouped matmul: correct, and the
+        # int8 bytes are what stays in memory, but each step writes the float experts out once. A
+        # grouped int8 kernel (int8 rows of each expert read, the scale applied to the product)
+        # would be the fast path.
+        w = w.dequantize().astype(x.dtype)
     return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
 
 

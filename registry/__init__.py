@@ -157,13 +157,18 @@ def _native_quant_axes(name: str, shape: tuple[int, ...]) -> tuple[int, ...] | N
     """The input axes of a native (models_jax) matrix, by its param path; None: keep it float.
 
     Stacked layer weights have a leading layer axis: layers.q [L, D, H, hd] reduces D,
-    layers.o [L, H, hd, D] reduces (H, hd); the embedding [V, D] one scale per row.
+    layers.o [L, H, hd, D] reduces (H, hd); the embedding [V, D] one scale per row. A MoE
+    layer's experts (layers.mlp.experts.gate / up / down / gate_up, [L, E, in, out]) reduce
+    their input axis: one scale per expert and output channel; the router stays float (a
+    small matrix whose rounding would move tokens to other experts), as do the experts' biases.
     """
     leaf = name.rsplit(".", 1)[-1]
     if name == "embed":
         return (1,)
     if name == "lm_head":
         return (0,)
+    if name.startswith("layers.") and ".experts." in name:
+        return (2,) if len(shape) == 4 and leaf in ("gate", "up", "down", "gate_up") else None
     if name.startswith("layers.") and len(shape) >= 3:
         if leaf in ("q", "k", "v", "gate", "up", "down"):
             return (1,)

@@ -1,8 +1,10 @@
 """Weight quantization: `quantization="int8"` and `quantization="gguf"`.
 
-`int8`: every matrix of a loaded model (projections, MLP, embedding, LM head; >= 2
-dimensions) is stored as symmetric int8 with float scales, `QuantizedWeight(q, scale)`: per
-output channel (the maximum |w| over the input axes / 127).
+`int8`: every matrix of a loaded model (projections, MLP, a MoE layer's experts, embedding,
+LM head; >= 2 dimensions) is stored as symmetric int8 with float scales, `QuantizedWeight(q,
+scale)`: per output channel (the maximum |w| over the input axes / 127; stacked experts
+[E, in, out] get one scale per expert and output channel). Which axes are the inputs is the
+model path's to say (registry's `_native_quant_axes` / `_torchax_quant_axes`).
 
 `gguf`: a GGUF checkpoint's Q8_0 tensors are loaded as they are stored, int8 values with one
 scale per block of 32 along the input axis (`QuantizedWeight(q, scale, group_size=32,
