@@ -172,3 +172,11 @@ def test_q8_0_moe_gguf_serves_its_experts_as_stored_int8(tiny_checkpoint, gguf_d
     hf = hf_model(resolved.path)  # the dequantized weights
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in PROMPTS]
     llm.shutdown()
+
+
+def test_enable_lora_on_a_moe_gguf_is_refused_naming_the_experts(tiny_checkpoint, gguf_dir):
+    """The MoE models declare no LoRA targets: enable_lora fails at startup saying why."""
+    gguf_file = write_moe_gguf(tiny_checkpoint("qwen3_moe"), gguf_dir / "qwen3_moe-f32.gguf")
+    with pytest.raises(ValueError, match="adapters on mixture-of-experts layers are not served") as e:
+        _llm(str(gguf_file), enable_lora=True, max_loras=1, max_lora_rank=8)
+    assert "Qwen3MoeForCausalLM" in str(e.value) and "enable_lora" in str(e.value)

@@ -74,13 +74,16 @@ def add_lora_slots(model: LoadedModel, *, max_loras: int, max_rank: int, mesh: M
     and param_shardings to match.
 
     Raises:
-        LoRAError: the model offers no LoRA targets (the torchax path).
+        LoRAError: the model offers no LoRA targets (the torchax path, native mixture-of-experts models).
     """
     if not model.lora_targets:
-        raise LoRAError(
-            f"LoRA adapters run on the native JAX models (Llama, Mistral, Qwen2, Qwen3); {model.model_id} runs "
-            f"on the {model.impl} path, which cannot apply adapter slots"
-        )
+        served = "LoRA adapters run on the dense native JAX models (Llama, Mistral, Qwen2, Qwen3)"
+        config = model.hf_config
+        if model.impl == "jax" and (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)):
+            arch = (getattr(config, "architectures", None) or ["?"])[0]
+            raise LoRAError(f"{model.model_id} is a mixture-of-experts model ({arch}): adapters on "
+                            f"mixture-of-experts layers are not served; {served}")
+        raise LoRAError(f"{served}; {model.model_id} runs on the {model.impl} path, which cannot apply adapter slots")
     key = model.stages.layers_key if model.stages is not None else "layers"
     if isinstance(model.params[key], list) or "lora" in model.params[key]:
         raise LoRAError(
