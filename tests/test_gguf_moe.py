@@ -42,9 +42,12 @@ def moe_gguf_name(hf_name: str) -> str:
     return gguf_name(hf_name)
 
 
-def write_moe_gguf(checkpoint: Path, out: Path, *, weight_type: str = "F32") -> Path:
+def write_moe_gguf(checkpoint: Path, out: Path, *, weight_type: str = "F32",
+                   meta: dict | None = None) -> Path:
     """A GGUF file of a tiny MoE checkpoint as llama.cpp's converter writes it; matrices (the
-    merged experts too) in `weight_type`, the router, norms and the shared expert's gate in F32."""
+    merged experts too) in `weight_type`, the router, norms and the shared expert's gate in F32.
+
+    meta: `{arch}.<key>` uint32 values written instead of the checkpoint's."""
     cfg = json.loads((checkpoint / "config.json").read_text())
     arch = MOE[cfg["model_type"]]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -53,7 +56,7 @@ def write_moe_gguf(checkpoint: Path, out: Path, *, weight_type: str = "F32") -> 
     w = gguf.GGUFWriter(out, arch)
     p = arch + "."
     w.add_string("general.name", "servax tiny moe test")
-    meta = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
+    overrides, meta = meta or {}, {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
             "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
             "attention.head_count": heads, "attention.head_count_kv": kv_heads, "attention.key_length": head_dim,
             "attention.value_length": head_dim, "rope.dimension_count": head_dim,
@@ -62,7 +65,7 @@ def write_moe_gguf(checkpoint: Path, out: Path, *, weight_type: str = "F32") -> 
         meta["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
     if cfg.get("shared_expert_intermediate_size"):
         meta["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
-    for key, value in meta.items():
+    for key, value in {**meta, **overrides}.items():
         w.add_uint32(p + key, value)
     w.add_float32(p + "rope.freq_base", cfg["rope_parameters"]["rope_theta"])
     w.add_float32(p + "attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
@@ -172,6 +175,15 @@ def test_q8_0_moe_gguf_serves_its_experts_as_stored_int8(tiny_checkpoint, gguf_d
     hf = hf_model(resolved.path)  # the dequantized weights
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in PROMPTS]
     llm.shutdown()
+
+
+def test_moe_gguf_whose_expert_count_disagrees_with_its_tensors_is_refused(tiny_checkpoint, tmp_path):
+    from registry.errors import ModelLoadError
+
+    gguf_file = write_moe_gguf(tiny_checkpoint("qwen3_moe"), tmp_path / "bad.gguf", meta={"expert_count": 4})
+    with pytest.raises(ModelLoadError, match=r"ffn_\w+_exps\.weight has GGUF shape \[\d+, \d+, 8\]; merged "
+                                             r"experts are \[in, out, 4\] \(expert_count 4\)"):
+        resolve(str(gguf_file))
 
 
 def test_enable_lora_on_a_moe_gguf_is_refused_naming_the_experts(tiny_checkpoint, gguf_dir):
