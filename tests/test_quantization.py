@@ -165,6 +165,40 @@ def test_int8_moe_experts_are_quantized_per_expert_and_output_and_tokens_stay_cl
     assert agreement >= 0.9, agreement
 
 
+_MOE_PARALLEL = """
+import json, sys
+from app import LLM, SamplingParams
+prompt, models = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+out = {}
+for model, quantization in models:
+    for tp, ep in ((1, False), (2, False), (2, True)):
+        llm = LLM(model=model, quantization=quantization, tensor_parallel_size=tp, enable_expert_parallel=ep,
+                  max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, show_progress=False,
+                  compilation_cache_dir="", enforce_eager=True)
+        o = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12),
+                         use_tqdm=False)[0]
+        out.setdefault(quantization, []).append(o.outputs[0].token_ids)
+print(json.dumps(out))
+"""
+
+
+def test_int8_and_q8_0_experts_give_the_same_tokens_under_tensor_and_expert_parallelism(tiny_checkpoint, tmp_path):
+    """int8 Qwen3-MoE and a Q8_0 Qwen2-MoE GGUF (quantization=gguf): one device, the experts' features
+    split over 2 devices, and whole experts per device (enable_expert_parallel) give the same tokens."""
+    from test_gguf_moe import write_moe_gguf
+
+    gguf_file = write_moe_gguf(tiny_checkpoint("qwen2_moe"), tmp_path / "qwen2_moe-Q8_0.gguf", weight_type="Q8_0")
+    models = [("servax-tiny/qwen3_moe", "int8"), (str(gguf_file), "gguf")]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", _MOE_PARALLEL, json.dumps(PROMPT), json.dumps(models)], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for quantization, runs in out.items():
+        assert runs[0] == runs[1] == runs[2], quantization
+
+
 def test_unknown_quantization_is_refused():
     from runtime.engine.config import EngineConfig
 
