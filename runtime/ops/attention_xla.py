@@ -18,7 +18,7 @@ merges the halves with an online softmax (flash-attention style):
 The live memory is bounded by tokens x chunk (cache part) and tile x tile (new part),
 and the work by real tokens x the longest context, never padded batch x max_model_len.
 It is jittable on every backend; on CPU it serves what the C++ kernel does not (quantized or
-bfloat16 caches, a machine where the kernel cannot be built).
+bfloat16 caches, attention sinks, a machine where the kernel cannot be built).
 
 The sliding window may be a traced int32 (layers with different windows under one scan),
 with NO_SLIDING_WINDOW for a layer without one; None (static) leaves the mask out.
@@ -36,12 +36,8 @@ from runtime.ops.step import StepInput
 # tiles waste less on causal and cross-sequence masking; larger ones make fewer, bigger dots
 # (tile sizes measured in benchmarks/RESULTS.md).
 NEW_TOKEN_TILE = 64
-# Query tile and context chunk (tokens) of the per-sequence read of cached context.
-CACHED_TILE = 64
-CACHED_CHUNK_TOKENS = 128
-# Context tokens per iteration of the per-token (decode) read: short chunks suit XLA:CPU's
-# per-token batched dots.
-DECODE_CHUNK_TOKENS = 32
+CACHED_TILE, CACHED_CHUNK_TOKENS = 64, 128  # query tile, context tokens of the per-sequence cached read
+DECODE_CHUNK_TOKENS = 32  # context tokens a step of the per-token (decode) read: XLA:CPU favours short
 
 # (running max, running denominator, running numerator) per query token and head.
 _State = tuple[jax.Array, jax.Array, jax.Array]
@@ -104,7 +100,7 @@ def _finish(state: _State, num_heads: int, dtype, sinks: jax.Array | None = None
     """The attention output [T, H, D] of the folded state. `sinks` [H]: a logit per head that
     joins every softmax's denominator and contributes no value (gpt-oss's attention sinks)."""
     m, l, acc = state
-    if sinks is not None:  # exp(sink - m) more in the denominator; no context: m = -inf-ish, out 0
+    if sinks is not None:  # no context: m is -1e30, the term inf, the output 0
         l = l + jnp.exp(sinks.astype(jnp.float32).reshape(l.shape[1:])[None] - m)
     out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # tokens with no context -> zeros
     return out.reshape(out.shape[0], num_heads, out.shape[-1]).astype(dtype)
@@ -396,8 +392,7 @@ def xla_paged_attention(
     sinks: jax.Array | None = None,
 ) -> jax.Array:  # [T, num_heads, head_dim], dtype of q
     """`ragged_paged_attention` with the step's own tokens attended densely from k/v; only the
-    context cached by earlier steps is read through the block tables (runtime.ops.attention.paged_attention's
-    XLA path).
+    context cached by earlier steps is read through the block tables (paged_attention's XLA path).
 
     The cached context is read two ways. The first S tokens (S = padded sequence slots;
     the scheduler puts running decodes first) read it per token, as decodes must. Tokens
