@@ -100,9 +100,10 @@ def test_impl_is_a_deprecated_alias_of_model_impl(tiny_checkpoint):
 
 
 def test_unsupported_rope_type_is_an_error(tiny_checkpoint, tmp_path):
-    rope = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 256}
-    path = edited_copy(tiny_checkpoint("llama"), tmp_path / "yarn", rope_parameters=rope)
-    with pytest.raises(ModelLoadError, match="rope_type 'yarn' is not supported"):
+    rope = {"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 256,
+            "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}
+    path = edited_copy(tiny_checkpoint("llama"), tmp_path / "longrope", rope_parameters=rope)
+    with pytest.raises(ModelLoadError, match="rope_type 'longrope' is not supported"):
         registry.load(str(path), model_impl="jax")
 
 
@@ -261,11 +262,14 @@ def test_bfloat16_checkpoint_loads_as_float32_and_auto(tmp_path):
 
 
 def test_native_table_is_built_from_the_models_declarations():
-    from models_jax import llama
+    from models_jax import gpt_oss, llama, llama_moe
 
-    assert registry.NATIVE_MODELS == {arch: llama.ENTRY for arch in llama.ENTRY.architectures}
+    entries = (llama.ENTRY, llama_moe.ENTRY, gpt_oss.ENTRY)
+    assert registry.NATIVE_MODELS == {arch: e for e in entries for arch in e.architectures}
     assert set(llama.ENTRY.architectures) == {
         "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+    assert set(llama_moe.ENTRY.architectures) == {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
+    assert gpt_oss.ENTRY.architectures == ("GptOssForCausalLM",)
 
 
 def test_a_new_model_module_is_found_by_its_declaration(tmp_path, monkeypatch):

@@ -142,12 +142,13 @@ class Engine:
                 add_lora_slots(model, max_loras=config.max_loras, max_rank=config.max_lora_rank, mesh=self.mesh)
             except LoRAError as e:
                 raise ValueError(f"enable_lora: {e}") from e
-        self.programs = ModelPrograms(model, self.mesh, self.plan, max_model_len=self.max_model_len,
-                                      max_logprobs=config.max_logprobs)
-        if self.peers is not None:  # the workers build the same programs over their shards
-            self.programs = distributed.MirroredPrograms(self.programs, self.peers, dict(
+        sizes = dict(max_model_len=self.max_model_len, max_logprobs=config.max_logprobs)
+        if self.peers is None:
+            self.programs = ModelPrograms(model, self.mesh, self.plan, **sizes)
+        else:  # the workers build the same programs over their shards and repeat every device call
+            self.programs = distributed.MirroredPrograms(self.peers, model, self.mesh, self.plan, **sizes, build=dict(
                 tensor_parallel_size=config.tensor_parallel_size, data_parallel_size=config.data_parallel_size,
-                plan=self.plan, max_model_len=self.max_model_len, max_logprobs=config.max_logprobs))
+                plan=self.plan, **sizes))
         self.runner = ModelRunner(self.programs)
         self.lora: LoRAManager | None = None
         if config.enable_lora:

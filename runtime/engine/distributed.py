@@ -14,7 +14,7 @@ the leader reads its own (the step's outputs are replicated).
 
     group = distributed.connect(config, load_model)    # None: the mesh fits this process
     ...
-    MirroredPrograms(ModelPrograms(...), group, ...)   # every device call is repeated on the workers
+    MirroredPrograms(group, model, mesh, plan, ...)   # every device call is repeated on the workers
 
 A process joins `jax.distributed` at most once, before JAX first touches its devices, so a
 process leads at most one group (`current_group`). The JAX coordination service ends every
@@ -38,6 +38,8 @@ import time
 from typing import Any, Callable
 
 import numpy as np
+
+from runtime.engine.programs import ModelPrograms, as_arrays
 
 logger = logging.getLogger("servax.engine")
 
@@ -327,41 +329,36 @@ class ProcessGroup:
             _group = None
 
 
-class MirroredPrograms:
-    """The leader's programs of a multi-process engine: every device call is sent to the
-    workers first (in order), which run the same on their shards; everything else is the
-    wrapped ModelPrograms'.
+class MirroredPrograms(ModelPrograms):
+    """The leader's programs of a multi-process engine: every device call (each step and
+    sampler run, warmup's compilation) is sent to the workers first, in order, and they run
+    the same on their shards; the rest is ModelPrograms'.
 
     Args:
-        programs: the leader's runtime.engine.programs.ModelPrograms.
         peers: the ProcessGroup of the workers.
         build: the keyword arguments the workers build their ModelPrograms with.
+        *args, **kwargs: ModelPrograms' own.
     """
 
-    def __init__(self, programs: Any, peers: ProcessGroup, build: dict[str, Any]):
-        self.programs = programs
+    def __init__(self, peers: ProcessGroup, *args: Any, build: dict[str, Any], **kwargs: Any):
         self.peers = peers
         peers.call("build_programs", build)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.programs, name)
+        super().__init__(*args, **kwargs)
 
     def run_step(self, batch: Any) -> Any:
         self.peers.call("run_step", batch)
-        return self.programs.run_step(batch)
+        return super().run_step(batch)
 
     def run_sample(self, logits: Any, sb: Any, *, use_penalties: bool) -> Any:
-        from runtime.engine.programs import as_arrays
-
         arrays = sb if isinstance(sb, dict) else as_arrays(sb)
         self.peers.call("sample", arrays, use_penalties)
-        return self.programs.run_sample(logits, arrays, use_penalties=use_penalties)
+        return super().run_sample(logits, arrays, use_penalties=use_penalties)
 
     def warmup(self, show_progress: bool = True) -> float:
-        """The workers compile every bucket (no background compilation across processes),
-        then the leader warms up and the workers count compilations from there."""
+        """The workers compile every bucket (the plan compiles nothing in the background across
+        processes), then the leader warms up and the workers count compilations from there."""
         self.peers.call("compile")
-        seconds = self.programs.warmup(show_progress)
+        seconds = super().warmup(show_progress)
         self.peers.call("mark_warm")
         return seconds
 
@@ -392,7 +389,6 @@ class EngineWorker:
         self.model = self.loader(config)
 
     def build_programs(self, kwargs: dict[str, Any]) -> None:
-        from runtime.engine.programs import ModelPrograms
         from runtime.ops.mesh import make_mesh
 
         kwargs = dict(kwargs)
