@@ -79,10 +79,10 @@ import json, sys, time
 spec = json.load(open(sys.argv[1]))
 t0 = time.perf_counter()
 from app import LLM, SamplingParams
-llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
-          max_num_batched_tokens=spec["max_num_batched_tokens"], show_progress=False,
-          model_impl=spec.get("model_impl", "auto"),
-          **({"compilation_cache_dir": spec["cache_dir"]} if spec.get("cache_dir") else {}))
+limits = {} if spec.get("defaults") else dict(max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
+                                               max_num_batched_tokens=spec["max_num_batched_tokens"])
+llm = LLM(model=spec["model"], dtype="float32", show_progress=False, model_impl=spec.get("model_impl", "auto"),
+          **limits, **({"compilation_cache_dir": spec["cache_dir"]} if spec.get("cache_dir") else {}))
 ready = time.perf_counter() - t0
 out = {"ready_s": ready}
 if spec["prompts"]:
@@ -107,8 +107,10 @@ if __name__ == "__main__":
     spec = json.load(open(sys.argv[1]))
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
-    llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
-              max_num_batched_tokens=spec["max_num_batched_tokens"], seed=0)
+    limits = {} if spec.get("defaults") else dict(
+        max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
+        max_num_batched_tokens=spec["max_num_batched_tokens"])
+    llm = LLM(model=spec["model"], dtype="float32", seed=0, **limits)
     ready = time.perf_counter() - t0
     out = {"ready_s": ready}
     if spec["prompts"]:
@@ -188,6 +190,11 @@ def offline(args, folder: str, vocab: int) -> None:
         if args.vllm_python:
             print(f"offline round {r + 1}/{args.rounds}: vLLM", flush=True)
             runs["vLLM"].append(run_child(args.vllm_python, _VLLM_OFFLINE, spec, VLLM_ENV))
+    if args.defaults:  # each system as a user starts it: the model and dtype only
+        print("offline: servax and vLLM with their default engine settings", flush=True)
+        runs["servax, defaults"] = [run_child(sys.executable, _SERVAX_OFFLINE, dict(spec, defaults=True))]
+        if args.vllm_python:
+            runs["vLLM, defaults"] = [run_child(args.vllm_python, _VLLM_OFFLINE, dict(spec, defaults=True), VLLM_ENV)]
     if args.with_torchax:
         print("offline: servax, model_impl=torchax", flush=True)
         runs["servax (torchax path)"] = [run_child(sys.executable, _SERVAX_OFFLINE, dict(spec, model_impl="torchax"))]
@@ -486,6 +493,8 @@ def main() -> None:
                         help=f"HTTP part: which of {','.join(SERVERS)} to load (comma-separated)")
     parser.add_argument("--server-timeout", type=float, default=900)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--defaults", action="store_true",
+                        help="offline: also each system with its default engine settings (model and dtype only)")
     parser.add_argument("--with-torchax", action="store_true",
                         help="offline: servax's torchax path on the same weights as well (model_impl=torchax)")
     parser.add_argument("--separate-ingress", action="store_true",
