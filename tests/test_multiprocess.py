@@ -31,13 +31,13 @@ ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, num_
 
 
 def run_leader(model: Path | str, model_impl: str, servax_cache: Path, finish: str, *, tp: int = 8,
-               local_devices: int = 4) -> dict:
+               local_devices: int = 4, engine: dict | None = None) -> dict:
     """Runs the leader in a fresh process; its result comes back in a file (the raylet may print
     to stdout after it, e.g. that the stopped worker died)."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices}",
                JAX_PLATFORMS="cpu", SERVAX_CACHE=str(servax_cache), PYTHONPATH=str(REPO))
     spec = dict(model=str(model), model_impl=model_impl, tp=tp, prompts=PROMPTS, max_tokens=MAX_TOKENS,
-                engine=dict(ENGINE, distributed_timeout_s=HANG_TIMEOUT_S), finish=finish,
+                engine=dict(ENGINE, distributed_timeout_s=HANG_TIMEOUT_S, **(engine or {})), finish=finish,
                 result_path=tempfile.mktemp(prefix=f"leader-{model_impl}-{finish}-", suffix=".json"))
     proc = subprocess.run([sys.executable, str(LEADER), json.dumps(spec)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=480)
@@ -297,3 +297,19 @@ def test_serve_run_two_processes_answers_and_survives_a_killed_worker(servax_cac
     while _engine_workers() and time.time() < deadline:
         time.sleep(0.5)
     assert _engine_workers() == []  # serve shutdown leaves no worker behind
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_expert_parallel_moe_over_two_processes_matches_one_process(servax_cache, tmp_path):
+    """A Qwen3-MoE with 8 experts, one per device of two processes (enable_expert_parallel):
+    each process loads its experts only, and the tokens are one device's."""
+    from registry.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("qwen3_moe", tmp_path / "moe-8", num_attention_heads=8, num_key_value_heads=8,
+                                num_experts=8)
+    two = run_leader(path, "jax", servax_cache, "shutdown", engine=dict(enable_expert_parallel=True))
+    one = one_process(path, "jax")
+    assert two["process_count"] == 2 and two["mesh"] == {"data": 1, "model": 8}
+    assert two["greedy"] == one["greedy"] and two["sampled"] == one["sampled"]
+    assert two["leader_param_bytes"] < two["total_param_bytes"]
