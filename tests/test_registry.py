@@ -262,9 +262,15 @@ def test_bfloat16_checkpoint_loads_as_float32_and_auto(tmp_path):
 
 
 def test_native_table_is_built_from_the_models_declarations():
+    import importlib
+    import pkgutil
+
+    import models_jax
     from models_jax import gpt_oss, llama, llama_moe
 
-    entries = (llama.ENTRY, llama_moe.ENTRY, gpt_oss.ENTRY)
+    modules = [importlib.import_module(f"models_jax.{m.name}") for m in pkgutil.iter_modules(models_jax.__path__)]
+    entries = [m.ENTRY for m in modules if hasattr(m, "ENTRY")]
+    assert all(e in entries for e in (llama.ENTRY, llama_moe.ENTRY, gpt_oss.ENTRY))
     assert registry.NATIVE_MODELS == {arch: e for e in entries for arch in e.architectures}
     assert set(llama.ENTRY.architectures) == {
         "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
