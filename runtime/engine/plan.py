@@ -208,6 +208,12 @@ def _attention_backend(config: EngineConfig, kv_spec: KVCacheSpec, platform: str
                              f"(the {backend} kernel reads an unquantized cache)")
         logger.info("kv_cache_dtype=%s: attention backend xla", config.kv_cache_dtype)
         return "xla"
+    if backend in ("pallas", "cpu") and kv_spec.values_in_keys:
+        if requested == backend:
+            raise ValueError(f"a latent KV cache (values kept in the keys: multi-head latent attention) runs on "
+                             f"attention_backend='xla' (the {backend} kernel reads separate values)")
+        logger.info("latent KV cache (values in the keys): attention backend xla")
+        return "xla"
     if backend == "cpu" and np.dtype(kv_spec.dtype) != np.float32:
         if requested == "cpu":
             raise ValueError(f"attention_backend='cpu' reads a float32 KV cache; this model's is "

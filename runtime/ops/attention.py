@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from runtime.ops.attention_common import (
-    NO_SLIDING_WINDOW, ScaledCache, Window, write_kv, write_kv_quantized,
+    NO_SLIDING_WINDOW, ScaledCache, ValuesInKeys, Window, write_kv, write_kv_quantized,
 )
 from runtime.ops.attention_cpu import cpu_ragged_paged_attention
 from runtime.ops.attention_xla import CACHED_CHUNK_TOKENS, CACHED_TILE, NEW_TOKEN_TILE, xla_paged_attention
@@ -73,7 +73,7 @@ def resolve_attention_backend(requested: str, platform: str) -> str:
 def paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
     k: jax.Array,  # [T, kv_heads, head_dim]
-    v: jax.Array,  # [T, kv_heads, head_dim]
+    v: jax.Array | None,  # [T, kv_heads, head_dim]; None with value_dims
     kv_cache: KVCache | tuple[jax.Array, jax.Array],
     batch: StepInput,
     *,
@@ -86,8 +86,10 @@ def paged_attention(
     cached_tile: int = CACHED_TILE,
     cached_chunk_tokens: int = CACHED_CHUNK_TOKENS,
     sinks: jax.Array | None = None,
+    value_dims: int | None = None,
 ) -> tuple[jax.Array, KVCache | tuple[jax.Array, jax.Array]]:
-    """Write this step's K/V into the cache and attend. Returns (out [T, H, D], the cache).
+    """Write this step's K/V into the cache and attend. Returns (out [T, H, D], the cache);
+    D is value_dims where that is given.
 
     `kv_cache` is the stacked KVCache of all layers, with `layer` (an int, or a traced
     int32 under a scan over layers) naming the one this call writes and reads; or one
@@ -104,9 +106,13 @@ def paged_attention(
         sinks: [num_heads] attention-sink logits (gpt-oss): each softmax's denominator gains
             exp(sink). The kernels do not take them: such layers attend on the XLA path, which
             reads the same cache layout.
+        value_dims: the values are the first value_dims dims of each key, and the cache keeps
+            keys only (multi-head latent attention: a KVCache allocated for a KVCacheSpec with
+            value_dims; v is None). Such layers attend on the XLA path too.
 
     Raises:
-        ValueError: heads that do not group over the KV heads, or a KVCache without `layer`.
+        ValueError: heads that do not group over the KV heads, a KVCache without `layer`, or
+            value_dims with a cache that stores values (or v given with it).
         NotImplementedError: a quantized cache on a kernel backend.
     """
     if not isinstance(kv_cache, KVCache):
@@ -114,14 +120,17 @@ def paged_attention(
             q, k, v, KVCache(kv_cache[0][None], kv_cache[1][None]), batch, layer=0, scale=scale,
             sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, kv_chunk_blocks=kv_chunk_blocks,
             new_token_tile=new_token_tile, cached_tile=cached_tile, cached_chunk_tokens=cached_chunk_tokens,
-            sinks=sinks,
+            sinks=sinks, value_dims=value_dims,
         )
         return out, (cache.k[0], cache.v[0])
     if layer is None:
         raise ValueError("paged_attention on a stacked KVCache needs the layer to use")
+    if value_dims is not None and (v is not None or kv_cache.v.size):
+        raise ValueError("value_dims reads the values from the keys: pass v=None, with a cache allocated for a "
+                         f"KVCacheSpec with value_dims (this one stores values of shape {kv_cache.v.shape})")
     batch = jax.tree.map(jnp.asarray, batch)
     if kv_cache.k_scale is not None:  # a quantized cache: read back through its scales
-        if kv_cache.attention_backend != "xla":
+        if kv_cache.attention_backend != "xla" and value_dims is None:
             raise NotImplementedError("a quantized KV cache (kv_cache_dtype) runs on the xla attention backend")
         kv_cache = write_kv_quantized(kv_cache, k, v, batch.slot_mapping, layer)
         k_cache, v_cache = ScaledCache(kv_cache.k, kv_cache.k_scale), ScaledCache(kv_cache.v, kv_cache.v_scale)
@@ -129,7 +138,9 @@ def paged_attention(
     else:
         k_cache, v_cache = write_kv(kv_cache.k, kv_cache.v, k, v, batch.slot_mapping, layer)
         written = {"k": k_cache, "v": v_cache}
-    if kv_cache.attention_backend in ("cpu", "pallas") and sinks is None:  # a kernel reads the whole context
+    if value_dims is not None:  # the kernels read separate values: the XLA path reads them from the keys
+        v, v_cache = k[..., :value_dims], ValuesInKeys(k_cache, value_dims)
+    elif kv_cache.attention_backend in ("cpu", "pallas") and sinks is None:  # a kernel reads the whole context
         if kv_cache.attention_backend == "cpu":
             kernel = cpu_ragged_paged_attention
         else:  # imported on use: Pallas' TPU modules add to every start's import time, and few engines use them

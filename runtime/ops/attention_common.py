@@ -1,5 +1,6 @@
-"""What every attention backend shares: the paged KV cache's writes, its quantized form, the
-sliding-window and soft-cap conventions, and running a backend per shard of the KV heads.
+"""What every attention backend shares: the paged KV cache's writes, its quantized form, the values
+read from the keys (latent attention), the sliding-window and soft-cap conventions, and running a
+backend per shard of the KV heads.
 
 The cache is stacked over layers ([num_layers, num_blocks, kv_heads, block_size, head_dim],
 runtime.ops.step.KVCache); a write scatters just the step's new slots of one layer, indexing
@@ -40,6 +41,19 @@ class ScaledCache:
         return self.values.shape
 
 
+@dataclasses.dataclass(frozen=True)
+class ValuesInKeys:
+    """The values of a cache that keeps them in its keys (multi-head latent attention, where
+    runtime.ops.step.KVCacheSpec.value_dims is set): the first `dims` dims of each key."""
+
+    keys: jax.Array | ScaledCache  # [num_layers, num_blocks, kv_heads, block_size, head_dim]
+    dims: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.keys.shape[:-1], self.dims)
+
+
 # Largest magnitude each quantized cache dtype holds (a token-head's largest |value| maps to it).
 _QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
 
@@ -57,14 +71,15 @@ def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return scaled.astype(dtype), scale
 
 
-def write_kv_quantized(cache: KVCache, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
+def write_kv_quantized(cache: KVCache, k: jax.Array, v: jax.Array | None, slot_mapping: jax.Array,
                        layer: int | jax.Array) -> KVCache:
-    """write_kv for a quantized cache: values and their per-token-head scales, in place."""
+    """write_kv for a quantized cache: values and their per-token-head scales, in place (v None:
+    the keys alone, for a cache that keeps the values in them)."""
     num_blocks, block_size = cache.k.shape[1], cache.k.shape[3]
     blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
     offsets = slot_mapping % block_size
     out = {}
-    for name, new in (("k", k), ("v", v)):
+    for name, new in (("k", k), ("v", v)) if v is not None else (("k", k),):
         values, scales = quantize_kv(new, getattr(cache, name).dtype)
         out[name] = getattr(cache, name).at[layer, blocks, :, offsets].set(values, mode="drop")
         out[name + "_scale"] = getattr(cache, name + "_scale").at[layer, blocks, :, offsets].set(scales, mode="drop")
@@ -75,7 +90,7 @@ def write_kv(
     k_cache: jax.Array,  # [num_blocks, kv_heads, block_size, head_dim], or stacked [num_layers, ...]
     v_cache: jax.Array,  # the same
     k: jax.Array,  # [T, kv_heads, head_dim]
-    v: jax.Array,  # [T, kv_heads, head_dim]
+    v: jax.Array | None,  # [T, kv_heads, head_dim]; None: the values are in the keys (v_cache is left as it is)
     slot_mapping: jax.Array,  # [T] int32, negative for padding tokens
     layer: int | jax.Array | None = None,  # which layer of a stacked cache (None: one layer's cache)
 ) -> tuple[jax.Array, jax.Array]:
@@ -97,7 +112,7 @@ def write_kv(
         # split by the heads' slice, put the token axis first, as `new` has it.
         return cache.at[layer, blocks, :, offsets].set(new.astype(cache.dtype), mode="drop")
 
-    return scatter(k_cache, k), scatter(v_cache, v)
+    return scatter(k_cache, k), v_cache if v is None else scatter(v_cache, v)
 
 
 def soft_cap(s: jax.Array, cap: float | None) -> jax.Array:

@@ -18,7 +18,7 @@ merges the halves with an online softmax (flash-attention style):
 The live memory is bounded by tokens x chunk (cache part) and tile x tile (new part),
 and the work by real tokens x the longest context, never padded batch x max_model_len.
 It is jittable on every backend; on CPU it serves what the C++ kernel does not (quantized or
-bfloat16 caches, attention sinks, a machine where the kernel cannot be built).
+bfloat16 caches, attention sinks, values kept in the keys, a machine where the kernel cannot be built).
 
 The sliding window may be a traced int32 (layers with different windows under one scan),
 with NO_SLIDING_WINDOW for a layer without one; None (static) leaves the mask out.
@@ -29,7 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from runtime.ops.attention_common import MASK_VALUE, ScaledCache, Window, soft_cap
+from runtime.ops.attention_common import MASK_VALUE, ScaledCache, ValuesInKeys, Window, soft_cap
 from runtime.ops.step import StepInput
 
 # Query/key tile of the dense new-token part: scores live as tile x tile per head. Smaller
@@ -39,8 +39,7 @@ NEW_TOKEN_TILE = 64
 CACHED_TILE, CACHED_CHUNK_TOKENS = 64, 128  # query tile, context tokens of the per-sequence cached read
 DECODE_CHUNK_TOKENS = 32  # context tokens a step of the per-token (decode) read: XLA:CPU favours short
 
-# (running max, running denominator, running numerator) per query token and head.
-_State = tuple[jax.Array, jax.Array, jax.Array]
+_State = tuple[jax.Array, jax.Array, jax.Array]  # (running max, denominator, numerator) per query token and head
 
 
 def _read_blocks(
@@ -49,7 +48,9 @@ def _read_blocks(
     blocks: jax.Array,  # [...] int32, block ids of `layer`
 ) -> jax.Array:  # [..., kv_heads, block_size, head_dim], float32
     """One gather of the given blocks of one layer (no copy of the layer's whole cache);
-    a quantized cache is dequantized as it is read."""
+    a quantized cache is dequantized as it is read, values in the keys are the keys' first dims."""
+    if isinstance(cache, ValuesInKeys):  # the same gather as the keys' (XLA reads the blocks once)
+        return _read_blocks(cache.keys, layer, blocks)[..., :cache.dims]
     if isinstance(cache, ScaledCache):
         return cache.values[layer, blocks].astype(jnp.float32) * cache.scales[layer, blocks][..., None]
     return cache[layer, blocks].astype(jnp.float32)
@@ -62,6 +63,8 @@ def _read_blocks_heads_major(
 ) -> jax.Array:  # [kv_heads, chunk, block_size, head_dim], float32
     """`_read_blocks` of one sequence's blocks, gathered with the KV head leading (the batch
     axis of the dots that consume them), so no transpose follows the gather."""
+    if isinstance(cache, ValuesInKeys):
+        return _read_blocks_heads_major(cache.keys, layer, blocks)[..., :cache.dims]
     idx = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), blocks.shape), blocks], axis=-1)
     dims = jax.lax.GatherDimensionNumbers(offset_dims=(0, 2, 3), collapsed_slice_dims=(0, 1), start_index_map=(0, 1))
 
@@ -378,7 +381,7 @@ def xla_paged_attention(
     k: jax.Array,  # [T, kv_heads, head_dim], this step's keys (already written to the cache)
     v: jax.Array,  # [T, kv_heads, head_dim]
     k_cache: jax.Array | ScaledCache,  # [num_layers, num_blocks, kv_heads, block_size, head_dim]
-    v_cache: jax.Array | ScaledCache,
+    v_cache: jax.Array | ScaledCache | ValuesInKeys,  # the same, or the keys' first dims (latent attention)
     layer: int | jax.Array,
     batch: StepInput,
     *,
@@ -390,7 +393,7 @@ def xla_paged_attention(
     cached_tile: int = CACHED_TILE,
     cached_chunk_tokens: int = CACHED_CHUNK_TOKENS,
     sinks: jax.Array | None = None,
-) -> jax.Array:  # [T, num_heads, head_dim], dtype of q
+) -> jax.Array:  # [T, num_heads, v's head_dim], dtype of q
     """`ragged_paged_attention` with the step's own tokens attended densely from k/v; only the
     context cached by earlier steps is read through the block tables (paged_attention's XLA path).
 
@@ -414,8 +417,6 @@ def xla_paged_attention(
     if num_heads % kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of kv_heads={kv_heads}")
     group = num_heads // kv_heads
-    num_seqs = batch.block_tables.shape[0]
-
     seq_of_token, is_real = _token_layout(batch, num_tokens)
     query_len = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
     seq_cached_len = batch.seq_lens - query_len  # [S], context written by earlier steps
@@ -423,11 +424,11 @@ def xla_paged_attention(
     seq_start = batch.query_start_loc[seq_of_token]
     q_pos = batch.positions
     qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, kv_heads, group, head_dim)
-    empty = _empty_state(num_tokens, kv_heads, group, head_dim)
+    empty = _empty_state(num_tokens, kv_heads, group, v.shape[-1])
     chunk = kv_chunk_blocks or max(1, DECODE_CHUNK_TOKENS // block_size)
 
     # Decodes (and whatever else is among the first S tokens): per token.
-    head = min(num_seqs, num_tokens)
+    head = min(batch.block_tables.shape[0], num_tokens)
     state = _paged_context(
         qg[:head], k_cache, v_cache, layer, batch.block_tables[seq_of_token[:head]], q_pos[:head],
         cached_len[:head], jax.tree.map(lambda x: x[:head], empty),

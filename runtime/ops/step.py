@@ -38,7 +38,7 @@ class KVCache:
     """
 
     k: jax.Array  # [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
-    v: jax.Array  # [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
+    v: jax.Array  # the same; empty, [num_layers, 0, kv_heads, block_size, 0], where values are in the keys
     # Which attention implementation reads and writes this cache ("xla" or "pallas", see
     # runtime.ops.attention.paged_attention): chosen once, when the cache is allocated, and
     # carried as static metadata so that a model's step function needs no setting of its own.
@@ -102,16 +102,26 @@ class KVCacheSpec:
     # What the cache stores: None (dtype itself), or a quantized dtype (jnp.int8,
     # jnp.float8_e4m3fn) with a float32 scale per token and head (runtime.ops.step.KVCache).
     cache_dtype: Any = None
+    # Multi-head latent attention (DeepSeek-V2/V3): each token's values are the first
+    # `value_dims` dims of its key (the compressed latent; the rest is the rotary part), so a
+    # block holds keys only and KVCache.v is empty. None: separate K and V of head_dim each.
+    value_dims: int | None = None
 
     @property
     def quantized(self) -> bool:
         return self.cache_dtype is not None
 
+    @property
+    def values_in_keys(self) -> bool:
+        return self.value_dims is not None
+
     def bytes_per_block(self, block_size: int) -> int:
-        """Bytes one block takes across all layers, K and V (and their scales, quantized)."""
+        """Bytes one block takes across all layers, K and V (and their scales, quantized);
+        keys only where the values are in the keys."""
         itemsize = np.dtype(self.cache_dtype if self.quantized else self.dtype).itemsize
         per_token_head = self.head_dim * itemsize + (4 if self.quantized else 0)
-        return 2 * self.num_layers * block_size * self.num_kv_heads * per_token_head
+        arrays = 1 if self.values_in_keys else 2
+        return arrays * self.num_layers * block_size * self.num_kv_heads * per_token_head
 
     def partition_spec(self, mesh: jax.sharding.Mesh) -> jax.sharding.PartitionSpec:
         """The PartitionSpec of one stacked cache array (KVCache.k or .v) under `mesh`:
@@ -205,17 +215,19 @@ def allocate_kv_cache(
     attention_backend: str = "xla",
 ) -> KVCache:
     """Zero-filled paged KV cache: K and V, each [num_layers, num_blocks, kv_heads, block_size, head_dim],
-    for the given attention backend (both backends read this one layout)."""
+    for the given attention backend (both backends read this one layout). Where the spec keeps
+    the values in the keys, V (and its scales) has no blocks: [num_layers, 0, kv_heads, block_size, 0]."""
     shape = (spec.num_layers, num_blocks, spec.num_kv_heads, block_size, spec.head_dim)
+    v_shape = (spec.num_layers, 0, spec.num_kv_heads, block_size, 0) if spec.values_in_keys else shape
     mesh = partition_spec = None
     if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
         mesh, partition_spec = sharding.mesh, sharding.spec
     stored = spec.cache_dtype if spec.quantized else spec.dtype
 
     def zeros() -> KVCache:
-        scale = (lambda: jnp.ones(shape[:-1], jnp.float32)) if spec.quantized else (lambda: None)  # noqa: E731
-        return KVCache(jnp.zeros(shape, stored), jnp.zeros(shape, stored), attention_backend=attention_backend,
-                       mesh=mesh, partition_spec=partition_spec, k_scale=scale(), v_scale=scale())
+        scale = (lambda s: jnp.ones(s[:-1], jnp.float32)) if spec.quantized else (lambda s: None)  # noqa: E731
+        return KVCache(jnp.zeros(shape, stored), jnp.zeros(v_shape, stored), attention_backend=attention_backend,
+                       mesh=mesh, partition_spec=partition_spec, k_scale=scale(shape), v_scale=scale(v_shape))
 
     if sharding is None:
         return jax.jit(zeros)()
