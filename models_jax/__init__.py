@@ -56,6 +56,10 @@ class ModelEntry:
             form); the runtime applies it where it runs its CPU kernels. None: never packed.
         pack_head: the params without their layers -> the same with the LM head packed
             likewise (prologue and epilogue read either form). None: never packed.
+        kv_spec: (args, dtype) -> runtime.ops.step.KVCacheSpec, what one block of the paged
+            cache holds where that is not K and V per KV head (multi-head latent attention keeps
+            one latent per token). None: K and V of num_kv_heads * kv_repeat heads of head_dim,
+            kv_repeat set from the mesh; with a spec of its own, a model replicates no KV heads.
     """
 
     architectures: tuple[str, ...]
@@ -67,3 +71,4 @@ class ModelEntry:
     fuse_layer: Callable[[dict], dict] | None = None
     pack_layer: Callable[[dict], dict] | None = None
     pack_head: Callable[..., dict] | None = None
+    kv_spec: Callable[[Any, Any], Any] | None = None

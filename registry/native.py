@@ -69,12 +69,15 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: 
         args = entry.config_from_hf(resolved.hf_config)
     except (ValueError, KeyError) as e:
         raise ModelLoadError(f"{resolved.model_id} ({resolved.architecture}): {e}") from e
-    args = dataclasses.replace(args, kv_repeat=kv_repeat(args.num_kv_heads, logical_axis_size("kv_heads", mesh)))
+    if entry.kv_spec is None:  # K and V per KV head, each stored often enough to split over the model axis
+        args = dataclasses.replace(args, kv_repeat=kv_repeat(args.num_kv_heads, logical_axis_size("kv_heads", mesh)))
+        kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads * args.kv_repeat, args.head_dim, dtype)
+    else:  # what the model says a block holds (a latent per token: whole on every device)
+        kv_spec = entry.kv_spec(args, dtype)
     args = _place_experts(args, mesh, expert_parallel, resolved)
     layers_as_list = layers_as_list and entry.stages is not None and not int8_groups
     params, shardings = load_params(resolved.path, entry.weight_table(args), mesh, dtype, int8_groups,
                                     per_layer=layers_as_list)
-    kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads * args.kv_repeat, args.head_dim, dtype)
     stages = None
     step_fn = functools.partial(entry.forward, args=args)
     if entry.stages is not None:
