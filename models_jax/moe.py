@@ -2,7 +2,12 @@
 
     router -> top-k experts per token -> the (token, expert) pairs sorted by expert
            -> grouped matmuls over each expert's own tokens only -> weighted sum per token
-    (+ a shared expert beside it, gated by a sigmoid, where the architecture has one)
+    (+ a shared expert beside it, gated by a sigmoid where the architecture gates it)
+
+The router's variants are read from the config (MoeConfig.routing): softmax then top-k
+(Mixtral, Qwen, DeepSeek-V2), top-k logits then softmax (gpt-oss), or sigmoid scores chosen
+with a correction bias that does not weight them (DeepSeek-V3); DeepSeek's choice may be
+limited to the best groups of experts, and its weights scaled by a constant.
 
 The grouped matmul multiplies each expert's weights by exactly the rows routed to it: the
 C++ kernel on packed weights on XLA:CPU (`runtime.ops.matmul.PackedExperts`), else
@@ -45,8 +50,14 @@ class MoeConfig:
         norm_topk_prob: renormalize the top-k probabilities to sum to 1 (Mixtral always does).
         shared_intermediate_size: a shared expert every token passes through (Qwen2-MoE), 0: none.
         shared_expert_gate: the shared expert's output is scaled by sigmoid(x @ gate).
-        routing: "softmax_topk" (softmax over all experts, then the top k: Mixtral, Qwen) or
-            "topk_softmax" (the top k logits, then a softmax over them: gpt-oss).
+        routing: "softmax_topk" (softmax over all experts, then the top k: Mixtral, Qwen,
+            DeepSeek-V2), "topk_softmax" (the top k logits, then a softmax over them: gpt-oss) or
+            "sigmoid_topk" (sigmoid scores; the top k of scores + p["correction_bias"], weighted by
+            the scores alone: DeepSeek-V3's e_score_correction_bias).
+        num_groups / topk_groups: DeepSeek's group-limited routing (n_group, topk_group): the
+            experts in num_groups equal groups, a token's k chosen among the topk_groups best
+            groups only; 1 / 1: no groups.
+        routed_scaling_factor: the routing weights are multiplied by it (DeepSeek).
         activation: "silu" (SwiGLU, gate and up side by side) or "clamped_swiglu" (gpt-oss: gate
             and up interleaved in one matrix, clamped at `swiglu_limit`, (up + 1) * gate * sigmoid(alpha gate)).
         expert_parallel: experts split over the model axis instead of their features.
@@ -60,6 +71,9 @@ class MoeConfig:
     shared_intermediate_size: int = 0
     shared_expert_gate: bool = False
     routing: str = "softmax_topk"
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
     activation: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
@@ -111,10 +125,33 @@ def route(x: jax.Array, p: dict, cfg: MoeConfig) -> tuple[jax.Array, jax.Array]:
     if cfg.routing == "topk_softmax":
         top, ids = jax.lax.top_k(logits.astype(x.dtype), cfg.top_k)
         return jax.nn.softmax(top, axis=-1), ids.astype(jnp.int32)
-    top, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.top_k)
+    scores = jax.nn.sigmoid(logits) if cfg.routing == "sigmoid_topk" else jax.nn.softmax(logits, axis=-1)  # [T, E]
+    choice = scores + p["correction_bias"].astype(jnp.float32) if "correction_bias" in p else scores
+    if cfg.num_groups > 1:
+        choice = best_groups_only(choice, cfg)
+    _, ids = jax.lax.top_k(choice, cfg.top_k)
+    top = jnp.take_along_axis(scores, ids, axis=-1)
     if cfg.norm_topk_prob:
-        top = top / jnp.sum(top, axis=-1, keepdims=True)
+        top = top / (jnp.sum(top, axis=-1, keepdims=True) + 1e-20)  # (sigmoid scores of k experts may all be ~0)
+    if cfg.routed_scaling_factor != 1.0:
+        top = top * cfg.routed_scaling_factor
     return top.astype(x.dtype), ids.astype(jnp.int32)
+
+
+def best_groups_only(choice: jax.Array, cfg: MoeConfig) -> jax.Array:
+    """DeepSeek's group-limited routing: `choice` [T, E] with -inf outside each token's
+    cfg.topk_groups best groups (of cfg.num_groups equal groups of experts). A group ranks by its
+    best expert under softmax scores (DeepSeek-V2's group_limited_greedy), by the sum of its
+    best two under sigmoid scores (V3)."""
+    t, e = choice.shape
+    grouped = choice.reshape(t, cfg.num_groups, e // cfg.num_groups)
+    if cfg.routing == "sigmoid_topk":
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
+    else:
+        group_scores = jnp.max(grouped, axis=-1)
+    _, best = jax.lax.top_k(group_scores, cfg.topk_groups)  # [T, topk_groups]
+    kept = jnp.any(best[:, :, None] == jnp.arange(cfg.num_groups), axis=1)  # [T, G]
+    return jnp.where(jnp.repeat(kept, e // cfg.num_groups, axis=1), choice, -jnp.inf)
 
 
 def grouped_matmul(x: jax.Array, w: Any, group_sizes: jax.Array) -> jax.Array:
@@ -201,7 +238,7 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, cf
 def moe_block(x: jax.Array, p: dict, cfg: MoeConfig, num_tokens: jax.Array, shared_mlp=None) -> jax.Array:
     """The MoE feed-forward of a layer: routed experts, plus the shared expert where there is one.
 
-    x: [T, D]; p: {"router", ("router_bias"), "experts", ("down_bias"), ("shared_gate")};
+    x: [T, D]; p: {"router", ("router_bias"), ("correction_bias"), "experts", ("down_bias"), ("shared_gate")};
     shared_mlp: x -> the shared expert's [T, D] output (a dense gated MLP), or None. Returns
     [T, D] in x's dtype."""
     weights, ids = route(x, p, cfg)
