@@ -53,6 +53,14 @@ _LLAMA_LIKE = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, **_COMMON,
 )
+_DEEPSEEK = dict(
+    hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3, first_k_dense_replace=1,
+    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=1024,
+    rms_norm_eps=1e-6, **_COMMON,
+)
+_DEEPSEEK_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256,
+                      beta_fast=32.0, beta_slow=1.0)
 TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # name: (transformers config class, kwargs)
     "llama": ("LlamaConfig", dict(_LLAMA_LIKE, rope_theta=10000.0)),
@@ -97,6 +105,16 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(
         _LLAMA_LIKE, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         norm_topk_prob=True, decoder_sparse_step=1,
+    )),
+    # DeepSeek-V2 (V2-Lite's plain q projection) and V3 (q_lora_rank): latent attention, YaRN with
+    # DeepSeek's mscale, one dense layer then MoE layers with shared experts and group-limited routing.
+    "deepseek_v2": ("DeepseekV2Config", dict(
+        _DEEPSEEK, q_lora_rank=None, n_shared_experts=2, topk_method="group_limited_greedy",
+        routed_scaling_factor=1.5, rope_parameters=dict(_DEEPSEEK_YARN, mscale=0.707, mscale_all_dim=0.707),
+    )),
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        _DEEPSEEK, q_lora_rank=48, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_parameters=dict(_DEEPSEEK_YARN, mscale=0.9, mscale_all_dim=1.0),
     )),
 }
 

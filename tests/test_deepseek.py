@@ -1,0 +1,244 @@
+"""Native DeepSeek-V2 and DeepSeek-V3 against transformers: latent attention over a paged cache
+that keeps one latent per token, DeepSeek's routing and shared experts, dense first layers.
+
+Greedy tokens identical to transformers' and prompt logprobs within 1e-4, through the engine:
+chunked prefill, prefix-cache hits, preemption; the cache's bytes per token against full
+per-head K/V; tensor and expert parallelism on fake devices give one device's tokens.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import hf_greedy, hf_logits, hf_model
+
+DEEPSEEK = ["deepseek_v2", "deepseek_v3"]
+NEW_TOKENS = 16
+# 6 and 23 tokens, and one of 70 longer than the 32-token step budget (chunked prefill).
+PROMPTS = [[random.Random(n).randrange(4, 500) for _ in range(n)] for n in (6, 23, 70)]
+ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=96, block_size=8,
+              show_progress=False)
+
+
+@pytest.fixture(scope="module", params=DEEPSEEK)
+def deepseek_model(request, tiny_checkpoint):
+    from app import LLM
+
+    name = request.param
+    llm = LLM(f"servax-tiny/{name}", **ENGINE)
+    yield name, llm, tiny_checkpoint(name)
+    llm.shutdown()
+
+
+def greedy(max_tokens: int = NEW_TOKENS, **kw):
+    from app import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def full_kv_bytes_per_token(cfg, itemsize: int) -> int:
+    """What a cache of every head's keys (nope + rope dims) and values would take per token."""
+    head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
+    return cfg.num_hidden_layers * cfg.num_attention_heads * head * itemsize
+
+
+def test_deepseek_runs_natively_on_a_latent_cache(deepseek_model):
+    name, llm, _ = deepseek_model
+    cfg = llm.engine.model.hf_config
+    assert llm.engine.model.impl == "jax"
+    cache = llm.engine.programs.kv_cache
+    assert cache.k.shape[2:] == (1, 8, cfg.kv_lora_rank + cfg.qk_rope_head_dim)  # one latent "head" per token
+    assert cache.v.size == 0  # the values are the latent's first kv_lora_rank dims
+    assert llm.engine.plan.kv_spec.value_dims == cfg.kv_lora_rank
+    assert llm.engine.plan.attention_backend == "xla"  # the kernels read separate values
+
+
+def test_values_in_keys_attend_as_the_keys_first_dims():
+    """paged_attention with value_dims over a latent cache equals dense causal attention whose
+    values are the keys' first dims: a prompt in two chunks (the second reads the first from the
+    cache, per token and per sequence), then a decode."""
+    import jax.numpy as jnp
+
+    from runtime.ops.attention import paged_attention
+    from runtime.ops.step import KVCacheSpec, allocate_kv_cache, make_step_input
+
+    rng = np.random.default_rng(0)
+    heads, dims, value_dims, block_size, n = 4, 12, 8, 4, 11
+    q = rng.standard_normal((n, heads, dims)).astype(np.float32)
+    k = rng.standard_normal((n, 1, dims)).astype(np.float32)
+    cache = allocate_kv_cache(KVCacheSpec(2, 1, dims, jnp.float32, value_dims=value_dims), 8, block_size)
+    table = [3, 5, 6, 0]
+    outs = []
+    for start, end in ((0, 6), (6, 10), (10, 11)):
+        t = end - start
+        batch = make_step_input(
+            input_ids=np.full(t, 7), positions=np.arange(start, end),
+            slot_mapping=np.array([table[p // block_size] * block_size + p % block_size for p in range(start, end)]),
+            block_tables=np.array([table]), seq_lens=np.array([end]), query_start_loc=np.array([0, t]),
+            logits_indices=np.array([t - 1]), num_seqs=1, num_tokens=t,
+        )
+        out, cache = paged_attention(q[start:end], k[start:end], None, cache, batch, layer=1, scale=0.3,
+                                     value_dims=value_dims)
+        outs.append(np.asarray(out))
+    want = []
+    for i in range(n):
+        s = 0.3 * q[i] @ k[: i + 1, 0].T  # [H, i + 1]
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want.append((p / p.sum(-1, keepdims=True)) @ k[: i + 1, 0, :value_dims])
+    np.testing.assert_allclose(np.concatenate(outs), np.stack(want), atol=1e-5)
+    assert cache.v.size == 0 and np.abs(np.asarray(cache.k[0])).max() == 0  # layer 0 untouched
+
+
+def test_latent_cache_bytes_per_token_against_full_kv(deepseek_model):
+    """The allocated cache per token slot is the latent alone; on the tiny model a quarter of
+    per-head K/V, on DeepSeek-V3's own dimensions (61 layers, 128 heads) under 1/70."""
+    import jax.numpy as jnp
+    from transformers import DeepseekV3Config
+
+    from models_jax.deepseek import DeepseekArgs, kv_spec
+
+    name, llm, _ = deepseek_model
+    cfg = llm.engine.model.hf_config
+    cache = llm.engine.programs.kv_cache
+    slots = cache.k.shape[1] * cache.k.shape[3]
+    latent = (cache.k.nbytes + cache.v.nbytes) / slots
+    assert latent == cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    assert latent == llm.engine.plan.kv_spec.bytes_per_block(8) / 8
+    assert latent / full_kv_bytes_per_token(cfg, 4) == 0.25
+
+    v3 = DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"])
+    per_token = kv_spec(DeepseekArgs.from_hf(v3), jnp.bfloat16).bytes_per_block(1)
+    assert per_token == 61 * 576 * 2
+    assert per_token / full_kv_bytes_per_token(v3, 2) < 1 / 70
+
+
+def test_deepseek_greedy_tokens_match_transformers(deepseek_model):
+    """Batched, with the 70-token prompt prefilled in chunks of the 32-token budget."""
+    name, llm, path = deepseek_model
+    hf = hf_model(path)
+    want = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
+    assert tokens(llm.generate(PROMPTS, greedy())) == want
+    assert llm.engine.stats().compilations_since_warmup == 0
+
+
+def test_deepseek_prompt_logprobs_match_transformers(deepseek_model):
+    name, llm, path = deepseek_model
+    prompt = PROMPTS[2]
+    out = llm.generate([prompt], greedy(max_tokens=1, prompt_logprobs=0))[0]
+    ref = hf_logits(hf_model(path), prompt)
+    ref = ref - np.log(np.exp(ref - ref.max(-1, keepdims=True)).sum(-1, keepdims=True)) - ref.max(-1, keepdims=True)
+    ours = [entry[prompt[i]].logprob for i, entry in enumerate(out.prompt_logprobs) if entry is not None]
+    want = [ref[i - 1, prompt[i]] for i in range(1, len(prompt))]
+    np.testing.assert_allclose(ours, want, atol=1e-4)
+
+
+def test_deepseek_prefix_hits_keep_their_tokens(deepseek_model):
+    name, llm, _ = deepseek_model
+    first = llm.generate([PROMPTS[2]], greedy())[0]
+    again = llm.generate([PROMPTS[2]], greedy())[0]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_deepseek_preemption_recomputes_the_same_tokens(tiny_checkpoint):
+    """A latent cache too small for every sequence at once: requests are preempted and recomputed."""
+    from app import LLM
+
+    path = tiny_checkpoint("deepseek_v3")
+    want = [hf_greedy(hf_model(path), p, 24) for p in PROMPTS]
+    llm = LLM("servax-tiny/deepseek_v3", **{**ENGINE, "max_model_len": 128, "num_kv_blocks": 24})
+    try:
+        assert tokens(llm.generate(PROMPTS * 2, greedy(max_tokens=24))) == want * 2
+        assert llm.engine.stats().num_preemptions > 0
+    finally:
+        llm.shutdown()
+
+
+def test_v3_correction_bias_chooses_experts_but_does_not_weight_them(tiny_checkpoint, tmp_path):
+    """A V3 checkpoint with non-zero e_score_correction_bias (transformers initialises it to
+    zeros): the tokens still equal transformers', and differ from the unbiased model's."""
+    import torch
+
+    from app import LLM
+
+    path = tiny_checkpoint("deepseek_v3")
+    hf = hf_model(path)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in hf.model.layers[hf.config.first_k_dense_replace:]:
+            bias = layer.mlp.gate.e_score_correction_bias
+            bias.copy_(torch.randn(bias.shape, generator=generator) * 0.5)
+    biased = tmp_path / "biased"
+    shutil.copytree(path, biased)
+    hf.save_pretrained(biased)
+    want = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
+    llm = LLM(str(biased), **ENGINE)
+    try:
+        got = tokens(llm.generate(PROMPTS, greedy()))
+    finally:
+        llm.shutdown()
+    assert got == want
+    assert got != [hf_greedy(hf_model(path), p, NEW_TOKENS) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("name", DEEPSEEK)
+def test_router_matches_transformers(name, tiny_checkpoint):
+    """DeepSeek's routers alone: the same experts and weights as transformers' for random tokens
+    (V2 group-limited greedy over softmax scores; V3 sigmoid scores, a random correction bias,
+    groups ranked by their best two, renormalized, scaled)."""
+    import jax.numpy as jnp
+    import torch
+
+    from models_jax.deepseek import DeepseekArgs
+    from models_jax.moe import route
+
+    hf = hf_model(tiny_checkpoint(name))
+    router = hf.model.layers[1].mlp.gate
+    generator = torch.Generator().manual_seed(1)
+    params = {"router": jnp.asarray(router.weight.detach().numpy().T)}
+    if name == "deepseek_v3":
+        with torch.no_grad():
+            router.e_score_correction_bias.copy_(torch.randn(router.e_score_correction_bias.shape,
+                                                             generator=generator) * 0.5)
+        params["correction_bias"] = jnp.asarray(router.e_score_correction_bias.numpy())
+    x = torch.randn(32, hf.config.hidden_size, generator=generator)
+    with torch.no_grad():
+        _, want_weights, want_ids = router(x)
+    weights, ids = route(jnp.asarray(x.numpy()), params, DeepseekArgs.from_hf(hf.config).moe)
+    order, want_order = np.argsort(np.asarray(ids), -1), np.argsort(want_ids.numpy(), -1)
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(ids), order, -1),
+                                  np.take_along_axis(want_ids.numpy(), want_order, -1))
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, -1),
+                               np.take_along_axis(want_weights.numpy(), want_order, -1), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_deepseek_tensor_and_expert_parallel_match_one_device(servax_cache):
+    """Tensor parallel 2 (heads, kv_b, MLP features and expert features split; the latent cache
+    whole on each device) and expert parallel 2 give one device's greedy tokens."""
+    from test_spmd import run_worker
+
+    params = {"kv_b": "layers.kv_b", "gate": "layers.mlp.experts.gate"}
+    runs = run_worker(dict(model_impl="jax", runs=[
+        dict(model="servax-tiny/deepseek_v3", name="v3", tp=[1, 2], params=params),
+        dict(model="servax-tiny/deepseek_v3", name="v3-ep", tp=[2], params=params,
+             engine=dict(enable_expert_parallel=True)),
+        dict(model="servax-tiny/deepseek_v2", name="v2", tp=[1, 2]),
+    ]), servax_cache)
+    for key, ref in [(("v3", 2), "v3"), (("v3-ep", 2), "v3"), (("v2", 2), "v2")]:
+        run, ref = runs[key], runs[(ref, 1)]
+        for field in ("batched", "alone", "pair"):
+            assert run[field] == ref[field], f"{key}: {field}"
+        assert run["compilations_since_warmup"] == 0
+    tp = runs[("v3", 2)]
+    assert tp["kv"]["shard_shape"] == tp["kv"]["shape"]  # one latent head: replicated, not split
+    assert tp["params"]["kv_b"]["shard_shape"] == [2, 32, 2, 32]  # [layers, r, heads / 2, nope + v]
+    assert tp["params"]["gate"]["shard_shape"] == [2, 8, 64, 16]  # every expert, half its features
+    assert runs[("v3-ep", 2)]["params"]["gate"]["shard_shape"] == [2, 4, 64, 32]  # half the experts, whole
