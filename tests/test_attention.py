@@ -325,6 +325,7 @@ def test_write_kv_fills_slots_and_drops_padding():
     assert float(jnp.abs(new_k).sum()) == float(jnp.abs(k[:2]).sum())
 
 
+@pytest.mark.slow
 def test_prefill_then_decode_through_cache_equals_one_prefill():
     """A sequence prefilled in two chunks then decoded sees the same context as one prefill."""
     rng = np.random.default_rng(7)

@@ -51,6 +51,7 @@ async def stream_tokens(client: httpx.AsyncClient, prompt: list[int]) -> str:
     return text
 
 
+@pytest.mark.slow
 def test_256_concurrent_streams_under_preemption_equal_the_engine_and_leak_nothing(served):
     url, engine = served
     # The same weights and buckets with room for every sequence: no preemption there.
@@ -79,6 +80,7 @@ def test_256_concurrent_streams_under_preemption_equal_the_engine_and_leak_nothi
     assert memory[2] - memory[1] < 64, memory  # flat once warm (allocator noise aside)
 
 
+@pytest.mark.slow
 def test_200_random_disconnects_free_every_block(served):
     url, engine = served
     rng = random.Random(7)

@@ -278,6 +278,7 @@ applications:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.cluster
 def test_ray_serve_llm_yaml_with_lora_config_serves_base_colon_adapter_on_two_replicas(adapters, tmp_path_factory):
     """Ray Serve LLM's lora_config: "<model_id>:<adapter>" loads the adapter folder on demand on

@@ -69,6 +69,7 @@ def test_kernel_long_chunks_and_prefix_hits_with_traced_window(specs, window):
     np.testing.assert_allclose(got[:n], want[:n], atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_kernel_runs_per_shard_on_a_mesh_of_fake_devices():
     """Under tensor parallelism each device attends with its own KV heads (shard_map): the
     result equals the XLA backend's on the same sharded cache."""
@@ -92,6 +93,7 @@ def test_backend_resolution():
 PROMPTS = [[(7 * i + 3) % 500 + 4 for i in range(n)] for n in (40, 5, 17, 2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["servax-tiny/llama", "servax-tiny/mistral", "servax-tiny/gpt2"])
 def test_greedy_tokens_equal_xla_end_to_end(model, servax_cache):
     """The engine with attention_backend="pallas" (interpreted) gives the XLA backend's tokens:

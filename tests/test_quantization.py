@@ -83,6 +83,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_int8_under_tensor_parallelism_gives_the_same_tokens(tiny_checkpoint, tmp_path):
     """Per-channel int8 and GGUF's Q8_0 kept as int8 (scales per 32 inputs), each at tp=1 and tp=2."""
     from test_gguf import write_gguf
@@ -182,6 +183,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_int8_and_q8_0_experts_give_the_same_tokens_under_tensor_and_expert_parallelism(tiny_checkpoint, tmp_path):
     """int8 Qwen3-MoE and a Q8_0 Qwen2-MoE GGUF (quantization=gguf): one device, the experts' features
     split over 2 devices, and whole experts per device (enable_expert_parallel) give the same tokens."""

@@ -78,6 +78,7 @@ def run(tmp_path_factory):
         yield served
 
 
+@pytest.mark.slow
 @pytest.mark.cluster
 def test_prefix_router_raises_the_hit_rate_of_multi_turn_chats(run):
     from conftest import openai_client
@@ -183,6 +184,7 @@ def _running_replicas(deployment: str) -> int:
     return 0
 
 
+@pytest.mark.slow
 @pytest.mark.cluster
 def test_autoscaling_adds_a_replica_under_load_and_gives_it_back(run):
     """autoscaling_config on ongoing requests: 8 clients in a closed loop against a target of 2
