@@ -102,11 +102,14 @@ class OpenAIServing:
                 return
             last = {}
             text_offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+            finished: set[int] = set()  # choices whose finish_reason was sent: nothing more of them
             async for i, out in outputs:
                 last[i] = out
                 choices = []
                 for c in out.outputs:
                     index = i * n + c.index
+                    if index in finished:
+                        continue
                     text, logprobs = c.delta_text or "", None
                     if request.logprobs is not None and c.delta_logprobs:
                         logprobs = self._completion_logprobs(c.delta_token_ids, c.delta_logprobs, request.logprobs)
@@ -123,8 +126,10 @@ class OpenAIServing:
                     if text or c.finish_reason is not None or logprobs is not None:
                         choices.append(dict(index=index, text=text, logprobs=logprobs and logprobs.model_dump(),
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-                if choices:
-                    yield {**chunk, "choices": choices, **({"usage": None} if request.include_usage else {})}
+                        if c.finish_reason is not None:
+                            finished.add(index)
+                for choice in choices:  # one choice a chunk, as vLLM streams them
+                    yield {**chunk, "choices": [choice], **({"usage": None} if request.include_usage else {})}
             if request.include_usage:
                 yield {**chunk, "choices": [], "usage": _usage(last.values()).model_dump(exclude_none=True)}
 
@@ -223,11 +228,14 @@ class OpenAIServing:
                 return
             usage_field = {"usage": None} if request.include_usage else {}
             started: set[int] = set()
+            finished: set[int] = set()  # choices whose finish_reason was sent: nothing more of them
             tool_streams: dict[int, ToolCallStream] = {}
             out = None
             async for _, out in outputs:
                 choices = []
                 for c in out.outputs:
+                    if c.index in finished:
+                        continue
                     finish_reason = c.finish_reason
                     if tool_parser is not None:
                         stream = tool_streams.setdefault(c.index, ToolCallStream(tool_parser, request.parallel_tool_calls))
@@ -245,8 +253,10 @@ class OpenAIServing:
                     choices.append(ChatChunkChoice(
                         index=c.index, delta=delta, finish_reason=finish_reason,
                         logprobs=self._chat_logprobs(c.delta_token_ids, c.delta_logprobs, request)))
-                if choices:
-                    body = ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices)
+                    if c.finish_reason is not None:
+                        finished.add(c.index)
+                for choice in choices:  # one choice a chunk, as vLLM streams them
+                    body = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])
                     yield {**body.model_dump(exclude_none=True), **usage_field}
             if request.include_usage:
                 yield {**ChatCompletionChunk(id=request_id, created=created, model=model,

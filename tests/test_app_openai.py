@@ -208,6 +208,29 @@ def test_streaming_chat_sse_shape(http):
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_streaming_n_choices_sends_each_choice_in_its_own_chunks_and_finishes_it_once(client, route):
+    """n=3 streamed as vLLM streams it: one choice per chunk, each choice's finish_reason exactly once
+    (not again in every later chunk), the texts those of the same seeded request unstreamed."""
+    args = dict(model=MODEL, max_tokens=8, n=3, temperature=0.9, seed=11, extra_body={"ignore_eos": True})
+    if route == "completions":
+        full = client.completions.create(prompt="Once upon", **args)
+        chunks = list(client.completions.create(prompt="Once upon", stream=True, **args))
+        pieces = [(c.choices[0].index, c.choices[0].text, c.choices[0].finish_reason) for c in chunks]
+        want = {c.index: c.text for c in full.choices}
+    else:
+        messages = [{"role": "user", "content": "Hi"}]
+        full = client.chat.completions.create(messages=messages, **args)
+        chunks = list(client.chat.completions.create(messages=messages, stream=True, **args))
+        pieces = [(c.choices[0].index, c.choices[0].delta.content or "", c.choices[0].finish_reason) for c in chunks]
+        want = {c.index: c.message.content for c in full.choices}
+    assert all(len(c.choices) == 1 for c in chunks)
+    finishes = [(i, reason) for i, _, reason in pieces if reason is not None]
+    assert sorted(finishes) == [(0, "length"), (1, "length"), (2, "length")]
+    texts = {i: "".join(t for j, t, _ in pieces if j == i) for i in range(3)}
+    assert texts == want
+
+
 def test_health(base_url):
     r = httpx.get(base_url + "/health")
     assert r.status_code == 200 and r.json()["models"] == {MODEL: "ok", SMALL: "ok"}
