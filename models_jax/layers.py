@@ -195,12 +195,14 @@ def project_from_heads(x: jax.Array, w: Any, b: jax.Array | None = None, rows: j
     return y if b is None else y + b
 
 
-def gated_mlp(x: jax.Array, p: dict, lora: Any = None, rows: jax.Array | None = None) -> jax.Array:
+def gated_mlp(x: jax.Array, p: dict, lora: Any = None, rows: jax.Array | None = None,
+              activation: Any = jax.nn.silu) -> jax.Array:
     """SwiGLU: down(silu(gate(x)) * up(x)). x: [T, D]; p: gate/up [D, F] (or gate_up [D, 2F]),
     down [F, D] (joined ones also as runtime.ops.matmul.PackedWeight), optional biases.
 
     lora: a LoRA delta function (name, input) -> [T, out] or None (see lora_delta).
     rows: see `matmul`.
+    activation: applied to the gate (`gelu_tanh` makes it Gemma's GeGLU).
     """
     if "gate_up" in p:  # gate and up joined side by side: [D, 2F]
         gate_up = matmul(x, p["gate_up"], rows)
@@ -212,11 +214,16 @@ def gated_mlp(x: jax.Array, p: dict, lora: Any = None, rows: jax.Array | None = 
             gate, up = gate + p["gate_bias"], up + p["up_bias"]
     if lora is not None:
         gate, up = add_delta(gate, lora("gate_proj", x)), add_delta(up, lora("up_proj", x))
-    h = jax.nn.silu(gate) * up
+    h = activation(gate) * up
     y = matmul(h, p["down"], rows)
     if lora is not None:
         y = add_delta(y, lora("down_proj", h))
     return y + p["down_bias"] if "down_bias" in p else y
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """GELU with the tanh approximation (transformers' "gelu_pytorch_tanh")."""
+    return jax.nn.gelu(x, approximate=True)
 
 
 def add_delta(y: jax.Array, delta: jax.Array | None) -> jax.Array:

@@ -271,11 +271,17 @@ def prologue(params: dict, batch: StepInput, *, args: LlamaArgs) -> tuple[jax.Ar
         else:
             x = embed[batch.input_ids]  # [T, D]
     with jax.named_scope("rope"):
-        tok = jnp.arange(batch.input_ids.shape[0])
-        seq = jnp.searchsorted(batch.query_start_loc[1:], tok, side="right")
-        seq = jnp.minimum(seq, batch.seq_lens.shape[0] - 1)  # [T], padding tokens -> last slot
-        cos, sin = layers.rope_cos_sin(args.rope, batch.positions, batch.seq_lens[seq])  # [T, hd]
+        cos, sin = layers.rope_cos_sin(args.rope, batch.positions, token_seq_lens(batch))  # [T, hd]
     return x, cos, sin
+
+
+def token_seq_lens(batch: StepInput) -> jax.Array:
+    """The context length of each token's sequence: [T] int32 (padding tokens read the last
+    sequence slot's), which dynamic NTK rotary tables grow with."""
+    tok = jnp.arange(batch.input_ids.shape[0])
+    seq = jnp.searchsorted(batch.query_start_loc[1:], tok, side="right")
+    seq = jnp.minimum(seq, batch.seq_lens.shape[0] - 1)  # [T]
+    return batch.seq_lens[seq]
 
 
 def decoder_layer(
@@ -293,12 +299,18 @@ def epilogue(params: dict, carry: tuple, batch: StepInput, *, args: LlamaArgs) -
     x = carry[0]
     with jax.named_scope("lm_head"):
         x = layers.rms_norm(x[batch.logits_indices], params["final_norm"], args.rms_norm_eps)  # [S, D]
-        head = params["embed"] if args.tie_word_embeddings else params["lm_head"]
-        if isinstance(head, PackedWeight):  # pack_head; rows past the real sequences get zeros
-            return head.matmul(x, batch.num_seqs)
-        if args.tie_word_embeddings:
-            return jnp.einsum("sd,vd->sv", x, params["embed"], preferred_element_type=jnp.float32)
-        return jnp.einsum("sd,dv->sv", x, params["lm_head"], preferred_element_type=jnp.float32)
+        return lm_head(params, x, batch, tied=args.tie_word_embeddings)
+
+
+def lm_head(params: dict, x: jax.Array, batch: StepInput, *, tied: bool) -> jax.Array:
+    """x [S, D] (normed) through the LM head: "lm_head" [D, vocab], or with `tied` the embedding
+    [vocab, D] (either possibly packed by pack_head) -> logits [S, vocab] float32."""
+    head = params["embed"] if tied else params["lm_head"]
+    if isinstance(head, PackedWeight):  # pack_head; rows past the real sequences get zeros
+        return head.matmul(x, batch.num_seqs)
+    if tied:
+        return jnp.einsum("sd,vd->sv", x, head, preferred_element_type=jnp.float32)
+    return jnp.einsum("sd,dv->sv", x, head, preferred_element_type=jnp.float32)
 
 
 def pack_layer(p: dict) -> dict:
@@ -332,13 +344,15 @@ def pack_head(params: dict, *, args: LlamaArgs) -> dict:
 
 
 def forward(params: dict, kv_cache: KVCache, batch: StepInput, *, args: Any,
-            layer_fn: Any = None) -> tuple[jax.Array, KVCache]:
+            layer_fn: Any = None, prologue_fn: Any = None, epilogue_fn: Any = None) -> tuple[jax.Array, KVCache]:
     """One serving step. Returns (logits [S, vocab] float32, the updated kv_cache).
 
     layer_fn: the decoder layer stage (default this module's `decoder_layer`); the models built
-    on this decoder pass theirs (functools.partial) and share the prologue, scan and epilogue."""
-    layer_fn = layer_fn or decoder_layer
-    carry = prologue(params, batch, args=args)
+    on this decoder pass theirs (functools.partial) and share the prologue, scan and epilogue.
+    prologue_fn, epilogue_fn: the other two stages, for models that differ there too (default
+    this module's `prologue` and `epilogue`)."""
+    layer_fn, prologue_fn, epilogue_fn = layer_fn or decoder_layer, prologue_fn or prologue, epilogue_fn or epilogue
+    carry = prologue_fn(params, batch, args=args)
 
     def one_layer(state, per_layer):
         carry, kv_cache = state
@@ -348,7 +362,7 @@ def forward(params: dict, kv_cache: KVCache, batch: StepInput, *, args: Any,
     with jax.named_scope("layers"):
         per_layer = (params["layers"], jnp.arange(args.num_layers, dtype=jnp.int32))
         (carry, kv_cache), _ = jax.lax.scan(one_layer, (carry, kv_cache), per_layer)
-    return epilogue(params, carry, batch, args=args), kv_cache
+    return epilogue_fn(params, carry, batch, args=args), kv_cache
 
 
 def lora_targets(a: LlamaArgs) -> dict[str, LoRATarget]:

@@ -102,6 +102,21 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, original_max_position_embeddings=256,
                              beta_fast=32.0, beta_slow=1.0, truncate=False),
     )),
+    # Gemma 2: soft-capped attention and final logits, 8-token windows on layers 0 and 2, a
+    # query_pre_attn_scalar other than head_dim, the LM head tied to the embedding.
+    "gemma2": ("Gemma2Config", dict(
+        _LLAMA_LIKE, num_hidden_layers=3, head_dim=16, tie_word_embeddings=True, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], query_pre_attn_scalar=24,
+        attn_logit_softcapping=5.0, final_logit_softcapping=5.0,
+    )),
+    # Gemma 3: QK-norm, sliding layers with their own rope base, global ones with linear scaling.
+    "gemma3": ("Gemma3TextConfig", dict(
+        _LLAMA_LIKE, num_hidden_layers=4, head_dim=16, tie_word_embeddings=True, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=24,
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                         "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1000000.0)},
+    )),
     "qwen3_moe": ("Qwen3MoeConfig", dict(
         _LLAMA_LIKE, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         norm_topk_prob=True, decoder_sparse_step=1,
