@@ -4,7 +4,8 @@ Greedy tokens identical to transformers' and prompt logprobs within 1e-4, throug
 (the CPU attention kernel, layers stepped and packed): prompts longer than the 8-token sliding
 window and one longer than the 32-token step budget (chunked prefill), prefix-cache hits and
 preemption; the scanned step on the XLA attention path matches transformers' logits at every
-decode step; tensor parallel 2 and 4 on fake devices give one device's tokens.
+decode step; a bfloat16 load agrees with transformers' bfloat16; tensor parallel 2 and 4 on
+fake devices give one device's tokens.
 Gemma 2 soft-caps attention and final logits; Gemma 3 has QK-norm and a rope base per layer type.
 """
 
@@ -136,6 +137,26 @@ def test_gemma_scanned_step_on_xla_attention_matches_transformers_logits(name, t
     assert got == hf_greedy(hf, prompt, 24)
     ref = hf_logits(hf, prompt + got[:-1])[len(prompt) - 1:]
     np.testing.assert_allclose(logits, ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", GEMMA)
+def test_gemma_bfloat16_agrees_with_transformers_bfloat16(name, tiny_checkpoint):
+    """A bfloat16 load (the embedding scale rounded to bfloat16, norms scaled in float32, as
+    transformers does): the same next token as transformers' bfloat16 model for at least 3 of 4
+    prompts, logits within bfloat16 noise."""
+    import registry
+
+    path = tiny_checkpoint(name)
+    loaded = registry.load(str(path), model_impl="jax", dtype="bfloat16")
+    runner = PagedRunner(loaded, pad_tokens=32, pad_seqs=1)
+    hf = hf_model(path, "bfloat16")
+    agree = 0
+    for seq, n in enumerate((6, 11, 17, 23)):
+        prompt = [random.Random(100 + n).randrange(4, 500) for _ in range(n)]
+        ours, ref = runner.run([(seq, 0, prompt)])[0], hf_logits(hf, prompt)[-1]
+        assert np.abs(ours - ref).max() < 0.25
+        agree += int(ours.argmax() == ref.argmax())
+    assert agree >= 3
 
 
 def test_gemma_bidirectional_attention_is_refused(tmp_path):
