@@ -26,8 +26,8 @@ activations other than gelu_pytorch_tanh. Gemma3ForConditionalGeneration (the mu
 back to torchax. LoRA adapters are not served on these models.
 
 Gemma 4 (`Gemma4ForCausalLM`, transformers' gemma4_text) is not declared: it routes to
-torchax (declaring it would send every released Gemma 4 checkpoint into a refusal, since each
-has the first part below). What its text model adds, and why each part is not served here:
+torchax, which refuses it for the first reason below (its layers' KV shapes differ; the tiny
+`servax-tiny/gemma4` is shaped so). What its text model adds, and why each part is not served:
 - global layers with their own head size (`global_head_dim`, 512 where sliding layers have 256
   by default) and, with `attention_k_eq_v`, their own KV head count
   (`num_global_key_value_heads`): the paged cache has one head size and head count for all

@@ -117,6 +117,14 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
                          "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1000000.0)},
     )),
+    # Gemma 4 (text) as released checkpoints are shaped: global layers with a larger head (32
+    # here, 16 on sliding layers) and per-layer input embeddings. Neither path serves it yet (the
+    # KV cache has one head shape for all layers); see models_jax/gemma.py.
+    "gemma4": ("Gemma4TextConfig", dict(
+        _LLAMA_LIKE, num_hidden_layers=4, head_dim=16, global_head_dim=32, tie_word_embeddings=True,
+        sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        vocab_size_per_layer_input=VOCAB_SIZE, hidden_size_per_layer_input=8,
+    )),
     "qwen3_moe": ("Qwen3MoeConfig", dict(
         _LLAMA_LIKE, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         norm_topk_prob=True, decoder_sparse_step=1,
