@@ -222,21 +222,25 @@ def test_router_matches_transformers(name, tiny_checkpoint):
 @pytest.mark.slow
 def test_deepseek_tensor_and_expert_parallel_match_one_device(servax_cache):
     """Tensor parallel 2 (heads, kv_b, MLP features and expert features split; the latent cache
-    whole on each device) and expert parallel 2 give one device's greedy tokens."""
+    whole on each device) and expert parallel 2 give one device's greedy tokens. Programs compile
+    on first use (enforce_eager): the buckets of five engines would not compile within the
+    worker's time on a small machine; the one-device tests count compilations after warmup."""
     from test_spmd import run_worker
 
     params = {"kv_b": "layers.kv_b", "gate": "layers.mlp.experts.gate"}
+    eager = dict(enforce_eager=True)
     runs = run_worker(dict(model_impl="jax", runs=[
-        dict(model="servax-tiny/deepseek_v3", name="v3", tp=[1, 2], params=params),
+        dict(model="servax-tiny/deepseek_v3", name="v3", tp=[1, 2], params=params, engine=eager),
         dict(model="servax-tiny/deepseek_v3", name="v3-ep", tp=[2], params=params,
-             engine=dict(enable_expert_parallel=True)),
-        dict(model="servax-tiny/deepseek_v2", name="v2", tp=[1, 2]),
+             engine=dict(eager, enable_expert_parallel=True)),
     ]), servax_cache)
+    runs.update(run_worker(dict(model_impl="jax", runs=[
+        dict(model="servax-tiny/deepseek_v2", name="v2", tp=[1, 2], engine=eager),
+    ]), servax_cache))
     for key, ref in [(("v3", 2), "v3"), (("v3-ep", 2), "v3"), (("v2", 2), "v2")]:
         run, ref = runs[key], runs[(ref, 1)]
         for field in ("batched", "alone", "pair"):
             assert run[field] == ref[field], f"{key}: {field}"
-        assert run["compilations_since_warmup"] == 0
     tp = runs[("v3", 2)]
     assert tp["kv"]["shard_shape"] == tp["kv"]["shape"]  # one latent head: replicated, not split
     assert tp["params"]["kv_b"]["shard_shape"] == [2, 32, 2, 32]  # [layers, r, heads / 2, nope + v]
