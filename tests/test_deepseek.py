@@ -161,6 +161,26 @@ def test_deepseek_preemption_recomputes_the_same_tokens(tiny_checkpoint):
         llm.shutdown()
 
 
+def test_an_int8_latent_cache_keeps_one_scale_per_token(deepseek_model):
+    """kv_cache_dtype='int8' on a latent cache: int8 latents with a float32 scale per token and
+    layer (no values, no value scales), served on the XLA path. Its tokens are not compared: the
+    tiny models' random weights turn int8 rounding into other greedy picks within a few tokens."""
+    from app import LLM
+
+    name, llm, _ = deepseek_model
+    cfg = llm.engine.model.hf_config
+    quantized = LLM(f"servax-tiny/{name}", **ENGINE, kv_cache_dtype="int8")
+    try:
+        cache = quantized.engine.programs.kv_cache
+        assert cache.k.dtype == np.int8 and cache.v.size == 0 and cache.v_scale.size == 0
+        per_token = cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim + 4)
+        assert quantized.engine.plan.kv_spec.bytes_per_block(8) == 8 * per_token
+        assert [len(t) for t in tokens(quantized.generate(PROMPTS, greedy(max_tokens=8)))] == [8] * len(PROMPTS)
+        assert quantized.engine.stats().compilations_since_warmup == 0
+    finally:
+        quantized.shutdown()
+
+
 def test_v3_correction_bias_chooses_experts_but_does_not_weight_them(tiny_checkpoint, tmp_path):
     """A V3 checkpoint with non-zero e_score_correction_bias (transformers initialises it to
     zeros): the tokens still equal transformers', and differ from the unbiased model's."""
