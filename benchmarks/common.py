@@ -36,6 +36,21 @@ BENCH_MODELS = {
         head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=True,
         max_position_embeddings=2048, initializer_range=0.05,
     )),
+    # Gemma 3 shaped like the released 270M (4 heads of 256, 1 KV head, five sliding layers to one
+    # global) at 8 layers, with 128-token windows that the workload's prompts outgrow.
+    "bench/gemma3": ("gemma3", dict(
+        hidden_size=640, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=256, sliding_window=128, query_pre_attn_scalar=256, max_position_embeddings=2048,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2,
+        initializer_range=0.05,
+    )),
+    # DeepSeek-V2-Lite shaped (latent attention, plain q projection, 2 shared experts) at 6 layers.
+    "bench/deepseek-v2-lite": ("deepseek_v2", dict(
+        hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=6,
+        num_attention_heads=8, num_key_value_heads=8, n_routed_experts=32, num_experts_per_tok=4, n_group=1,
+        topk_group=1, topk_method="greedy", kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
+        v_head_dim=64, max_position_embeddings=2048, initializer_range=0.05,
+    )),
 }
 
 
