@@ -10,13 +10,14 @@ import dataclasses
 import gc
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import httpx
 import jax
@@ -378,3 +379,37 @@ class PagedRunner:
             logits.append(self.run([(seq, len(prompt) + len(tokens) - 1, [tokens[-1]])])[0])
             tokens.append(pick(logits[-1]))
         return tokens, np.stack(logits)
+
+
+# ---- a native model through the engine against transformers (test_moe, test_gemma, test_deepseek) ----
+
+NEW_TOKENS = 16
+# 6 and 23 tokens, and one of 70 longer than the 32-token step budget (prefilled in chunks); ids 4..499
+# hold no special token that transformers' generate would mask.
+ENGINE_PROMPTS = [[random.Random(n).randrange(4, 500) for _ in range(n)] for n in (6, 23, 70)]
+SMALL_ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=96, block_size=8,
+                    show_progress=False)
+
+
+@contextlib.contextmanager
+def tiny_llm(name: str, **settings) -> Iterator[Any]:
+    """`app.LLM` of `servax-tiny/<name>` with SMALL_ENGINE's settings (and `settings`), shut down after."""
+    from app import LLM
+
+    llm = LLM(f"servax-tiny/{name}", **{**SMALL_ENGINE, **settings})
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+
+
+def greedy(max_tokens: int = NEW_TOKENS, **kw):
+    """Greedy sampling of exactly `max_tokens` tokens (EOS ignored)."""
+    from app import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def output_tokens(outs) -> list[list[int]]:
+    """The first completion's token ids of each RequestOutput."""
+    return [o.outputs[0].token_ids for o in outs]

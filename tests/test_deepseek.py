@@ -8,40 +8,23 @@ per-head K/V; tensor and expert parallelism on fake devices give one device's to
 
 from __future__ import annotations
 
-import random
 import shutil
 
 import numpy as np
 import pytest
 
-from conftest import hf_greedy, hf_logits, hf_model
+from conftest import (
+    ENGINE_PROMPTS as PROMPTS, greedy, hf_greedy, hf_logits, hf_model, NEW_TOKENS,
+    output_tokens as tokens, SMALL_ENGINE as ENGINE, tiny_llm,
+)
 
 DEEPSEEK = ["deepseek_v2", "deepseek_v3"]
-NEW_TOKENS = 16
-# 6 and 23 tokens, and one of 70 longer than the 32-token step budget (chunked prefill).
-PROMPTS = [[random.Random(n).randrange(4, 500) for _ in range(n)] for n in (6, 23, 70)]
-ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=96, block_size=8,
-              show_progress=False)
 
 
 @pytest.fixture(scope="module", params=DEEPSEEK)
 def deepseek_model(request, tiny_checkpoint):
-    from app import LLM
-
-    name = request.param
-    llm = LLM(f"servax-tiny/{name}", **ENGINE)
-    yield name, llm, tiny_checkpoint(name)
-    llm.shutdown()
-
-
-def greedy(max_tokens: int = NEW_TOKENS, **kw):
-    from app import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
+    with tiny_llm(request.param) as llm:
+        yield request.param, llm, tiny_checkpoint(request.param)
 
 
 def full_kv_bytes_per_token(cfg, itemsize: int) -> int:

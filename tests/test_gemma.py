@@ -17,36 +17,19 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import PagedRunner, hf_greedy, hf_logits, hf_model
+from conftest import (
+    ENGINE_PROMPTS as PROMPTS, greedy, hf_greedy, hf_logits, hf_model, NEW_TOKENS,
+    output_tokens as tokens, PagedRunner, SMALL_ENGINE as ENGINE, tiny_llm,
+)
 
 GEMMA = ["gemma2", "gemma3"]
 ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
-NEW_TOKENS = 16
-# 6, 23 and 70 tokens (ids 4..499: no special token the reference would mask); the window is 8
-# and the step budget 32, so the longest prompt is prefilled in three chunks.
-PROMPTS = [[random.Random(n).randrange(4, 500) for _ in range(n)] for n in (6, 23, 70)]
-ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=96, block_size=8,
-              show_progress=False)
 
 
 @pytest.fixture(scope="module", params=GEMMA)
 def gemma_model(request, tiny_checkpoint):
-    from app import LLM
-
-    name = request.param
-    llm = LLM(f"servax-tiny/{name}", **ENGINE)
-    yield name, llm, tiny_checkpoint(name)
-    llm.shutdown()
-
-
-def greedy(max_tokens: int = NEW_TOKENS, **kw):
-    from app import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
+    with tiny_llm(request.param) as llm:
+        yield request.param, llm, tiny_checkpoint(request.param)
 
 
 def test_gemma_configs_mix_sliding_and_global_layers(tiny_checkpoint):
