@@ -413,3 +413,9 @@ def greedy(max_tokens: int = NEW_TOKENS, **kw):
 def output_tokens(outs) -> list[list[int]]:
     """The first completion's token ids of each RequestOutput."""
     return [o.outputs[0].token_ids for o in outs]
+
+
+def quick_loop_keeps(names: list[str], kept: str) -> list:
+    """`names` as pytest params where only `kept` runs in the quick loop (`-m "not slow"`): one model
+    per family there, every one of them in CI."""
+    return [pytest.param(name, marks=() if name == kept else pytest.mark.slow) for name in names]

@@ -15,13 +15,13 @@ import pytest
 
 from conftest import (
     ENGINE_PROMPTS as PROMPTS, greedy, hf_greedy, hf_logits, hf_model, NEW_TOKENS,
-    output_tokens as tokens, SMALL_ENGINE as ENGINE, tiny_llm,
+    output_tokens as tokens, quick_loop_keeps, SMALL_ENGINE as ENGINE, tiny_llm,
 )
 
 DEEPSEEK = ["deepseek_v2", "deepseek_v3"]
 
 
-@pytest.fixture(scope="module", params=DEEPSEEK)
+@pytest.fixture(scope="module", params=quick_loop_keeps(DEEPSEEK, "deepseek_v3"))
 def deepseek_model(request, tiny_checkpoint):
     with tiny_llm(request.param) as llm:
         yield request.param, llm, tiny_checkpoint(request.param)
@@ -191,7 +191,7 @@ def test_v3_correction_bias_chooses_experts_but_does_not_weight_them(tiny_checkp
     assert got != [hf_greedy(hf_model(path), p, NEW_TOKENS) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("name", DEEPSEEK)
+@pytest.mark.parametrize("name", quick_loop_keeps(DEEPSEEK, "deepseek_v3"))
 def test_router_matches_transformers(name, tiny_checkpoint):
     """DeepSeek's routers alone: the same experts and weights as transformers' for random tokens
     (V2 group-limited greedy over softmax scores; V3 sigmoid scores, a random correction bias,

@@ -19,14 +19,14 @@ import pytest
 
 from conftest import (
     ENGINE_PROMPTS as PROMPTS, greedy, hf_greedy, hf_logits, hf_model, NEW_TOKENS,
-    output_tokens as tokens, PagedRunner, SMALL_ENGINE as ENGINE, tiny_llm,
+    output_tokens as tokens, quick_loop_keeps, PagedRunner, SMALL_ENGINE as ENGINE, tiny_llm,
 )
 
 GEMMA = ["gemma2", "gemma3"]
 ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 
-@pytest.fixture(scope="module", params=GEMMA)
+@pytest.fixture(scope="module", params=quick_loop_keeps(GEMMA, "gemma3"))
 def gemma_model(request, tiny_checkpoint):
     with tiny_llm(request.param) as llm:
         yield request.param, llm, tiny_checkpoint(request.param)
@@ -104,7 +104,7 @@ def test_gemma_preemption_recomputes_the_same_tokens(tiny_checkpoint):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("name", GEMMA)
+@pytest.mark.parametrize("name", quick_loop_keeps(GEMMA, "gemma3"))
 def test_gemma_scanned_step_on_xla_attention_matches_transformers_logits(name, tiny_checkpoint):
     """The whole step (layers under one scan) over a shuffled paged cache on the XLA attention
     path: every decode step's logits within 1e-4 of transformers' on the full sequence, and
@@ -122,7 +122,7 @@ def test_gemma_scanned_step_on_xla_attention_matches_transformers_logits(name, t
     np.testing.assert_allclose(logits, ref, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", GEMMA)
+@pytest.mark.parametrize("name", quick_loop_keeps(GEMMA, "gemma3"))
 def test_gemma_bfloat16_agrees_with_transformers_bfloat16(name, tiny_checkpoint):
     """A bfloat16 load (the embedding scale rounded to bfloat16, norms scaled in float32, as
     transformers does): the same next token as transformers' bfloat16 model for at least 3 of 4

@@ -12,13 +12,13 @@ import pytest
 
 from conftest import (
     ENGINE_PROMPTS as PROMPTS, greedy, hf_greedy, hf_logits, hf_model, NEW_TOKENS,
-    output_tokens as tokens, SMALL_ENGINE as ENGINE, tiny_llm,
+    output_tokens as tokens, quick_loop_keeps, SMALL_ENGINE as ENGINE, tiny_llm,
 )
 
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]  # gpt_oss: sinks, windows of 8 tokens, YaRN
 
 
-@pytest.fixture(scope="module", params=MOE)
+@pytest.fixture(scope="module", params=quick_loop_keeps(MOE, "qwen3_moe"))
 def moe_model(request, tiny_checkpoint):
     with tiny_llm(request.param) as llm:
         yield request.param, llm, tiny_checkpoint(request.param)
