@@ -24,7 +24,6 @@ import jax
 from models_jax import ModelEntry, layers, llama, moe
 from models_jax.llama_moe import pack_layer
 from models_jax.weights import WeightSpec, linear, vector, zeros
-from runtime.ops.attention import paged_attention
 from runtime.ops.step import KVCache, StepInput
 
 
@@ -71,33 +70,14 @@ def weight_table(a: GptOssArgs) -> dict:
     return llama.weight_table(a, layer)
 
 
-def attention_block(x: jax.Array, p: dict, kv_cache: KVCache, i: jax.Array, batch: StepInput, cos: jax.Array,
-                    sin: jax.Array, a: GptOssArgs, window) -> tuple[jax.Array, KVCache]:
-    """q/k/v with biases, YaRN rope, paged attention with the layer's sinks, o with its bias."""
-    with jax.named_scope("qkv"):
-        if "qkv" in p:  # joined by fuse_layer
-            kv_heads = a.num_kv_heads * a.kv_repeat
-            q, k, v = layers.project_to_joined_heads(x, p["qkv"], p.get("qkv_bias"),
-                                                     (a.num_heads, kv_heads, kv_heads), a.head_dim, batch.num_tokens)
-        else:
-            q = layers.project_to_heads(x, p["q"], p.get("q_bias"))
-            k = layers.project_to_heads(x, p["k"], p.get("k_bias"))
-            v = layers.project_to_heads(x, p["v"], p.get("v_bias"))
-        q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
-    with jax.named_scope("paged_attention"):
-        out, kv_cache = paged_attention(q, k, v, kv_cache, batch, layer=i, scale=a.head_dim**-0.5,
-                                        sliding_window=window, sinks=p["sinks"])
-    with jax.named_scope("o"):
-        return layers.project_from_heads(out, p["o"], p.get("o_bias"), batch.num_tokens), kv_cache
-
-
 def decoder_layer(p: dict, carry: tuple, kv_cache: KVCache, i: jax.Array, batch: StepInput, *,
                   args: GptOssArgs) -> tuple[tuple, KVCache]:
     """Decoder layer `i`: attention with sinks, then the MoE block."""
     x, cos, sin = carry
     window, windows = llama.layer_windows(args)
     h = layers.rms_norm(x, p["input_norm"], args.rms_norm_eps)
-    h, kv_cache = attention_block(h, p, kv_cache, i, batch, cos, sin, args, window if windows is None else windows[i])
+    h, kv_cache = llama.attention_block(h, p, kv_cache, i, batch, cos, sin, args,
+                                        window if windows is None else windows[i])
     x = x + h
     with jax.named_scope("moe"):
         x = x + moe.moe_block(layers.rms_norm(x, p["post_attn_norm"], args.rms_norm_eps), p["mlp"], args.moe,

@@ -179,8 +179,8 @@ def attention_block(
             k = layers.rms_norm(k, p["k_norm"], a.rms_norm_eps)
         q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
     with jax.named_scope("paged_attention"):
-        out, kv_cache = paged_attention(
-            q, k, v, kv_cache, batch, layer=i, scale=a.head_dim**-0.5, sliding_window=window
+        out, kv_cache = paged_attention(  # "sinks": gpt-oss's per-head sink logits (models_jax/gpt_oss.py)
+            q, k, v, kv_cache, batch, layer=i, scale=a.head_dim**-0.5, sliding_window=window, sinks=p.get("sinks"),
         )
     with jax.named_scope("o"):
         y = layers.project_from_heads(out, p["o"], p.get("o_bias"), batch.num_tokens)
