@@ -21,10 +21,10 @@ from typing import Any
 
 import jax
 
-from models_jax import ModelEntry, layers, llama, moe
+from models_jax import ModelEntry, llama, moe
+from models_jax import llama_moe
 from models_jax.llama_moe import pack_layer
 from models_jax.weights import WeightSpec, linear, vector, zeros
-from runtime.ops.step import KVCache, StepInput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,22 +70,9 @@ def weight_table(a: GptOssArgs) -> dict:
     return llama.weight_table(a, layer)
 
 
-def decoder_layer(p: dict, carry: tuple, kv_cache: KVCache, i: jax.Array, batch: StepInput, *,
-                  args: GptOssArgs) -> tuple[tuple, KVCache]:
-    """Decoder layer `i`: attention with sinks, then the MoE block."""
-    x, cos, sin = carry
-    window, windows = llama.layer_windows(args)
-    h = layers.rms_norm(x, p["input_norm"], args.rms_norm_eps)
-    h, kv_cache = llama.attention_block(h, p, kv_cache, i, batch, cos, sin, args,
-                                        window if windows is None else windows[i])
-    x = x + h
-    with jax.named_scope("moe"):
-        x = x + moe.moe_block(layers.rms_norm(x, p["post_attn_norm"], args.rms_norm_eps), p["mlp"], args.moe,
-                              batch.num_tokens)
-    return (x, cos, sin), kv_cache
-
-
-# One serving step: the Llama family's prologue, these decoder layers under a scan, its epilogue.
+# The MoE Llama decoder layer serves gpt-oss as it is: attention (with the layer's sinks), then the MoE
+# block (no shared expert); the Llama family's prologue and epilogue around it.
+decoder_layer = llama_moe.decoder_layer
 forward = functools.partial(llama.forward, layer_fn=decoder_layer)
 
 
