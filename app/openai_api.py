@@ -24,7 +24,7 @@ from app.openai_requests import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice, TokenizeRequest,
 )
 from app.openai_responses import (
-    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta, ChatLogprobs,
+    ChatChoice, ChatChunkChoice, ChatCompletionResponse, ChatDelta, ChatLogprobs,
     ChatResponseMessage, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse, ErrorResponse,
     TopLogprob, UsageInfo, error_response, new_id,
 )
@@ -98,7 +98,7 @@ class OpenAIServing:
                            for i in range(len(prompts)) for c in last[i].outputs]
                 yield CompletionResponse(id=request_id, created=chunk["created"], model=model,
                                          choices=sorted(choices, key=lambda c: c.index),
-                                         usage=_usage(last.values())).model_dump(exclude_none=True)
+                                         usage=_usage(last.values())).model_dump()
                 return
             last = {}
             text_offsets: dict[int, int] = {}  # choice index -> text offset of its next token
@@ -125,7 +125,8 @@ class OpenAIServing:
                     text_offsets[index] = offset
                     if text or c.finish_reason is not None or logprobs is not None:
                         choices.append(dict(index=index, text=text, logprobs=logprobs and logprobs.model_dump(),
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                            prompt_token_ids=None, token_ids=None))
                         if c.finish_reason is not None:
                             finished.add(index)
                 for choice in choices:  # one choice a chunk, as vLLM streams them
@@ -208,6 +209,7 @@ class OpenAIServing:
             yield err
             return
         created = int(time.time())
+        chunk = dict(id=request_id, object="chat.completion.chunk", created=created, model=model)
         async with aclosing(outputs):
             if not request.stream:
                 out = None
@@ -224,7 +226,7 @@ class OpenAIServing:
                                               logprobs=self._chat_logprobs(c.token_ids, c.logprobs, request),
                                               stop_reason=c.stop_reason))
                 yield ChatCompletionResponse(id=request_id, created=created, model=model,
-                                             choices=choices, usage=_usage([out])).model_dump(exclude_none=True)
+                                             choices=choices, usage=_usage([out])).model_dump()
                 return
             usage_field = {"usage": None} if request.include_usage else {}
             started: set[int] = set()
@@ -250,18 +252,15 @@ class OpenAIServing:
                         delta.content = echo + (delta.content or "")
                     elif not delta.content and not delta.tool_calls and c.finish_reason is None:
                         continue
-                    choices.append(ChatChunkChoice(
-                        index=c.index, delta=delta, finish_reason=finish_reason,
-                        logprobs=self._chat_logprobs(c.delta_token_ids, c.delta_logprobs, request)))
+                    choice = ChatChunkChoice(index=c.index, delta=delta, finish_reason=finish_reason,
+                                             logprobs=self._chat_logprobs(c.delta_token_ids, c.delta_logprobs, request))
+                    choices.append(choice.body(c.stop_reason))
                     if c.finish_reason is not None:
                         finished.add(c.index)
                 for choice in choices:  # one choice a chunk, as vLLM streams them
-                    body = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])
-                    yield {**body.model_dump(exclude_none=True), **usage_field}
+                    yield {**chunk, "choices": [choice], **usage_field}
             if request.include_usage:
-                yield {**ChatCompletionChunk(id=request_id, created=created, model=model,
-                                             choices=[]).model_dump(exclude_none=True),
-                       "usage": _usage([out]).model_dump(exclude_none=True)}
+                yield {**chunk, "choices": [], "usage": _usage([out]).model_dump(exclude_none=True)}
 
     def _tool_parser(self, request: ChatCompletionRequest) -> ToolParser | None:
         """How tool calls are read from this request's reply; None when it has no tools to call.
@@ -302,10 +301,8 @@ class OpenAIServing:
                            .input_ids)
         except InvalidRequestError as e:
             return error_response(e)
-        body: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
-        if request.return_token_strs:
-            body["token_strs"] = processor.tokenizer.convert_ids_to_tokens(ids)
-        return body
+        strs = processor.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
     def detokenize(self, request: DetokenizeRequest) -> dict[str, Any] | ErrorResponse:
         """{prompt}: the text of token ids."""

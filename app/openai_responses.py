@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_serializer
 
 from runtime.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, PromptTooLongError
 
@@ -24,6 +24,19 @@ class UsageInfo(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: dict[str, int] | None = None
+    completion_tokens_details: dict[str, int] | None = None
+
+
+class PromptLogprob(BaseModel):
+    """One token's entry in vLLM's `prompt_logprobs` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt position, token id -> its logprob (None for the first token).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class CompletionLogprobs(BaseModel):
@@ -33,12 +46,20 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+# Bodies are sent with every field, null ones included, as vLLM sends them (clients read
+# `prompt_logprobs`, `token_ids`, ... without checking that the key exists); the fields vLLM
+# has and servax never fills (service_tier, kv_transfer_params, ...) are there as null too.
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    routed_experts: str | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -47,7 +68,12 @@ class CompletionResponse(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -67,7 +93,19 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    refusal: str | None = None
+    annotations: Any = None
+    audio: Any = None
+    function_call: Any = None
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's: {id, type: function, function: {name, arguments}}
+    reasoning: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _no_empty_tool_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)  # as vLLM: tool_calls only when there are some
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatDelta(BaseModel):
@@ -82,6 +120,8 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    routed_experts: str | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -89,6 +129,15 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+    def body(self, stop_reason: int | str | None = None) -> dict[str, Any]:
+        """The chunk's choice as vLLM streams it: the delta without its unset fields, the other
+        fields even when null, and stop_reason on the choice's last chunk only."""
+        data = {**self.model_dump(exclude={"delta"}), "delta": self.delta.model_dump(exclude_none=True)}
+        if self.finish_reason is not None:
+            data["stop_reason"] = stop_reason
+        return data
 
 
 class ChatCompletionResponse(BaseModel):
@@ -97,16 +146,15 @@ class ChatCompletionResponse(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
     usage: UsageInfo | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
 
 
 class ModelCard(BaseModel):

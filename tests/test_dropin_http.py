@@ -1,0 +1,118 @@
+"""Drop-in over HTTP: what code written against `vllm serve` reads from servax's answers.
+
+The expected shapes are vLLM 0.32's (vllm/entrypoints/openai/*/protocol.py and the serving
+modules): bodies carry their null fields, prompt logprobs and token ids come back where vLLM
+puts them, and streams report usage as vLLM's stream_options ask. One server for the module:
+the tiny Llama behind the real ingress on a local port (Serve's local testing mode).
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from conftest import assert_openai_error, local_llm_servers, openai_api_server, openai_client, sse_events
+
+MODEL = "dropin-tiny"
+VOCAB = 512  # servax-tiny/llama's
+ENGINE = dict(model_impl="jax", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=128, num_kv_blocks=128,
+              show_progress=False)
+GREEDY = dict(temperature=0, ignore_eos=True)
+MESSAGES = [{"role": "user", "content": "Hello there"}]
+
+# The keys vLLM 0.32 always sends (its response models dumped with their None fields).
+VLLM_COMPLETION_KEYS = {"id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
+                        "kv_transfer_params", "ec_transfer_params", "metrics"}
+VLLM_COMPLETION_CHOICE_KEYS = {"index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids",
+                               "prompt_logprobs", "prompt_token_ids", "routed_experts"}
+VLLM_COMPLETION_CHUNK_CHOICE_KEYS = {"index", "text", "logprobs", "finish_reason", "stop_reason", "prompt_token_ids",
+                                     "token_ids"}
+VLLM_CHAT_KEYS = {"id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
+                  "prompt_logprobs", "prompt_token_ids", "prompt_text", "kv_transfer_params", "ec_transfer_params",
+                  "metrics"}
+VLLM_CHAT_CHOICE_KEYS = {"index", "message", "logprobs", "finish_reason", "stop_reason", "token_ids", "routed_experts"}
+VLLM_CHAT_MESSAGE_KEYS = {"role", "content", "refusal", "annotations", "audio", "function_call", "reasoning"}
+VLLM_CHAT_CHUNK_CHOICE_KEYS = {"index", "delta", "logprobs", "finish_reason", "token_ids"}
+VLLM_TOKENIZE_KEYS = {"count", "max_model_len", "tokens", "token_strs"}
+
+
+@pytest.fixture(scope="module")
+def base_url(servax_cache):
+    with local_llm_servers([{"model_loading_config": {"model_id": MODEL, "model_source": "servax-tiny/llama"},
+                             "engine_kwargs": ENGINE}]) as handles, openai_api_server(handles) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        yield client
+
+
+def complete(http, **body) -> dict:
+    r = http.post("/v1/completions", json={"model": MODEL, "max_tokens": 4, **GREEDY, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def chat(http, **body) -> dict:
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **GREEDY, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(http, route: str, **body) -> list[dict]:
+    base = {"model": MODEL, "max_tokens": 4, "stream": True, **GREEDY}
+    base.update({"prompt": "Hello"} if route == "completions" else {"messages": MESSAGES})
+    with http.stream("POST", f"/v1/{route}", json={**base, **body}) as r:
+        assert r.status_code == 200, r.read()
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    return events[:-1]
+
+
+# ---- 1. the null fields vLLM always sends ---------------------------------------------
+
+def test_completion_body_has_every_field_vllm_sends_null_ones_included(http):
+    body = complete(http, prompt="Hello")
+    assert set(body) == VLLM_COMPLETION_KEYS
+    (choice,) = body["choices"]
+    assert set(choice) == VLLM_COMPLETION_CHOICE_KEYS
+    assert choice["prompt_logprobs"] is None and choice["prompt_token_ids"] is None and choice["token_ids"] is None
+    assert choice["logprobs"] is None and body["system_fingerprint"] is None
+
+
+def test_chat_body_has_every_field_vllm_sends_null_ones_included(http):
+    body = chat(http)
+    assert set(body) == VLLM_CHAT_KEYS
+    (choice,) = body["choices"]
+    assert set(choice) == VLLM_CHAT_CHOICE_KEYS
+    assert set(choice["message"]) == VLLM_CHAT_MESSAGE_KEYS  # tool_calls only when there are some
+    assert body["prompt_logprobs"] is None and body["prompt_token_ids"] is None and choice["token_ids"] is None
+
+
+def test_stream_chunks_carry_vllms_choice_fields(http):
+    for chunk in stream(http, "completions"):
+        (choice,) = chunk["choices"]
+        assert set(choice) == VLLM_COMPLETION_CHUNK_CHOICE_KEYS
+    chunks = stream(http, "chat/completions")
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        finished = choice["finish_reason"] is not None
+        assert set(choice) == VLLM_CHAT_CHUNK_CHOICE_KEYS | ({"stop_reason"} if finished else set())
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_tokenize_sends_token_strs_null_unless_asked(http):
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": "Hello there"})
+    assert r.status_code == 200 and set(r.json()) == VLLM_TOKENIZE_KEYS and r.json()["token_strs"] is None
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": "Hello there", "return_token_strs": True})
+    assert len(r.json()["token_strs"]) == r.json()["count"]
+
+
+def test_openai_client_reads_the_bodies(base_url):
+    client = openai_client(base_url)
+    completion = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    assert completion.choices[0].model_extra["prompt_logprobs"] is None
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0)
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.refusal is None
