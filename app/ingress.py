@@ -18,6 +18,7 @@ import logging
 import re
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -58,7 +59,8 @@ MAX_REQUEST_BODY_BYTES = 16 * 2**20
 # (what RAY_SERVE_THROUGHPUT_OPTIMIZED sets for every handle); a Ray without it keeps the default.
 STREAM_OPTIONS = ({"stream": True, "_by_reference": False}
                   if "_by_reference" in inspect.signature(DeploymentHandle.options).parameters else {"stream": True})
-# Lists the request fields servax did not know and ignored (vLLM only logs them).
+# Lists the request fields servax did not know and ignored (vLLM only logs them), each
+# percent-encoded: a field's name is the client's, and a header holds only latin-1 text.
 IGNORED_FIELDS_HEADER = "x-servax-ignored-fields"
 
 
@@ -203,7 +205,7 @@ class OpenAIRouter:
         """Call LLMServer.<method>(body) and turn what it yields into the HTTP response."""
         handle, lora = self.route(body.model)
         ignored = body.ignored_fields
-        headers = {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {}
+        headers = {IGNORED_FIELDS_HEADER: ",".join(quote(name, safe="_-.") for name in ignored)} if ignored else {}
         if ignored:
             logger.warning("The following fields were present in the request but ignored: %s", ignored)
         gen = getattr(handle.options(**STREAM_OPTIONS), method).remote(body, lora)

@@ -248,13 +248,38 @@ class CompletionRequest(_Request):
         return kwargs
 
 
+class ContentPart(BaseModel):
+    """A part of a message's content (the engine takes text parts and says so of others)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI's JSON text; an object is taken too
+
+
+class ToolCallParam(BaseModel):
+    """An assistant message's earlier tool call, as OpenAI's clients send it back."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
-    """One chat message; extra keys (tool_calls, tool_call_id, ...) reach the chat template."""
+    """One chat message; its known keys are type-checked here, other keys reach the chat template."""
 
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_Request):

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import assert_openai_error, local_llm_server, local_llm_servers, openai_api_server, wait_idle
+from conftest import (assert_openai_error, local_llm_server, local_llm_servers, openai_api_server, quick_loop_keeps,
+                      wait_idle)
 
 MODEL = "fuzz-tiny"
 ENGINE = dict(model_impl="jax", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=128, num_kv_blocks=64,
@@ -81,7 +83,9 @@ def test_invalid_utf8_is_400(http):
     ("logit_bias", {"999999999": 5}), ("logit_bias", {"1": float("nan")}), ("stop", [""] * 3),
     ("stop_token_ids", [-1]), ("allowed_token_ids", [10**12]), ("prompt", [-1, 5]), ("prompt", [VOCAB, 1]),
     ("prompt", [2**40]), ("prompt", [[1, 2], [VOCAB + 3]]), ("prompt", ""), ("prompt", []), ("prompt", {"a": 1}),
-    ("prompt", 3.5), ("model", ["a"]), ("stream", [1]), ("echo", [1]), ("max_tokens", "ten"),
+    ("prompt", 3.5), ("prompt", [1, "a"]), ("prompt", ["a", {"x": 1}]), ("prompt", [[1, 2], ["a"]]),
+    ("prompt", [[1, 2], None]), ("stop_token_ids", ["a", 1]), ("stop", ["a", 1]), ("bad_words", ["a", [1]]),
+    ("model", ["a"]), ("stream", [1]), ("echo", [1]), ("max_tokens", "ten"),
     ("stream_options", {"include_usage": True}), ("response_format", {"type": "xml"}),
     ("structured_outputs", {"regex": "("}), ("guided_json", "{not json"), ("min_tokens", 10**9),
 ])
@@ -94,13 +98,23 @@ def test_impossible_completion_values_are_400(http, field, value):
 
 def test_impossible_chat_values_are_400(http):
     for messages in ([], [{"role": "wizard", "content": "hi"}], [{"content": "hi"}], "hi", [{"role": "user", "content": 5}],
-                     [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]):
+                     [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                     [{"role": "user", "content": [1, "a"]}], [{"role": "user", "content": [{"type": "text", "text": [1]}]}],
+                     [{"role": "assistant", "content": "x", "tool_calls": [1, "a"]}],
+                     [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": 1}}]}],
+                     [{"role": "tool", "content": "x", "tool_call_id": ["a"]}]):
         assert_openai_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages}), 400)
     base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     for extra in ({"top_logprobs": 10**6, "logprobs": True}, {"max_completion_tokens": -4}, {"tool_choice": "required"},
                   {"tools": [{"type": "function", "function": {"name": ""}}]}, {"n": -1}):
         assert_openai_error(http.post("/v1/chat/completions", json={**base, **extra}), 400)
     assert_still_serving(http)
+
+
+def test_unknown_fields_of_any_name_are_ignored_and_listed_percent_encoded(http):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "é\n字": 1, "ok_name": 2})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-servax-ignored-fields"] == "ok_name,%C3%A9%0A%E5%AD%97"
 
 
 # -- property-based fuzz ------------------------------------------------------------------
@@ -110,10 +124,15 @@ _SCALARS = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**70, max
 _VALUES = st.recursive(_SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                          st.dictionaries(st.text(max_size=8), inner, max_size=4)),
                        max_leaves=12)
+# Lists whose items mix types where a field expects one type throughout ([1, "a"], [[1], {}], ...).
+_MIXED = st.lists(st.one_of(st.integers(-3, VOCAB + 3), st.text(max_size=8), st.lists(st.integers(0, VOCAB), max_size=3),
+                            st.dictionaries(st.text(max_size=4), _SCALARS, max_size=2), st.floats(), st.booleans(),
+                            st.none()), min_size=1, max_size=5)
 _SAMPLING_FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos",
                     "min_tokens", "stream", "stream_options", "user", "response_format", "structured_outputs",
-                    "allowed_token_ids", "bad_words", "skip_special_tokens", "no_such_field"]
+                    "allowed_token_ids", "bad_words", "skip_special_tokens", "prompt_logprobs", "return_token_ids",
+                    "truncate_prompt_tokens", "no_such_field"]
 # Values near the edge of valid for the fields that take numbers, so the fuzz also reaches the engine.
 _NEAR_VALID = {
     "max_tokens": st.integers(-2, 200), "temperature": st.floats(-1, 3), "top_p": st.floats(-0.5, 1.5),
@@ -121,12 +140,13 @@ _NEAR_VALID = {
     "seed": st.integers(-2**64, 2**64), "stop_token_ids": st.lists(st.integers(-2, VOCAB + 2), max_size=3),
     "logit_bias": st.dictionaries(st.integers(-2, VOCAB + 2).map(str), st.floats(-200, 200), max_size=3),
     "stream": st.booleans(), "ignore_eos": st.booleans(), "min_tokens": st.integers(-1, 300),
-    "allowed_token_ids": st.lists(st.integers(-1, VOCAB + 1), max_size=3),
+    "allowed_token_ids": st.lists(st.integers(-1, VOCAB + 1), max_size=3), "prompt_logprobs": st.integers(-2, 30),
+    "return_token_ids": st.booleans(), "truncate_prompt_tokens": st.integers(-2, 200),
 }
 
 
 def _field_value(name: str):
-    return st.one_of(_NEAR_VALID[name], _VALUES) if name in _NEAR_VALID else _VALUES
+    return st.one_of(_NEAR_VALID[name], _VALUES, _MIXED) if name in _NEAR_VALID else st.one_of(_VALUES, _MIXED)
 
 
 @st.composite
@@ -134,46 +154,113 @@ def _bodies(draw, route: str):
     body: dict = {"model": draw(st.sampled_from([MODEL, MODEL, "nope", 5]))}
     if route == "completions":
         body["prompt"] = draw(st.one_of(st.text(max_size=40), st.lists(st.integers(-3, VOCAB + 3), max_size=20),
-                                        _VALUES))
+                                        _VALUES, _MIXED))
     else:
+        parts = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", 3])},
+                                               optional={"text": _SCALARS}), max_size=2)
+        content = st.integers(0, 5).flatmap(lambda k: st.one_of(_VALUES, _MIXED, parts) if k == 0
+                                            else st.text(max_size=40))
         message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
-                                         "content": st.one_of(st.text(max_size=40), _VALUES)})
-        body["messages"] = draw(st.one_of(st.lists(message, max_size=3), _VALUES))
+                                         "content": content})
+        junk_calls = st.fixed_dictionaries({"role": st.just("assistant"), "tool_calls": st.one_of(_VALUES, _MIXED)})
+        body["messages"] = draw(st.one_of(st.lists(message, max_size=3), st.lists(message, max_size=3),
+                                          st.lists(junk_calls, max_size=1), _VALUES))
     for name in draw(st.lists(st.sampled_from(_SAMPLING_FIELDS), max_size=5, unique=True)):
         body[name] = draw(_field_value(name))
+    for name in draw(st.lists(st.text(max_size=6), max_size=2)):  # unknown fields, any name (unicode, newlines)
+        body.setdefault(name, draw(_SCALARS))
     return body
 
 
-def _check(http, route: str, body: dict) -> int:
+def _check(http, path: str, body) -> int:
     """Send one fuzzed body; its status, once the answer has the right shape."""
     content = json.dumps(body, allow_nan=True)
-    with http.stream("POST", f"/v1/{route}", content=content, headers={"content-type": "application/json"}) as r:
+    with http.stream("POST", path, content=content, headers={"content-type": "application/json"}) as r:
         raw = r.read()
     assert r.status_code < 500, (r.status_code, raw[:500], body)
+    if r.status_code >= 400 and os.environ.get("FUZZ_DEBUG"):
+        print(r.status_code, raw[:150])
     if r.status_code >= 400:
         err = json.loads(raw)["error"]
         assert err["message"] and err["type"], err
     elif not r.headers["content-type"].startswith("text/event-stream"):
-        assert json.loads(raw)["choices"], raw[:300]
+        answer = json.loads(raw)
+        assert answer.get("choices") or "tokens" in answer or "prompt" in answer, raw[:300]
     else:
         assert raw.rstrip().endswith(b"data: [DONE]"), raw[-300:]
         assert b'"error"' not in raw, raw[:500]
     return r.status_code
 
 
-@pytest.mark.parametrize("route", ["completions", "chat/completions"])
-def test_fuzzed_bodies_never_500(http, route):
-    """300 random bodies per route (hypothesis): many refused, some served; never a 5xx."""
+def _fuzz(http, path: str, bodies, examples: int) -> collections.Counter:
+    """Send `examples` bodies drawn from `bodies` (the same ones every run); the statuses seen."""
     outcomes: collections.Counter = collections.Counter()
 
-    # derandomize: the same 300 bodies every run (a random draw served only 2 in one run of many).
-    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+    # derandomize: the same bodies every run (a random draw served only 2 of 300 in one run of many).
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None,
               derandomize=True)
-    @given(body=_bodies(route))
+    @given(body=bodies)
     def send(body):
-        outcomes[_check(http, route, body)] += 1
+        outcomes[_check(http, path, body)] += 1
 
     send()
-    print(f"\n{route}: {dict(outcomes)}")
+    print(f"\n{path}: {dict(outcomes)}")
+    return outcomes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", quick_loop_keeps(["completions", "chat/completions"], "chat/completions"))
+def test_fuzzed_bodies_never_500(http, route):
+    """300 random bodies per route (hypothesis), types mixed inside lists and objects: many
+    refused, some served; never a 5xx."""
+    outcomes = _fuzz(http, f"/v1/{route}", _bodies(route), 300)
     assert outcomes[200] >= 3 and sum(n for status, n in outcomes.items() if status >= 400) >= 100, outcomes
+    assert_still_serving(http)
+
+
+# -- schema-driven fuzz of servax's own OpenAPI document ----------------------------------
+
+def _from_schema(schema: dict, defs: dict, depth: int = 0):
+    """Values for a JSON schema of the OpenAPI document: mostly of its type, sometimes any
+    value at all (the type confusion a client's bug sends)."""
+    if "$ref" in schema:
+        return _from_schema(defs[schema["$ref"].rsplit("/", 1)[-1]], defs, depth)
+    if depth > 4:
+        return _SCALARS
+    if "anyOf" in schema or "oneOf" in schema:
+        typed = st.one_of(*(_from_schema(s, defs, depth) for s in schema.get("anyOf") or schema["oneOf"]))
+    elif "enum" in schema or "const" in schema:
+        typed = st.sampled_from(schema.get("enum") or [schema["const"]])
+    else:
+        kind = schema.get("type")
+        if kind == "object":
+            props = {name: _from_schema(s, defs, depth + 1) for name, s in schema.get("properties", {}).items()}
+            required = set(schema.get("required", ()))
+            typed = st.fixed_dictionaries({k: v for k, v in props.items() if k in required},
+                                          optional={k: v for k, v in props.items() if k not in required})
+        elif kind == "array":
+            typed = st.lists(_from_schema(schema.get("items", {}), defs, depth + 1), max_size=4)
+        else:
+            typed = {"string": st.text(max_size=12), "integer": st.integers(-3, 300), "number": st.floats(-2, 300),
+                     "boolean": st.booleans(), "null": st.none()}.get(kind, _VALUES)
+    # Junk at one value in twenty (never the body itself): most bodies are wrong in a place or
+    # two, and some are right enough to reach the engine.
+    return st.integers(0, 19).flatmap(lambda k: st.one_of(_VALUES, _MIXED) if k == 0 and depth else typed)
+
+
+def _openapi_bodies(http, path: str):
+    doc = http.get("/openapi.json").json()
+    schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    model = st.sampled_from([MODEL, MODEL, MODEL, "nope"])
+    return st.tuples(_from_schema(schema, doc["components"]["schemas"]), model).map(
+        lambda pair: {**pair[0], "model": pair[1]} if isinstance(pair[0], dict) else pair[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+def test_bodies_from_the_openapi_document_never_500(http, path):
+    """Bodies drawn from the route's own request schema (servax's /openapi.json), with values of
+    the wrong type mixed in at every level: never a 5xx."""
+    outcomes = _fuzz(http, path, _openapi_bodies(http, path), 200)
+    assert sum(n for status, n in outcomes.items() if status >= 400) >= 20, outcomes
     assert_still_serving(http)
