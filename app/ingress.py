@@ -16,6 +16,7 @@ import inspect
 import json
 import logging
 import re
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote
@@ -275,6 +276,20 @@ def _param_of(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
+def _error_text(error: dict[str, Any]) -> str:
+    """One validation error as `param: what is wrong (got value)`; the value only when it is a
+    scalar, and cut short (the bound is in pydantic's message: "less than or equal to ...")."""
+    text = f"{_param_of(tuple(error.get('loc', ()))) or 'body'}: {error.get('msg', '').removeprefix('Value error, ')}"
+    value = error.get("input")
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool) and error.get("type") != "missing":
+        try:
+            shown = repr(value)
+        except ValueError:  # an int past Python's digit limit for str()
+            shown = f"an integer of more than {sys.get_int_max_str_digits()} digits"
+        text += f" (got {shown[:80] + '...' if len(shown) > 80 else shown})"
+    return text
+
+
 class _BodyTooLarge(StarletteHTTPException):
     def __init__(self, limit: int):
         super().__init__(413, f"request body exceeds {limit} bytes")
@@ -326,9 +341,7 @@ def build_openai_api(router: OpenAIRouter) -> FastAPI:
         param = _param_of(tuple(first.get("loc", ())))
         if param is None and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
             return _json_error(ErrorResponse.make(400, "request body must be a JSON object"))
-        msg = "; ".join(f"{_param_of(tuple(e.get('loc', ()))) or 'body'}: "
-                        f"{e.get('msg', '').removeprefix('Value error, ')}" for e in errors)
-        return _json_error(ErrorResponse.make(400, msg, param=param))
+        return _json_error(ErrorResponse.make(400, "; ".join(_error_text(e) for e in errors), param=param))
 
     @api.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

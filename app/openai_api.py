@@ -31,7 +31,7 @@ from app.openai_responses import (
 from app.relay import Relay
 from app.serving_config import ServingConfig
 from app.tool_parsers import NamedToolCall, RequiredToolCalls, ToolCallStream, ToolParser, final_tool_calls, get_tool_parser
-from runtime.engine.errors import InvalidRequestError
+from runtime.engine.errors import InvalidRequestError, check_token_ids
 from runtime.engine.input_processor import template_message
 
 
@@ -310,8 +310,10 @@ class OpenAIServing:
         vocab = self.engine.processor.vocab_size
         if tokenizer is None:
             return ErrorResponse.make(400, "this model has no tokenizer", param="model")
-        if any(t < 0 or t >= vocab for t in request.tokens):
-            return ErrorResponse.make(400, f"token ids must be in [0, {vocab})", param="tokens")
+        try:
+            check_token_ids(request.tokens, vocab, "tokens")
+        except InvalidRequestError as e:
+            return error_response(e)
         return {"prompt": tokenizer.decode(request.tokens)}
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[Any] | None, request: ChatCompletionRequest

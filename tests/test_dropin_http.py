@@ -116,3 +116,27 @@ def test_openai_client_reads_the_bodies(base_url):
     assert completion.choices[0].model_extra["prompt_logprobs"] is None
     reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0)
     assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.refusal is None
+
+
+# ---- 14. errors that name what is wrong ------------------------------------------------
+
+@pytest.mark.parametrize("field, value, param, says", [
+    ("logit_bias", {"a": 1, "5": 2, "b": 3}, "logit_bias", ["'a'", "'b'", "not token ids"]),
+    ("logit_bias", {"600": 1, "5": 2, "700": 3}, "logit_bias", ["[600, 700]", "[0, 512)"]),
+    ("logit_bias", {"1": 500, "2": 1, "3": -101}, "logit_bias", ["'1': 500", "'3': -101", "[-100, 100]"]),
+    ("prompt", [5, 900, 600, 7], "prompt", ["[600, 900]", "out of vocabulary", "[0, 512)"]),
+    ("stop_token_ids", [3, 513], "stop_token_ids", ["[513]", "[0, 512)"]),
+    ("allowed_token_ids", [3, 999], "allowed_token_ids", ["[999]", "[0, 512)"]),
+    ("seed", 2**80, "seed", ["9223372036854775807", str(2**80)]),
+])
+def test_errors_name_every_offending_value_and_the_bound(http, field, value, param, says):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, field: value}
+    error = assert_openai_error(http.post("/v1/completions", json=body), 400, param=param)
+    for text in says:
+        assert text in error["message"], error["message"]
+
+
+def test_detokenize_names_the_out_of_vocabulary_ids(http):
+    error = assert_openai_error(http.post("/detokenize", json={"model": MODEL, "tokens": [1, 512, 4000]}), 400,
+                                param="tokens")
+    assert "[512, 4000]" in error["message"] and "[0, 512)" in error["message"]

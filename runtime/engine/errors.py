@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class ServaxError(Exception):
     """Base of servax's own errors."""
@@ -29,3 +31,16 @@ class EngineOverloadedError(ServaxError):
 
 class EngineDeadError(ServaxError):
     """The engine loop has stopped; the replica must be replaced (HTTP 503)."""
+
+
+def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
+    """Refuse token ids outside [0, vocab_size): the error names them all (the first ten) and the bound.
+
+    Raises:
+        InvalidRequestError: some id is out of the vocabulary (.param is `param`).
+    """
+    bad = sorted({t for t in token_ids if t < 0 or t >= vocab_size})
+    if bad:
+        shown = bad if len(bad) <= 10 else [*bad[:10], "..."]
+        raise InvalidRequestError(
+            f"token id(s) {shown} in {param} are out of vocabulary: ids must be in [0, {vocab_size})", param=param)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.engine.errors import InvalidRequestError, PromptTooLongError
+from runtime.engine.errors import InvalidRequestError, PromptTooLongError, check_token_ids
 from runtime.engine.sampling_params import SamplingParams
 from runtime.engine.structured_output import CompiledConstraints, TokenMaskCompiler
 
@@ -219,8 +219,7 @@ class InputProcessor:
             )
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        if any(t < 0 or t >= self.vocab_size for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        check_token_ids(ids, self.vocab_size, "prompt")
         return text, ids
 
     # -- the whole request ---------------------------------------------------------------
@@ -259,10 +258,8 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"{name}={v} exceeds this engine's max_logprobs={self.max_logprobs}", param=name
                 )
-        if any(t >= vocab for t in params.logit_bias):
-            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
+        check_token_ids(params.logit_bias, vocab, "logit_bias")
+        check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
         if params.n > self.max_num_seqs:
             raise InvalidRequestError(f"n must be <= max_num_seqs={self.max_num_seqs}", param="n")
 

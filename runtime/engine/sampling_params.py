@@ -273,16 +273,27 @@ class SamplingParams:
                     f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}",
                     param="logit_bias",
                 )
+            # Every offending entry is named, as vLLM names every key it cannot read.
+            bad_keys, bad_biases = [], []
             for k, v in self.logit_bias.items():
                 try:
                     token = int(k)
                 except (TypeError, ValueError):
                     token = -1
-                if token < 0 or not is_num(v) or not lo <= v <= hi:
-                    raise InvalidRequestError(
-                        f"logit_bias must map token ids >= 0 to biases in [{lo:g}, {hi:g}], got {k!r}: {v!r}",
-                        param="logit_bias",
-                    )
+                if token < 0:
+                    bad_keys.append(k)
+                elif not is_num(v) or not lo <= v <= hi:
+                    bad_biases.append(f"{k!r}: {v!r}")
+            if bad_keys:
+                raise InvalidRequestError(
+                    f"logit_bias contains key(s) that are not token ids (integers >= 0): {bad_keys!r}",
+                    param="logit_bias",
+                )
+            if bad_biases:
+                raise InvalidRequestError(
+                    f"logit_bias values must be numbers in [{lo:g}, {hi:g}]; out of range: {', '.join(bad_biases)}",
+                    param="logit_bias",
+                )
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "a boolean")

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.engine.errors import InvalidRequestError
+from runtime.engine.errors import InvalidRequestError, check_token_ids
 from runtime.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("servax.engine")
@@ -283,9 +283,7 @@ class TokenMaskCompiler:
         grammar = self.grammar(params.structured_outputs) if params.structured_outputs is not None else None
         allowed = None
         if params.allowed_token_ids is not None:
-            if any(t >= self.vocab_size for t in params.allowed_token_ids):
-                raise InvalidRequestError(f"allowed_token_ids must be in [0, {self.vocab_size})",
-                                          param="allowed_token_ids")
+            check_token_ids(params.allowed_token_ids, self.vocab_size, "allowed_token_ids")
             allowed = pack_token_ids(params.allowed_token_ids, self.num_words)
         bad_words = self._bad_word_ids(params.bad_words or [])
         grammar_words = mask_words(max(self.vocab_size, len(self.tokenizer))) if grammar is not None else self.num_words
