@@ -61,11 +61,22 @@ def _release_compiled_programs() -> Iterator[None]:
     of engines kept in JAX's in-memory caches reaches the kernel's limit on mappings
     (vm.max_map_count, 65530 by default), where LLVM fails with "Cannot allocate memory" or
     the process aborts (seen late in full runs). One module's engines alone map ~7,000; after
-    this ~1,000 remain. Programs compiled again later load from the persistent cache."""
+    this ~1,000 remain. Programs compiled again later load from the persistent cache. A release
+    costs about a second, so it waits until a third of the limit is mapped."""
     yield
-    gc.collect()
-    jax.clear_caches()
-    gc.collect()
+    if _memory_mappings() > 20_000:
+        gc.collect()
+        jax.clear_caches()
+        gc.collect()
+
+
+def _memory_mappings() -> int:
+    """How many memory mappings this process holds (every one, where Linux's count is not readable)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 1 << 30
 
 
 # ---- CPU kernels ------------------------------------------------------------------------
@@ -415,7 +426,9 @@ def output_tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def quick_loop_keeps(names: list[str], kept: str) -> list:
-    """`names` as pytest params where only `kept` runs in the quick loop (`-m "not slow"`): one model
-    per family there, every one of them in CI."""
-    return [pytest.param(name, marks=() if name == kept else pytest.mark.slow) for name in names]
+def quick_loop_keeps(names: list, kept, ids: list[str] | None = None) -> list:
+    """`names` (values or tuples of values) as pytest params where only `kept` runs in the quick
+    loop (`-m "not slow"`): one model per family, one case per kernel there; every one in CI."""
+    return [pytest.param(*(name if isinstance(name, tuple) else (name,)), id=None if ids is None else ids[i],
+                         marks=() if name == kept else pytest.mark.slow)
+            for i, name in enumerate(names)]

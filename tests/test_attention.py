@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import quick_loop_keeps
 from runtime.ops.attention import paged_attention
 from runtime.ops.attention_common import write_kv
 from runtime.ops.attention_xla import ragged_paged_attention
@@ -147,10 +148,10 @@ print(json.dumps(results))
 """
 
 
-@pytest.mark.parametrize("backend,heads,kv_heads,block_size,head_dim,window", [
+@pytest.mark.parametrize("backend,heads,kv_heads,block_size,head_dim,window", quick_loop_keeps([
     ("pallas", 8, 2, 4, 8, 6),  # interpreted on CPU
     ("cpu", 9, 3, 16, 64, 30),  # the C++ kernel's compiled-in shape
-])
+], kept=("cpu", 9, 3, 16, 64, 30), ids=["pallas", "cpu"]))
 def test_kernel_backends_write_and_attend_as_xla_does(backend, heads, kv_heads, block_size, head_dim, window):
     """Through `paged_attention` a kernel backend writes the step's K/V into the cache exactly
     as the XLA backend does, then attends as the oracle and the XLA backend do."""
@@ -259,11 +260,11 @@ def _paged_attention_case(rng, specs, *, heads, kv_heads, block_size, window, so
     np.testing.assert_array_equal(np.asarray(v_out), v_full)
 
 
-@pytest.mark.parametrize("tile", [8, 256], ids=["tiled", "one-tile"])
+@pytest.mark.parametrize("tile", quick_loop_keeps([8, 256], kept=8, ids=["tiled", "one-tile"]))
 @pytest.mark.parametrize(
     "heads,kv_heads,block_size,window,soft_cap",
-    [(4, 4, 4, None, None), (8, 2, 16, None, None), (6, 3, 4, 10, None), (4, 1, 4, None, 5.0)],
-    ids=["mha", "gqa", "sliding", "softcap"],
+    quick_loop_keeps([(4, 4, 4, None, None), (8, 2, 16, None, None), (6, 3, 4, 10, None), (4, 1, 4, None, 5.0)],
+                     kept=(6, 3, 4, 10, None), ids=["mha", "gqa", "sliding", "softcap"]),
 )
 def test_paged_attention_mixed_batch_matches_oracle(heads, kv_heads, block_size, window, soft_cap,
                                                     tile):
@@ -285,8 +286,8 @@ def test_paged_attention_mixed_batch_matches_oracle(heads, kv_heads, block_size,
     ],
     ids=["decodes-first", "decode-late", "long-chunk", "prefix-hits"],
 )
-@pytest.mark.parametrize("window", [None, 12])
-@pytest.mark.parametrize("pad_tokens", [64, 100], ids=["pow2", "odd-bucket"])
+@pytest.mark.parametrize("window", quick_loop_keeps([None, 12], kept=12))
+@pytest.mark.parametrize("pad_tokens", quick_loop_keeps([64, 100], kept=100, ids=["pow2", "odd-bucket"]))
 def test_paged_attention_cached_context_paths(specs, window, pad_tokens):
     """Per-token (first S tokens) and per-sequence (the rest) reads of cached context are exact."""
     _paged_attention_case(
@@ -296,6 +297,7 @@ def test_paged_attention_cached_context_paths(specs, window, pad_tokens):
     )
 
 
+@pytest.mark.slow
 def test_chunk_size_does_not_change_result():
     rng = np.random.default_rng(1)
     batch, _, n = build_batch(

@@ -16,7 +16,7 @@ import pytest
 
 import runtime.ops.cpu_kernels as cpu_kernels
 from app import LLM, SamplingParams
-from conftest import run_in_fresh_kernel_build
+from conftest import quick_loop_keeps, run_in_fresh_kernel_build
 from runtime.ops.attention import resolve_attention_backend
 from runtime.ops.attention_cpu import cpu_ragged_paged_attention
 from runtime.ops.cpu_kernels import kernel_status
@@ -112,6 +112,7 @@ _FORMS = ["-mno-avx512f"] + (["-DSERVAX_ATTENTION_NO_LANES"] if "avx512f" in cpu
 
 
 @pytest.mark.parametrize("flags", _FORMS)
+@pytest.mark.slow
 def test_each_kernel_form_matches_the_oracle(tmp_path, flags):
     """Prefills (whole, chunked, several tiles long), decodes and a sliding window against the
     NumPy oracle, in the kernel built with `flags` (the in-process tests run the default build)."""
@@ -136,6 +137,7 @@ def test_bfloat16_queries_and_out_of_range_blocks():
     assert np.isfinite(out).all()
 
 
+@pytest.mark.slow
 def test_kernel_runs_per_shard_on_a_mesh_of_fake_devices():
     """Under tensor parallelism each device attends with its own KV heads (shard_map): the
     result equals the XLA backend's on the same sharded cache."""
@@ -179,7 +181,8 @@ def test_engine_rejects_the_kernel_for_caches_it_cannot_read():
 PROMPTS = [[(7 * i + 3) % 500 + 4 for i in range(n)] for n in (40, 5, 17, 2)]
 
 
-@pytest.mark.parametrize("model", ["servax-tiny/llama", "servax-tiny/mistral", "servax-tiny/gpt2"])
+@pytest.mark.parametrize("model", quick_loop_keeps(["servax-tiny/llama", "servax-tiny/mistral", "servax-tiny/gpt2"],
+                                                   "servax-tiny/mistral"))
 def test_greedy_tokens_equal_xla_end_to_end(model, servax_cache):
     """The engine with attention_backend="cpu" gives the XLA backend's tokens: native models
     (Llama; Mistral's sliding window) and the torchax path (GPT-2)."""

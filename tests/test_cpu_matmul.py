@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from app import LLM, SamplingParams
-from conftest import hf_greedy, hf_logits, hf_model, run_in_fresh_kernel_build
+from conftest import hf_greedy, hf_logits, hf_model, quick_loop_keeps, run_in_fresh_kernel_build
 from runtime.ops.cpu_kernels import cpu_flags
 from runtime.ops.matmul import PANEL, PackedWeight, pack_matrix, packed_matmul_available
 
@@ -64,7 +64,7 @@ def test_columns_are_the_embedding_rows_and_only_float32_matrices_pack():
     assert pack_matrix(bf16) is bf16 and isinstance(pack_matrix(jnp.zeros((4, 4))), PackedWeight)
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("tied", quick_loop_keeps([False, True], False, ids=["untied", "tied"]))
 def test_engine_packs_the_weights_and_matches_transformers(tied, tmp_path):
     """The engine on its CPU kernels keeps only the packed matrices (no second copy), and
     generates transformers' greedy tokens with its logprobs, prompts of several lengths
@@ -100,6 +100,7 @@ def test_engine_packs_the_weights_and_matches_transformers(tied, tmp_path):
     assert llm.engine.stats().compilations_since_warmup == 0
 
 
+@pytest.mark.slow
 def test_torchax_path_packs_its_joined_linears_and_matches_transformers(tmp_path):
     """The torchax path's joined Linear groups (q/k/v, gate/up, by input) multiply through the
     kernel too, on the step's real tokens; greedy tokens are transformers'."""
@@ -143,5 +144,6 @@ _FORMS = ["-mno-avx512f"] + (["-DSERVAX_MATMUL_WIDTH=256", "-DSERVAX_MATMUL_WIDT
 
 
 @pytest.mark.parametrize("flags", _FORMS)
+@pytest.mark.slow
 def test_each_kernel_form_matches_numpy(tmp_path, flags):
     run_in_fresh_kernel_build(tmp_path, flags, _FORM_CHECK)

@@ -44,6 +44,7 @@ def test_deepseek_runs_natively_on_a_latent_cache(deepseek_model):
     assert llm.engine.plan.attention_backend == "xla"  # the kernels read separate values
 
 
+@pytest.mark.slow
 def test_values_in_keys_attend_as_the_keys_first_dims():
     """paged_attention with value_dims over a latent cache equals dense causal attention whose
     values are the keys' first dims: a prompt in two chunks (the second reads the first from the
@@ -130,6 +131,7 @@ def test_deepseek_prefix_hits_keep_their_tokens(deepseek_model):
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_deepseek_preemption_recomputes_the_same_tokens(tiny_checkpoint):
     """A latent cache too small for every sequence at once: requests are preempted and recomputed."""
     from app import LLM
@@ -144,6 +146,7 @@ def test_deepseek_preemption_recomputes_the_same_tokens(tiny_checkpoint):
         llm.shutdown()
 
 
+@pytest.mark.slow
 def test_an_int8_latent_cache_keeps_one_scale_per_token(deepseek_model):
     """kv_cache_dtype='int8' on a latent cache: int8 latents with a float32 scale per token and
     layer (no values, no value scales), served on the XLA path. Its tokens are not compared: the
@@ -164,6 +167,7 @@ def test_an_int8_latent_cache_keeps_one_scale_per_token(deepseek_model):
         quantized.shutdown()
 
 
+@pytest.mark.slow
 def test_v3_correction_bias_chooses_experts_but_does_not_weight_them(tiny_checkpoint, tmp_path):
     """A V3 checkpoint with non-zero e_score_correction_bias (transformers initialises it to
     zeros): the tokens still equal transformers', and differ from the unbiased model's."""

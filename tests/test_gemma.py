@@ -90,6 +90,7 @@ def test_gemma_prefix_hits_keep_their_tokens(gemma_model):
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_gemma_preemption_recomputes_the_same_tokens(tiny_checkpoint):
     """A KV cache too small for every sequence at once: requests are preempted and recomputed."""
     from app import LLM

@@ -19,7 +19,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, quick_loop_keeps
 from gguf import GGMLQuantizationType as T
 from safetensors.numpy import load_file
 
@@ -209,7 +209,7 @@ def test_q8_0_tensors_are_also_written_as_stored(tiny_checkpoint, gguf_dir):
     assert json.loads((path / "servax_gguf.json").read_text())["q8_0_tensors"] == len(stored)
 
 
-@pytest.mark.parametrize("model_impl", ["jax", "torchax"])
+@pytest.mark.parametrize("model_impl", quick_loop_keeps(["jax", "torchax"], "jax"))
 def test_quantization_gguf_serves_q8_0_as_int8_with_the_same_logits(tiny_checkpoint, gguf_dir, model_impl):
     """quantization="gguf": the Q8_0 weights stay int8 in memory, and the model computes what the
     dequantized checkpoint computes (the same weights, exactly)."""

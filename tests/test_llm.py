@@ -138,6 +138,7 @@ def test_bad_requests_raise_before_queueing(llm):
     assert llm.engine.num_unfinished_requests == 0
 
 
+@pytest.mark.slow
 def test_bfloat16_generates(llm):
     bf = LLM(MODEL, dtype="bfloat16", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
              num_kv_blocks=64, show_progress=False)
@@ -200,6 +201,7 @@ print("RESULT" + json.dumps(res))
 """
 
 
+@pytest.mark.slow
 def test_tensor_parallel_gives_the_same_tokens():
     import json
     import subprocess

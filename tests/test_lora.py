@@ -324,6 +324,7 @@ print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs],
 """
 
 
+@pytest.mark.slow
 def test_adapters_shard_like_their_weights_under_tensor_parallelism(adapters):
     """tp=2 on fake devices: the slot tables split as the base weights do (q's output, o's
     input), and the tokens are PEFT's."""

@@ -67,6 +67,7 @@ def test_moe_prefix_hits_and_seeded_sampling_keep_their_tokens(moe_model):
     assert alone == mixed
 
 
+@pytest.mark.slow
 def test_moe_preemption_recomputes_the_same_tokens(tiny_checkpoint):
     """A KV cache too small for every sequence at once: requests are preempted and recomputed."""
     from app import LLM

@@ -16,6 +16,7 @@ from app import LLM, SamplingParams
 from runtime.ops.attention import resolve_attention_backend
 from runtime.engine.config import EngineConfig
 from runtime.ops.attention_pallas import pallas_ragged_paged_attention
+from conftest import quick_loop_keeps
 from test_attention import MIXED, TOL, build_batch, check_per_shard_against_xla, oracle
 
 # (heads, kv_heads, block_size, window, soft cap)
@@ -34,7 +35,7 @@ def _cache_case(rng, specs, *, heads, kv_heads, block_size, pad_tokens=64, pad_s
     return batch, seqs, n, q, k, v
 
 
-@pytest.mark.parametrize("heads,kv_heads,block_size,window,soft_cap", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("heads,kv_heads,block_size,window,soft_cap", quick_loop_keeps(CASES, CASES[1], CASE_IDS))
 def test_kernel_matches_numpy_oracle(heads, kv_heads, block_size, window, soft_cap):
     """Prefills, chunks starting mid-sequence and decodes in one batch, shuffled block tables."""
     rng = np.random.default_rng(heads * 10 + block_size)
@@ -50,6 +51,7 @@ def test_kernel_matches_numpy_oracle(heads, kv_heads, block_size, window, soft_c
     assert np.all(got[n:] == 0), "padding tokens must produce zeros"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [None, 12])
 @pytest.mark.parametrize(
     "specs",
@@ -69,6 +71,7 @@ def test_kernel_long_chunks_and_prefix_hits_with_traced_window(specs, window):
     np.testing.assert_allclose(got[:n], want[:n], atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.slow
 def test_kernel_runs_per_shard_on_a_mesh_of_fake_devices():
     """Under tensor parallelism each device attends with its own KV heads (shard_map): the
@@ -94,7 +97,8 @@ PROMPTS = [[(7 * i + 3) % 500 + 4 for i in range(n)] for n in (40, 5, 17, 2)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["servax-tiny/llama", "servax-tiny/mistral", "servax-tiny/gpt2"])
+@pytest.mark.parametrize("model", quick_loop_keeps(["servax-tiny/llama", "servax-tiny/mistral", "servax-tiny/gpt2"],
+                                                   "servax-tiny/mistral"))
 def test_greedy_tokens_equal_xla_end_to_end(model, servax_cache):
     """The engine with attention_backend="pallas" (interpreted) gives the XLA backend's tokens:
     native models (Llama; Mistral's sliding window) and the torchax path (GPT-2)."""

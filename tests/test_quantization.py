@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from app import LLM, SamplingParams
-from conftest import REPO
+from conftest import REPO, quick_loop_keeps
 from runtime.ops.quantization import QuantizedWeight, param_bytes, quantize_int8
 
 PROMPT = [(7 * i + 3) % 500 + 4 for i in range(24)]
@@ -40,7 +40,8 @@ def _run(model: str, quantization: str | None, **extra):
     return llm, out.outputs[0].token_ids, logprobs
 
 
-@pytest.mark.parametrize("model", ["servax-tiny/llama", "servax-tiny/gpt2"], ids=["native", "torchax"])
+@pytest.mark.parametrize("model", quick_loop_keeps(["servax-tiny/llama", "servax-tiny/gpt2"], "servax-tiny/llama",
+                                                   ids=["native", "torchax"]))
 def test_int8_weights_are_a_quarter_of_the_bytes_and_logits_stay_close(model):
     llm_f, tokens_f, lp_f = _run(model, None, enforce_eager=True)
     warm = model.endswith("llama")  # one int8 engine precompiles its buckets, to check nothing compiles later
@@ -126,6 +127,7 @@ def test_grouped_matmul_takes_int8_experts():
     assert np.all(got[9] == 0)
 
 
+@pytest.mark.slow
 def test_int8_moe_experts_are_quantized_per_expert_and_output_and_tokens_stay_close():
     """quantization="int8" on Qwen3-MoE: every expert matrix int8 with one scale per expert and
     output channel (the router float); the first greedy token of each prompt is float's (where

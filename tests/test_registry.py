@@ -381,6 +381,7 @@ def test_recorded_config_follows_edits_and_the_torchax_path(tiny_checkpoint, tmp
     assert overridden.hf_config.rms_norm_eps == 0.5 and registry.resolve(str(path)).hf_config.rms_norm_eps == 0.125
 
 
+@pytest.mark.slow
 def test_warm_start_of_a_native_model_imports_no_torch(tiny_checkpoint, tmp_path):
     """transformers' config classes import torch (seconds); a native model's second load in a
     fresh process needs neither, and still loads and tokenizes."""

@@ -104,6 +104,7 @@ def test_prefix_router_raises_the_hit_rate_of_multi_turn_chats(run):
 
 
 @pytest.mark.cluster
+@pytest.mark.slow
 def test_killed_replica_costs_503s_not_hangs_and_serve_replaces_it(run):
     """Kill one of the two `default` replicas while 24 requests run on both: each request ends
     in time with a 200 or a 503 (retry hint), never a 500 or a hang; requests succeed again once
@@ -155,6 +156,7 @@ def test_killed_replica_costs_503s_not_hangs_and_serve_replaces_it(run):
 
 
 @pytest.mark.cluster
+@pytest.mark.slow
 def test_serve_queue_limit_is_429_with_retry_after(run):
     """`narrow` takes 1 request at a time and queues 1 more in Serve: of 8 at once, the ones Serve
     drops for backpressure are 429s (OpenAI's rate-limit error, Retry-After), the rest succeed."""
@@ -230,6 +232,7 @@ def test_autoscaling_adds_a_replica_under_load_and_gives_it_back(run):
 
 
 @pytest.mark.cluster
+@pytest.mark.slow
 def test_deleting_the_app_drains_requests_in_flight(run):
     """`serve.delete` while 6 requests decode: Serve stops routing new ones and waits up to
     graceful_shutdown_timeout_s (20 s) for replicas to finish: every in-flight request completes

@@ -232,6 +232,7 @@ def test_speculative_logprobs_and_stop_strings_match_plain(plain):
     assert_all_blocks_free(spec)
 
 
+@pytest.mark.slow
 def test_speculative_server_streams_the_same_text_and_exports_acceptance(plain):
     """A Serve deployment with speculation from engine_kwargs (as YAML gives it): streamed
     completions equal the plain engine's, and /metrics has vLLM's acceptance counters."""
