@@ -279,7 +279,8 @@ def _param_of(loc: tuple[Any, ...]) -> str | None:
 def _error_text(error: dict[str, Any]) -> str:
     """One validation error as `param: what is wrong (got value)`; the value only when it is a
     scalar, and cut short (the bound is in pydantic's message: "less than or equal to ...")."""
-    text = f"{_param_of(tuple(error.get('loc', ()))) or 'body'}: {error.get('msg', '').removeprefix('Value error, ')}"
+    param = getattr((error.get("ctx") or {}).get("error"), "param", None) or _param_of(tuple(error.get("loc", ())))
+    text = f"{param or 'body'}: {error.get('msg', '').removeprefix('Value error, ')}"
     value = error.get("input")
     if isinstance(value, (int, float, str)) and not isinstance(value, bool) and error.get("type") != "missing":
         try:
@@ -338,7 +339,8 @@ def build_openai_api(router: OpenAIRouter) -> FastAPI:
         first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
         if first.get("type") == "json_invalid":
             return _json_error(ErrorResponse.make(400, f"request body is not valid JSON: {first.get('msg')}"))
-        param = _param_of(tuple(first.get("loc", ())))
+        cause = (first.get("ctx") or {}).get("error")  # a validator's InvalidRequestError names its field
+        param = getattr(cause, "param", None) or _param_of(tuple(first.get("loc", ())))
         if param is None and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
             return _json_error(ErrorResponse.make(400, "request body must be a JSON object"))
         return _json_error(ErrorResponse.make(400, "; ".join(_error_text(e) for e in errors), param=param))

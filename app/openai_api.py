@@ -23,10 +23,10 @@ from typing import Any
 from app.openai_requests import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice, TokenizeRequest,
 )
+from app.openai_logprobs import LogprobFormatter, join_logprobs
 from app.openai_responses import (
-    ChatChoice, ChatChunkChoice, ChatCompletionResponse, ChatDelta, ChatLogprobs,
-    ChatResponseMessage, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse, ErrorResponse,
-    TopLogprob, UsageInfo, error_response, new_id,
+    ChatChoice, ChatChunkChoice, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage,
+    CompletionChoice, CompletionLogprobs, CompletionResponse, ErrorResponse, UsageInfo, error_response, new_id,
 )
 from app.relay import Relay
 from app.serving_config import ServingConfig
@@ -62,6 +62,7 @@ class OpenAIServing:
         self.model_id = model_id
         self.relay = relay
         self.tokenizer = engine.tokenizer
+        self.logprobs = LogprobFormatter(engine.tokenizer)
         self.max_model_len: int | None = engine.model_config.get("max_model_len")
         serving_config = serving_config or ServingConfig()
         self.tool_call_parser: str | None = serving_config.tool_call_parser
@@ -112,13 +113,13 @@ class OpenAIServing:
                         continue
                     text, logprobs = c.delta_text or "", None
                     if request.logprobs is not None and c.delta_logprobs:
-                        logprobs = self._completion_logprobs(c.delta_token_ids, c.delta_logprobs, request.logprobs)
+                        logprobs = self.logprobs.completion(c.delta_token_ids, c.delta_logprobs, request.logprobs)
                     if request.echo and index not in text_offsets:
                         text, logprobs = self._echo(request, out, text, logprobs)
                     offset = text_offsets.get(index, 0)
                     if logprobs is not None and logprobs.tokens:
                         # Offsets count token strings, as in the non-streamed response.
-                        logprobs = _join_logprobs(CompletionLogprobs(), logprobs, offset)
+                        logprobs = join_logprobs(CompletionLogprobs(), logprobs, offset)
                         offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                     else:
                         offset += len(text)
@@ -142,45 +143,21 @@ class OpenAIServing:
     def _completion_choice(self, request: CompletionRequest, index: int, out: Any, c: Any) -> CompletionChoice:
         text, logprobs = c.text, None
         if request.logprobs is not None:
-            logprobs = self._completion_logprobs(c.token_ids, c.logprobs, request.logprobs)
+            logprobs = self.logprobs.completion(c.token_ids, c.logprobs, request.logprobs)
         if request.echo:
             text, logprobs = self._echo(request, out, text, logprobs)
         return CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                prompt_logprobs=self.logprobs.prompt(out.prompt_logprobs))
 
     def _echo(self, request: CompletionRequest, out: Any, text: str, logprobs: CompletionLogprobs | None
               ) -> tuple[str, CompletionLogprobs | None]:
         """Prefix the prompt (and, with logprobs, the prompt's logprobs) to a completion."""
         prompt_text = self._prompt_text(out)
         if logprobs is not None or request.logprobs is not None:
-            prompt_lp = self._completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, request.logprobs)
-            logprobs = _join_logprobs(prompt_lp, logprobs or CompletionLogprobs(), len(prompt_text))
+            prompt_lp = self.logprobs.completion(out.prompt_token_ids, out.prompt_logprobs, request.logprobs)
+            logprobs = join_logprobs(prompt_lp, logprobs or CompletionLogprobs(), len(prompt_text))
         return prompt_text + text, logprobs
-
-    def _token_str(self, token_id: int, logprob: Any = None) -> str:
-        decoded = getattr(logprob, "decoded_token", None)
-        return decoded if decoded is not None else self.tokenizer.decode([token_id])
-
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[Any] | None, top_n: int
-                             ) -> CompletionLogprobs:
-        result, offset = CompletionLogprobs(), 0
-        for pos, token_id in enumerate(token_ids):
-            entry = logprobs[pos] if logprobs is not None and pos < len(logprobs) else None
-            token = self._token_str(token_id, entry.get(token_id) if entry else None)
-            result.tokens.append(token)
-            result.text_offset.append(offset)
-            offset += len(token)
-            if entry is None:  # the first prompt token has no logprob
-                result.token_logprobs.append(None)
-                result.top_logprobs.append(None)
-                continue
-            result.token_logprobs.append(entry[token_id].logprob if token_id in entry else None)
-            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
-            top = {self._token_str(t, lp): lp.logprob for t, lp in ranked[:max(top_n, 1)]}
-            if token_id in entry:
-                top.setdefault(token, entry[token_id].logprob)
-            result.top_logprobs.append(top)
-        return result
 
     # ---- /v1/chat/completions -----------------------------------------------------------
 
@@ -225,8 +202,9 @@ class OpenAIServing:
                     choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
                                               logprobs=self._chat_logprobs(c.token_ids, c.logprobs, request),
                                               stop_reason=c.stop_reason))
-                yield ChatCompletionResponse(id=request_id, created=created, model=model,
-                                             choices=choices, usage=_usage([out])).model_dump()
+                yield ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                             usage=_usage([out]),
+                                             prompt_logprobs=self.logprobs.prompt(out.prompt_logprobs)).model_dump()
                 return
             usage_field = {"usage": None} if request.include_usage else {}
             started: set[int] = set()
@@ -261,6 +239,10 @@ class OpenAIServing:
                     yield {**chunk, "choices": [choice], **usage_field}
             if request.include_usage:
                 yield {**chunk, "choices": [], "usage": _usage([out]).model_dump(exclude_none=True)}
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[Any] | None, request: ChatCompletionRequest
+                       ) -> ChatLogprobs | None:
+        return self.logprobs.chat(token_ids, logprobs, request.top_logprobs) if request.logprobs else None
 
     def _tool_parser(self, request: ChatCompletionRequest) -> ToolParser | None:
         """How tool calls are read from this request's reply; None when it has no tools to call.
@@ -316,34 +298,10 @@ class OpenAIServing:
             return error_response(e)
         return {"prompt": tokenizer.decode(request.tokens)}
 
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[Any] | None, request: ChatCompletionRequest
-                       ) -> ChatLogprobs | None:
-        if not request.logprobs or logprobs is None:
-            return None
-        content = []
-        for token_id, entry in zip(token_ids, logprobs):
-            entry = entry or {}
-            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
-            token = self._token_str(token_id, entry.get(token_id))
-            top = [TopLogprob(token=(s := self._token_str(t, lp)), logprob=lp.logprob, bytes=list(s.encode()))
-                   for t, lp in ranked[:request.top_logprobs or 0]]
-            lp = entry[token_id].logprob if token_id in entry else float("nan")
-            content.append(ChatTokenLogprob(token=token, logprob=lp, bytes=list(token.encode()), top_logprobs=top))
-        return ChatLogprobs(content=content)
-
 
 def _tool_finish_reason(finish_reason: str | None, called: bool) -> str | None:
     """OpenAI's "tool_calls" for a reply that ended by itself with tool calls."""
     return "tool_calls" if called and finish_reason == "stop" else finish_reason
-
-
-def _join_logprobs(head: CompletionLogprobs, tail: CompletionLogprobs, shift: int) -> CompletionLogprobs:
-    """`head` followed by `tail`, whose text offsets start `shift` characters later."""
-    return CompletionLogprobs(
-        tokens=head.tokens + tail.tokens, token_logprobs=head.token_logprobs + tail.token_logprobs,
-        top_logprobs=head.top_logprobs + tail.top_logprobs,
-        text_offset=head.text_offset + [o + shift for o in tail.text_offset],
-    )
 
 
 def _usage(outs: Any) -> UsageInfo:

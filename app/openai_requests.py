@@ -45,6 +45,7 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the top-N logprobs of each prompt token (-1: all)
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
@@ -74,6 +75,9 @@ class _Request(BaseModel):
     def _stream_options_need_stream(self) -> _Request:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.stream and self.prompt_logprobs is not None and self.prompt_logprobs != 0:
+            raise InvalidRequestError("prompt_logprobs are not available when stream is true (as in vLLM)",
+                                      param="prompt_logprobs")
         return self
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -85,7 +89,7 @@ class _Request(BaseModel):
             if getattr(self, name) != default:
                 kwargs[name] = getattr(self, name)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "seed", "stop_token_ids", "max_tokens"):
+                     "repetition_penalty", "seed", "stop_token_ids", "max_tokens", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
@@ -243,7 +247,7 @@ class CompletionRequest(_Request):
         kwargs = super().sampling_kwargs()
         if self.logprobs is not None:
             kwargs["logprobs"] = self.logprobs
-            if self.echo:
+            if self.echo and self.prompt_logprobs is None:  # the echoed prompt's logprobs, as vLLM
                 kwargs["prompt_logprobs"] = self.logprobs
         return kwargs
 
@@ -332,8 +336,11 @@ class ChatCompletionRequest(_Request):
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.top_logprobs is not None and self.top_logprobs < -1:
+            raise InvalidRequestError(f"top_logprobs must be >= 0, or -1 for the whole vocabulary, "
+                                      f"got {self.top_logprobs}", param="top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         return self
 
     def chat_messages(self) -> list[dict[str, Any]]:

@@ -36,10 +36,16 @@ VLLM_CHAT_CHUNK_CHOICE_KEYS = {"index", "delta", "logprobs", "finish_reason", "t
 VLLM_TOKENIZE_KEYS = {"count", "max_model_len", "tokens", "token_strs"}
 
 
+WIDE = "dropin-wide"  # the same model with max_logprobs: -1 (the whole vocabulary may be asked for)
+
+
 @pytest.fixture(scope="module")
 def base_url(servax_cache):
-    with local_llm_servers([{"model_loading_config": {"model_id": MODEL, "model_source": "servax-tiny/llama"},
-                             "engine_kwargs": ENGINE}]) as handles, openai_api_server(handles) as url:
+    with local_llm_servers([
+        {"model_loading_config": {"model_id": MODEL, "model_source": "servax-tiny/llama"}, "engine_kwargs": ENGINE},
+        {"model_loading_config": {"model_id": WIDE, "model_source": "servax-tiny/llama"},
+         "engine_kwargs": dict(ENGINE, max_logprobs=-1)},
+    ]) as handles, openai_api_server(handles) as url:
         yield url
 
 
@@ -50,7 +56,7 @@ def http(base_url):
 
 
 def complete(http, **body) -> dict:
-    r = http.post("/v1/completions", json={"model": MODEL, "max_tokens": 4, **GREEDY, **body})
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 4, **GREEDY, **body})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -140,3 +146,70 @@ def test_detokenize_names_the_out_of_vocabulary_ids(http):
     error = assert_openai_error(http.post("/detokenize", json={"model": MODEL, "tokens": [1, 512, 4000]}), 400,
                                 param="tokens")
     assert "[512, 4000]" in error["message"] and "[0, 512)" in error["message"]
+
+
+# ---- 2 and 5. prompt_logprobs over HTTP; -1, the whole vocabulary ---------------------
+
+def assert_prompt_logprobs(entries: list, prompt_ids: list[int], top_n: int) -> None:
+    """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank,
+    decoded_token}} with the prompt's own token first and at most top_n others."""
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    for entry, token_id in zip(entries[1:], prompt_ids[1:]):
+        assert next(iter(entry)) == str(token_id) and top_n <= len(entry) <= top_n + 1, entry
+        for value in entry.values():
+            assert set(value) == {"logprob", "rank", "decoded_token"} and value["logprob"] <= 0
+        ranks = sorted(v["rank"] for t, v in entry.items() if t != str(token_id))
+        assert ranks == sorted(ranks) and all(1 <= r <= len(entry) for r in ranks)
+
+
+def test_completion_prompt_logprobs_match_the_echoed_logprobs(http):
+    body = complete(http, prompt_logprobs=2, max_tokens=2, return_token_ids=True)
+    ids = http.post("/tokenize", json={"model": MODEL, "prompt": "Hello there"}).json()["tokens"]
+    entries = body["choices"][0]["prompt_logprobs"]
+    assert_prompt_logprobs(entries, ids, 2)
+    echoed = complete(http, echo=True, logprobs=2, max_tokens=2)["choices"][0]
+    assert [e and e[str(t)]["logprob"] for e, t in zip(entries, ids)] == \
+        pytest.approx(echoed["logprobs"]["token_logprobs"][:len(ids)], abs=1e-5)
+    assert echoed["prompt_logprobs"] is not None  # echo with logprobs computes them, and vLLM sends them
+
+
+def test_chat_prompt_logprobs_are_on_the_body(base_url):
+    client = openai_client(base_url)
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0,
+                                           extra_body={"prompt_logprobs": 0})
+    entries = reply.model_extra["prompt_logprobs"]
+    assert len(entries) == reply.usage.prompt_tokens and all(len(e) == 1 for e in entries[1:])
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_prompt_logprobs_refused_as_vllm_refuses_them(http, route):
+    base = {"model": MODEL, "max_tokens": 2}
+    base.update({"prompt": "Hello"} if route == "completions" else {"messages": MESSAGES})
+    error = assert_openai_error(http.post(f"/v1/{route}", json={**base, "prompt_logprobs": -1}), 400,
+                                param="prompt_logprobs")
+    assert "max_logprobs=20" in error["message"] and "whole vocabulary" in error["message"]
+    assert_openai_error(http.post(f"/v1/{route}", json={**base, "prompt_logprobs": -2}), 400, param="prompt_logprobs")
+    error = assert_openai_error(http.post(f"/v1/{route}", json={**base, "prompt_logprobs": 1, "stream": True}), 400,
+                                param="prompt_logprobs")
+    assert "stream" in error["message"]
+    r = http.post(f"/v1/{route}", json={**base, "prompt_logprobs": 0, "stream": True})
+    assert r.status_code == 200, r.text
+
+
+def test_minus_one_is_the_whole_vocabulary_where_max_logprobs_allows_it(http):
+    body = complete(http, model=WIDE, prompt_logprobs=-1, logprobs=-1, max_tokens=2)
+    (choice,) = body["choices"]
+    assert all(len(entry) == VOCAB for entry in choice["prompt_logprobs"][1:])
+    assert all(len(top) > 100 for top in choice["logprobs"]["top_logprobs"])  # token strings, some alike
+    reply = chat(http, model=WIDE, logprobs=True, top_logprobs=-1, max_tokens=2)
+    assert all(len(c["top_logprobs"]) == VOCAB for c in reply["choices"][0]["logprobs"]["content"])
+
+
+def test_top_logprobs_minus_one_is_400_under_the_default_max_logprobs(http):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "logprobs": True, "top_logprobs": -1}
+    error = assert_openai_error(http.post("/v1/chat/completions", json=body), 400, param="logprobs")
+    assert "whole vocabulary" in error["message"]
+    assert_openai_error(http.post("/v1/chat/completions", json={**body, "top_logprobs": -3}), 400,
+                        param="top_logprobs")
+    assert_openai_error(http.post("/v1/chat/completions", json={**body, "logprobs": False}), 400,
+                        param="top_logprobs")

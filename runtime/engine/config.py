@@ -80,7 +80,8 @@ class EngineConfig(BaseModel):
     max_queue_size: int = Field(
         1024, gt=0, description="Requests waiting beyond this (past free running slots) are refused with 429.")
     seed: int = 0
-    max_logprobs: int = Field(20, ge=0)
+    max_logprobs: int = Field(20, ge=-1, description="Most logprobs / prompt_logprobs a request may ask for; "
+                              "-1: the whole vocabulary (as vLLM).")
     show_progress: bool = True
     # vLLM's engine arguments, with their meanings where they have one on JAX.
     gpu_memory_utilization: float | None = Field(

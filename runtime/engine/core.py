@@ -119,9 +119,10 @@ class Engine:
                 "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
                 f"({config.max_num_batched_tokens} < {self.max_model_len})"
             )
+        max_logprobs = model.vocab_size if config.max_logprobs == -1 else config.max_logprobs
         self.processor = InputProcessor(
             self.tokenizer, vocab_size=model.vocab_size, max_model_len=self.max_model_len,
-            max_logprobs=config.max_logprobs, max_num_seqs=config.max_num_seqs,
+            max_logprobs=max_logprobs, max_num_seqs=config.max_num_seqs,
             sampling_defaults=model.generation_config if config.generation_config != "vllm" else {},
             eos_token_ids=model.eos_token_ids,
         )
@@ -142,7 +143,7 @@ class Engine:
                 add_lora_slots(model, max_loras=config.max_loras, max_rank=config.max_lora_rank, mesh=self.mesh)
             except LoRAError as e:
                 raise ValueError(f"enable_lora: {e}") from e
-        sizes = dict(max_model_len=self.max_model_len, max_logprobs=config.max_logprobs)
+        sizes = dict(max_model_len=self.max_model_len, max_logprobs=max_logprobs)
         if self.peers is None:
             self.programs = ModelPrograms(model, self.mesh, self.plan, **sizes)
         else:  # the workers build the same programs over their shards and repeat every device call

@@ -241,27 +241,37 @@ class InputProcessor:
                 f"{len(token_ids) + 1}, more than max_model_len={self.max_model_len}",
                 param="prompt",
             )
-        self.check_limits(params)
+        params = self.check_limits(params)
         constraints = self.token_masks.compile(params)
         return ProcessedRequest(request_id, text, token_ids, params, arrival_time or time.time(), constraints)
 
-    def check_limits(self, params: SamplingParams) -> None:
+    def check_limits(self, params: SamplingParams) -> SamplingParams:
         """The checks of `params` that depend on this model and engine.
+
+        Returns:
+            `params`, with logprobs / prompt_logprobs of -1 (vLLM's "the whole vocabulary")
+            as the vocabulary's size.
 
         Raises:
             InvalidRequestError: the first setting over a limit (.param names it).
         """
         vocab = self.vocab_size
+        whole_vocab = {}
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)
+            if v == -1:
+                v = whole_vocab[name] = vocab
             if v is not None and v > self.max_logprobs:
+                asked = f"-1 (the whole vocabulary, {vocab})" if name in whole_vocab else str(v)
                 raise InvalidRequestError(
-                    f"{name}={v} exceeds this engine's max_logprobs={self.max_logprobs}", param=name
+                    f"{name}={asked} exceeds this engine's max_logprobs={self.max_logprobs} "
+                    "(max_logprobs: -1 allows the whole vocabulary)", param=name
                 )
         check_token_ids(params.logit_bias, vocab, "logit_bias")
         check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
         if params.n > self.max_num_seqs:
             raise InvalidRequestError(f"n must be <= max_num_seqs={self.max_num_seqs}", param="n")
+        return params.clone(**whole_vocab) if whole_vocab else params
 
 
 def template_message(message: Mapping[str, Any]) -> dict[str, Any]:

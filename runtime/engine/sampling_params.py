@@ -144,8 +144,9 @@ class SamplingParams:
             fields gets an unset max_tokens from InputProcessor.sampling_params, the one
             place that decides it.
         min_tokens: EOS and stop tokens are suppressed until this many were generated.
-        logprobs: return the top-N logprobs of each generated token (and the chosen one).
-        prompt_logprobs: return the top-N logprobs of each prompt token.
+        logprobs: return the top-N logprobs of each generated token (and the chosen one);
+            -1: the whole vocabulary (the engine's max_logprobs must allow it).
+        prompt_logprobs: return the top-N logprobs of each prompt token; -1 as for logprobs.
         logit_bias: token id -> value added to its logit [-100, 100].
         skip_special_tokens: leave special tokens out of the text.
         structured_outputs: a grammar the output follows (StructuredOutputsParams or a dict
@@ -262,8 +263,8 @@ class SamplingParams:
             )
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not is_int(v) or v < 0):
-                fail(name, "an integer >= 0 or None")
+            if v is not None and (not is_int(v) or v < -1):
+                fail(name, "an integer >= 0, -1 (the whole vocabulary) or None")
         if self.logit_bias is not None:
             lo, hi = LOGIT_BIAS_RANGE
             if not isinstance(self.logit_bias, dict):

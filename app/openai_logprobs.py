@@ -1,0 +1,97 @@
+"""Logprobs in OpenAI's and vLLM's shapes, from the engine's per-position entries.
+
+The engine gives, per position, {token id: Logprob(logprob, rank, decoded_token)}: the
+chosen (or prompt) token first, then the top-N by rank. Completions list them as token
+strings with text offsets, chat as `content` entries with `top_logprobs`, and vLLM's
+`prompt_logprobs` as the entries themselves. A `top_n` of -1 is vLLM's "the whole
+vocabulary": every entry the engine computed. Logprobs of -inf (a token masked out) are
+sent as -9999.0, as vLLM sends them: JSON has no infinity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.openai_responses import (
+    ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs, TopLogprob,
+)
+
+FLOOR = -9999.0  # what vLLM sends for a logprob of -inf
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob >= FLOOR else FLOOR  # NaN too compares False
+
+
+def _ranked(entry: dict[int, Any]) -> list[tuple[int, Any]]:
+    return sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+
+
+class LogprobFormatter:
+    """Turns the engine's logprob entries into response fields, with the model's tokenizer
+    for tokens whose text the engine did not decode."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def token_str(self, token_id: int, logprob: Any = None) -> str:
+        decoded = getattr(logprob, "decoded_token", None)
+        return decoded if decoded is not None else self.tokenizer.decode([token_id])
+
+    def completion(self, token_ids: list[int], logprobs: list[Any] | None, top_n: int,
+                   offset: int = 0) -> CompletionLogprobs:
+        """Completions' logprobs of `token_ids` (text offsets from `offset`); as vLLM lists them,
+        each position's top_logprobs names its own token first, then the top_n by rank."""
+        result = CompletionLogprobs()
+        for pos, token_id in enumerate(token_ids):
+            entry = logprobs[pos] if logprobs is not None and pos < len(logprobs) else None
+            token = self.token_str(token_id, entry.get(token_id) if entry else None)
+            result.tokens.append(token)
+            result.text_offset.append(offset)
+            offset += len(token)
+            if entry is None:  # the first prompt token has no logprob
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            result.token_logprobs.append(_finite(entry[token_id].logprob) if token_id in entry else None)
+            ranked = _ranked(entry)
+            top = {token: _finite(entry[token_id].logprob)} if token_id in entry else {}
+            for t, lp in ranked if top_n == -1 else ranked[:top_n]:
+                top.setdefault(self.token_str(t, lp), _finite(lp.logprob))
+            result.top_logprobs.append(top)
+        return result
+
+    def chat(self, token_ids: list[int], logprobs: list[Any] | None, top_n: int | None) -> ChatLogprobs | None:
+        """Chat's logprobs `content` of `token_ids`, each with its top_n alternatives by rank."""
+        if logprobs is None:
+            return None
+        content = []
+        for token_id, entry in zip(token_ids, logprobs):
+            entry = entry or {}
+            ranked = _ranked(entry)
+            token = self.token_str(token_id, entry.get(token_id))
+            top = [TopLogprob(token=(s := self.token_str(t, lp)), logprob=_finite(lp.logprob), bytes=list(s.encode()))
+                   for t, lp in (ranked if top_n == -1 else ranked[:top_n or 0])]
+            lp = _finite(entry[token_id].logprob) if token_id in entry else FLOOR
+            content.append(ChatTokenLogprob(token=token, logprob=lp, bytes=list(token.encode()), top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    @staticmethod
+    def prompt(prompt_logprobs: list[dict[int, Any] | None] | None) -> PromptLogprobs | None:
+        """vLLM's `prompt_logprobs`: per prompt token, {token id: {logprob, rank, decoded_token}}
+        (the prompt's own token first); None for the first token."""
+        if prompt_logprobs is None:
+            return None
+        return [None if entry is None else
+                {t: PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+                 for t, lp in entry.items()}
+                for entry in prompt_logprobs]
+
+
+def join_logprobs(head: CompletionLogprobs, tail: CompletionLogprobs, shift: int) -> CompletionLogprobs:
+    """`head` followed by `tail`, whose text offsets start `shift` characters later."""
+    return CompletionLogprobs(
+        tokens=head.tokens + tail.tokens, token_logprobs=head.token_logprobs + tail.token_logprobs,
+        top_logprobs=head.top_logprobs + tail.top_logprobs,
+        text_offset=head.text_offset + [o + shift for o in tail.text_offset],
+    )
