@@ -53,7 +53,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         tokenizer_mode=config.tokenizer_mode, skip_tokenizer_init=config.skip_tokenizer_init,
         hf_overrides=config.hf_overrides, quantization=config.quantization,
         # the layers as the layered step takes them (LoRA slots are added to stacked layers)
-        layers_as_list=config.layerwise and not config.enable_lora,
+        layered=config.layered and not config.enable_lora,
         expert_parallel=config.enable_expert_parallel,
     )
     if config.generation_config not in ("auto", "vllm"):  # a folder holding generation_config.json

@@ -36,7 +36,7 @@ def load(
     mesh: Mesh | None = None, revision: str | None = None, trust_remote_code: bool = False,
     tokenizer: str | os.PathLike | None = None, tokenizer_mode: str = "auto", skip_tokenizer_init: bool = False,
     hf_overrides: dict[str, Any] | None = None, impl: str | None = None, quantization: str | None = None,
-    layers_as_list: bool = False, expert_parallel: bool = False,
+    layered: bool = False, expert_parallel: bool = False,
 ) -> LoadedModel:
     """Resolve (unless given a ResolvedModel) and load a model, params placed on `mesh`.
 
@@ -55,7 +55,7 @@ def load(
         quantization: None; "int8": the matrices stored as per-output-channel int8
             (runtime/ops/quantization.py), on either path; "gguf": a GGUF checkpoint's Q8_0
             tensors kept as stored (int8, a scale per 32 inputs), other tensor types dequantized.
-        layers_as_list: native models with layer stages, unquantized: the decoder layers'
+        layered: native models with layer stages, unquantized: the decoder layers'
             weights as a list of per-layer weights, the form runtime/ops/layered.py steps (no
             stacked [num_layers, ...] arrays to assemble here and split there).
         expert_parallel: a mixture-of-experts model's experts split over the mesh's model axis
@@ -86,15 +86,15 @@ def load(
         info = read_model_info(resolved, skip_tokenizer_init=True)
         with ThreadPoolExecutor(1, thread_name_prefix="servax-tokenizer") as pool:
             tokenizer_read = pool.submit(read_tokenizer, resolved, **tokenizer_args)
-            loaded = _load_weights(resolved, jdtype, mesh, info, quantization, layers_as_list, expert_parallel)
+            loaded = _load_weights(resolved, jdtype, mesh, info, quantization, layered, expert_parallel)
             loaded.tokenizer = tokenizer_read.result()
         return loaded
     info = read_model_info(resolved, skip_tokenizer_init=skip_tokenizer_init, **tokenizer_args)
-    return _load_weights(resolved, jdtype, mesh, info, quantization, layers_as_list, expert_parallel)
+    return _load_weights(resolved, jdtype, mesh, info, quantization, layered, expert_parallel)
 
 
 def _load_weights(resolved: ResolvedModel, jdtype: Any, mesh: Mesh, info: Any, quantization: str | None,
-                  layers_as_list: bool = False, expert_parallel: bool = False) -> LoadedModel:
+                  layered: bool = False, expert_parallel: bool = False) -> LoadedModel:
     """The model's weights loaded on `mesh` (and quantized as asked), with `info`'s fields."""
     int8_groups = _gguf_q8_0(resolved) if quantization == "gguf" else None
     if resolved.impl == "torchax":
@@ -112,7 +112,7 @@ def _load_weights(resolved: ResolvedModel, jdtype: Any, mesh: Mesh, info: Any, q
         reduce_axes = _torchax_quant_axes
     else:
         loaded = load_native(resolved, dtype=jdtype, mesh=mesh, info=info, int8_groups=int8_groups,
-                             layers_as_list=layers_as_list and quantization is None, expert_parallel=expert_parallel)
+                             layered=layered and quantization is None, expert_parallel=expert_parallel)
         reduce_axes = _native_quant_axes
     if quantization == "gguf":
         from runtime.ops.quantization import count_quantized, serve_quantized

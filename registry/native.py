@@ -52,12 +52,12 @@ NATIVE_MODELS: dict[str, ModelEntry] = declared_models()
 
 
 def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: ModelInfo,
-                int8_groups: dict | None = None, layers_as_list: bool = False,
+                int8_groups: dict | None = None, layered: bool = False,
                 expert_parallel: bool = False) -> LoadedModel:
     """Build the native model, its params read from the checkpoint onto `mesh`.
 
     int8_groups: weights to keep as int8 with a scale per 32 inputs (registry.weights.load_params).
-    layers_as_list: for a model with layer stages and no int8 groups, params["layers"] as a
+    layered: for a model with layer stages and no int8 groups, params["layers"] as a
         list of per-layer weights (the form runtime/ops/layered.py steps; step_fn then calls the
         layer stage once per layer) instead of arrays stacked [num_layers, ...].
 
@@ -75,16 +75,16 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: 
     else:  # what the model says a block holds (a latent per token: whole on every device)
         kv_spec = entry.kv_spec(args, dtype)
     args = _place_experts(args, mesh, expert_parallel, resolved)
-    layers_as_list = layers_as_list and entry.stages is not None and not int8_groups
+    layered = layered and entry.stages is not None and not int8_groups
     params, shardings = load_params(resolved.path, entry.weight_table(args), mesh, dtype, int8_groups,
-                                    per_layer=layers_as_list)
+                                    per_layer=layered)
     stages = None
     step_fn = functools.partial(entry.forward, args=args)
     if entry.stages is not None:
         pack_head = functools.partial(entry.pack_head, args=args) if entry.pack_head is not None else None
         stages = LayerStages(*(functools.partial(fn, args=args) for fn in entry.stages), num_layers=args.num_layers,
                              fuse=entry.fuse_layer, pack_layer=entry.pack_layer, pack_head=pack_head)
-    if layers_as_list:  # {name: [per-layer arrays]} -> [{name: array} per layer]
+    if layered:  # {name: [per-layer arrays]} -> [{name: array} per layer]
         key, n = stages.layers_key, stages.num_layers
         is_parts = lambda x: isinstance(x, list)  # noqa: E731
         params[key] = [jax.tree.map(lambda parts, i=i: parts[i], params[key], is_leaf=is_parts) for i in range(n)]

@@ -375,12 +375,12 @@ def test_layer_by_layer_step_equals_the_scan(tmp_path, family):
 
 
 def test_layers_load_as_a_list_of_the_stacks_slices(tiny_checkpoint):
-    """registry.load(..., layers_as_list=True), the form the layered runtime takes: each
+    """registry.load(..., layered=True), the form the layered runtime takes: each
     layer's weights equal the stacked arrays' slices, their specs drop the layer axis, and
     the model's step_fn gives the scan's logits."""
     P = jax.sharding.PartitionSpec
     path = str(tiny_checkpoint("qwen2"))
-    stacked, listed = registry.load(path), registry.load(path, layers_as_list=True)
+    stacked, listed = registry.load(path), registry.load(path, layered=True)
     layers = listed.params["layers"]
     assert isinstance(layers, list) and len(layers) == stacked.kv_spec.num_layers
     for i, layer in enumerate(layers):

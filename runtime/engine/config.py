@@ -12,7 +12,7 @@ import os
 import warnings
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from runtime.engine.speculative import SpeculativeConfig
 
@@ -106,8 +106,8 @@ class EngineConfig(BaseModel):
                             "float32 caches), or auto (pallas on TPU, cpu on CPU where the kernel builds, xla "
                             "elsewhere).",
     )
-    layerwise: bool = Field(
-        True, description="Step models a few decoder layers per call (one compiled layer program of up to "
+    layered: bool = Field(
+        True, validation_alias=AliasChoices("layered", "layerwise"), description="Step models a few decoder layers per call (one compiled layer program of up to "
                           "6 layers, weights read in place; runtime/ops/layered.py). False: one program per step with a "
                           "scan over stacked layer weights (XLA:CPU then copies each layer's weights per step).",
     )

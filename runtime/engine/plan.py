@@ -101,7 +101,7 @@ def make_plan(config: EngineConfig, model: LoadedModel, mesh: Mesh, *, max_model
         kv_spec = dataclasses.replace(model.kv_spec, cache_dtype=stored)
     num_blocks, budget = _num_kv_blocks(config, model, kv_spec, mesh, max_model_len)
     backend = _attention_backend(config, kv_spec, mesh.devices.flat[0].platform)
-    layered = config.layerwise and model.stages is not None
+    layered = config.layered and model.stages is not None
     on_cpu_kernel = backend == "cpu"
     packed = layered and on_cpu_kernel and _packs(model)
     tokens, seqs = token_buckets(config.max_num_batched_tokens), seq_buckets(config.max_num_seqs)

@@ -162,8 +162,8 @@ def _truncate(logits: jax.Array, b: SamplingBatch, cpu_kernel: bool = False) -> 
     min-p drops tokens below min_p x the most likely one's probability. The k-th value and
     the top-p cut are found by a bisection over the logits' bit patterns rather than a sort,
     and each search only runs when some row asks for it. With `cpu_kernel` (XLA:CPU, one
-    device) both cuts come from servax's C++ kernel instead (runtime/ops/kernels/sampling.cc:
-    ~1 ms where the bisections take ~7 and ~11 ms for 32 rows of a 49k vocabulary).
+    device) both cuts come from servax's C++ kernel instead (runtime/ops/kernels/sampling.cc),
+    several times faster than the bisections on XLA:CPU.
     """
     keys = _sortable(logits)
     if cpu_kernel:
@@ -218,8 +218,8 @@ def _truncate_by_bisection(logits: jax.Array, keys: jax.Array, b: SamplingBatch)
 
 def _argmax(x: jax.Array) -> jax.Array:
     """jnp.argmax over the last axis (the first index of the maximum), as a max then a min
-    over indices: XLA:CPU runs argmax's (value, index) reduction ~6x slower when the
-    values are computed in the same fusion (the Gumbel draw: 29 vs 5 ms at [32, 49k])."""
+    over indices: XLA:CPU runs argmax's (value, index) reduction several times slower when
+    the values are computed in the same fusion (as the Gumbel draw's are)."""
     top = x.max(axis=-1, keepdims=True)
     return jnp.min(jnp.where(x == top, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
 
@@ -236,7 +236,7 @@ def _gumbel_noise(seeds: jax.Array, steps: jax.Array, vocab: int) -> jax.Array:
 
     A counter-based hash (SplitMix-style: a per-row key, then the token id times the golden
     ratio, finalized by MurmurHash3's mixer) rather than jax.random's threefry, which costs
-    ~40 ms per [32, 49k] draw inside the sampler on XLA:CPU; this is a few ms. Because it
+    about ten times as much per draw inside the sampler on XLA:CPU. Because it
     depends on nothing else, a seeded request draws the same tokens in any batch.
     """
     row = _mix32(seeds.astype(jnp.uint32) ^ _mix32(steps.astype(jnp.uint32) + jnp.uint32(0x9E3779B9)))
@@ -290,7 +290,7 @@ def _report(logits: jax.Array, sampled: jax.Array, batch: SamplingBatch, num_log
     """The sample with the raw distribution's logprobs (log_softmax of the logits): the chosen
     (target or sampled) token's logprob and rank, and the top K. Zeros (rank 1) when no row
     reports any (batch.report), without a pass over the vocabulary: most steps serve requests
-    that ask for no logprobs, and the top-K alone is ~3 ms of a 32-row decode on XLA:CPU."""
+    that ask for no logprobs, and the top-K alone is a visible part of a decode step on XLA:CPU."""
     chosen = jnp.where(batch.target_ids >= 0, batch.target_ids, sampled)
 
     def logprobs(logits: jax.Array) -> tuple[jax.Array, ...]:

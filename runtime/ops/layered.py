@@ -10,13 +10,12 @@ A model that offers `LayerStages` (runtime/ops/step.py) can be stepped as
 
 with each layer's weights in arrays of their own. The one-program alternative, a scan
 over weights stacked [num_layers, ...], makes XLA:CPU copy every layer's weights out of
-the stack before its matmuls: on the 30-layer demo model that copy is ~30 of a 54 ms
-batch-1 decode step. Here the matmuls read the weights where they lie; the layer program
+the stack before its matmuls, most of a batch-1 decode step's time on the demo model
+(benchmarks/RESULTS.md). Here the matmuls read the weights where they lie; the layer program
 is compiled once per bucket whatever the depth (the first layer's index is an argument;
 k, at most MAX_LAYERS_PER_CALL, divides the depth), and the host dispatches L / k + 2
 calls per step asynchronously while the device runs. Each call costs a little beyond its
-work (starting the program, handing the carry on: on the demo model, steps of 1 / 16 / 32
-sequences took 25.9 / 55.9 / 84.9 ms at k = 1 and 23.9 / 52.6 / 81.7 ms at k = 5), which
+work (starting the program, handing the carry on; measured in benchmarks/RESULTS.md), which
 is why k is not 1; compile time per bucket grows with k, which is why it is capped.
 
 With `wide_seqs` (the runtime gives its largest sequence bucket when attention runs in the
