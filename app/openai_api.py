@@ -67,6 +67,7 @@ class OpenAIServing:
         serving_config = serving_config or ServingConfig()
         self.tool_call_parser: str | None = serving_config.tool_call_parser
         self.enable_auto_tool_choice: bool = serving_config.enable_auto_tool_choice
+        self.force_include_usage: bool = serving_config.enable_force_include_usage
 
     # ---- /v1/completions ----------------------------------------------------------------
 
@@ -101,6 +102,7 @@ class OpenAIServing:
                                          choices=sorted(choices, key=lambda c: c.index),
                                          usage=_usage(last.values())).model_dump()
                 return
+            include_usage, continuous_usage = request.stream_usage(self.force_include_usage)
             last = {}
             text_offsets: dict[int, int] = {}  # choice index -> text offset of its next token
             finished: set[int] = set()  # choices whose finish_reason was sent: nothing more of them
@@ -111,10 +113,11 @@ class OpenAIServing:
                     index = i * n + c.index
                     if index in finished:
                         continue
+                    first = index not in text_offsets
                     text, logprobs = c.delta_text or "", None
                     if request.logprobs is not None and c.delta_logprobs:
                         logprobs = self.logprobs.completion(c.delta_token_ids, c.delta_logprobs, request.logprobs)
-                    if request.echo and index not in text_offsets:
+                    if request.echo and first:
                         text, logprobs = self._echo(request, out, text, logprobs)
                     offset = text_offsets.get(index, 0)
                     if logprobs is not None and logprobs.tokens:
@@ -125,14 +128,18 @@ class OpenAIServing:
                         offset += len(text)
                     text_offsets[index] = offset
                     if text or c.finish_reason is not None or logprobs is not None:
-                        choices.append(dict(index=index, text=text, logprobs=logprobs and logprobs.model_dump(),
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                            prompt_token_ids=None, token_ids=None))
+                        ids = request.return_token_ids  # the prompt's on a choice's first chunk, as vLLM
+                        choice = dict(index=index, text=text, logprobs=logprobs and logprobs.model_dump(),
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                      prompt_token_ids=list(out.prompt_token_ids) if ids and first else None,
+                                      token_ids=list(c.delta_token_ids) if ids else None)
+                        usage = {"usage": _choice_usage(out, c) if continuous_usage else None} if include_usage else {}
+                        choices.append({**chunk, "choices": [choice], **usage})
                         if c.finish_reason is not None:
                             finished.add(index)
-                for choice in choices:  # one choice a chunk, as vLLM streams them
-                    yield {**chunk, "choices": [choice], **({"usage": None} if request.include_usage else {})}
-            if request.include_usage:
+                for body in choices:  # one choice a chunk, as vLLM streams them
+                    yield body
+            if include_usage:
                 yield {**chunk, "choices": [], "usage": _usage(last.values()).model_dump(exclude_none=True)}
 
     def _prompt_text(self, out: Any) -> str:
@@ -146,18 +153,22 @@ class OpenAIServing:
             logprobs = self.logprobs.completion(c.token_ids, c.logprobs, request.logprobs)
         if request.echo:
             text, logprobs = self._echo(request, out, text, logprobs)
+        ids = request.return_token_ids
         return CompletionChoice(index=index, text=text, logprobs=logprobs,
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                prompt_logprobs=self.logprobs.prompt(out.prompt_logprobs))
+                                prompt_logprobs=self.logprobs.prompt(out.prompt_logprobs),
+                                prompt_token_ids=list(out.prompt_token_ids) if ids else None,
+                                token_ids=list(c.token_ids) if ids else None)
 
     def _echo(self, request: CompletionRequest, out: Any, text: str, logprobs: CompletionLogprobs | None
               ) -> tuple[str, CompletionLogprobs | None]:
-        """Prefix the prompt (and, with logprobs, the prompt's logprobs) to a completion."""
+        """Prefix the prompt (and, with logprobs, the prompt's logprobs) to a completion; with
+        return_token_ids the prompt's ids stand for its text, which vLLM then leaves out."""
         prompt_text = self._prompt_text(out)
         if logprobs is not None or request.logprobs is not None:
             prompt_lp = self.logprobs.completion(out.prompt_token_ids, out.prompt_logprobs, request.logprobs)
             logprobs = join_logprobs(prompt_lp, logprobs or CompletionLogprobs(), len(prompt_text))
-        return prompt_text + text, logprobs
+        return ("" if request.return_token_ids else prompt_text) + text, logprobs
 
     # ---- /v1/chat/completions -----------------------------------------------------------
 
@@ -201,12 +212,14 @@ class OpenAIServing:
                         finish_reason = _tool_finish_reason(finish_reason, bool(calls))
                     choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
                                               logprobs=self._chat_logprobs(c.token_ids, c.logprobs, request),
-                                              stop_reason=c.stop_reason))
-                yield ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                             usage=_usage([out]),
-                                             prompt_logprobs=self.logprobs.prompt(out.prompt_logprobs)).model_dump()
+                                              stop_reason=c.stop_reason,
+                                              token_ids=list(c.token_ids) if request.return_token_ids else None))
+                yield ChatCompletionResponse(
+                    id=request_id, created=created, model=model, choices=choices, usage=_usage([out]),
+                    prompt_logprobs=self.logprobs.prompt(out.prompt_logprobs),
+                    prompt_token_ids=list(out.prompt_token_ids) if request.return_token_ids else None).model_dump()
                 return
-            usage_field = {"usage": None} if request.include_usage else {}
+            include_usage, continuous_usage = request.stream_usage(self.force_include_usage)
             started: set[int] = set()
             finished: set[int] = set()  # choices whose finish_reason was sent: nothing more of them
             tool_streams: dict[int, ToolCallStream] = {}
@@ -224,20 +237,26 @@ class OpenAIServing:
                         finish_reason = _tool_finish_reason(finish_reason, stream.num_calls > 0)
                     else:
                         delta = ChatDelta(content=c.delta_text or "")
+                    head = {}  # fields of the chunk beside its choice
                     if c.index not in started:
                         started.add(c.index)
                         delta.role = "assistant"
                         delta.content = echo + (delta.content or "")
+                        if request.return_token_ids:  # as vLLM: on each choice's first chunk
+                            head["prompt_token_ids"] = list(out.prompt_token_ids)
                     elif not delta.content and not delta.tool_calls and c.finish_reason is None:
                         continue
                     choice = ChatChunkChoice(index=c.index, delta=delta, finish_reason=finish_reason,
-                                             logprobs=self._chat_logprobs(c.delta_token_ids, c.delta_logprobs, request))
-                    choices.append(choice.body(c.stop_reason))
+                                             logprobs=self._chat_logprobs(c.delta_token_ids, c.delta_logprobs, request),
+                                             token_ids=list(c.delta_token_ids) if request.return_token_ids else None)
+                    if include_usage:
+                        head["usage"] = _choice_usage(out, c) if continuous_usage else None
+                    choices.append({**chunk, "choices": [choice.body(c.stop_reason)], **head})
                     if c.finish_reason is not None:
                         finished.add(c.index)
-                for choice in choices:  # one choice a chunk, as vLLM streams them
-                    yield {**chunk, "choices": [choice], **usage_field}
-            if request.include_usage:
+                for body in choices:  # one choice a chunk, as vLLM streams them
+                    yield body
+            if include_usage:
                 yield {**chunk, "choices": [], "usage": _usage([out]).model_dump(exclude_none=True)}
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[Any] | None, request: ChatCompletionRequest
@@ -302,6 +321,13 @@ class OpenAIServing:
 def _tool_finish_reason(finish_reason: str | None, called: bool) -> str | None:
     """OpenAI's "tool_calls" for a reply that ended by itself with tool calls."""
     return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+
+def _choice_usage(out: Any, c: Any) -> dict[str, int]:
+    """The usage a chunk carries under continuous_usage_stats, as vLLM counts it: its prompt's
+    tokens and the tokens its choice has generated so far."""
+    prompt, generated = len(out.prompt_token_ids or ()), len(c.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
 def _usage(outs: Any) -> UsageInfo:

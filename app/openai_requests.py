@@ -46,6 +46,9 @@ class _Request(BaseModel):
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # vLLM's: the top-N logprobs of each prompt token (-1: all)
+    return_token_ids: bool | None = None  # vLLM's: prompt and generated token ids beside the text
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep this many prompt tokens (-1: what fits)
+    truncation_side: Literal["left", "right"] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
@@ -89,7 +92,8 @@ class _Request(BaseModel):
             if getattr(self, name) != default:
                 kwargs[name] = getattr(self, name)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "seed", "stop_token_ids", "max_tokens", "prompt_logprobs"):
+                     "repetition_penalty", "seed", "stop_token_ids", "max_tokens", "prompt_logprobs",
+                     "truncate_prompt_tokens", "truncation_side"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
@@ -126,9 +130,13 @@ class _Request(BaseModel):
                 param=asked[1][0])
         return (asked[0][1], asked[0][0]) if asked else (None, None)
 
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+    def stream_usage(self, force: bool = False) -> tuple[bool, bool]:
+        """(a last chunk with the usage, usage on every chunk), as vLLM decides them: from
+        stream_options, or both when the server forces them (enable_force_include_usage)."""
+        if force:
+            return True, True
+        include = bool(self.stream_options and self.stream_options.include_usage)
+        return include, include and self.stream_options.continuous_usage_stats
 
 
 class StreamOptions(BaseModel):

@@ -36,7 +36,9 @@ VLLM_CHAT_CHUNK_CHOICE_KEYS = {"index", "delta", "logprobs", "finish_reason", "t
 VLLM_TOKENIZE_KEYS = {"count", "max_model_len", "tokens", "token_strs"}
 
 
-WIDE = "dropin-wide"  # the same model with max_logprobs: -1 (the whole vocabulary may be asked for)
+# The same model served with vLLM's settings that change answers: max_logprobs -1 (the whole
+# vocabulary may be asked for) and enable_force_include_usage (usage on every stream chunk).
+WIDE = "dropin-wide"
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,7 @@ def base_url(servax_cache):
     with local_llm_servers([
         {"model_loading_config": {"model_id": MODEL, "model_source": "servax-tiny/llama"}, "engine_kwargs": ENGINE},
         {"model_loading_config": {"model_id": WIDE, "model_source": "servax-tiny/llama"},
-         "engine_kwargs": dict(ENGINE, max_logprobs=-1)},
+         "engine_kwargs": dict(ENGINE, max_logprobs=-1, enable_force_include_usage=True)},
     ]) as handles, openai_api_server(handles) as url:
         yield url
 
@@ -213,3 +215,91 @@ def test_top_logprobs_minus_one_is_400_under_the_default_max_logprobs(http):
                         param="top_logprobs")
     assert_openai_error(http.post("/v1/chat/completions", json={**body, "logprobs": False}), 400,
                         param="top_logprobs")
+
+
+# ---- 3. return_token_ids, truncate_prompt_tokens, truncation_side ----------------------
+
+def tokenize(http, **body) -> list[int]:
+    return http.post("/tokenize", json={"model": MODEL, **body}).json()["tokens"]
+
+
+def detokenize(http, ids: list[int]) -> str:
+    return http.post("/detokenize", json={"model": MODEL, "tokens": ids}).json()["prompt"]
+
+
+def test_completion_return_token_ids(http):
+    (choice,) = complete(http, return_token_ids=True)["choices"]
+    assert choice["prompt_token_ids"] == tokenize(http, prompt="Hello there")
+    assert len(choice["token_ids"]) == 4 and detokenize(http, choice["token_ids"]) == choice["text"]
+    (echoed,) = complete(http, return_token_ids=True, echo=True)["choices"]
+    assert echoed["text"] == choice["text"]  # vLLM leaves the echoed prompt's text out: its ids are there
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_streamed_token_ids_add_up_to_the_whole_answer(http, route):
+    whole = (complete if route == "completions" else chat)(http, return_token_ids=True)
+    chunks = stream(http, route, return_token_ids=True, **({"prompt": "Hello there"} if route == "completions" else {}))
+    if route == "completions":
+        prompt_ids = [c["choices"][0]["prompt_token_ids"] for c in chunks]
+        assert prompt_ids[0] == whole["choices"][0]["prompt_token_ids"] and not any(prompt_ids[1:])
+    else:
+        assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+        assert not any("prompt_token_ids" in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
+
+
+def test_chat_return_token_ids(http):
+    body = chat(http, return_token_ids=True)
+    assert body["prompt_token_ids"] == tokenize(http, messages=MESSAGES)
+    assert len(body["choices"][0]["token_ids"]) == 4
+
+
+@pytest.mark.parametrize("side, kept", [("left", slice(-4, None)), ("right", slice(0, 4)), (None, slice(0, 4))])
+def test_truncate_prompt_tokens_keeps_the_side_asked(http, side, kept):
+    ids = list(range(5, 25))
+    body = complete(http, prompt=ids, truncate_prompt_tokens=4, truncation_side=side, return_token_ids=True)
+    assert body["choices"][0]["prompt_token_ids"] == ids[kept]  # None: the tokenizer's side ("right" here)
+    assert body["usage"]["prompt_tokens"] == 4
+
+
+def test_truncate_prompt_tokens_bounds(http):
+    body = complete(http, prompt=[7] * 300, truncate_prompt_tokens=-1, max_tokens=1)  # -1: what fits
+    assert body["usage"]["prompt_tokens"] == ENGINE["max_model_len"] - 1
+    error = assert_openai_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi",
+                                                                   "truncate_prompt_tokens": 500}), 400,
+                                param="truncate_prompt_tokens")
+    assert "max_model_len=128" in error["message"]
+    assert_openai_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES,
+                                                                "truncation_side": "middle"}), 400,
+                        param="truncation_side")
+    reply = chat(http, truncate_prompt_tokens=3, return_token_ids=True)
+    assert reply["prompt_token_ids"] == tokenize(http, messages=MESSAGES)[:3]
+
+
+# ---- 6. usage on every stream chunk ----------------------------------------------------
+
+def assert_continuous_usage(chunks: list[dict], prompt_tokens: int) -> None:
+    *per_choice, last = chunks
+    counts = [c["usage"]["completion_tokens"] for c in per_choice]
+    assert counts == sorted(counts) and counts[-1] == 4
+    assert all(c["usage"]["prompt_tokens"] == prompt_tokens for c in per_choice)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_continuous_usage_stats_put_usage_on_every_chunk(http, route):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = stream(http, route, stream_options=options)
+    prompt_tokens = chunks[-1]["usage"]["prompt_tokens"]
+    assert_continuous_usage(chunks, prompt_tokens)
+    plain = stream(http, route, stream_options={"include_usage": True})
+    assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["total_tokens"] == prompt_tokens + 4
+
+
+def test_force_include_usage_reports_usage_unasked(http, base_url):
+    chunks = stream(http, "completions", model=WIDE)
+    assert_continuous_usage(chunks, chunks[-1]["usage"]["prompt_tokens"])
+    client = openai_client(base_url)
+    events = list(client.chat.completions.create(model=WIDE, messages=MESSAGES, max_tokens=4, stream=True,
+                                                 temperature=0, extra_body={"ignore_eos": True}))
+    assert events[-1].usage.completion_tokens == 4 and all(e.usage is not None for e in events)

@@ -235,6 +235,9 @@ class InputProcessor:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
         params = self.sampling_params(sampling, chat=is_chat(prompt))
         text, token_ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            kept = self.truncate(token_ids, params.truncate_prompt_tokens, params.truncation_side)
+            text, token_ids = (text if len(kept) == len(token_ids) else None), kept
         if len(token_ids) + 1 > self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt has {len(token_ids)} tokens; with at least one generated token it needs "
@@ -244,6 +247,25 @@ class InputProcessor:
         params = self.check_limits(params)
         constraints = self.token_masks.compile(params)
         return ProcessedRequest(request_id, text, token_ids, params, arrival_time or time.time(), constraints)
+
+    def truncate(self, token_ids: list[int], keep: int, side: str | None) -> list[int]:
+        """The prompt cut to `keep` tokens (-1: the context less one token to generate) from
+        `side` ("left" keeps the last tokens; None: the tokenizer's truncation_side), as vLLM.
+
+        Raises:
+            InvalidRequestError: `keep` is more than the context holds, or leaves no prompt.
+        """
+        if keep > self.max_model_len:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens={keep} cannot be greater than max_model_len={self.max_model_len}; "
+                "request a smaller truncation size", param="truncate_prompt_tokens")
+        keep = self.max_model_len - 1 if keep == -1 else keep
+        if keep == 0:
+            raise InvalidRequestError("truncate_prompt_tokens=0 leaves no prompt", param="truncate_prompt_tokens")
+        if keep >= len(token_ids):
+            return token_ids
+        side = side or getattr(self.tokenizer, "truncation_side", None)
+        return token_ids[-keep:] if side == "left" else token_ids[:keep]
 
     def check_limits(self, params: SamplingParams) -> SamplingParams:
         """The checks of `params` that depend on this model and engine.

@@ -154,6 +154,10 @@ class SamplingParams:
         allowed_token_ids: only these token ids may be generated.
         bad_words: words that may not be generated: a token that would complete one (as the
             tokenizer spells it, with and without a leading space) is masked out.
+        truncate_prompt_tokens: keep only this many prompt tokens (-1: as many as the
+            context holds with one token to generate); None keeps the whole prompt.
+        truncation_side: which end of the prompt truncation cuts: "left" keeps the last
+            tokens, "right" the first; None: the tokenizer's own side (vLLM's rule).
     """
 
     n: int = 1
@@ -178,6 +182,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -303,6 +309,12 @@ class SamplingParams:
             or not all(is_int(t) and t >= 0 for t in self.allowed_token_ids)
         ):
             fail("allowed_token_ids", "a non-empty list of token ids >= 0")
+        if self.truncate_prompt_tokens is not None and (
+            not is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < -1
+        ):
+            fail("truncate_prompt_tokens", "an integer >= 0, -1 (the context's size) or None")
+        if self.truncation_side not in (None, "left", "right"):
+            fail("truncation_side", "'left', 'right' or None")
         if self.bad_words is not None and (
             not isinstance(self.bad_words, (list, tuple)) or len(self.bad_words) > MAX_BAD_WORDS
             or not all(isinstance(w, str) and w.strip() for w in self.bad_words)
