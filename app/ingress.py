@@ -29,8 +29,10 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.body_limit import BodySizeLimit
 from app.metrics import render_families
 from app.openai_requests import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
@@ -51,9 +53,6 @@ class APIError(Exception):
 
 
 SERVAX_VERSION = importlib.metadata.version("servax")
-# Largest request body accepted: 16 MiB holds a max-length prompt of any model many times
-# over; beyond it the ingress answers 413 before reading further.
-MAX_REQUEST_BODY_BYTES = 16 * 2**20
 # The model's chunks stream to the ingress by value over the replicas' gRPC channel, not as
 # one Ray object per chunk (Serve's default, "by reference"), which costs the ingress less CPU
 # per token (measured in benchmarks/RESULTS.md, "Stop 33"). The option is private to Ray Serve
@@ -202,6 +201,27 @@ class OpenAIRouter:
             raise APIError(_server_error(e)) from e
         return _json_error(result) if isinstance(result, ErrorResponse) else JSONResponse(result)
 
+    async def tokenizer_info(self, model: str | None) -> JSONResponse:
+        """vLLM's GET /tokenizer_info of `model` (the only model when None)."""
+        handle = self.handle_for(model)
+        try:
+            result = await handle.tokenizer_info.remote()
+        except Exception as e:
+            raise APIError(_server_error(e)) from e
+        return _json_error(result) if isinstance(result, ErrorResponse) else JSONResponse(result)
+
+    async def invocations(self, body: Any) -> Any:
+        """SageMaker's POST /invocations, as vLLM routes it: the body of the first route whose
+        request it is (chat completions, then completions)."""
+        for model, method in ((ChatCompletionRequest, "chat"), (CompletionRequest, "completion")):
+            try:
+                request = model.model_validate(body)
+            except ValidationError:
+                continue
+            return await self.relay(method, request)
+        raise APIError(ErrorResponse.make(400, "Cannot find suitable handler for request. Expected one of: "
+                                               "['ChatCompletionRequest', 'CompletionRequest']"))
+
     async def relay(self, method: str, body: CompletionRequest | ChatCompletionRequest) -> Any:
         """Call LLMServer.<method>(body) and turn what it yields into the HTTP response."""
         handle, lora = self.route(body.model)
@@ -291,41 +311,9 @@ def _error_text(error: dict[str, Any]) -> str:
     return text
 
 
-class _BodyTooLarge(StarletteHTTPException):
-    def __init__(self, limit: int):
-        super().__init__(413, f"request body exceeds {limit} bytes")
-
-
-class BodySizeLimit:
-    """ASGI middleware: a 413 OpenAI error for bodies over `limit` bytes, by Content-Length
-    when the client sends one, else counted as the body streams in (nothing more is read)."""
-
-    def __init__(self, app: Any, limit: int = MAX_REQUEST_BODY_BYTES):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            return await _json_error(ErrorResponse.make(413, f"request body exceeds {self.limit} bytes"))(
-                scope, receive, send)
-        received = 0
-
-        async def limited() -> dict:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.limit:
-                    raise _BodyTooLarge(self.limit)
-            return message
-
-        await self.app(scope, limited, send)
-
-
 def build_openai_api(router: OpenAIRouter) -> FastAPI:
-    """The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /health."""
+    """The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /health, and vLLM's
+    other routes (/tokenize, /detokenize, /tokenizer_info, /invocations, /ping, /version, /metrics)."""
     api = FastAPI(title="servax", description="OpenAI-compatible LLM serving on JAX")
     api.add_middleware(BodySizeLimit)
 
@@ -389,6 +377,26 @@ def build_openai_api(router: OpenAIRouter) -> FastAPI:
         ok = all(v == "ok" for v in status.values())
         return JSONResponse({"status": "ok" if ok else "unhealthy", "models": status},
                             status_code=200 if ok else 503)
+
+    @api.get("/ping")
+    @api.post("/ping")
+    async def ping() -> JSONResponse:
+        """SageMaker's health check (vLLM's): /health's answer."""
+        return await health()
+
+    @api.post("/invocations")
+    async def invocations(request: Request) -> Any:
+        router.authorize(request)
+        try:
+            body = await request.json()
+        except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested past the parser's depth
+            raise APIError(ErrorResponse.make(400, f"request body is not valid JSON: {type(e).__name__}")) from None
+        return await router.invocations(body)
+
+    @api.get("/tokenizer_info")
+    async def tokenizer_info(request: Request, model: str | None = None) -> JSONResponse:
+        router.authorize(request)
+        return await router.tokenizer_info(model)
 
     @api.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:

@@ -295,6 +295,10 @@ class LLMServerImpl:
         """vLLM's /detokenize body."""
         return self.serving.detokenize(request)
 
+    def tokenizer_info(self) -> dict[str, Any] | ErrorResponse:
+        """vLLM's /tokenizer_info body (enable_tokenizer_info_endpoint)."""
+        return self.serving.tokenizer_info()
+
     def metric_families(self) -> list[Any]:
         """This replica's Prometheus metric families (for the ingress' GET /metrics)."""
         self._update_gauges()

@@ -68,6 +68,7 @@ class OpenAIServing:
         self.tool_call_parser: str | None = serving_config.tool_call_parser
         self.enable_auto_tool_choice: bool = serving_config.enable_auto_tool_choice
         self.force_include_usage: bool = serving_config.enable_force_include_usage
+        self.enable_tokenizer_info: bool = serving_config.enable_tokenizer_info_endpoint
 
     # ---- /v1/completions ----------------------------------------------------------------
 
@@ -296,7 +297,7 @@ class OpenAIServing:
                     [m.model_dump(exclude_none=True) for m in request.messages],
                     add_generation_prompt=request.add_generation_prompt,
                     continue_final_message=request.continue_final_message, chat_template=request.chat_template,
-                    chat_template_kwargs=request.chat_template_kwargs)
+                    chat_template_kwargs=request.chat_template_kwargs, tools=request.tool_dicts())
             else:
                 ids = list(processor.tokenizer(request.prompt, add_special_tokens=request.add_special_tokens)
                            .input_ids)
@@ -304,6 +305,22 @@ class OpenAIServing:
             return error_response(e)
         strs = processor.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    def tokenizer_info(self) -> dict[str, Any] | ErrorResponse:
+        """vLLM's /tokenizer_info: the tokenizer's init arguments (files left out), its class and
+        the chat template; a 404 unless the model's serving settings enable it, as in vLLM."""
+        tokenizer = self.engine.processor.tokenizer
+        if not self.enable_tokenizer_info:
+            return ErrorResponse.make(404, "/tokenizer_info is off for this model (enable_tokenizer_info_endpoint)",
+                                      type="NotFoundError")
+        if tokenizer is None:
+            return ErrorResponse.make(400, "this model has no tokenizer", param="model")
+        config = {k: v for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+                  if k not in ("vocab_file", "merges_file")}
+        info = {**_json_ready(config), "tokenizer_class": type(tokenizer).__name__}
+        if getattr(tokenizer, "chat_template", None):
+            info["chat_template"] = tokenizer.chat_template
+        return info
 
     def detokenize(self, request: DetokenizeRequest) -> dict[str, Any] | ErrorResponse:
         """{prompt}: the text of token ids."""
@@ -321,6 +338,17 @@ class OpenAIServing:
 def _tool_finish_reason(finish_reason: str | None, called: bool) -> str | None:
     """OpenAI's "tool_calls" for a reply that ended by itself with tool calls."""
     return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+
+def _json_ready(value: Any) -> Any:
+    """A tokenizer setting as JSON: special tokens (AddedToken) as their text, as vLLM sends them."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
+    return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
 
 
 def _choice_usage(out: Any, c: Any) -> dict[str, int]:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from app.openai_messages import ChatCompletionTool, ChatMessage, NamedToolChoice
 from app.relay import GenerationRequest
 from app.tool_parsers import named_tool_call_schema, required_tool_calls_schema
 from runtime.engine.errors import InvalidRequestError
@@ -175,35 +176,6 @@ class ResponseFormat(BaseModel):
         return {"json": schema if schema is not None else {"type": "object"}}
 
 
-class FunctionDefinition(BaseModel):
-    """A tool's function: its name, and a JSON schema of its arguments."""
-
-    model_config = ConfigDict(extra="allow")
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ChatCompletionTool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-
-class ToolChoiceFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1)
-
-
-class NamedToolChoice(BaseModel):
-    """tool_choice naming the function the reply must call."""
-
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["function"] = "function"
-    function: ToolChoiceFunction
-
-
 Prompt = str | list[int] | list[str | list[int]]
 
 
@@ -258,40 +230,6 @@ class CompletionRequest(_Request):
             if self.echo and self.prompt_logprobs is None:  # the echoed prompt's logprobs, as vLLM
                 kwargs["prompt_logprobs"] = self.logprobs
         return kwargs
-
-
-class ContentPart(BaseModel):
-    """A part of a message's content (the engine takes text parts and says so of others)."""
-
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
-
-
-class ToolCallFunction(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    name: str
-    arguments: str | dict[str, Any] = "{}"  # OpenAI's JSON text; an object is taken too
-
-
-class ToolCallParam(BaseModel):
-    """An assistant message's earlier tool call, as OpenAI's clients send it back."""
-
-    model_config = ConfigDict(extra="allow")
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
-
-
-class ChatMessage(BaseModel):
-    """One chat message; its known keys are type-checked here, other keys reach the chat template."""
-
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallParam] | None = None
-    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_Request):
@@ -413,13 +351,19 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionTool] | None = None  # rendered into the prompt by the chat template
     return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _prompt_xor_messages(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
+        if self.tools is not None and self.messages is None:
+            raise InvalidRequestError("tools are rendered with messages; a prompt has none", param="tools")
         return self
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class DetokenizeRequest(BaseModel):

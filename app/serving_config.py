@@ -25,6 +25,8 @@ class ServingConfig(BaseModel):
         False, description='Let the model decide to call tools (tool_choice "auto"); needs tool_call_parser.')
     tool_call_parser: str | None = Field(
         None, description="How tool calls are read from replies: hermes (Hermes, Qwen 2/2.5/3) or llama3_json.")
+    enable_tokenizer_info_endpoint: bool = Field(
+        False, description="Serve GET /tokenizer_info (the tokenizer's configuration, chat template included).")
     enable_force_include_usage: bool = Field(
         False, description="Every stream reports usage, on each chunk and in a last chunk, as if it asked "
                            "stream_options {include_usage, continuous_usage_stats}.")

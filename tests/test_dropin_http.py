@@ -37,7 +37,8 @@ VLLM_TOKENIZE_KEYS = {"count", "max_model_len", "tokens", "token_strs"}
 
 
 # The same model served with vLLM's settings that change answers: max_logprobs -1 (the whole
-# vocabulary may be asked for) and enable_force_include_usage (usage on every stream chunk).
+# vocabulary may be asked for), enable_force_include_usage (usage on every stream chunk) and
+# enable_tokenizer_info_endpoint.
 WIDE = "dropin-wide"
 
 
@@ -46,7 +47,8 @@ def base_url(servax_cache):
     with local_llm_servers([
         {"model_loading_config": {"model_id": MODEL, "model_source": "servax-tiny/llama"}, "engine_kwargs": ENGINE},
         {"model_loading_config": {"model_id": WIDE, "model_source": "servax-tiny/llama"},
-         "engine_kwargs": dict(ENGINE, max_logprobs=-1, enable_force_include_usage=True)},
+         "engine_kwargs": dict(ENGINE, max_logprobs=-1, enable_force_include_usage=True,
+                              enable_tokenizer_info_endpoint=True)},
     ]) as handles, openai_api_server(handles) as url:
         yield url
 
@@ -303,3 +305,49 @@ def test_force_include_usage_reports_usage_unasked(http, base_url):
     events = list(client.chat.completions.create(model=WIDE, messages=MESSAGES, max_tokens=4, stream=True,
                                                  temperature=0, extra_body={"ignore_eos": True}))
     assert events[-1].usage.completion_tokens == 4 and all(e.usage is not None for e in events)
+
+
+# ---- 12. custom roles; 13. /invocations, /tokenizer_info, /tokenize with tools ----------
+
+def test_custom_roles_reach_the_chat_template(http):
+    messages = [{"role": "narrator", "content": "Once"}, {"role": "user", "content": "Hi"}]
+    ids = tokenize(http, messages=messages)
+    assert "<|im_start|>narrator\nOnce<|im_end|>" in detokenize(http, ids)
+    assert chat(http, messages=messages)["usage"]["prompt_tokens"] == len(ids)
+    refusing = "{% for m in messages %}{% if m.role == 'narrator' %}{{ raise_exception('no narrator') }}" \
+               "{% endif %}{{ m.content }}{% endfor %}"
+    error = assert_openai_error(http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": messages, "chat_template": refusing}), 400, param="messages")
+    assert "no narrator" in error["message"]
+
+
+def test_tokenize_renders_tools_into_the_prompt(http):
+    template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    ids = tokenize(http, messages=MESSAGES, tools=tools, chat_template=template)
+    assert ids == tokenize(http, prompt="[get_weather]Hello there", add_special_tokens=False)
+    assert_openai_error(http.post("/tokenize", json={"model": MODEL, "prompt": "x", "tools": tools}), 400,
+                        param="tools")
+
+
+def test_invocations_route_chat_and_completion_bodies(http):
+    r = http.post("/invocations", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
+    r = http.post("/invocations", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["object"] == "text_completion", r.text
+    with http.stream("POST", "/invocations", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2,
+                                                   "stream": True}) as r:
+        assert sse_events(r)[-1] == "[DONE]"
+    error = assert_openai_error(http.post("/invocations", json={"model": MODEL, "input": "x"}), 400)
+    assert "ChatCompletionRequest" in error["message"]
+    assert_openai_error(http.post("/invocations", content=b"[[[", headers={"content-type": "application/json"}), 400)
+    assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
+
+
+def test_tokenizer_info_where_the_model_enables_it(http):
+    r = http.get("/tokenizer_info", params={"model": WIDE})
+    assert r.status_code == 200, r.text
+    info = r.json()
+    assert info["tokenizer_class"] and "vocab_file" not in info and "<|im_start|>" in info["chat_template"]
+    assert_openai_error(http.get("/tokenizer_info", params={"model": MODEL}), 404)
+    assert_openai_error(http.get("/tokenizer_info"), 400, param="model")  # two models: say which

@@ -43,7 +43,7 @@ def assert_still_serving(http) -> None:
 
 
 def test_oversized_body_is_413(http):
-    from app.ingress import MAX_REQUEST_BODY_BYTES
+    from app.body_limit import MAX_REQUEST_BODY_BYTES
 
     junk = "x" * (MAX_REQUEST_BODY_BYTES + 1)
     assert_openai_error(http.post("/v1/completions", content=json.dumps({"model": MODEL, "prompt": junk}),
@@ -97,7 +97,7 @@ def test_impossible_completion_values_are_400(http, field, value):
 
 
 def test_impossible_chat_values_are_400(http):
-    for messages in ([], [{"role": "wizard", "content": "hi"}], [{"content": "hi"}], "hi", [{"role": "user", "content": 5}],
+    for messages in ([], [{"role": 5, "content": "hi"}], [{"content": "hi"}], "hi", [{"role": "user", "content": 5}],
                      [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
                      [{"role": "user", "content": [1, "a"]}], [{"role": "user", "content": [{"type": "text", "text": [1]}]}],
                      [{"role": "assistant", "content": "x", "tool_calls": [1, "a"]}],
@@ -215,6 +215,15 @@ def test_fuzzed_bodies_never_500(http, route):
     refused, some served; never a 5xx."""
     outcomes = _fuzz(http, f"/v1/{route}", _bodies(route), 300)
     assert outcomes[200] >= 3 and sum(n for status, n in outcomes.items() if status >= 400) >= 100, outcomes
+    assert_still_serving(http)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["completions", "chat/completions"])
+def test_fuzzed_invocations_never_500(http, kind):
+    """/invocations (SageMaker's, vLLM's) picks the route from the body: the same bodies, never a 5xx."""
+    outcomes = _fuzz(http, "/invocations", _bodies(kind), 100)
+    assert sum(n for status, n in outcomes.items() if status >= 400) >= 30, outcomes
     assert_still_serving(http)
 
 
