@@ -414,7 +414,7 @@ def build_openai_api(router: OpenAIRouter) -> FastAPI:
 
     @api.get("/metrics")
     async def metrics() -> Response:
-        """Prometheus text format: every model's replica metrics, vLLM's names with servax's prefix."""
+        """Prometheus text format: every model's replica metrics, as servax:* and under vLLM's vllm:* names."""
         families = await asyncio.gather(*(h.metric_families.remote() for h in router.handles.values()))
         return Response(render_families(list(families)), media_type=CONTENT_TYPE_LATEST)
 

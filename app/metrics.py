@@ -7,8 +7,9 @@ Each row of `METRICS` (name, kind, help, extra labels, buckets) makes:
   a Ray worker (local testing mode, plain unit tests);
 - a prometheus_client metric `servax:<name>` labelled `model_name` in the replica's own
   registry, which the ingress serves at `GET /metrics` on the HTTP port (`families`,
-  `render_families`): vLLM's names with servax's prefix, so a Prometheus job or a dashboard
-  made for vLLM scrapes servax by changing the prefix.
+  `render_families`); beside it, the same values under vLLM's own name and labels
+  (`vllm:<name>{model_name, engine="0"}`), so that vLLM's dashboards and alerts read servax
+  unchanged (rows without a vLLM counterpart, such as the LoRA ones, are servax's only).
 
 Counters are named without `_total`; both clients append it on export
 (`servax:prompt_tokens_total`, `ray_servax_prompt_tokens_total`). Rows marked `http_only`
@@ -27,12 +28,13 @@ from prometheus_client.core import Metric
 logger = logging.getLogger("ray.serve")
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
 
 
 @dataclasses.dataclass(frozen=True)
 class MetricSpec:
-    """One metric: its name without prefix, kind, help text, labels beside the model's, and
-    histogram buckets."""
+    """One metric: its name without prefix, kind, help text, labels beside the model's,
+    histogram buckets, and its vLLM name ("": the same; None: vLLM has none)."""
 
     name: str
     kind: Literal["counter", "gauge", "histogram"]
@@ -40,13 +42,15 @@ class MetricSpec:
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
     http_only: bool = False
+    vllm: str | None = ""
 
 
 METRICS = (
     MetricSpec("time_to_first_token_seconds", "histogram", "Time from arrival to the first token, in seconds.",
                buckets=LATENCY_BUCKETS),
     MetricSpec("time_per_output_token_seconds", "histogram",
-               "Mean time between the tokens after the first, per request, in seconds.", buckets=LATENCY_BUCKETS),
+               "Mean time between the tokens after the first, per request, in seconds.", buckets=LATENCY_BUCKETS,
+               vllm="request_time_per_output_token_seconds"),
     MetricSpec("e2e_request_latency_seconds", "histogram", "Time from arrival to finish, in seconds.",
                buckets=LATENCY_BUCKETS),
     MetricSpec("prompt_tokens", "counter", "Prompt tokens processed."),
@@ -64,9 +68,12 @@ METRICS = (
     MetricSpec("spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted."),
     MetricSpec("spec_decode_num_accepted_tokens_per_pos", "counter", "Draft tokens accepted per draft position.",
                labels=("position",), http_only=True),
-    MetricSpec("lora_adapters_loaded", "gauge", "LoRA adapters read into the engine.", http_only=True),
-    MetricSpec("lora_slot_loads", "gauge", "LoRA adapter writes into device slots so far.", http_only=True),
-    MetricSpec("lora_requests", "gauge", "Requests per LoRA adapter so far.", labels=("lora_name",), http_only=True),
+    MetricSpec("iteration_tokens_total", "histogram", "Tokens computed per engine step (prompt and generated).",
+               buckets=ITERATION_TOKENS_BUCKETS),
+    MetricSpec("lora_adapters_loaded", "gauge", "LoRA adapters read into the engine.", http_only=True, vllm=None),
+    MetricSpec("lora_slot_loads", "gauge", "LoRA adapter writes into device slots so far.", http_only=True, vllm=None),
+    MetricSpec("lora_requests", "gauge", "Requests per LoRA adapter so far.", labels=("lora_name",), http_only=True,
+               vllm=None),
 )
 _RECORD = {"counter": "inc", "gauge": "set", "histogram": "observe"}  # the method that records a value
 # Engine counters (EngineStats fields of the same names), exported as increments.
@@ -75,22 +82,28 @@ ENGINE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions
 
 
 class PrometheusMetrics:
-    """The replica's metrics in its own prometheus_client registry (`servax:<name>{model_name}`)."""
+    """The replica's metrics in its own prometheus_client registry: `servax:<name>{model_name}`
+    and, for the rows vLLM has, `vllm:<its name>{model_name, engine}`."""
 
     def __init__(self, model_name: str):
         prom.disable_created_metrics()  # as vLLM: no `_created` series beside each counter
         self.registry = prom.CollectorRegistry(auto_describe=True)
         self._model = model_name
         kinds = {"counter": prom.Counter, "gauge": prom.Gauge, "histogram": prom.Histogram}
-        self._metrics = {}
+        self._metrics: dict[str, list[Any]] = {}
         for spec in METRICS:
             extra = {"buckets": spec.buckets} if spec.kind == "histogram" else {}
-            self._metrics[spec.name] = kinds[spec.kind](f"servax:{spec.name}", spec.help, ["model_name", *spec.labels],
-                                                        registry=self.registry, **extra)
+            make = kinds[spec.kind]
+            ours = make(f"servax:{spec.name}", spec.help, ["model_name", *spec.labels], registry=self.registry, **extra)
+            self._metrics[spec.name] = [ours.labels]
+            if spec.vllm is not None:  # one engine per replica: vLLM's engine index 0
+                vllm = make(f"vllm:{spec.vllm or spec.name}", spec.help, ["model_name", "engine", *spec.labels],
+                            registry=self.registry, **extra)
+                self._metrics[spec.name].append(lambda vllm=vllm, **labels: vllm.labels(engine="0", **labels))
 
     def record(self, spec: MetricSpec, value: float, labels: dict[str, str]) -> None:
-        metric = self._metrics[spec.name].labels(model_name=self._model, **labels)
-        getattr(metric, _RECORD[spec.kind])(value)
+        for series in self._metrics[spec.name]:
+            getattr(series(model_name=self._model, **labels), _RECORD[spec.kind])(value)
 
     def families(self) -> list[Metric]:
         """The registry's metric families (picklable), for the ingress to merge and render."""
@@ -153,6 +166,7 @@ class ServerMetrics:
         self.ray = RayMetrics(model_id, enabled)
         self._engine_totals = dict.fromkeys(ENGINE_COUNTERS, 0)
         self._accepted_per_pos: list[int] = []
+        self._iteration_tokens: dict[int, int] = {}
 
     @property
     def enabled(self) -> bool:
@@ -192,6 +206,11 @@ class ServerMetrics:
             if total > before:
                 self._record("spec_decode_num_accepted_tokens_per_pos", total - before, position=str(pos))
         self._accepted_per_pos = list(per_pos)
+        steps = getattr(stats, "iteration_tokens", {})  # tokens per step -> steps so far
+        for tokens, total in steps.items():
+            for _ in range(total - self._iteration_tokens.get(tokens, 0)):
+                self._record("iteration_tokens_total", tokens)
+        self._iteration_tokens = dict(steps)
         if getattr(stats, "lora_adapters_loaded", 0) or getattr(stats, "lora_requests", None):
             self._record("lora_adapters_loaded", stats.lora_adapters_loaded)
             self._record("lora_slot_loads", stats.lora_slot_loads)

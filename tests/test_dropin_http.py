@@ -351,3 +351,34 @@ def test_tokenizer_info_where_the_model_enables_it(http):
     assert info["tokenizer_class"] and "vocab_file" not in info and "<|im_start|>" in info["chat_template"]
     assert_openai_error(http.get("/tokenizer_info", params={"model": MODEL}), 404)
     assert_openai_error(http.get("/tokenizer_info"), 400, param="model")  # two models: say which
+
+
+# ---- 16. metrics under vLLM's names ----------------------------------------------------
+
+def test_metrics_also_under_vllms_names_and_labels(http, base_url):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict[tuple[str, str], float]:
+        text = httpx.get(base_url + "/metrics").text
+        return {(s.name, s.labels.get("engine", "")): s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.labels.get("model_name") == MODEL and not s.labels.get("finished_reason")
+                and s.labels.get("le") is None}
+
+    before = scrape()
+    body = complete(http, prompt=list(range(30, 39)), max_tokens=5)  # less than a KV block: no prefix-cache hit
+    after = scrape()
+
+    def delta(name: str, engine: str = "0") -> float:
+        return after[(name, engine)] - before.get((name, engine), 0.0)
+
+    for ours, theirs in [("servax:prompt_tokens_total", "vllm:prompt_tokens_total"),
+                         ("servax:generation_tokens_total", "vllm:generation_tokens_total"),
+                         ("servax:e2e_request_latency_seconds_count", "vllm:e2e_request_latency_seconds_count"),
+                         ("servax:time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count")]:
+        assert delta(ours, "") == delta(theirs) > 0, (ours, theirs)
+    assert delta("vllm:request_time_per_output_token_seconds_count") == 1
+    assert ("vllm:num_requests_running", "0") in after and ("vllm:kv_cache_usage_perc", "0") in after
+    # One prefill step of the 9 prompt tokens, then one step per generated token after the first.
+    assert delta("vllm:iteration_tokens_total_count") == 1 + 4
+    assert delta("vllm:iteration_tokens_total_sum") == body["usage"]["prompt_tokens"] + 5 - 1
+    assert delta("servax:iteration_tokens_total_sum", "") == delta("vllm:iteration_tokens_total_sum")

@@ -14,6 +14,7 @@ precompiles every bucket. Not thread-safe: AsyncLLMEngine drives it from one thr
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -73,6 +74,8 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    # Tokens computed by a step (prompt and generated) -> steps so far: vLLM's iteration_tokens_total.
+    iteration_tokens: dict[int, int] = dataclasses.field(default_factory=dict)
     # A mesh over several processes (runtime/engine/distributed.py): host inputs sent to each worker.
     num_processes: int = 1
     distributed_calls: int = 0
@@ -183,6 +186,7 @@ class Engine:
         self.before_schedule: Callable[[], None] | None = None
         self._rng = np.random.default_rng(config.seed)
         self._prompt_tokens = 0
+        self._iteration_tokens: collections.Counter[int] = collections.Counter()
 
     def _measured_draft_policy(self, spec: SpeculativeConfig) -> DraftPolicy:
         """Time verification steps of each candidate draft length against a one-token step
@@ -372,6 +376,7 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return None
+        self._iteration_tokens[sched.num_scheduled_tokens] += 1
         block_ids = {e.request.request_id: self.kv.block_ids(e.request.request_id) for e in sched.scheduled}
         with self.compile_counter.track():
             return self.runner.dispatch(sched, block_ids)
@@ -413,6 +418,7 @@ class Engine:
             spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_accepted_per_position=list(spec.accepted_per_position),
+            iteration_tokens=dict(self._iteration_tokens),
             **({} if self.peers is None else dict(
                 num_processes=self.peers.num_processes, distributed_calls=self.peers.calls,
                 distributed_bytes_sent=self.peers.bytes_sent)),
