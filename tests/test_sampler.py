@@ -218,7 +218,7 @@ def test_logprobs_are_the_raw_distribution():
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1.0), ("top_p", 0.0), ("top_k", -2), ("min_p", 1.5), ("presence_penalty", 3.0),
     ("frequency_penalty", -2.5), ("repetition_penalty", 0.0), ("n", 0), ("max_tokens", 0),
-    ("min_tokens", -1), ("logprobs", -1), ("prompt_logprobs", -3), ("stop", [""]), ("stop_token_ids", [-1]),
+    ("min_tokens", -1), ("logprobs", -2), ("prompt_logprobs", -3), ("stop", [""]), ("stop_token_ids", [-1]),
     ("logit_bias", {5: 200.0}), ("seed", "x"), ("ignore_eos", "yes"),
 ])
 def test_sampling_params_name_the_bad_field(field, value):
