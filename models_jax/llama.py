@@ -28,7 +28,8 @@ from models_jax.weights import (
     embedding, head_bias, join_outputs, linear, linear_from_heads, linear_to_heads, stacked, vector, zeros,
 )
 from runtime.ops.attention import NO_SLIDING_WINDOW, paged_attention
-from runtime.ops.matmul import PackedWeight, pack_matrix, packable
+from runtime.ops.matmul import PackedWeight, pack_matrix
+from runtime.ops.quantization import transpose_matrix
 from runtime.ops.lora import LoRATarget
 from runtime.ops.step import KVCache, StepInput
 
@@ -307,7 +308,7 @@ def lm_head(params: dict, x: jax.Array, batch: StepInput, *, tied: bool) -> jax.
     [vocab, D] (either possibly packed by pack_head) -> logits [S, vocab] float32."""
     head = params["embed"] if tied else params["lm_head"]
     if isinstance(head, PackedWeight):  # pack_head; rows past the real sequences get zeros
-        return head.matmul(x, batch.num_seqs)
+        return head.matmul(x, batch.num_seqs, jnp.float32)
     if tied:
         return jnp.einsum("sd,vd->sv", x, head, preferred_element_type=jnp.float32)
     return jnp.einsum("sd,dv->sv", x, head, preferred_element_type=jnp.float32)
@@ -315,14 +316,13 @@ def lm_head(params: dict, x: jax.Array, batch: StepInput, *, tied: bool) -> jax.
 
 def pack_layer(p: dict) -> dict:
     """One layer's joined projections (qkv, o, gate_up, down; see fuse_layer) as
-    runtime.ops.matmul.PackedWeight for the CPU matmul kernel where they are float32; the
-    rest (norms, biases, LoRA slots, projections not joined) as it is."""
+    runtime.ops.matmul.PackedWeight for the CPU matmul kernels where those take them (float32,
+    bfloat16, int8 and 4-bit QuantizedWeights, kept in their format); the rest (norms, biases,
+    LoRA slots, projections not joined) as it is."""
     out = dict(p)
     if "qkv" in p:
         out["qkv"] = pack_matrix(p["qkv"])
-    o = p["o"]
-    if packable(o):  # [H, hd, D] -> [H * hd, D]
-        out["o"] = PackedWeight.pack(o.reshape(-1, o.shape[-1]))
+    out["o"] = pack_matrix(p["o"], inputs=2)  # [H, hd, D] -> [H * hd, D]
     mlp = dict(p["mlp"])
     if "gate_up" in mlp:
         mlp["gate_up"] = pack_matrix(mlp["gate_up"])
@@ -333,13 +333,13 @@ def pack_layer(p: dict) -> dict:
 
 def pack_head(params: dict, *, args: LlamaArgs) -> dict:
     """The params without their layers, with the LM head as runtime.ops.matmul.PackedWeight
-    where it is float32: "lm_head", or a tied model's "embed", packed as the head it is
+    where the kernels take it: "lm_head", or a tied model's "embed", packed as the head it is
     ([D, vocab]; the prologue then gathers the embeddings from its columns)."""
     out = dict(params)
     if not args.tie_word_embeddings:
         out["lm_head"] = pack_matrix(params["lm_head"])
-    elif packable(params["embed"]):
-        out["embed"] = PackedWeight.pack(params["embed"].T)
+    else:
+        out["embed"] = pack_matrix(transpose_matrix(params["embed"]))
     return out
 
 

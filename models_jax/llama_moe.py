@@ -21,7 +21,7 @@ import jax
 
 from models_jax import ModelEntry, layers, llama, moe
 from models_jax.weights import linear
-from runtime.ops.matmul import PackedExperts, pack_matrix, packable
+from runtime.ops.matmul import PackedExperts, pack_matrix
 from runtime.ops.step import KVCache, StepInput
 
 
@@ -110,7 +110,7 @@ def fuse_layer(p: dict) -> dict:
     joined side by side ([E, D, 2F]: one grouped product where there were two)."""
     p = llama._joined(p, ("q", "k", "v"), "qkv")
     experts = p["mlp"]["experts"]
-    if "gate" in experts and all(packable(experts[n]) for n in ("gate", "up")):
+    if "gate" in experts and all(_float32(experts[n]) for n in ("gate", "up")):
         joined = jax.numpy.concatenate([experts["gate"], experts["up"]], axis=-1)
         experts = {"gate_up": joined, "down": experts["down"]}
     mlp_p = {**p["mlp"], "experts": experts}
@@ -119,12 +119,17 @@ def fuse_layer(p: dict) -> dict:
     return {**p, "mlp": mlp_p}
 
 
+def _float32(w: object) -> bool:
+    """Whether w is float32 weights (what the experts' grouped kernel multiplies)."""
+    return isinstance(w, jax.Array) and w.dtype == jax.numpy.float32
+
+
 def pack_layer(p: dict) -> dict:
     """Attention's joined projections (as the Llama family packs them) and the experts as packed
     weights for the CPU kernels."""
     out = llama.pack_layer(p)
     block = dict(p["mlp"])
-    block["experts"] = {k: PackedExperts.pack(w) if packable(w) and w.ndim == 3 else w  # biases stay
+    block["experts"] = {k: PackedExperts.pack(w) if _float32(w) and w.ndim == 3 else w  # biases stay
                         for k, w in block["experts"].items()}
     if "shared" in block and "gate_up" in block["shared"]:
         block["shared"] = {**block["shared"], "gate_up": pack_matrix(block["shared"]["gate_up"]),

@@ -216,6 +216,7 @@ def test_quantization_gguf_serves_q8_0_as_int8_with_the_same_logits(tiny_checkpo
     import jax
 
     from app import LLM, SamplingParams
+    from runtime.ops.matmul import PackedWeight
     from runtime.ops.quantization import QuantizedWeight, param_bytes
 
     gguf_file = write_gguf(tiny_checkpoint("llama"), gguf_dir / "tiny-Q8_0.gguf", weight_type="Q8_0")
@@ -230,14 +231,16 @@ def test_quantization_gguf_serves_q8_0_as_int8_with_the_same_logits(tiny_checkpo
         logprobs = np.array([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
         runs[quantization] = (llm, out.outputs[0].token_ids, logprobs)
     (float_llm, float_tokens, float_lp), (llm, tokens, lp) = runs[None], runs["gguf"]
-    weights = jax.tree.leaves(llm.engine.model.params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
-    quantized = [w for w in weights if isinstance(w, QuantizedWeight)]
+    weights = jax.tree.leaves(llm.engine.model.params, is_leaf=lambda x: isinstance(x, (QuantizedWeight, PackedWeight)))
+    quantized = [w for w in weights if isinstance(w, QuantizedWeight) or getattr(w, "format", "") == "int8"]
     # Every projection, MLP, embedding and LM head matrix (the tiny model's o_proj mixes heads of
     # 16 values in one 32-group, so the native layout keeps it float). On both paths each of the
-    # 2 layers serves q/k/v and gate/up joined (still int8): natively qkv, gate_up, down; through
-    # torchax the same and o_proj; + embed, lm_head.
+    # 2 layers serves q/k/v and gate/up joined (still int8): natively qkv, gate_up, down, packed
+    # as stored for the CPU kernel (as is the LM head); through torchax the same and o_proj;
+    # + embed, lm_head.
     assert len(quantized) == 2 * (3 if model_impl == "jax" else 4) + 2
-    assert all(w.q.dtype == np.int8 and w.group_size == 32 for w in quantized)
+    assert all(w.q.dtype == np.int8 and w.group_size == 32 if isinstance(w, QuantizedWeight)
+               else w.panels.dtype == np.int8 and w.panels.shape[1] == 32 * w.scales.shape[1] for w in quantized)
     ratio = param_bytes(llm.engine.model.params) / param_bytes(float_llm.engine.model.params)
     assert ratio < (0.33 if model_impl == "jax" else 0.3), ratio
     assert tokens == float_tokens
@@ -520,13 +523,13 @@ def test_demo_prompt_perplexity_matches_transformers(demo_llm, reference):
 def test_demo_with_quantization_gguf_keeps_the_q8_0_embedding_as_int8(reference, servax_cache):
     """The demo GGUF stores its (tied) embedding as Q8_0: served as int8, the greedy tokens are still transformers'."""
     from app import LLM, SamplingParams
-    from runtime.ops.quantization import QuantizedWeight
+    from runtime.ops.matmul import PackedWeight
 
     llm = LLM(model=DEMO, quantization="gguf", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256,
               enforce_eager=True, show_progress=False)
-    embed = llm.engine.model.params["embed"]
-    assert isinstance(embed, QuantizedWeight) and embed.q.dtype == np.int8 and embed.q.shape == (49152, 576)
-    assert embed.scale.shape == (49152, 576 // 32)
+    embed = llm.engine.model.params["embed"]  # packed as the LM head [576, 49152] for the CPU kernel, as stored
+    assert isinstance(embed, PackedWeight) and embed.format == "int8" and embed.shape == (576, 49152)
+    assert embed.scales.shape == (49152 // 16, 576 // 32, 16)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in reference["prompts"][:3]], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     for out, want in zip(outs, reference["greedy"][:3]):
         assert out.outputs[0].token_ids == want

@@ -77,9 +77,11 @@ for model, quantization in models:
                          use_tqdm=False)[0]
         layer = llm.engine.model.params["layers"][0]
         q = layer["q"] if "q" in layer else layer["qkv"]  # joined where the weights are whole (tp 1)
-        out[f"{quantization} tp{tp}"] = {"tokens": o.outputs[0].token_ids, "q": str(q.q.sharding.spec),
-                                        "scale": str(q.scale.sharding.spec), "joined": "qkv" in layer,
-                                        "gate_up": type(layer["mlp"].get("gate_up")).__name__}
+        gate_up = layer["mlp"].get("gate_up")
+        out[f"{quantization} tp{tp}"] = {"tokens": o.outputs[0].token_ids, "joined": "qkv" in layer,
+                                        "q": str((q.panels if hasattr(q, "panels") else q.q).sharding.spec),
+                                        "scale": str((q.scales if hasattr(q, "scales") else q.scale).sharding.spec),
+                                        "gate_up": f"{type(gate_up).__name__}:{getattr(gate_up, 'format', '')}"}
 print(json.dumps(out))
 """
 
@@ -98,8 +100,9 @@ def test_int8_under_tensor_parallelism_gives_the_same_tokens(tiny_checkpoint, tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for quantization in ("int8", "gguf"):
-        # tp 1 serves q/k/v and gate/up joined (still int8), tp 2 split by heads: the same tokens
-        assert out[f"{quantization} tp1"]["joined"] and out[f"{quantization} tp1"]["gate_up"] == "QuantizedWeight"
+        # tp 1 serves q/k/v and gate/up joined and packed for the CPU kernel (still int8), tp 2 split
+        # by heads: the same tokens
+        assert out[f"{quantization} tp1"]["joined"] and out[f"{quantization} tp1"]["gate_up"] == "PackedWeight:int8"
         assert not out[f"{quantization} tp2"]["joined"]
         assert out[f"{quantization} tp1"]["tokens"] == out[f"{quantization} tp2"]["tokens"], quantization
         # split by heads, as the float weight

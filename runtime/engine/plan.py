@@ -40,7 +40,10 @@ class ExecutionPlan:
         kv_budget: where num_kv_blocks came from, in words.
         attention_backend: "xla", "cpu" or "pallas"; the cache is laid out for it.
         layered: the model steps a few decoder layers per program (runtime/ops/layered.py).
-        packed_weights: those programs multiply weights packed for the C++ matmul.
+        packed_weights: those programs multiply weights packed for the C++ matmuls.
+        compute_float32: a bfloat16 / float16 model whose weights are packed computes in
+            float32 (XLA:CPU has no fast half-precision arithmetic; the packed kernels widen
+            the stored weights in registers) and caches K/V in float32 for the C++ attention.
         layer_seqs: every layer program runs at this many sequence slots (the C++ attention
             costs nothing for empty ones, so one program per token bucket), or None.
         token_buckets / seq_buckets: padded sizes compiled ahead of time.
@@ -54,6 +57,7 @@ class ExecutionPlan:
     attention_backend: str
     layered: bool
     packed_weights: bool
+    compute_float32: bool
     layer_seqs: int | None
     token_buckets: tuple[int, ...]
     seq_buckets: tuple[int, ...]
@@ -79,7 +83,8 @@ class ExecutionPlan:
         return min(fits) if fits else None
 
     def describe(self) -> str:
-        stepping = ("layered" + (", packed weights" if self.packed_weights else "")) if self.layered else "one program"
+        stepping = ("layered" + (", packed weights" if self.packed_weights else "")
+                    + (", computing in float32" if self.compute_float32 else "")) if self.layered else "one program"
         return (f"{self.num_kv_blocks} KV blocks x {self.block_size} tokens ({self.kv_budget}); attention "
                 f"{self.attention_backend}; {stepping}; {len(self.bucket_pairs)} buckets (tokens "
                 f"{list(self.token_buckets)}, seqs {list(self.seq_buckets)})"
@@ -99,17 +104,21 @@ def make_plan(config: EngineConfig, model: LoadedModel, mesh: Mesh, *, max_model
     if config.kv_cache_dtype != "auto":
         stored = np.int8 if config.kv_cache_dtype == "int8" else jax.numpy.float8_e4m3fn
         kv_spec = dataclasses.replace(model.kv_spec, cache_dtype=stored)
-    num_blocks, budget = _num_kv_blocks(config, model, kv_spec, mesh, max_model_len)
-    backend = _attention_backend(config, kv_spec, mesh.devices.flat[0].platform)
+    platform = mesh.devices.flat[0].platform
     layered = config.layered and model.stages is not None
+    packed = layered and platform == "cpu" and _packs(model)
+    compute_float32 = packed and np.dtype(kv_spec.dtype) in (np.dtype(jax.numpy.bfloat16), np.float16)
+    if compute_float32:
+        kv_spec = dataclasses.replace(kv_spec, dtype=jax.numpy.float32)
+    num_blocks, budget = _num_kv_blocks(config, model, kv_spec, mesh, max_model_len)
+    backend = _attention_backend(config, kv_spec, platform)
     on_cpu_kernel = backend == "cpu"
-    packed = layered and on_cpu_kernel and _packs(model)
     tokens, seqs = token_buckets(config.max_num_batched_tokens), seq_buckets(config.max_num_seqs)
     if packed:
         tokens, seqs = packed_weight_buckets(tokens, seqs)
     plan = ExecutionPlan(
         kv_spec=kv_spec, num_kv_blocks=num_blocks, block_size=config.block_size, kv_budget=budget,
-        attention_backend=backend, layered=layered, packed_weights=packed,
+        attention_backend=backend, layered=layered, packed_weights=packed, compute_float32=compute_float32,
         layer_seqs=seqs[-1] if layered and on_cpu_kernel else None,
         token_buckets=tuple(tokens), seq_buckets=tuple(seqs),
         compile_in_background=config.compile_in_background and not config.enforce_eager and not multi_process,

@@ -64,7 +64,8 @@ class ModelPrograms:
         # Logits come out replicated whichever way the step runs, so the sampler programs
         # compiled ahead of time for that sharding are the ones serving calls.
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        self.layered = (LayeredStep(model, mesh, kv_shardings, plan.layer_seqs, pack=plan.packed_weights)
+        self.layered = (LayeredStep(model, mesh, kv_shardings, plan.layer_seqs, pack=plan.packed_weights,
+                                    compute_float32=plan.compute_float32)
                         if plan.layered else None)
         if self.layered is not None and self.layered.packed != plan.packed_weights:
             logger.warning("the plan expected %spacked weights; the layers are %spacked (buckets stay as planned)",

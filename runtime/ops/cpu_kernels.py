@@ -1,12 +1,14 @@
 """servax's C++ kernels for XLA:CPU: building, caching and loading them, with a status per kernel.
 
-Three kernels, each its own source in runtime/ops/kernels/ (sharing the header-only work
+Four kernels, each its own source in runtime/ops/kernels/ (sharing the header-only work
 splitter parallel.h, which runs on the thread pool XLA hands each call, so nothing is shared
-between the libraries at run time):
+between the libraries at run time, and the matmuls' panel header panels.h):
 
 - "paged_attention" (paged_attention.cc): ragged paged attention, runtime/ops/attention_cpu.py;
 - "truncation" (sampling.cc): the sampler's top-k / top-p cut, runtime/engine/sampler.py;
-- "matmul" (matmul.cc): products on packed weights, and experts' grouped products, runtime/ops/matmul.py.
+- "matmul" (matmul.cc): products on packed weights, and experts' grouped products, runtime/ops/matmul.py;
+- "matmul_formats" (matmul_formats.cc): products on packed bfloat16, int8 and 4-bit weights
+  (as quantized or as a GGUF file stores them), runtime/ops/matmul.py.
 
 Each kernel is compiled on its first use into its own shared library, with the machine's C++
 compiler (`CXX`, else g++ or c++; more flags from SERVAX_KERNEL_CXXFLAGS) against the XLA FFI
@@ -40,6 +42,9 @@ PAGED_ATTENTION_TARGET = "servax_paged_attention"  # runtime/ops/attention_cpu.p
 TRUNCATION_TARGET = "servax_truncation_cut"  # runtime/engine/sampler.py's top-k/top-p cut
 MATMUL_TARGET = "servax_packed_matmul"  # runtime/ops/matmul.py
 GROUPED_MATMUL_TARGET = "servax_grouped_matmul"  # runtime/ops/matmul.py's experts (models_jax/moe.py)
+BF16_MATMUL_TARGET = "servax_bf16_matmul"  # runtime/ops/matmul.py, weights stored as bfloat16
+INT8_MATMUL_TARGET = "servax_int8_matmul"  # ... as int8 with grouped or per-channel scales
+UINT4_MATMUL_TARGET = "servax_uint4_matmul"  # ... as 4-bit values with scales and offsets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +64,12 @@ KERNELS = {k.name: k for k in (
     Kernel("truncation", "sampling.cc", "ServaxTruncationCut", TRUNCATION_TARGET),
     Kernel("matmul", "matmul.cc", "ServaxPackedMatmul", MATMUL_TARGET,
            more=(("ServaxGroupedMatmul", GROUPED_MATMUL_TARGET),)),
+    Kernel("matmul_formats", "matmul_formats.cc", "ServaxBf16Matmul", BF16_MATMUL_TARGET,
+           more=(("ServaxInt8Matmul", INT8_MATMUL_TARGET), ("ServaxUInt4Matmul", UINT4_MATMUL_TARGET))),
 )}
 
 SOURCE_DIR = Path(__file__).with_name("kernels")
-_HEADERS = ("parallel.h",)  # included by every kernel: part of each build key, not compiled alone
+_HEADERS = ("parallel.h", "panels.h")  # included by every kernel: part of each build key, not compiled alone
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC")
 # Linked apart from compiling, without -ffast-math: GCC 12 links crtfastmath.o into a shared
 # library built with it, which sets flush-to-zero and denormals-are-zero in the thread that

@@ -26,6 +26,9 @@ picks each sequence's row for the LM head, keeps the bucket's own sequence count
 `pack` (also the CPU kernels' path) the layers' matrices and the LM head are packed for the
 C++ matmul of runtime/ops/matmul.py, where the model offers it (LayerStages.pack_layer,
 pack_head) and the weights are whole on every device.
+With `compute_float32` (a half-precision model with packed weights on CPU) the prologue's
+carry is widened to float32, so the layers compute in float32 while the packed kernels read
+the weights as stored.
 
 Shardings are pinned: the carry and the batch are replicated on the mesh, the weights and
 the KV cache keep their own, so every call of a bucket hits the same compiled program
@@ -132,6 +135,17 @@ def widen_seqs(batch: StepInput, num_seqs: int) -> StepInput:
                                logits_indices=rows(batch.logits_indices))
 
 
+def _float32_carry(prologue: Any) -> Any:
+    """The prologue with its carry's half-precision arrays widened to float32: the layers then
+    compute in float32 whatever dtype the weights are stored in."""
+    def widened(outer: dict, batch: StepInput) -> Any:
+        wide = lambda a: a.astype(jnp.float32) if a.dtype in (jnp.bfloat16, jnp.float16) else a  # noqa: E731
+        return jax.tree.map(wide, prologue(outer, batch))
+
+    widened.computes_float32 = True
+    return widened
+
+
 def _layers_in_order(layer: Any) -> Any:
     """A stage function running several decoder layers in one program:
     (list of layer weights, carry, kv_cache, first index, batch) -> (carry, kv_cache).
@@ -158,9 +172,11 @@ class LayeredStep:
     """
 
     def __init__(self, model: LoadedModel, mesh: Mesh, kv_sharding: NamedSharding | KVCache,
-                 wide_seqs: int | None = None, pack: bool = False):
+                 wide_seqs: int | None = None, pack: bool = False, compute_float32: bool = False):
         stages = model.stages
         assert stages is not None
+        if compute_float32 and not getattr(stages.prologue, "computes_float32", False):
+            model.stages = stages = dataclasses.replace(stages, prologue=_float32_carry(stages.prologue))
         key, n = stages.layers_key, stages.num_layers
         self.outer = {k: v for k, v in model.params.items() if k != key}
         if isinstance(model.params[key], list):  # per-layer already (the torchax path, or another engine's)

@@ -21,8 +21,11 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from runtime.ops.cpu_kernels import GROUPED_MATMUL_TARGET, MATMUL_TARGET, cpu_flags, kernel_available, kernel_status
+from runtime.ops.quantization import QuantizedWeight
+from runtime.ops.cpu_kernels import (BF16_MATMUL_TARGET, GROUPED_MATMUL_TARGET, INT8_MATMUL_TARGET, MATMUL_TARGET,
+                                     UINT4_MATMUL_TARGET, cpu_flags, kernel_available, kernel_status)
 
 PANEL = 16  # output columns per packed panel (runtime/ops/kernels/matmul.cc kPanel)
 
@@ -34,46 +37,96 @@ def packed_matmul_available() -> bool:
 
 @flax.struct.dataclass
 class PackedWeight:
-    """A float32 matrix w [in, out] in the kernel's layout: panels [ceil(out / 16), in, 16]."""
+    """A matrix w [in, out] in the kernel's layout, panels [ceil(out / 16), in, 16], its values
+    kept in the format they were stored in:
+
+    - float32 or bfloat16 panels: the weights themselves;
+    - int8 panels with `scales` [panels, G, 16]: w = q * scale, one scale per column and group
+      of in / G consecutive inputs (G = 1: per output channel, `quantization="int8"`; groups of
+      32: GGUF's Q8_0 as stored);
+    - uint8 panels [.., in, 8] holding two 4-bit values a byte (column j in the low nibble of
+      byte j, column j + 8 in its high one) with `scales` and `offsets`: w = q * scale + offset
+      (GGUF's Q4_0, Q4_1 and Q4_K as stored).
+    """
 
     panels: jax.Array
     out_features: int = flax.struct.field(pytree_node=False)
+    scales: jax.Array | None = None
+    offsets: jax.Array | None = None
 
     @classmethod
     def pack(cls, w: jax.Array) -> "PackedWeight":
-        """w [in, out] (any float dtype; stored float32) in the packed layout."""
-        d_in, d_out = w.shape
-        w = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, -d_out % PANEL)))
-        return cls(w.reshape(d_in, -1, PANEL).transpose(1, 0, 2), d_out)
+        """w [in, out] in the packed layout: bfloat16 as it is, any other float as float32."""
+        dtype = jnp.bfloat16 if w.dtype == jnp.bfloat16 else jnp.float32
+        return cls(_panels(w.astype(dtype)), w.shape[1])
+
+    @classmethod
+    def pack_int8(cls, q: jax.Array, scales: jax.Array) -> "PackedWeight":
+        """q [in, out] int8 with scales [G, out] (G dividing in): w = q * scale of its group."""
+        return cls(_panels(q), q.shape[1], _panels(scales.astype(jnp.float32)))
+
+    @classmethod
+    def pack_uint4(cls, q: jax.Array, scales: jax.Array, offsets: jax.Array) -> "PackedWeight":
+        """q [in, out] holding values 0..15 (any integer dtype) with scales and offsets [G, out]:
+        w = q * scale + offset of its group."""
+        panels = _panels(q.astype(jnp.uint8))
+        nibbles = panels[..., :PANEL // 2] | (panels[..., PANEL // 2:] << 4)
+        return cls(nibbles, q.shape[1], _panels(scales.astype(jnp.float32)), _panels(offsets.astype(jnp.float32)))
 
     @property
     def shape(self) -> tuple[int, int]:
         """The shape of the matrix it packs, [in, out]."""
         return self.panels.shape[1], self.out_features
 
+    @property
+    def format(self) -> str:
+        """"float32", "bfloat16", "int8" or "uint4"."""
+        return "uint4" if self.offsets is not None else str(self.panels.dtype)
+
     def __rmatmul__(self, x: jax.Array) -> jax.Array:
-        """x [M, in] @ w -> [M, out] float32, by the C++ kernel."""
+        """x [M, in] @ w -> [M, out] in x's dtype, by the C++ kernel."""
         return self.matmul(x)
 
-    def matmul(self, x: jax.Array, valid_rows: jax.Array | int | None = None) -> jax.Array:
-        """x [M, in] @ w -> [M, out] float32, by the C++ kernel; with `valid_rows` (a traced
-        int: a step's real tokens or sequences) only that many leading rows are multiplied and
-        the rest of the result is zeros.
+    def matmul(self, x: jax.Array, valid_rows: jax.Array | int | None = None, dtype: jnp.dtype | None = None
+               ) -> jax.Array:
+        """x [M, in] @ w -> [M, out] in `dtype` (default x's; float32 accumulation), by the C++
+        kernel; with `valid_rows` (a traced int: a step's real tokens or sequences) only that
+        many leading rows are multiplied and the rest of the result is zeros.
 
         Raises:
-            RuntimeError: the kernel is not available (`kernel_status("matmul")` says why).
+            RuntimeError: the kernel is not available (`kernel_status(...)` says why).
         """
-        if not kernel_available("matmul"):
-            raise RuntimeError(f"the CPU matmul kernel is not available: {kernel_status('matmul')}")
-        rows = x.shape[0] if valid_rows is None else valid_rows
-        call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], self.panels.shape[0] * PANEL),
-                                                                    jnp.float32))
-        y = call(x.astype(jnp.float32), self.panels, jnp.reshape(jnp.asarray(rows, jnp.int32), (1,)))
-        return y if y.shape[1] == self.out_features else y[:, :self.out_features]
+        kernel = "matmul" if self.format == "float32" else "matmul_formats"
+        if not kernel_available(kernel):
+            raise RuntimeError(f"the CPU {kernel} kernel is not available: {kernel_status(kernel)}")
+        rows = jnp.reshape(jnp.asarray(x.shape[0] if valid_rows is None else valid_rows, jnp.int32), (1,))
+        target = {"float32": MATMUL_TARGET, "bfloat16": BF16_MATMUL_TARGET, "int8": INT8_MATMUL_TARGET,
+                  "uint4": UINT4_MATMUL_TARGET}[self.format]
+        quantized = [a for a in (self.scales, self.offsets) if a is not None]
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], self.panels.shape[0] * PANEL), jnp.float32))
+        y = call(x.astype(jnp.float32), self.panels, *quantized, rows)
+        return (y if y.shape[1] == self.out_features else y[:, :self.out_features]).astype(dtype or x.dtype)
 
     def columns(self, ids: jax.Array) -> jax.Array:
-        """Columns `ids` of w, as rows: [len(ids), in] (a tied embedding's rows, w = table.T)."""
-        return self.panels[ids // PANEL, :, ids % PANEL]
+        """Columns `ids` of w, as rows: [len(ids), in] (a tied embedding's rows, w = table.T), in
+        the panels' float dtype (float32 for quantized panels)."""
+        p, j = ids // PANEL, ids % PANEL
+        if self.scales is None:
+            return self.panels[p, :, j]
+        if self.offsets is None:
+            q = self.panels[p, :, j].astype(jnp.float32)
+        else:
+            byte = self.panels[p, :, j % (PANEL // 2)]
+            q = jnp.where((j >= PANEL // 2)[:, None], byte >> 4, byte & 15).astype(jnp.float32)
+        group = self.panels.shape[1] // self.scales.shape[1]
+        scale = jnp.repeat(self.scales[p, :, j], group, axis=1)
+        return q * scale if self.offsets is None else q * scale + jnp.repeat(self.offsets[p, :, j], group, axis=1)
+
+
+def _panels(w: jax.Array) -> jax.Array:
+    """w [in, out] as panels [ceil(out / 16), in, 16] (zero columns pad the last panel)."""
+    w = jnp.pad(w, ((0, 0), (0, -w.shape[1] % PANEL)))
+    return w.reshape(w.shape[0], -1, PANEL).transpose(1, 0, 2)
 
 
 @flax.struct.dataclass
@@ -113,11 +166,38 @@ class PackedExperts:
 
 
 def packable(w: object) -> bool:
-    """Whether w is weights the kernel takes: a float32 jax.Array (not bfloat16, quantized, or
-    packed already)."""
-    return isinstance(w, jax.Array) and w.dtype == jnp.float32
+    """Whether the kernels take w as it is: a float32 array (the matmul kernel), a bfloat16 one, or
+    a QuantizedWeight with scales per output channel or per group of its last input axis (the
+    formats kernel); not what is packed already."""
+    if isinstance(w, QuantizedWeight):
+        return kernel_available("matmul_formats") and _input_groups(w) is not None
+    return isinstance(w, jax.Array) and (
+        w.dtype == jnp.float32 or (w.dtype == jnp.bfloat16 and kernel_available("matmul_formats")))
 
 
-def pack_matrix(w: object) -> object:
-    """w packed when it is a packable matrix [in, out]; anything else as it is."""
-    return PackedWeight.pack(w) if packable(w) and w.ndim == 2 else w
+def pack_matrix(w: object, inputs: int = 1) -> object:
+    """w [*in, out] (its first `inputs` axes the inputs) packed as the matrix [prod(in), out] when
+    the kernels take it; anything else as it is."""
+    if not packable(w) or len(w.shape) != inputs + 1:
+        return w
+    if not isinstance(w, QuantizedWeight):
+        return PackedWeight.pack(w.reshape(-1, w.shape[-1]))
+    q, groups = w.q.reshape(-1, w.shape[-1]), _input_groups(w)
+    scale = w.scale.reshape(groups, w.shape[-1])
+    if w.offset is None:
+        return PackedWeight.pack_int8(q, scale)
+    return PackedWeight.pack_uint4(q, scale, w.offset.reshape(groups, w.shape[-1]))
+
+
+def _input_groups(w: QuantizedWeight) -> int | None:
+    """How many groups of inputs w's scales cover, flattening its input axes (all but the last):
+    1 for per-channel scales; None where its scales do not group the flattened inputs (grouped
+    along another axis, or int8 values that are not int8)."""
+    if w.q.dtype != (jnp.int8 if w.offset is None else jnp.uint8):
+        return None
+    inputs = w.q.shape[:-1]
+    if not w.group_size:
+        return 1 if all(n == 1 for n in w.scale.shape[:-1]) and w.offset is None else None
+    if w.group_axis % w.q.ndim != w.q.ndim - 2 or w.q.shape[-2] % w.group_size:
+        return None
+    return int(np.prod(inputs)) // w.group_size

@@ -44,10 +44,11 @@ class QuantizedWeight:
     so slicing leading (layer) axes off both arrays keeps it valid.
     """
 
-    q: jax.Array  # int8, the weight's shape
+    q: jax.Array  # int8 (uint8 4-bit values 0..15 where there is an offset), the weight's shape
     scale: jax.Array  # the weight's dtype
     group_size: int = flax.struct.field(pytree_node=False, default=0)
     group_axis: int = flax.struct.field(pytree_node=False, default=-1)  # negative
+    offset: jax.Array | None = None  # as scale: w ~= q * scale + offset (GGUF's 4-bit blocks)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -55,10 +56,23 @@ class QuantizedWeight:
 
     def dequantize(self) -> jax.Array:
         if not self.group_size:
-            return self.q.astype(self.scale.dtype) * self.scale
+            w = self.q.astype(self.scale.dtype) * self.scale
+            return w if self.offset is None else w + self.offset
         shape, axis = self.q.shape, self.group_axis % self.q.ndim
         grouped = self.q.reshape(*shape[:axis], shape[axis] // self.group_size, self.group_size, *shape[axis + 1:])
-        return (grouped.astype(self.scale.dtype) * jnp.expand_dims(self.scale, axis + 1)).reshape(shape)
+        w = grouped.astype(self.scale.dtype) * jnp.expand_dims(self.scale, axis + 1)
+        if self.offset is not None:
+            w = w + jnp.expand_dims(self.offset, axis + 1)
+        return w.reshape(shape)
+
+
+def transpose_matrix(w: Any) -> Any:
+    """A matrix [a, b] as [b, a], a QuantizedWeight's values, scales and offsets alike (its
+    grouping axis moving with them)."""
+    if not isinstance(w, QuantizedWeight):
+        return w.T
+    return QuantizedWeight(w.q.T, w.scale.T, group_size=w.group_size, group_axis=-1 - (w.group_axis % 2),
+                           offset=None if w.offset is None else w.offset.T)
 
 
 def _is_quantized(x: Any) -> bool:

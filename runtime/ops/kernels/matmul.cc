@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "panels.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -38,7 +39,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kPanel = 16;  // output columns per panel: two 8-float AVX registers, or one 16-float
+using servax::kPanel;  // output columns per panel: two 8-float AVX registers, or one 16-float
+using servax::PanelsPerTask;
 #ifdef __AVX512F__
 constexpr int kMaxRows = 8;  // 16 accumulators: AVX-512 has 32 vector registers
 #else
@@ -49,7 +51,6 @@ constexpr int kMaxRowsZmm = 16;  // one panel: 16 accumulators, one per row
 constexpr int kMaxPairRows = 12;  // two panels: 24 accumulators, two per row, of 32 registers
 constexpr int64_t kPrefetchRowsZmm = 32;  // k rows ahead (one 64-byte line each): faster than 16 or 64
 #endif
-constexpr int64_t kMaxPanelsPerTask = 32;
 constexpr int64_t kPrefetchRows = 16;  // how far ahead (in k) the first row block prefetches its panel
 
 // c[r, 0:16] = sum_k a[r, k] * panel[k, 0:16] for MR rows of a. With kPrefetch the block
@@ -211,23 +212,6 @@ const RowBlocks& Chosen() {
   static const RowBlocks blocks = Ymm();
 #endif
   return blocks;
-}
-
-// Panels per task: a multiple of `unit` (2 where panels go in pairs), at most
-// kMaxPanelsPerTask, such that the thread with the most tasks has as little work as can be
-// (36 panels in pairs over 2 threads: 6 tasks of 6 panels, not 9 of 4, which leave one thread
-// 5 of them); of such splits, the one nearest four tasks a thread (balance where a thread
-// starts late).
-int64_t PanelsPerTask(int64_t panels, int64_t unit, int64_t threads) {
-  const int64_t units = (panels + unit - 1) / unit;
-  int64_t best = 1, best_load = INT64_MAX, best_gap = INT64_MAX;
-  for (int64_t per = 1; per * unit <= kMaxPanelsPerTask && per <= units; ++per) {
-    const int64_t tasks = (units + per - 1) / per;
-    const int64_t load = (tasks + threads - 1) / threads * per;
-    const int64_t gap = std::abs(tasks - 4 * threads);
-    if (load < best_load || (load == best_load && gap < best_gap)) best = per, best_load = load, best_gap = gap;
-  }
-  return best * unit;
 }
 
 // Multiplies the rows of a [M, K] by panels [first, last) of one packed matrix b into c [M, N].

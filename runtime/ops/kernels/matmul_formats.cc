@@ -1,0 +1,285 @@
+// Matrix products for XLA:CPU on weights kept in the format they were stored in, packed once
+// at load (runtime/ops/matmul.py): y [M, N] float32 = x [M, K] float32 . W, with W [K, N] in
+// panels of 16 output columns as matmul.cc packs float32 (packed[p, k, :] holds row k of
+// columns 16 p .. 16 p + 15), each panel row in one of these formats:
+//
+// - bf16: 16 bfloat16 (32 bytes); widened to float32 exactly (a 16-bit shift).
+// - i8:   16 int8 (16 bytes) and one float32 scale per column for each group of `group`
+//         consecutive k (scales [N/16, K/group, 16]): w = q * scale. One group spanning K is
+//         a per-channel scale (quantization "int8"); groups of 32 are GGUF's Q8_0 as stored.
+// - u4:   16 unsigned 4-bit values in 8 bytes (byte j: column j in its low nibble, column
+//         j + 8 in its high one) with a scale and an offset per column and group:
+//         w = q * scale + offset. GGUF's Q4_0 (offset -8 scale), Q4_1 and Q4_K (per 32-block
+//         scale and min, from the super-block's 6-bit codes) are all this form, value for
+//         value as llama.cpp dequantizes them.
+//
+// Decode is bound by how fast the weights stream in: each format is read as stored and
+// widened to float32 in registers, 16 columns at a time, right before its multiply-adds
+// (float32 accumulation); a panel row is read once per row block of x. The row blocks and
+// the task split follow matmul.cc's 256-bit form. Only the first `valid_rows` rows of x are
+// multiplied (a step padded to its bucket pays for its real tokens).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "panels.h"
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SERVAX_FORMATS_AVX2 1
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using servax::kPanel;
+
+#ifdef __AVX512F__
+constexpr int kMaxRows = 8;  // 16 accumulators of 32 vector registers
+#else
+constexpr int kMaxRows = 5;  // 10 accumulators, the panel row, its scale/offset and a broadcast in 16
+#endif
+constexpr int64_t kPrefetchBytes = 1024;  // how far ahead the first row block prefetches its panel
+
+// One panel row: 16 weights of one k, as two 8-float halves (columns 0-7, 8-15).
+struct Bf16 {
+  using T = uint16_t;
+  static constexpr int64_t kRow = 16;  // elements of T per panel row
+  static constexpr bool kScaled = false, kOffset = false;
+  static float At(const T* row, int j) {
+    const uint32_t bits = static_cast<uint32_t>(row[j]) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+#ifdef SERVAX_FORMATS_AVX2
+  static void Load(const T* row, __m256& lo, __m256& hi) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+    lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16));
+    hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16));
+  }
+#endif
+};
+
+struct Int8 {
+  using T = int8_t;
+  static constexpr int64_t kRow = 16;
+  static constexpr bool kScaled = true, kOffset = false;
+  static float At(const T* row, int j) { return static_cast<float>(row[j]); }
+#ifdef SERVAX_FORMATS_AVX2
+  static void Load(const T* row, __m256& lo, __m256& hi) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+  }
+#endif
+};
+
+struct UInt4 {
+  using T = uint8_t;
+  static constexpr int64_t kRow = 8;
+  static constexpr bool kScaled = true, kOffset = true;
+  static float At(const T* row, int j) { return static_cast<float>(j < 8 ? row[j] & 15 : row[j - 8] >> 4); }
+#ifdef SERVAX_FORMATS_AVX2
+  static void Load(const T* row, __m256& lo, __m256& hi) {
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row));
+    const __m128i nib = _mm_set1_epi8(15);
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, nib)));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), nib)));
+  }
+#endif
+};
+
+// c[r, 0:16] = sum_k a[r, k] * w[k, 0:16] for MR rows of a, w one panel in format W with its
+// scales/offsets [K / group, 16] (unused for unscaled formats).
+template <class W, int MR, bool kPrefetch>
+void RowBlock(const float* a, int64_t lda, const typename W::T* panel, const float* scale, const float* offset,
+              int64_t group, int64_t K, float* c, int64_t ldc, const typename W::T* next) {
+#ifndef SERVAX_FORMATS_AVX2
+  // Portable loops (runtime/ops/matmul.py uses the kernel only where AVX2 and FMA are there).
+  float acc[MR][kPanel] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t g = k / group;
+    for (int j = 0; j < kPanel; ++j) {
+      float w = W::At(panel + k * W::kRow, j);
+      if (W::kScaled) w = W::kOffset ? w * scale[g * kPanel + j] + offset[g * kPanel + j] : w * scale[g * kPanel + j];
+      for (int r = 0; r < MR; ++r) acc[r][j] += a[r * lda + k] * w;
+    }
+  }
+  for (int r = 0; r < MR; ++r) std::copy(acc[r], acc[r] + kPanel, c + r * ldc);
+#else
+  constexpr int64_t ahead = kPrefetchBytes / (W::kRow * sizeof(typename W::T));
+  __m256 lo[MR], hi[MR];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  __m256 s_lo = _mm256_setzero_ps(), s_hi = s_lo, o_lo = s_lo, o_hi = s_lo;
+  for (int64_t g0 = 0; g0 < K; g0 += group) {
+    if (W::kScaled) {
+      const float* s = scale + (g0 / group) * kPanel;
+      s_lo = _mm256_loadu_ps(s), s_hi = _mm256_loadu_ps(s + 8);
+      if (W::kOffset) {
+        const float* o = offset + (g0 / group) * kPanel;
+        o_lo = _mm256_loadu_ps(o), o_hi = _mm256_loadu_ps(o + 8);
+      }
+    }
+    for (int64_t k = g0, end = std::min(K, g0 + group); k < end; ++k) {
+      if (kPrefetch) {
+        _mm_prefetch(reinterpret_cast<const char*>(panel + (k + ahead) * W::kRow), _MM_HINT_T0);
+      } else if (next != nullptr) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + k * W::kRow), _MM_HINT_T1);
+      }
+      __m256 b0, b1;
+      W::Load(panel + k * W::kRow, b0, b1);
+      if (W::kOffset) {
+        b0 = _mm256_fmadd_ps(b0, s_lo, o_lo), b1 = _mm256_fmadd_ps(b1, s_hi, o_hi);
+      } else if (W::kScaled) {
+        b0 = _mm256_mul_ps(b0, s_lo), b1 = _mm256_mul_ps(b1, s_hi);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m256 x = _mm256_broadcast_ss(a + r * lda + k);
+        lo[r] = _mm256_fmadd_ps(x, b0, lo[r]);
+        hi[r] = _mm256_fmadd_ps(x, b1, hi[r]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(c + r * ldc, lo[r]);
+    _mm256_storeu_ps(c + r * ldc + 8, hi[r]);
+  }
+#endif
+}
+
+template <class W>
+using RowBlockFn = void (*)(const float*, int64_t, const typename W::T*, const float*, const float*, int64_t, int64_t,
+                            float*, int64_t, const typename W::T*);
+
+// fns[kPrefetch][rows], rows 1..kMaxRows.
+template <class W>
+struct RowBlocks {
+  RowBlockFn<W> fns[2][kMaxRows + 1];
+  RowBlocks() {
+    Fill<1>(std::false_type{});
+    Fill<1>(std::true_type{});
+  }
+  template <int MR, class P>
+  void Fill(P) {
+    fns[P::value][MR] = RowBlock<W, MR, P::value>;
+    if constexpr (MR < kMaxRows) Fill<MR + 1>(P{});
+  }
+};
+
+// The rows of a [M, K] times panels [first, last) of W into c [M, N] (matmul.cc's MultiplyPanels).
+template <class W>
+void MultiplyPanels(const float* a, int64_t M, int64_t K, const typename W::T* b, const float* scales,
+                    const float* offsets, int64_t groups, int64_t first, int64_t last, float* c, int64_t N) {
+  static const RowBlocks<W> form;
+  const int64_t blocks = (M + kMaxRows - 1) / kMaxRows, group = K / groups;
+  for (int64_t p = first; p < last; ++p) {
+    const typename W::T* panel = b + p * K * W::kRow;
+    const float* s = W::kScaled ? scales + p * groups * kPanel : nullptr;
+    const float* o = W::kOffset ? offsets + p * groups * kPanel : nullptr;
+    for (int64_t blk = 0, r0 = 0; blk < blocks; ++blk) {
+      const int64_t rows = M / blocks + (blk < M % blocks);
+      const bool fetch_own = blocks == 1 || p == first;
+      const typename W::T* next = (blk == (fetch_own ? 1 : 0) && p + 1 < last) ? panel + K * W::kRow : nullptr;
+      form.fns[blk == 0 && fetch_own][rows](a + r0 * K, K, panel, s, o, group, K, c + r0 * N + p * kPanel, N, next);
+      r0 += rows;
+    }
+  }
+}
+
+template <class W>
+ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t valid, int64_t K,
+                    const typename W::T* packed, int64_t panels, const float* scales, const float* offsets,
+                    int64_t groups, float* c) {
+  const int64_t N = panels * kPanel;
+  const int64_t M = std::clamp<int64_t>(valid, 0, rows);
+  std::fill(c + M * N, c + rows * N, 0.0f);  // rows past valid_rows: zeros
+  if (M == 0 || panels == 0) return ffi::Error::Success();
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t per_task = servax::PanelsPerTask(panels, 1, threads);
+  const int64_t tasks = (panels + per_task - 1) / per_task;
+  servax::ParallelFor(pool, tasks, threads - 1, [&](int64_t t) {
+    const int64_t first = t * per_task;
+    MultiplyPanels<W>(x, M, K, packed, scales, offsets, groups, first, std::min(panels, first + per_task), c, N);
+  });
+  return ffi::Error::Success();
+}
+
+// Shapes: x [M, K]; packed [N/16, K, row]; scales/offsets [N/16, G, 16] with G dividing K.
+bool Shaped(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> pd, int64_t row, ffi::Span<const int64_t> od) {
+  return xd.size() == 2 && pd.size() == 3 && pd[2] == row && pd[1] == xd[1] && od.size() == 2 && od[0] == xd[0] &&
+         od[1] == pd[0] * kPanel;
+}
+
+bool ScalesShaped(ffi::Span<const int64_t> sd, ffi::Span<const int64_t> pd) {
+  return sd.size() == 3 && sd[0] == pd[0] && sd[2] == kPanel && sd[1] > 0 && pd[1] % sd[1] == 0;
+}
+
+ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> packed,
+                      ffi::Buffer<ffi::S32> valid_rows, ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions(), pd = packed.dimensions();
+  if (!Shaped(xd, pd, Bf16::kRow, out->dimensions()))
+    return ffi::Error::InvalidArgument("bf16 packed matmul: x [M, K], packed [N/16, K, 16], out [M, N]");
+  return Multiply<Bf16>(pool, x.typed_data(), xd[0], valid_rows.typed_data()[0], xd[1],
+                        reinterpret_cast<const uint16_t*>(packed.untyped_data()), pd[0], nullptr, nullptr, 1,
+                        out->typed_data());
+}
+
+ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed,
+                      ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> valid_rows, ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions();
+  if (!Shaped(xd, pd, Int8::kRow, out->dimensions()) || !ScalesShaped(sd, pd))
+    return ffi::Error::InvalidArgument(
+        "int8 packed matmul: x [M, K], packed [N/16, K, 16], scales [N/16, G, 16] (G divides K), out [M, N]");
+  return Multiply<Int8>(pool, x.typed_data(), xd[0], valid_rows.typed_data()[0], xd[1], packed.typed_data(), pd[0],
+                        scales.typed_data(), nullptr, sd[1], out->typed_data());
+}
+
+ffi::Error UInt4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
+                       ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> offsets, ffi::Buffer<ffi::S32> valid_rows,
+                       ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions(), od = offsets.dimensions();
+  if (!Shaped(xd, pd, UInt4::kRow, out->dimensions()) || !ScalesShaped(sd, pd) ||
+      !std::equal(sd.begin(), sd.end(), od.begin(), od.end()))
+    return ffi::Error::InvalidArgument("4-bit packed matmul: x [M, K], packed [N/16, K, 8], scales and offsets "
+                                       "[N/16, G, 16] (G divides K), out [M, N]");
+  return Multiply<UInt4>(pool, x.typed_data(), xd[0], valid_rows.typed_data()[0], xd[1], packed.typed_data(), pd[0],
+                         scales.typed_data(), offsets.typed_data(), sd[1], out->typed_data());
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxBf16Matmul, Bf16Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // packed W [N / 16, K, 16]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // valid rows [1]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxInt8Matmul, Int8Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // packed W [N / 16, K, 16]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N / 16, G, 16]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // valid rows [1]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxUInt4Matmul, UInt4Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()  // packed W [N / 16, K, 8]: two columns a byte
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N / 16, G, 16]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // offsets [N / 16, G, 16]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // valid rows [1]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
