@@ -44,6 +44,9 @@ def _name_constraint_param(exc: BaseException, request: Any) -> None:
         except InvalidRequestError:
             return
         if source is not None and source != "structured_outputs":
+            message = str(exc)
+            if message.startswith(exc.param + ":"):  # the message names the field too
+                exc.args = (source + message[len(exc.param):],)
             exc.param = source
 
 

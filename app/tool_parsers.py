@@ -23,6 +23,8 @@ import json
 import uuid
 from typing import Any, ClassVar
 
+from runtime.engine.errors import InvalidRequestError
+
 _WS = " \t\r\n"
 
 
@@ -283,17 +285,54 @@ def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     return params if isinstance(params, dict) and params else {"type": "object", "properties": {}}
 
 
+_DEFINITIONS = ("$defs", "definitions")  # where a schema keeps what its "#/..." references point to
+
+
+def _lift_definitions(functions: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Each function's parameters less their `$defs` / `definitions`, and those collected for
+    the root of a schema that nests the parameters (a `"#/$defs/X"` reference resolves from the
+    root), as vLLM does.
+
+    Raises:
+        InvalidRequestError: two tools define one name differently (param "tools").
+    """
+    lifted: dict[str, dict[str, Any]] = {}
+    stripped = []
+    for f in functions:
+        params = dict(_parameters(f))
+        for key in _DEFINITIONS:
+            defs = params.pop(key, None)
+            if not isinstance(defs, dict):
+                continue
+            for name, schema in defs.items():
+                known = lifted.setdefault(key, {})
+                if name in known and known[name] != schema:
+                    raise InvalidRequestError(
+                        f"tools define {key} {name!r} differently ({f['name']!r} and an earlier tool); "
+                        "give the types different names", param="tools")
+                known[name] = schema
+        stripped.append({**f, "parameters": params})
+    return stripped, lifted
+
+
 def required_tool_calls_schema(functions: list[dict[str, Any]], parallel_tool_calls: bool) -> dict[str, Any]:
-    """vLLM's schema for tool_choice "required": an array of {name, parameters} of the given tools."""
+    """vLLM's schema for tool_choice "required": an array of {name, parameters} of the given tools,
+    the tools' `$defs` at its root.
+
+    Raises:
+        InvalidRequestError: two tools define one `$defs` name differently (param "tools").
+    """
+    functions, definitions = _lift_definitions(functions)
     schema: dict[str, Any] = {
         "type": "array",
         "minItems": 1,
         "items": {"anyOf": [
             {"type": "object",
-             "properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": _parameters(f)},
+             "properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": f["parameters"]},
              "required": ["name", "parameters"], "additionalProperties": False}
             for f in functions
         ]},
+        **definitions,
     }
     if not parallel_tool_calls:
         schema["maxItems"] = 1

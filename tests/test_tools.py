@@ -20,7 +20,7 @@ import httpx
 import jsonschema
 import pytest
 from conftest import assert_openai_error, local_llm_server, local_llm_servers, openai_api_server, openai_client, sse_events
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.tool_parsers import (
     HermesToolParser, Llama3JsonToolParser, NamedToolCall, RequiredToolCalls, ToolCallStream, final_tool_calls,
@@ -236,6 +236,57 @@ def test_streamed_tool_call_deltas_reassemble_to_the_same_calls(client, tool_cho
     assert finish == whole.finish_reason == "tool_calls"
     for name, arguments in reassemble(deltas):
         assert_valid_call(name, arguments)
+
+
+class Address(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    city: Literal["Paris", "Rome", "Tokyo"]
+    zip: str = Field(max_length=5)
+
+
+class Shipment(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    to: Address
+    back: Address | None = None
+    count: int = Field(ge=1, le=9)
+
+
+# Pydantic writes nested models as "$ref": "#/$defs/Address" with the definitions beside them.
+SHIP = {"type": "function", "function": {"name": "ship", "parameters": Shipment.model_json_schema()}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "ship"}}])
+def test_tools_with_defs_are_forced_with_their_definitions(client, tool_choice):
+    assert "$defs" in SHIP["function"]["parameters"]
+    reply = client.chat.completions.create(model=MODEL, messages=USER, tools=[SHIP, CLOCK], tool_choice=tool_choice,
+                                           parallel_tool_calls=False, **SAMPLED)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    if call.function.name == "ship":
+        Shipment.model_validate_json(call.function.arguments)
+    else:
+        assert tool_choice == "required"
+        assert_valid_call(call.function.name, call.function.arguments)
+
+
+def _tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+@pytest.mark.slow
+def test_tools_defining_one_name_differently_are_a_400_naming_tools(http):
+    a = _tool("a", {"type": "object", "properties": {"x": {"$ref": "#/$defs/T"}}, "$defs": {"T": {"type": "string"}}})
+    b = _tool("b", {"type": "object", "properties": {"y": {"$ref": "#/$defs/T"}}, "$defs": {"T": {"type": "integer"}}})
+    body = dict(model=MODEL, messages=USER, tools=[a, b], tool_choice="required", max_tokens=50)
+    error = assert_openai_error(http.post("/v1/chat/completions", json=body), 400, "tools")
+    assert "'T'" in error["message"]
+    # A tool's bad schema: the message names the field the client sent, as the param does.
+    bad = _tool("c", {"type": "object", "properties": {"x": {"$ref": "#/$defs/Missing"}}})
+    body = dict(body, tools=[bad], tool_choice={"type": "function", "function": {"name": "c"}})
+    error = assert_openai_error(http.post("/v1/chat/completions", json=body), 400, "tools")
+    assert error["message"].startswith("tools: ")
 
 
 HERMES_REGEX = (r'Sure\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", '
