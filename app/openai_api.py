@@ -213,7 +213,7 @@ class OpenAIServing:
                     if tool_parser is not None:
                         content, calls = final_tool_calls(tool_parser, c.text, request.parallel_tool_calls)
                         message = ChatResponseMessage(content=content, tool_calls=calls or None)
-                        finish_reason = _tool_finish_reason(finish_reason, bool(calls))
+                        finish_reason = _tool_finish_reason(finish_reason, bool(calls), tool_parser)
                     choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
                                               logprobs=self._chat_logprobs(c.token_ids, c.logprobs, request),
                                               stop_reason=c.stop_reason,
@@ -238,7 +238,7 @@ class OpenAIServing:
                         stream = tool_streams.setdefault(c.index, ToolCallStream(tool_parser, request.parallel_tool_calls))
                         text, calls = stream.update(c.text, final=c.finish_reason is not None)
                         delta = ChatDelta(content=text or None, tool_calls=calls or None)
-                        finish_reason = _tool_finish_reason(finish_reason, stream.num_calls > 0)
+                        finish_reason = _tool_finish_reason(finish_reason, stream.num_calls > 0, tool_parser)
                     else:
                         delta = ChatDelta(content=c.delta_text or "")
                     head = {}  # fields of the chunk beside its choice
@@ -338,9 +338,10 @@ class OpenAIServing:
         return {"prompt": tokenizer.decode(request.tokens)}
 
 
-def _tool_finish_reason(finish_reason: str | None, called: bool) -> str | None:
-    """OpenAI's "tool_calls" for a reply that ended by itself with tool calls."""
-    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+def _tool_finish_reason(finish_reason: str | None, called: bool, parser: ToolParser) -> str | None:
+    """OpenAI's "tool_calls" for a reply that ended by itself with tool calls (not for a named
+    tool_choice: that finishes as "stop", as in OpenAI and vLLM)."""
+    return "tool_calls" if called and finish_reason == "stop" and parser.finishes_as_tool_calls else finish_reason
 
 
 def _json_ready(value: Any) -> Any:

@@ -165,6 +165,8 @@ class ToolParser:
 
     name: ClassVar[str] = ""
     keeps_special_tokens: ClassVar[bool] = False  # its markers may be special tokens: keep them in the text
+    forced: ClassVar[bool] = False  # a grammar forces the calls (tool_choice "required" or named)
+    finishes_as_tool_calls: ClassVar[bool] = True  # a reply that stopped by itself with calls: "tool_calls"
 
     def parse(self, text: str, final: bool) -> ParsedText:
         """Content and tool calls of `text`; `final`: no more text will come."""
@@ -232,6 +234,7 @@ class RequiredToolCalls(ToolParser):
     """The JSON array that tool_choice "required" forces (see `required_tool_calls_schema`)."""
 
     name = "required"
+    forced = True
 
     def parse(self, text: str, final: bool) -> ParsedText:
         calls: list[ToolCallText] = []
@@ -251,9 +254,13 @@ class RequiredToolCalls(ToolParser):
 
 
 class NamedToolCall(ToolParser):
-    """A named tool_choice: the whole reply is the function's arguments."""
+    """A named tool_choice: the whole reply is the function's arguments, as far as they got
+    (a reply cut off by max_tokens still calls the function, with partial arguments, as vLLM),
+    and the reply finishes as it stopped ("stop", "length"), as vLLM and OpenAI do."""
 
     name = "named"
+    forced = True
+    finishes_as_tool_calls = False
 
     def __init__(self, function_name: str):
         self.function_name = function_name
@@ -351,9 +358,17 @@ def final_tool_calls(parser: ToolParser, text: str, parallel_tool_calls: bool = 
     """(content, tool calls in OpenAI's shape) of a finished reply.
 
     A call that did not end or whose arguments are not a JSON object makes the whole reply
-    content (the model did not call a tool the way its format says), as vLLM does.
+    content (the model did not call a tool the way its format says), as vLLM does; but a
+    named tool_choice calls its function with whatever arguments were written (vLLM's), and
+    with calls the content of a forced choice is "" (vLLM's).
     """
     parsed = parser.parse(text, final=True)
+    if isinstance(parser, NamedToolCall):
+        (call,) = parsed.calls
+        if not call.arguments:
+            return None, []
+        return "", [{"id": new_tool_call_id(), "type": "function",
+                     "function": {"name": call.name, "arguments": call.arguments}}]
     calls = []
     for call in parsed.calls:
         try:
@@ -367,6 +382,8 @@ def final_tool_calls(parser: ToolParser, text: str, parallel_tool_calls: bool = 
     if not parallel_tool_calls:
         calls = calls[:1]
     content = parsed.content if calls else text
+    if calls and parser.forced:
+        return "", calls
     return (content if content.strip() else None), calls
 
 

@@ -218,8 +218,31 @@ def test_named_tool_choice_calls_that_function(client):
         model=MODEL, messages=USER, tools=TOOLS, **SAMPLED,
         tool_choice={"type": "function", "function": {"name": "get_weather"}})
     (call,) = reply.choices[0].message.tool_calls
-    assert call.function.name == "get_weather" and reply.choices[0].finish_reason == "tool_calls"
+    # As OpenAI and vLLM: a named tool_choice finishes as "stop", its content is "".
+    assert call.function.name == "get_weather" and reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].message.content == ""
     assert_valid_call(call.function.name, call.function.arguments)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_tool_choice_cut_off_returns_the_partial_arguments(client, stream):
+    kwargs = dict(model=MODEL, messages=USER, tools=TOOLS, temperature=1.0, seed=2, max_tokens=4,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    reply = client.chat.completions.create(**kwargs)
+    choice = reply.choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "length" and reply.usage.completion_tokens == 4
+    assert call.function.name == "get_weather" and call.function.arguments.startswith('{"')
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)  # cut off: not yet a whole object
+    if stream:
+        deltas, finish = [], None
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                deltas += [d.model_dump(exclude_none=True) for d in c.delta.tool_calls or []]
+                finish = c.finish_reason or finish
+        assert reassemble(deltas) == [("get_weather", call.function.arguments)] and finish == "length"
 
 
 @pytest.mark.slow
@@ -233,7 +256,7 @@ def test_streamed_tool_call_deltas_reassemble_to_the_same_calls(client, tool_cho
             deltas += [d.model_dump(exclude_none=True) for d in c.delta.tool_calls or []]
             finish = c.finish_reason or finish
     assert reassemble(deltas) == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
-    assert finish == whole.finish_reason == "tool_calls"
+    assert finish == whole.finish_reason == ("tool_calls" if tool_choice == "required" else "stop")
     for name, arguments in reassemble(deltas):
         assert_valid_call(name, arguments)
 
@@ -262,7 +285,7 @@ def test_tools_with_defs_are_forced_with_their_definitions(client, tool_choice):
     reply = client.chat.completions.create(model=MODEL, messages=USER, tools=[SHIP, CLOCK], tool_choice=tool_choice,
                                            parallel_tool_calls=False, **SAMPLED)
     choice = reply.choices[0]
-    assert choice.finish_reason == "tool_calls"
+    assert choice.finish_reason == ("tool_calls" if tool_choice == "required" else "stop")
     (call,) = choice.message.tool_calls
     if call.function.name == "ship":
         Shipment.model_validate_json(call.function.arguments)
