@@ -225,7 +225,7 @@ def join_outputs(weights: list[Any]) -> Any | None:
     """Matrices that read the same input, [D, *out_i] each, as one [D, sum_i prod(out_i)] with
     their outputs side by side in order: one wide matmul where there were several narrow ones.
 
-    QuantizedWeights join values and scales alike (per-channel scales [1, *out_i], grouped
+    QuantizedWeights join values, scales and offsets alike (per-channel scales [1, *out_i], grouped
     scales [D / group, *out_i] grouped along D). None where they cannot be one: float and
     quantized mixed, different group sizes, or a grouping along another axis.
     """
@@ -235,7 +235,7 @@ def join_outputs(weights: list[Any]) -> Any | None:
     quantized = [isinstance(w, QuantizedWeight) for w in weights]
     if not any(quantized):
         return jnp.concatenate([flat(w) for w in weights], axis=-1)
-    if not all(quantized) or len({w.group_size for w in weights}) != 1:
+    if not all(quantized) or len({(w.group_size, w.q.dtype, w.offset is None) for w in weights}) != 1:
         return None
     group_size = weights[0].group_size
     if group_size and any(w.group_axis % w.q.ndim != 0 for w in weights):
@@ -244,4 +244,5 @@ def join_outputs(weights: list[Any]) -> Any | None:
         jnp.concatenate([flat(w.q) for w in weights], axis=-1),
         jnp.concatenate([flat(w.scale) for w in weights], axis=-1),
         group_size=group_size, group_axis=-2 if group_size else -1,
+        offset=None if weights[0].offset is None else jnp.concatenate([flat(w.offset) for w in weights], axis=-1),
     )

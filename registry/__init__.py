@@ -54,7 +54,8 @@ def load(
         impl: deprecated alias of model_impl (DeprecationWarning).
         quantization: None; "int8": the matrices stored as per-output-channel int8
             (runtime/ops/quantization.py), on either path; "gguf": a GGUF checkpoint's Q8_0
-            tensors kept as stored (int8, a scale per 32 inputs), other tensor types dequantized.
+            tensors kept as stored (int8, a scale per 32 inputs), and natively its Q4_0 / Q4_1 /
+            Q4_K tensors (4-bit values, a scale and an offset per 32 inputs); other types dequantized.
         layered: native models with layer stages, unquantized: the decoder layers'
             weights as a list of per-layer weights, the form runtime/ops/layered.py steps (no
             stacked [num_layers, ...] arrays to assemble here and split there).
@@ -96,7 +97,7 @@ def load(
 def _load_weights(resolved: ResolvedModel, jdtype: Any, mesh: Mesh, info: Any, quantization: str | None,
                   layered: bool = False, expert_parallel: bool = False) -> LoadedModel:
     """The model's weights loaded on `mesh` (and quantized as asked), with `info`'s fields."""
-    int8_groups = _gguf_q8_0(resolved) if quantization == "gguf" else None
+    int8_groups = _gguf_stored(resolved) if quantization == "gguf" else None
     if resolved.impl == "torchax":
         try:
             from registry.torchax_model import load_torchax
@@ -118,8 +119,9 @@ def _load_weights(resolved: ResolvedModel, jdtype: Any, mesh: Mesh, info: Any, q
         from runtime.ops.quantization import count_quantized, serve_quantized
 
         serve_quantized(loaded)
-        logger.info("%s: %d of %d Q8_0 tensors kept as int8 (a scale per 32 inputs); other GGUF types were "
-                    "dequantized when converted", resolved.model_id, count_quantized(loaded.params), len(int8_groups))
+        logger.info("%s: %d weights kept as the GGUF file stores them (of %d Q8_0 / 4-bit tensors: int8 or 4-bit "
+                    "values with a scale per 32 inputs); other GGUF types were dequantized when converted",
+                    resolved.model_id, count_quantized(loaded.params), len(int8_groups))
     elif quantization is not None:
         from runtime.ops.quantization import quantize_model
 
@@ -131,14 +133,15 @@ def _load_weights(resolved: ResolvedModel, jdtype: Any, mesh: Mesh, info: Any, q
     return loaded
 
 
-def _gguf_q8_0(resolved: ResolvedModel) -> dict:
-    """The Q8_0 tensors of a converted GGUF checkpoint, as stored (registry.weights.open_q8_0).
+def _gguf_stored(resolved: ResolvedModel) -> dict:
+    """The quantized tensors of a converted GGUF checkpoint, as stored: Q8_0
+    (registry.weights.open_q8_0) and, for native models, Q4_0 / Q4_1 / Q4_K (open_four_bit).
 
     Raises:
         ModelLoadError: the checkpoint was not converted from a GGUF file.
     """
     from registry.gguf import MARKER, is_current_conversion
-    from registry.weights import open_q8_0
+    from registry.weights import open_four_bit, open_q8_0
 
     if not (resolved.path / MARKER).exists():
         raise ModelLoadError(
@@ -147,10 +150,13 @@ def _gguf_q8_0(resolved: ResolvedModel) -> dict:
         )
     if not is_current_conversion(resolved.path):
         raise ModelLoadError(
-            f"{resolved.model_id}: {resolved.path} was converted from GGUF by an older servax, without the Q8_0 "
-            "tensors as stored; delete that folder and it is converted again on the next start"
+            f"{resolved.model_id}: {resolved.path} was converted from GGUF by an older servax, without the "
+            "quantized tensors as stored; delete that folder and it is converted again on the next start"
         )
-    return open_q8_0(resolved.path)
+    stored = open_q8_0(resolved.path)
+    if resolved.impl == "jax":  # the torchax path keeps Q8_0 only (4-bit types come dequantized)
+        stored.update(open_four_bit(resolved.path))
+    return stored
 
 
 def _native_quant_axes(name: str, shape: tuple[int, ...]) -> tuple[int, ...] | None:

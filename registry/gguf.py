@@ -32,13 +32,13 @@ from typing import Any
 
 from registry.errors import ModelLoadError
 from registry.gguf_tensors import (
-    ARCHITECTURES, GGUFArchitecture, architecture, check_tensor_types, hf_names, hf_shape_dtype, hf_tensor,
-    q8_0_parts, write_safetensors,
+    ARCHITECTURES, FOUR_BIT_TYPES, GGUFArchitecture, architecture, check_tensor_types, four_bit_parts, hf_names,
+    hf_shape_dtype, hf_tensor, q8_0_parts, write_safetensors,
 )
 
 GGUF_SUFFIX = ".gguf"
 MARKER = "servax_gguf.json"  # written last: a folder without it is incomplete
-FORMAT = 2  # the folder's layout; a folder of another format is converted again (2: q8_0/ added)
+FORMAT = 3  # the folder's layout; a folder of another format is converted again (2: q8_0/ added, 3: q4/)
 _MAGIC = b"GGUF"
 
 
@@ -115,7 +115,8 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, source: dict | None = None) 
     """Write a Hugging Face checkpoint folder for `gguf_file` into `out_dir`.
 
     Writes config.json, generation_config.json, model.safetensors, the Q8_0 tensors as stored
-    (q8_0/model.safetensors), the tokenizer files (with the chat template) and, last, MARKER
+    (q8_0/model.safetensors), the Q4_0 / Q4_1 / Q4_K tensors as stored (q4/model.safetensors:
+    4-bit values one a byte, a scale and an offset per 32 inputs), the tokenizer files (with the chat template) and, last, MARKER
     (a JSON note of the format, the source and the tensor types found).
 
     Raises:
@@ -159,11 +160,26 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, source: dict | None = None) 
             entries.append((hf_name, shape, "I8", lambda part=part: part()[0]))
             entries.append((hf_name + ".scale", (*shape[:-1], shape[-1] // 32), "F16", lambda part=part: part()[1]))
         write_safetensors(out_dir / Q8_0_FOLDER / "model.safetensors", entries)
+    four_bit = [(hf_name, tensor) for hf_name, tensor in names.items()
+                if tensor.tensor_type.name in FOUR_BIT_TYPES and len(tensor.shape) >= 2]
+    if four_bit:
+        from registry.weights import FOUR_BIT_FOLDER
+
+        (out_dir / FOUR_BIT_FOLDER).mkdir()
+        entries = []
+        for hf_name, tensor in four_bit:
+            shape, _ = hf_shape_dtype(tensor)
+            groups = (*shape[:-1], shape[-1] // 32)
+            part = functools.lru_cache(1)(functools.partial(four_bit_parts, tensor, config, arch))
+            entries += [(hf_name, shape, "U8", lambda part=part: part()[0]),
+                        (hf_name + ".scale", groups, "F32", lambda part=part: part()[1]),
+                        (hf_name + ".offset", groups, "F32", lambda part=part: part()[2])]
+        write_safetensors(out_dir / FOUR_BIT_FOLDER / "model.safetensors", entries)
     _save_tokenizer(gguf_file, out_dir)
     types = sorted({t.tensor_type.name for t in reader.tensors})
     (out_dir / MARKER).write_text(json.dumps(
         {"format": FORMAT, "source": source or {"file": str(gguf_file)}, "architecture": arch_name,
-         "tensor_types": types, "q8_0_tensors": len(q8_0)}, indent=2,
+         "tensor_types": types, "q8_0_tensors": len(q8_0), "four_bit_tensors": len(four_bit)}, indent=2,
     ) + "\n")
     return out_dir
 

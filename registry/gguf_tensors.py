@@ -229,6 +229,43 @@ def q8_0_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.ndarray, np.n
     return _rows_in_hf_order(values, tensor, config, arch), _rows_in_hf_order(scales, tensor, config, arch)
 
 
+FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # kept as stored by quantization="gguf" (4-bit values, scale, offset)
+
+
+def four_bit_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_0, Q4_1 or Q4_K tensor as stored, in Hugging Face layout: its 4-bit values as uint8
+    [.., in] and a float32 scale and offset per 32 inputs [.., in / 32], value * scale + offset
+    being what llama.cpp dequantizes (Q4_0: scale d, offset -8 d; Q4_1: d and m; Q4_K: each
+    32-block's d * scale code and -dmin * min code from its 256-value super-block)."""
+    shape, _ = hf_shape_dtype(tensor)
+    kind = tensor.tensor_type.name
+    raw = np.asarray(tensor.data).reshape(-1)
+    if kind in ("Q4_0", "Q4_1"):
+        head = 2 if kind == "Q4_0" else 4
+        blocks = raw.reshape(-1, head + 16)
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
+        m = -8 * d if kind == "Q4_0" else blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
+        qs = blocks[:, head:]
+        values = np.concatenate([qs & 15, qs >> 4], axis=1)  # 32 values: low nibbles, then high ones
+        scale, offset = d[:, None], m[:, None]
+    elif kind == "Q4_K":
+        blocks = raw.reshape(-1, 144)
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        codes, qs = blocks[:, 4:16].astype(np.int32), blocks[:, 16:].reshape(-1, 4, 32)
+        low = [codes[:, j] & 63 for j in range(4)], [codes[:, j + 4] & 63 for j in range(4)]
+        high = ([(codes[:, j + 4] & 15) | ((codes[:, j - 4] >> 6) << 4) for j in range(4, 8)],
+                [(codes[:, j + 4] >> 4) | ((codes[:, j] >> 6) << 4) for j in range(4, 8)])
+        sc, mn = np.stack(low[0] + high[0], axis=1), np.stack(low[1] + high[1], axis=1)  # [blocks, 8]
+        values = np.stack([qs & 15, qs >> 4], axis=2).reshape(-1, 256)  # 64-value chunks: low, then high nibbles
+        scale, offset = d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+    else:
+        raise ValueError(f"{tensor.name}: {kind} is not a 4-bit type kept as stored ({', '.join(FOUR_BIT_TYPES)})")
+    groups = (*shape[:-1], shape[-1] // 32)
+    parts = (values.astype(np.uint8).reshape(shape), scale.reshape(groups), offset.reshape(groups))
+    return tuple(_rows_in_hf_order(a, tensor, config, arch) for a in parts)
+
+
 def _rows_in_hf_order(array: np.ndarray, tensor, config, arch: GGUFArchitecture) -> np.ndarray:
     if arch.permuted_qk and tensor.name.endswith((".attn_q.weight", ".attn_k.weight")):
         heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
@@ -253,7 +290,7 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-_ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1}
+_ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1}
 
 
 def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], str, Callable[[], np.ndarray]]]) -> None:

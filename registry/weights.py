@@ -69,6 +69,21 @@ def open_q8_0(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     return {name: (tensors[name], tensors[name + ".scale"]) for name in tensors if not name.endswith(".scale")}
 
 
+FOUR_BIT_FOLDER = "q4"  # a GGUF conversion's Q4_0 / Q4_1 / Q4_K tensors as stored (registry.gguf)
+
+
+def open_four_bit(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """A GGUF conversion's 4-bit tensors, as stored in the file: Hugging Face name -> (uint8
+    values 0..15 [out, in], float32 scales and offsets [out, in / 32]), memory-mapped; the
+    weight is value * scale + offset. Empty for any other folder."""
+    folder = Path(path) / FOUR_BIT_FOLDER
+    if not folder.is_dir():
+        return {}
+    tensors = open_checkpoint(folder)
+    return {name: (tensors[name], tensors[name + ".scale"], tensors[name + ".offset"])
+            for name in tensors if not name.endswith((".scale", ".offset"))}
+
+
 def load_params(path: Path, table, mesh: Mesh, dtype,
                 int8_groups: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
                 per_layer: bool = False) -> tuple[dict, dict]:
@@ -79,8 +94,9 @@ def load_params(path: Path, table, mesh: Mesh, dtype,
     that is not kept as int8 groups comes instead as a list of per-layer arrays (and its
     spec less the layer axis): no stack to assemble, for a runtime that would split it again.
 
-    int8_groups: checkpoint tensors stored as int8 with a scale per 32 inputs (`open_q8_0`);
-    a weight whose every tensor is there (and whose layout keeps those groups whole) becomes a
+    int8_groups: checkpoint tensors stored quantized in groups of 32 inputs: int8 with a scale
+    (`open_q8_0`), or 4-bit values with a scale and an offset (`open_four_bit`); a weight whose
+    every tensor is there (and whose layout keeps those groups whole) becomes a
     runtime.ops.quantization.QuantizedWeight instead of a float array.
 
     Returns (params, param_shardings): jax.Arrays of `dtype` (or a weight's own dtype)
@@ -105,12 +121,16 @@ def load_params(path: Path, table, mesh: Mesh, dtype,
 
     def place(w: WeightSpec) -> tuple[Any, Any]:
         scales = w.group_scales(Q8_0_GROUP)
-        if scales is not None and all(name in int8_groups for name in w.hf_names):
+        stored = [int8_groups.get(name) for name in w.hf_names]
+        if scales is not None and all(stored) and len({len(parts) for parts in stored}) == 1:
             q_spec, s_spec = w.partition_spec(mesh), scales.partition_spec(mesh)
-            q = _place(w, [int8_groups[name][0] for name in w.hf_names], mesh, q_spec, np.int8)
-            s = _place(scales, [int8_groups[name][1] for name in w.hf_names], mesh, s_spec, w.dtype or dtype)
+            four_bit = len(stored[0]) == 3
+            q = _place(w, [parts[0] for parts in stored], mesh, q_spec, np.uint8 if four_bit else np.int8)
+            s = _place(scales, [parts[1] for parts in stored], mesh, s_spec, np.float32 if four_bit else w.dtype or dtype)
+            o = _place(scales, [parts[2] for parts in stored], mesh, s_spec, np.float32) if four_bit else None
             axis = w.group_axis()
-            return QuantizedWeight(q, s, Q8_0_GROUP, axis), QuantizedWeight(q_spec, s_spec, Q8_0_GROUP, axis)
+            return (QuantizedWeight(q, s, Q8_0_GROUP, axis, offset=o),
+                    QuantizedWeight(q_spec, s_spec, Q8_0_GROUP, axis, offset=s_spec if four_bit else None))
         spec = w.partition_spec(mesh)
         sources = [tensors[name] for name in w.hf_names]
         if per_layer and w.num_layers is not None:

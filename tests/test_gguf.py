@@ -13,6 +13,7 @@ import json
 import math
 import shutil
 import time
+import types
 import zipfile
 from pathlib import Path
 
@@ -207,6 +208,66 @@ def test_q8_0_tensors_are_also_written_as_stored(tiny_checkpoint, gguf_dir):
         product = q.reshape(q.shape[0], -1, 32).astype(np.float32) * scale[..., None].astype(np.float32)
         assert np.array_equal(product.reshape(q.shape), converted[name]), name  # Q/K rows un-permuted alike
     assert json.loads((path / "servax_gguf.json").read_text())["q8_0_tensors"] == len(stored)
+
+
+@pytest.mark.parametrize("weight_type", ["Q4_0", "Q4_1"])
+def test_four_bit_tensors_are_also_written_as_stored(tiny_checkpoint, gguf_dir, weight_type):
+    """q4/: 4-bit values (one a byte) with a float32 scale and offset per 32 inputs, whose
+    value * scale + offset is the converted weight bit for bit."""
+    from registry.weights import open_four_bit
+
+    path, converted = _converted(write_gguf(tiny_checkpoint("llama"), gguf_dir / f"tiny-{weight_type}.gguf",
+                                            weight_type=weight_type))
+    stored = open_four_bit(path)
+    assert set(stored) == {name for name, array in converted.items() if array.ndim == 2}
+    for name, (q, scale, offset) in stored.items():
+        assert q.dtype == np.uint8 and q.max() <= 15 and scale.shape == offset.shape == (q.shape[0], q.shape[1] // 32)
+        groups = q.reshape(q.shape[0], -1, 32).astype(np.float32)
+        assert np.array_equal((groups * scale[..., None] + offset[..., None]).reshape(q.shape), converted[name]), name
+    assert json.loads((path / "servax_gguf.json").read_text())["four_bit_tensors"] == len(stored)
+
+
+def test_q4_k_blocks_decode_as_llama_cpp_dequantizes_them():
+    """Q4_K super-blocks (256 values: 8 sub-blocks whose 6-bit scale and min codes are packed in
+    12 bytes) as values, scales and offsets: the same weights as gguf's dequantize, exactly."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from registry.gguf_tensors import four_bit_parts
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (8, 144), dtype=np.uint8)  # 2 rows of 1024 values
+    raw[:, :4] = np.frombuffer(rng.uniform(1e-3, 1e-2, 16).astype(np.float16).tobytes(), np.uint8).reshape(8, 4)
+    tensor = types.SimpleNamespace(tensor_type=GGMLQuantizationType.Q4_K, data=raw, name="blk.0.ffn_up.weight",
+                                   shape=np.array([1024, 2]))
+    q, scale, offset = four_bit_parts(tensor, None, types.SimpleNamespace(permuted_qk=False))
+    dense = q.reshape(2, -1, 32).astype(np.float32) * scale[..., None] + offset[..., None]
+    np.testing.assert_array_equal(dense.reshape(2, 1024), dequantize(raw, GGMLQuantizationType.Q4_K).reshape(2, 1024))
+
+
+@pytest.mark.parametrize("weight_type", quick_loop_keeps(["Q4_0", "Q4_1"], "Q4_1"))
+def test_quantization_gguf_serves_four_bit_weights_as_stored(tiny_checkpoint, gguf_dir, weight_type):
+    """quantization="gguf" on a 4-bit file: the layers' matrices packed as 4-bit values for the
+    CPU kernel, computing what the dequantized checkpoint computes (greedy tokens, logprobs)."""
+    from app import LLM, SamplingParams
+    from runtime.ops.matmul import PackedWeight
+
+    gguf_file = write_gguf(tiny_checkpoint("llama"), gguf_dir / f"tiny-{weight_type}.gguf", weight_type=weight_type)
+    prompt = [(7 * i + 3) % 500 + 4 for i in range(40)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16, logprobs=0)
+    runs = {}
+    for quantization in (None, "gguf"):
+        llm = LLM(model=str(gguf_file), quantization=quantization, max_model_len=128, max_num_seqs=4,
+                  max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="")
+        (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        lp = [next(iter(d.values())).logprob for d in out.outputs[0].logprobs]
+        runs[quantization] = (llm, out.outputs[0].token_ids, np.array(lp))
+    (_, float_tokens, float_lp), (llm, tokens, lp) = runs[None], runs["gguf"]
+    layer = llm.engine.model.params["layers"][0]
+    assert isinstance(layer["mlp"]["gate_up"], PackedWeight) and layer["mlp"]["gate_up"].format == "uint4"
+    assert tokens == float_tokens
+    np.testing.assert_allclose(lp, float_lp, atol=1e-4)
+    assert llm.engine.stats().compilations_since_warmup == 0
 
 
 @pytest.mark.parametrize("model_impl", quick_loop_keeps(["jax", "torchax"], "jax"))
@@ -521,7 +582,9 @@ def test_demo_prompt_perplexity_matches_transformers(demo_llm, reference):
 
 @pytest.mark.slow
 def test_demo_with_quantization_gguf_keeps_the_q8_0_embedding_as_int8(reference, servax_cache):
-    """The demo GGUF stores its (tied) embedding as Q8_0: served as int8, the greedy tokens are still transformers'."""
+    """The demo GGUF stores its (tied) embedding as Q8_0 and its layers' matrices as Q4_1: served
+    as int8 and 4-bit values (packed for the CPU kernel as stored), the greedy tokens are still
+    transformers' on the dequantized file."""
     from app import LLM, SamplingParams
     from runtime.ops.matmul import PackedWeight
 
@@ -530,6 +593,10 @@ def test_demo_with_quantization_gguf_keeps_the_q8_0_embedding_as_int8(reference,
     embed = llm.engine.model.params["embed"]  # packed as the LM head [576, 49152] for the CPU kernel, as stored
     assert isinstance(embed, PackedWeight) and embed.format == "int8" and embed.shape == (576, 49152)
     assert embed.scales.shape == (49152 // 16, 576 // 32, 16)
+    for layer in llm.engine.model.params["layers"]:
+        matrices = (layer["qkv"], layer["o"], layer["mlp"]["gate_up"], layer["mlp"]["down"])
+        assert all(isinstance(w, PackedWeight) and w.format == "uint4" for w in matrices)
+        assert layer["qkv"].panels.shape == ((576 + 2 * 192) // 16, 576, 8)  # two 4-bit values a byte
     outs = llm.generate([{"prompt_token_ids": ids} for ids in reference["prompts"][:3]], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     for out, want in zip(outs, reference["greedy"][:3]):
         assert out.outputs[0].token_ids == want

@@ -127,8 +127,9 @@ class EngineConfig(BaseModel):
     quantization: str | None = Field(
         None, description="None (weights in `dtype`; quantized GGUF tensors dequantized), int8: symmetric "
                           "per-output-channel int8 weights, or gguf: a GGUF file's Q8_0 tensors kept as int8 "
-                          "with their scale per 32 inputs (other types dequantized); dequantized inside the "
-                          "step (runtime/ops/quantization.py).")
+                          "and its Q4_0 / Q4_1 / Q4_K tensors as 4-bit values (native models), each with their "
+                          "scale per 32 inputs (other types dequantized). On CPU the C++ matmul multiplies them as "
+                          "stored; elsewhere they are dequantized inside the step (runtime/ops/quantization.py).")
     speculative_config: SpeculativeConfig | None = Field(
         None, description='n-gram speculative decoding, vLLM\'s dict: {"method": "ngram", "num_speculative_tokens": '
                           'k, "prompt_lookup_max": n, "prompt_lookup_min": m} (runtime/engine/speculative.py).')
@@ -206,7 +207,7 @@ class EngineConfig(BaseModel):
         if v is not None and v not in ("int8", "gguf"):
             raise ValueError(
                 f"quantization={v!r} is not supported yet; supported: int8 (per-output-channel int8 weights), "
-                "gguf (a GGUF file's Q8_0 tensors kept as int8), or None for weights in `dtype`"
+                "gguf (a GGUF file's Q8_0 and 4-bit tensors kept as stored), or None for weights in `dtype`"
             )
         return v
 
