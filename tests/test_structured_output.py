@@ -140,11 +140,43 @@ def test_grammar_compilation_is_cached_per_spec(llm):
     assert compiler.grammar(spec) is not compiler.grammar(StructuredOutputsParams(json=SCHEMAS[1]))
 
 
+def _accepts(compiler: TokenMaskCompiler, tokenizer, text: str, **spec) -> bool:
+    """Whether the grammar of `spec` takes `text` whole (token by token, then complete)."""
+    matcher = compiler.grammar(StructuredOutputsParams(**spec)).deep_copy()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return matcher.consume_tokens(ids) and not matcher.is_error() and matcher.is_accepting()
+
+
+def test_json_whitespace_is_bounded_and_objects_closed_by_default(llm):
+    tokenizer, compiler = llm.get_tokenizer(), llm.engine.processor.token_masks
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "object", "properties": {
+        "c": {"type": "string"}}, "required": ["c"]}}, "required": ["a", "b"]}
+    value = {"a": 1, "b": {"c": "x"}}
+    for text in (json.dumps(value), json.dumps(value, separators=(",", ":")), json.dumps(value, indent=2),
+                 json.dumps(value, indent=4), json.dumps(value, indent="\t")):
+        assert _accepts(compiler, tokenizer, text, json=schema), text
+    for text in ('{"a": 1,      "b": {"c": "x"}}', '{"a": 1, "b": {"c": "x"}' + "\n" * 3 + "}",
+                 '{"a": 1, "b": {"c": "x"},\n' + " " * 17 + '"d": 2}'):
+        assert not _accepts(compiler, tokenizer, text, json=schema), text
+    assert not _accepts(compiler, tokenizer, json.dumps(value), json=schema, disable_any_whitespace=True)
+    assert _accepts(compiler, tokenizer, '{"a":1,   "b":{"c":"x"}}', json=schema, whitespace_pattern=" *")
+    # As vLLM's default backend: no property the schema does not list, unless it says so;
+    # data (const, enum) is never rewritten.
+    extra = {"a": 1, "b": {"c": "x", "z": 2}}
+    assert not _accepts(compiler, tokenizer, json.dumps(extra), json=schema)
+    open_b = json.loads(json.dumps(schema))
+    open_b["properties"]["b"]["additionalProperties"] = True
+    assert _accepts(compiler, tokenizer, json.dumps(extra), json=open_b)
+    const = {"const": {"properties": {"x": 1}}}
+    assert _accepts(compiler, tokenizer, json.dumps(const["const"]), json=const)
+    assert _accepts(compiler, tokenizer, json.dumps({"k": [1]}), json_object=True)
+
+
 # ---- outputs on the random model -----------------------------------------------------------
 
 def test_twenty_json_schemas_hold_on_a_random_model(llm):
-    # Without disable_additional_properties noise would add keys with unbounded strings
-    # (valid JSON, but cut by max_tokens); half the schemas get compact JSON.
+    # Objects without unlisted keys (the default; vLLM callers also send
+    # disable_additional_properties) and bounded whitespace; half the schemas get compact JSON.
     params = [constrained("json", schema, seed=i, disable_any_whitespace=i % 2 == 1,
                           disable_additional_properties=True) for i, schema in enumerate(SCHEMAS)]
     outs = llm.generate([PROMPT] * len(SCHEMAS), params, use_tqdm=False)

@@ -37,9 +37,12 @@ class StructuredOutputsParams:
         choice: the output is exactly one of these strings.
         grammar: a Lark grammar, or a GBNF / EBNF one (`root ::= ...`).
         json_object: True: the output is any JSON object.
-        disable_any_whitespace: JSON without whitespace between tokens (compact).
-        disable_additional_properties: objects of the schema that do not say otherwise get
-            `additionalProperties: false`.
+        disable_any_whitespace: JSON without whitespace between tokens (compact); without
+            it, a line break and an indent, or one space (bounded, see
+            runtime/engine/structured_output.py JSON_WHITESPACE).
+        disable_additional_properties: accepted for vLLM; objects of a schema that do not
+            say otherwise have no additional properties whatever its value (as under vLLM's
+            default backend).
         whitespace_pattern: a regex for the whitespace JSON may hold between tokens.
         structural_tag: vLLM's structural tags are not supported (a 400 says so).
 

@@ -65,18 +65,34 @@ def unpack_row(row: np.ndarray, vocab_size: int) -> np.ndarray:
     return np.flatnonzero(bits.reshape(-1)[:vocab_size])
 
 
+# The whitespace JSON may hold between two tokens unless the request says otherwise: a line
+# break and an indent of up to 16 (pretty-printed JSON four levels deep at four spaces; deeper
+# lines get that indent), or one space (`{"a": 1, "b": 2}`). Bounded, so that whatever a model
+# writes, every run of whitespace ends: under JSON's own `[ \t\n\r]*` a model that favours
+# whitespace (a noise model, a degenerate one) can spend all of max_tokens between two braces.
+JSON_WHITESPACE = r"(?:\n[ \t]{0,16}| ?)"
+
+
 def _grammar_text(spec: StructuredOutputsParams) -> str:
-    """The llguidance grammar of a StructuredOutputsParams (not yet checked)."""
+    """The llguidance grammar of a StructuredOutputsParams (not yet checked).
+
+    JSON schemas are read as vLLM's default backend (xgrammar) reads them: an object that
+    does not say `additionalProperties` gets none (write `"additionalProperties": true` to
+    allow them; `disable_additional_properties` asks for what is already so); whitespace is
+    `JSON_WHITESPACE` unless `disable_any_whitespace` (none) or `whitespace_pattern` is given.
+    """
     import llguidance
 
     kind = spec.kind
     if kind in ("json", "json_object"):
         schema = {"type": "object"} if kind == "json_object" else spec.json
-        if spec.disable_additional_properties and isinstance(schema, dict):
+        if isinstance(schema, dict):
             schema = _no_additional_properties(copy.deepcopy(schema))
         options: dict[str, Any] = {"whitespace_flexible": not spec.disable_any_whitespace}
         if spec.whitespace_pattern is not None:
             options["whitespace_pattern"] = spec.whitespace_pattern
+        elif not spec.disable_any_whitespace:
+            options["whitespace_pattern"] = JSON_WHITESPACE
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
@@ -88,16 +104,30 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
         raise InvalidRequestError(f"structured_outputs.grammar: {e}", param="structured_outputs.grammar") from None
 
 
-def _no_additional_properties(schema: Any) -> Any:
-    """vLLM's disable_additional_properties: objects that do not say get additionalProperties false."""
-    if isinstance(schema, dict):
-        for value in schema.values():
-            _no_additional_properties(value)
-        if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
-            schema["additionalProperties"] = False
-    elif isinstance(schema, list):
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMAS = ("additionalProperties", "unevaluatedProperties", "propertyNames", "items", "prefixItems",
+               "additionalItems", "unevaluatedItems", "contains", "not", "if", "then", "else", "anyOf", "oneOf")
+
+
+def _no_additional_properties(schema: Any, close: bool = True) -> Any:
+    """Objects of `schema` that list properties and do not say `additionalProperties` get
+    `false` (xgrammar's strict mode, vLLM's default). Only subschemas are walked, never data
+    (`const`, `enum`, `default`); the members of an `allOf` are left open, since closing each
+    would refuse the properties of the others."""
+    if isinstance(schema, list):
         for item in schema:
-            _no_additional_properties(item)
+            _no_additional_properties(item, close)
+    if not isinstance(schema, dict):
+        return schema
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for sub in schema[key].values():
+                _no_additional_properties(sub)
+    for key in _SUBSCHEMAS:
+        _no_additional_properties(schema.get(key))
+    _no_additional_properties(schema.get("allOf"), close=False)
+    if close and isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        schema["additionalProperties"] = False
     return schema
 
 
