@@ -120,6 +120,15 @@ class LLM:
         )
         return self._run([prompts] if single else list(prompts), sampling_params, use_tqdm, lora_request)
 
+    def beam_search(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's LLM.beam_search: not implemented by servax.
+
+        Raises:
+            NotImplementedError: always (sample n sequences with logprobs instead).
+        """
+        raise NotImplementedError("servax does not implement beam search (vLLM's LLM.beam_search, use_beam_search); "
+                                  "sample n sequences instead (SamplingParams(n=..., logprobs=...)) and rank them")
+
     def chat(
         self,
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],

@@ -50,6 +50,8 @@ class _Request(BaseModel):
     return_token_ids: bool | None = None  # vLLM's: prompt and generated token ids beside the text
     truncate_prompt_tokens: int | None = None  # vLLM's: keep this many prompt tokens (-1: what fits)
     truncation_side: Literal["left", "right"] | None = None
+    use_beam_search: bool = False  # vLLM's; servax has no beam search: true is a 400 that says so
+    length_penalty: float = 1.0  # vLLM's; only beam search reads it
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
@@ -77,6 +79,10 @@ class _Request(BaseModel):
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _Request:
+        if self.use_beam_search:
+            raise InvalidRequestError(
+                "use_beam_search is not supported: servax does not implement beam search; sample n choices "
+                "instead (n, temperature, seed) and pick by their logprobs", param="use_beam_search")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         if self.stream and self.prompt_logprobs is not None and self.prompt_logprobs != 0:

@@ -186,3 +186,8 @@ def test_ray_serve_llm_yaml_serves_the_same_tokens(tmp_path, llm):
     ours = llm.generate("Hello, my name is", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0].token_ids
     assert result.outputs[0].token_ids == ours
+
+
+def test_beam_search_is_refused_saying_so(llm):
+    with pytest.raises(NotImplementedError, match="beam search"):
+        llm.beam_search(PROMPTS, {"beam_width": 2, "max_tokens": 4})

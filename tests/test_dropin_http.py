@@ -382,3 +382,19 @@ def test_metrics_also_under_vllms_names_and_labels(http, base_url):
     assert delta("vllm:iteration_tokens_total_count") == 1 + 4
     assert delta("vllm:iteration_tokens_total_sum") == body["usage"]["prompt_tokens"] + 5 - 1
     assert delta("servax:iteration_tokens_total_sum", "") == delta("vllm:iteration_tokens_total_sum")
+
+
+# ---- beam search (item 8): refused, never ignored ---------------------------------------------
+
+@pytest.mark.parametrize("route, body", [("/v1/completions", {"prompt": "Hello"}),
+                                         ("/v1/chat/completions", {"messages": MESSAGES})])
+def test_use_beam_search_is_a_400_that_says_so(http, route, body):
+    for stream in (False, True):
+        r = http.post(route, json={"model": MODEL, "n": 2, "use_beam_search": True, "length_penalty": 0.5,
+                                   "stream": stream, **body})
+        error = assert_openai_error(r, 400, "use_beam_search")
+        assert "beam search" in error["message"]
+    # As in vLLM, length_penalty alone changes nothing (only beam search reads it): not even ignored-listed.
+    r = http.post(route, json={"model": MODEL, "max_tokens": 2, "use_beam_search": False, "length_penalty": 2.0,
+                               **GREEDY, **body})
+    assert r.status_code == 200 and "x-servax-ignored-fields" not in r.headers
