@@ -114,44 +114,58 @@ void RowBlock(const float* a, int64_t lda, const typename W::T* panel, const flo
   for (int r = 0; r < MR; ++r) std::copy(acc[r], acc[r] + kPanel, c + r * ldc);
 #else
   constexpr int64_t ahead = kPrefetchBytes / (W::kRow * sizeof(typename W::T));
-  __m256 lo[MR], hi[MR];
+  // Few rows leave the multiply-adds waiting on each other (each accumulator's chain is one
+  // add a k): then S accumulators a row, each taking every S-th k, summed at the end.
+  constexpr int S = MR == 1 ? 4 : MR == 2 ? 2 : 1;
+  __m256 lo[S][MR], hi[S][MR];
 #pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int s = 0; s < S; ++s)
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) lo[s][r] = hi[s][r] = _mm256_setzero_ps();
   __m256 s_lo = _mm256_setzero_ps(), s_hi = s_lo, o_lo = s_lo, o_hi = s_lo;
+  auto step = [&](int64_t k, int s) __attribute__((always_inline)) {
+    if (kPrefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(panel + (k + ahead) * W::kRow), _MM_HINT_T0);
+    } else if (next != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * W::kRow), _MM_HINT_T1);
+    }
+    __m256 b0, b1;
+    W::Load(panel + k * W::kRow, b0, b1);
+    if (W::kOffset) {
+      b0 = _mm256_fmadd_ps(b0, s_lo, o_lo), b1 = _mm256_fmadd_ps(b1, s_hi, o_hi);
+    } else if (W::kScaled) {
+      b0 = _mm256_mul_ps(b0, s_lo), b1 = _mm256_mul_ps(b1, s_hi);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a + r * lda + k);
+      lo[s][r] = _mm256_fmadd_ps(x, b0, lo[s][r]);
+      hi[s][r] = _mm256_fmadd_ps(x, b1, hi[s][r]);
+    }
+  };
   for (int64_t g0 = 0; g0 < K; g0 += group) {
     if (W::kScaled) {
-      const float* s = scale + (g0 / group) * kPanel;
-      s_lo = _mm256_loadu_ps(s), s_hi = _mm256_loadu_ps(s + 8);
+      const float* sc = scale + (g0 / group) * kPanel;
+      s_lo = _mm256_loadu_ps(sc), s_hi = _mm256_loadu_ps(sc + 8);
       if (W::kOffset) {
         const float* o = offset + (g0 / group) * kPanel;
         o_lo = _mm256_loadu_ps(o), o_hi = _mm256_loadu_ps(o + 8);
       }
     }
-    for (int64_t k = g0, end = std::min(K, g0 + group); k < end; ++k) {
-      if (kPrefetch) {
-        _mm_prefetch(reinterpret_cast<const char*>(panel + (k + ahead) * W::kRow), _MM_HINT_T0);
-      } else if (next != nullptr) {
-        _mm_prefetch(reinterpret_cast<const char*>(next + k * W::kRow), _MM_HINT_T1);
-      }
-      __m256 b0, b1;
-      W::Load(panel + k * W::kRow, b0, b1);
-      if (W::kOffset) {
-        b0 = _mm256_fmadd_ps(b0, s_lo, o_lo), b1 = _mm256_fmadd_ps(b1, s_hi, o_hi);
-      } else if (W::kScaled) {
-        b0 = _mm256_mul_ps(b0, s_lo), b1 = _mm256_mul_ps(b1, s_hi);
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r) {
-        const __m256 x = _mm256_broadcast_ss(a + r * lda + k);
-        lo[r] = _mm256_fmadd_ps(x, b0, lo[r]);
-        hi[r] = _mm256_fmadd_ps(x, b1, hi[r]);
-      }
+    const int64_t end = std::min(K, g0 + group);
+    int64_t k = g0;
+    for (; k + S <= end; k += S) {
+#pragma GCC unroll 4
+      for (int s = 0; s < S; ++s) step(k + s, s);
     }
+    for (; k < end; ++k) step(k, 0);
   }
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
-    _mm256_storeu_ps(c + r * ldc, lo[r]);
-    _mm256_storeu_ps(c + r * ldc + 8, hi[r]);
+#pragma GCC unroll 4
+    for (int s = 1; s < S; ++s) lo[0][r] = _mm256_add_ps(lo[0][r], lo[s][r]), hi[0][r] = _mm256_add_ps(hi[0][r], hi[s][r]);
+    _mm256_storeu_ps(c + r * ldc, lo[0][r]);
+    _mm256_storeu_ps(c + r * ldc + 8, hi[0][r]);
   }
 #endif
 }
