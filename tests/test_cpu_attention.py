@@ -164,16 +164,20 @@ def test_backend_resolution_and_a_machine_without_a_compiler(monkeypatch, caplog
 
 def test_engine_rejects_the_kernel_for_caches_it_cannot_read():
     """A quantized or bfloat16 KV cache with attention_backend="cpu" is refused with the way out;
-    with "auto" the engine takes xla for them."""
+    with "auto" the engine takes xla for them. A bfloat16 model on packed weights (the layered
+    default) computes in float32 and caches K/V in float32: the kernel reads that."""
     with pytest.raises(ValueError, match="unquantized"):
         LLM(model="servax-tiny/llama", kv_cache_dtype="int8", attention_backend="cpu", max_model_len=64,
             show_progress=False, enforce_eager=True)
     with pytest.raises(ValueError, match="float32 KV cache"):
-        LLM(model="servax-tiny/llama", dtype="bfloat16", attention_backend="cpu", max_model_len=64,
+        LLM(model="servax-tiny/llama", dtype="bfloat16", attention_backend="cpu", layered=False, max_model_len=64,
             show_progress=False, enforce_eager=True)
-    llm = LLM(model="servax-tiny/llama", dtype="bfloat16", max_model_len=64, show_progress=False,
+    llm = LLM(model="servax-tiny/llama", dtype="bfloat16", layered=False, max_model_len=64, show_progress=False,
               enforce_eager=True)
     assert llm.engine.programs.kv_cache.attention_backend == "xla"
+    llm = LLM(model="servax-tiny/llama", dtype="bfloat16", attention_backend="cpu", max_model_len=64,
+              show_progress=False, enforce_eager=True)
+    assert llm.engine.plan.compute_float32 and llm.engine.programs.kv_cache.attention_backend == "cpu"
 
 
 # A prompt longer than the tiny Mistral's 24-token window, one chunked over two steps

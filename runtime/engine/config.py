@@ -55,7 +55,9 @@ class EngineConfig(BaseModel):
     enable_chunked_prefill: bool = True
     kv_cache_memory_bytes: int | None = Field(None, gt=0, description="KV-cache budget in bytes.")
     kv_cache_memory_fraction: float = Field(
-        0.5, gt=0, le=1, description="Share of free device memory for the KV cache when no byte budget is given."
+        0.5, gt=0, le=1, description="Share of free device memory for the KV cache when no byte budget is given "
+                                     "(on CPU: of the host's available memory, at most 4 GiB a device and twice "
+                                     "what max_num_seqs full-length sequences need)."
     )
     num_kv_blocks: int | None = Field(None, gt=0, description="Exact KV block count (overrides budgets).")
     tensor_parallel_size: int = Field(

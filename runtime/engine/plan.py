@@ -27,7 +27,9 @@ from runtime.ops.step import KVCacheSpec, LoadedModel
 logger = logging.getLogger("servax.engine")
 
 # The KV budget on a device that reports no memory (XLA:CPU) when no setting names one.
-CPU_DEFAULT_KV_BYTES = 256 * 1024**2
+# A device that reports no memory (XLA:CPU): the KV cache takes at most this much of each
+# device's share of the host's available memory by default (vLLM's CPU backend: 4 GiB).
+CPU_DEFAULT_KV_BYTES = 4 * 1024**3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,10 +263,9 @@ def _num_kv_blocks(config: EngineConfig, model: LoadedModel, spec: KVCacheSpec, 
             # replicated one (P()) puts all of it on every device.
             budget = int(free * config.kv_cache_memory_fraction) * num_shards(model.kv_partition_spec, mesh)
             source = f"{config.kv_cache_memory_fraction:.0%} of free device memory"
+            num = budget // per_block
         else:
-            budget = CPU_DEFAULT_KV_BYTES
-            source = f"default {CPU_DEFAULT_KV_BYTES // 2**20} MiB (device reports no memory stats)"
-        num = budget // per_block
+            num, source = _host_memory_blocks(config, model, mesh, per_block, max_model_len)
     needed = _cdiv(max_model_len, block_size) + 1  # + the null block
     if num < needed:
         raise ValueError(
@@ -275,6 +276,34 @@ def _num_kv_blocks(config: EngineConfig, model: LoadedModel, spec: KVCacheSpec, 
     logger.info("KV cache: %d blocks x %d tokens = %d token slots, %.1f MiB (%s)",
                 num, block_size, (num - 1) * block_size, num * per_block / 2**20, source)
     return int(num), source
+
+
+def _host_memory_blocks(config: EngineConfig, model: LoadedModel, mesh: Mesh, per_block: int,
+                        max_model_len: int) -> tuple[int, str]:
+    """The default KV blocks where devices report no memory (XLA:CPU): kv_cache_memory_fraction
+    of the host's available memory, shared by the process's devices, at most
+    CPU_DEFAULT_KV_BYTES each, and no more than twice what max_num_seqs full-length sequences
+    need (the rest would only ever hold prefix-cache entries)."""
+    available = _available_host_memory()
+    devices = len(_local_devices(mesh))
+    per_device = min(CPU_DEFAULT_KV_BYTES, int(available * config.kv_cache_memory_fraction) // devices)
+    wanted = 2 * config.max_num_seqs * _cdiv(max_model_len, config.block_size) + 1
+    num = min(per_device * num_shards(model.kv_partition_spec, mesh) // per_block, wanted)
+    return num, (f"{config.kv_cache_memory_fraction:.0%} of {available / 2**30:.1f} GiB available host memory "
+                 f"over {devices} device(s), at most {CPU_DEFAULT_KV_BYTES / 2**30:.0f} GiB each, capped at "
+                 f"{wanted} blocks")
+
+
+def _available_host_memory() -> int:
+    """Bytes of host memory available to a new allocation (Linux's MemAvailable; else all of it)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _blocks_for_memory_share(config: EngineConfig, model: LoadedModel, mesh: Mesh, per_block: int,
