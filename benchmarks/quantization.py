@@ -1,93 +1,129 @@
-"""Quantization: decode speed with int8 weights and with an int8 KV cache, against float32,
-and how far the real demo model's greedy tokens stay with float.
+"""Weight formats on CPU: decode speed against float32 and against each format's own
+bandwidth floor, and how closely each follows float32's choices.
 
-Decode tokens/s at batch 1 and 32 (pure-decode engine steps, host work included) for
-float32 weights, `quantization="int8"` and `kv_cache_dtype="int8"` (the latter at a long
-context, where KV reads weigh), rounds alternating between engines, medians. Then the real
-demo model (SmolLM2-135M-Instruct) generates 256 greedy tokens for 4 prompts with float32,
-int8 weights and an int8 KV cache: the position of the first token that differs from float32.
+The demo model (SmolLM2-135M-Instruct, from its GGUF file) served five ways: float32,
+`dtype="bfloat16"`, `quantization="int8"`, and `quantization="gguf"` (its Q8_0 embedding and
+Q4_1 layers as stored), each multiplied by the packed C++ matmul in its own format. For
+each: the pure-decode engine step at batch 1 and 32 (host work included; min over
+alternating rounds), the bytes of weights a step reads (every matrix; an untied embedding
+is only gathered), the floor those bytes set at the read bandwidth measured in the same run,
+and teacher-forced top-1 agreement with float32: float32's greedy continuations of a few
+prompts are fed back as prompts, and at each position the format's most likely next token
+is compared with float32's (the continuation's token). `--kv-cache` also times an int8 KV
+cache against float32 at a long context on the ~100M benchmark Llama.
 
     python benchmarks/quantization.py
+    python benchmarks/quantization.py --batches 1 --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import bench_checkpoint, decode_step_ms, record, table  # noqa: E402
+from benchmarks.common import bench_checkpoint, decode_step_ms, memory_read_bandwidth, record, table  # noqa: E402
 
+DEMO = "servax-demo/smollm2-135m-instruct"
+FORMATS = {
+    "float32": {"dtype": "float32"},
+    "bfloat16": {"dtype": "bfloat16"},
+    "int8": {"dtype": "float32", "quantization": "int8"},
+    "gguf (Q8_0 embed, Q4_1 layers)": {"dtype": "float32", "quantization": "gguf"},
+}
 PROMPTS = ["The history of the Roman Empire began", "def fibonacci(n):", "Explain photosynthesis to a child.",
            "Once upon a time, in a small village,"]
 
 
-def agreement(new_tokens: int) -> list[list]:
-    """The demo model's greedy tokens under each setting against float32's."""
-    from app import LLM, SamplingParams
+def weights_read(params) -> int:
+    """Bytes of weights a decode step reads: every matrix, but an untied embedding only in the rows
+    it gathers (counted as none)."""
     from runtime.ops.quantization import param_bytes
 
-    settings = {"float32": {}, "int8 weights": {"quantization": "int8"}, "int8 KV cache": {"kv_cache_dtype": "int8"}}
-    tokens, sizes = {}, {}
-    for name, extra in settings.items():
-        llm = LLM(model="servax-demo/smollm2-135m-instruct", max_model_len=512, max_num_seqs=4,
-                  max_num_batched_tokens=128, show_progress=False, **extra)
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True),
-                            use_tqdm=False)
-        tokens[name] = [o.outputs[0].token_ids for o in outs]
-        sizes[name] = (param_bytes(llm.engine.model.params), llm.engine.kv_spec.bytes_per_block(1))
-        del llm
-    rows = []
-    for name in settings:
-        first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
-                 for x, y in zip(tokens["float32"], tokens[name])]
-        rows.append([name, f"{sizes[name][0] / 1e6:.0f}", f"{sizes[name][1]}", " / ".join(map(str, first))])
-    return rows
+    total = param_bytes(params)
+    return total - param_bytes(params["embed"]) if "lm_head" in params else total
+
+
+def agreement(llm, continuations: list[list[int]], prompts: list[list[int]]) -> float:
+    """Teacher-forced top-1 agreement of `llm` with the float32 greedy `continuations`."""
+    from app import SamplingParams
+
+    same = total = 0
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0)
+    inputs = [{"prompt_token_ids": p + c} for p, c in zip(prompts, continuations)]
+    for out, prompt, cont in zip(llm.generate(inputs, params, use_tqdm=False), prompts, continuations):
+        for pos, token in enumerate(cont):
+            ranked = out.prompt_logprobs[len(prompt) + pos]
+            top = min(ranked.items(), key=lambda kv: kv[1].rank)[0]
+            same += top == token
+            total += 1
+    return same / total
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--agreement-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--agreement-tokens", type=int, default=128)
+    parser.add_argument("--kv-cache", action="store_true", help="also time an int8 KV cache at a long context")
     args = parser.parse_args()
 
+    from app import LLM, SamplingParams
+
+    batches = [int(b) for b in args.batches.split(",")]
+    bandwidth = memory_read_bandwidth()
+    engines = {name: LLM(model=DEMO, max_model_len=1024, max_num_seqs=max(batches), max_num_batched_tokens=256,
+                         show_progress=False, enable_prefix_caching=False, **extra)
+               for name, extra in FORMATS.items()}
+    times: dict[tuple[str, int], float] = {}
+    for r in range(args.rounds):
+        for batch in batches:
+            for name, llm in engines.items():
+                ms = decode_step_ms(llm, [None] * batch, 64, args.new_tokens, f"{r}-{name}-{batch}")
+                times[(name, batch)] = min(times.get((name, batch), ms), ms)
+    tokenizer = engines["float32"].get_tokenizer()
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.agreement_tokens, ignore_eos=True)
+    continuations = [o.outputs[0].token_ids for o in engines["float32"].generate(
+        [{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
+    rows = []
+    for name, llm in engines.items():
+        read = weights_read(llm.engine.model.params)
+        agree = agreement(llm, continuations, prompts)
+        for batch in batches:
+            ms, floor = times[(name, batch)], read / bandwidth * 1e3
+            rows.append([name, batch, f"{read / 1e6:.0f}", f"{floor:.2f}", f"{ms:.2f}", f"{ms / floor:.2f}",
+                         f"{batch / ms * 1e3:.1f}", f"{times[('float32', batch)] / ms:.2f}", f"{agree:.3f}"])
+    body = (
+        f"{DEMO}; read bandwidth measured {bandwidth / 1e9:.1f} GB/s; decode steps at a 64-token prompt, min of "
+        f"{args.rounds} alternating rounds; agreement over {len(prompts)} x {args.agreement_tokens} teacher-forced "
+        "positions\n\n"
+        + table(["weights", "batch", "weights read MB", "floor ms", "step ms", "step/floor", "tokens/s",
+                 "speed vs float32", "top-1 agreement"], rows)
+    )
+    del engines
+    if args.kv_cache:
+        body += "\n\n" + kv_cache_rows(args)
+    record("Weight formats: decode against float32 and each format's bandwidth floor", body)
+
+
+def kv_cache_rows(args) -> str:
+    """An int8 KV cache against float32 on the ~100M Llama at a 1536-token context."""
     from app import LLM
 
-    path = bench_checkpoint()
-    base = dict(model=str(path), dtype="float32", max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=512,
-                show_progress=False, enable_prefix_caching=False)
-    engines = {"float32": LLM(**base), "int8 weights": LLM(**base, quantization="int8"),
-               "int8 KV cache": LLM(**base, kv_cache_dtype="int8")}
-    cases = [(1, 128), (32, 128), (1, 1536), (4, 1536)]  # (batch, prompt length)
-    times: dict[tuple, list[float]] = {}
-    for r in range(args.rounds):
-        for batch, prompt in cases:
-            for name, llm in engines.items():
-                if name == "int8 KV cache" and prompt < 1024:
-                    continue  # the KV cache matters at long context
-                ms = decode_step_ms(llm, [None] * batch, prompt, args.new_tokens, f"{r}-{name}-{batch}-{prompt}")
-                times.setdefault((name, batch, prompt), []).append(ms)
+    base = dict(model=str(bench_checkpoint()), dtype="float32", max_model_len=2048, max_num_seqs=4,
+                max_num_batched_tokens=512, show_progress=False, enable_prefix_caching=False)
+    engines = {"float32 KV": LLM(**base), "int8 KV": LLM(**base, kv_cache_dtype="int8")}
     rows = []
-    for (name, batch, prompt), t in times.items():
-        median = sorted(t)[len(t) // 2]
-        ref = sorted(times[("float32", batch, prompt)])[len(t) // 2]
-        rows.append([name, batch, prompt, f"{median:.1f}", f"{batch / median * 1e3:.0f}", f"{ref / median:.2f}"])
-    del engines
-    start = time.perf_counter()
-    agree = agreement(args.agreement_tokens)
-    body = (
-        "~100M Llama float32 weights; decode steps only, medians of alternating rounds\n\n"
-        + table(["engine", "batch", "context", "decode step ms", "tokens/s", "speed vs float32"], rows)
-        + f"\n\nSmolLM2-135M-Instruct (the demo model), {args.agreement_tokens} greedy tokens per prompt "
-          f"({time.perf_counter() - start:.0f} s)\n\n"
-        + table(["setting", "params MB", "KV bytes per token", "first token differing from float32, per prompt"],
-                agree)
-    )
-    record("Quantization: int8 weights and int8 KV cache against float32", body)
+    for batch in (1, 4):
+        t = {name: min(decode_step_ms(llm, [None] * batch, 1536, args.new_tokens, f"kv{r}-{name}-{batch}")
+                       for r in range(args.rounds)) for name, llm in engines.items()}
+        rows += [[name, batch, f"{ms:.1f}", f"{t['float32 KV'] / ms:.2f}"] for name, ms in t.items()]
+    return "~100M Llama, 1536-token context\n\n" + table(["KV cache", "batch", "decode step ms", "speed vs float32"],
+                                                          rows)
 
 
 if __name__ == "__main__":
