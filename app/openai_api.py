@@ -72,6 +72,7 @@ class OpenAIServing:
         self.enable_auto_tool_choice: bool = serving_config.enable_auto_tool_choice
         self.force_include_usage: bool = serving_config.enable_force_include_usage
         self.enable_tokenizer_info: bool = serving_config.enable_tokenizer_info_endpoint
+        self.return_tokens_as_token_ids: bool = serving_config.return_tokens_as_token_ids
 
     # ---- /v1/completions ----------------------------------------------------------------
 
@@ -120,7 +121,8 @@ class OpenAIServing:
                     first = index not in text_offsets
                     text, logprobs = c.delta_text or "", None
                     if request.logprobs is not None and c.delta_logprobs:
-                        logprobs = self.logprobs.completion(c.delta_token_ids, c.delta_logprobs, request.logprobs)
+                        logprobs = self.logprobs.completion(c.delta_token_ids, c.delta_logprobs, request.logprobs,
+                                                            as_ids=self._as_ids(request))
                     if request.echo and first:
                         text, logprobs = self._echo(request, out, text, logprobs)
                     offset = text_offsets.get(index, 0)
@@ -154,7 +156,7 @@ class OpenAIServing:
     def _completion_choice(self, request: CompletionRequest, index: int, out: Any, c: Any) -> CompletionChoice:
         text, logprobs = c.text, None
         if request.logprobs is not None:
-            logprobs = self.logprobs.completion(c.token_ids, c.logprobs, request.logprobs)
+            logprobs = self.logprobs.completion(c.token_ids, c.logprobs, request.logprobs, as_ids=self._as_ids(request))
         if request.echo:
             text, logprobs = self._echo(request, out, text, logprobs)
         ids = request.return_token_ids
@@ -170,7 +172,8 @@ class OpenAIServing:
         return_token_ids the prompt's ids stand for its text, which vLLM then leaves out."""
         prompt_text = self._prompt_text(out)
         if logprobs is not None or request.logprobs is not None:
-            prompt_lp = self.logprobs.completion(out.prompt_token_ids, out.prompt_logprobs, request.logprobs)
+            prompt_lp = self.logprobs.completion(out.prompt_token_ids, out.prompt_logprobs, request.logprobs,
+                                                 as_ids=self._as_ids(request))
             logprobs = join_logprobs(prompt_lp, logprobs or CompletionLogprobs(), len(prompt_text))
         return ("" if request.return_token_ids else prompt_text) + text, logprobs
 
@@ -238,7 +241,8 @@ class OpenAIServing:
                         stream = tool_streams.setdefault(c.index, ToolCallStream(tool_parser, request.parallel_tool_calls))
                         text, calls = stream.update(c.text, final=c.finish_reason is not None)
                         delta = ChatDelta(content=text or None, tool_calls=calls or None)
-                        finish_reason = _tool_finish_reason(finish_reason, stream.num_calls > 0, tool_parser)
+                        called = stream.num_calls > 0
+                        finish_reason = _tool_finish_reason(finish_reason, called, tool_parser)
                     else:
                         delta = ChatDelta(content=c.delta_text or "")
                     head = {}  # fields of the chunk beside its choice
@@ -265,7 +269,15 @@ class OpenAIServing:
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[Any] | None, request: ChatCompletionRequest
                        ) -> ChatLogprobs | None:
-        return self.logprobs.chat(token_ids, logprobs, request.top_logprobs) if request.logprobs else None
+        if not request.logprobs:
+            return None
+        return self.logprobs.chat(token_ids, logprobs, request.top_logprobs, as_ids=self._as_ids(request))
+
+    def _as_ids(self, request: Any) -> bool:
+        """Whether logprobs name tokens "token_id:<id>": the request's return_tokens_as_token_ids,
+        else the model's serving setting (vLLM's)."""
+        asked = request.return_tokens_as_token_ids
+        return self.return_tokens_as_token_ids if asked is None else asked
 
     def _tool_parser(self, request: ChatCompletionRequest) -> ToolParser | None:
         """How tool calls are read from this request's reply; None when it has no tools to call.

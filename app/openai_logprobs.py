@@ -29,23 +29,30 @@ def _ranked(entry: dict[int, Any]) -> list[tuple[int, Any]]:
 
 class LogprobFormatter:
     """Turns the engine's logprob entries into response fields, with the model's tokenizer
-    for tokens whose text the engine did not decode."""
+    for tokens whose text the engine did not decode.
+
+    `as_ids` (vLLM's return_tokens_as_token_ids): tokens are named "token_id:<id>" instead of
+    their text, so tokens that are not whole UTF-8 characters stay distinguishable; text
+    offsets then count those names, as vLLM's do.
+    """
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
 
-    def token_str(self, token_id: int, logprob: Any = None) -> str:
+    def token_str(self, token_id: int, logprob: Any = None, as_ids: bool = False) -> str:
+        if as_ids:
+            return f"token_id:{token_id}"
         decoded = getattr(logprob, "decoded_token", None)
         return decoded if decoded is not None else self.tokenizer.decode([token_id])
 
     def completion(self, token_ids: list[int], logprobs: list[Any] | None, top_n: int,
-                   offset: int = 0) -> CompletionLogprobs:
+                   offset: int = 0, as_ids: bool = False) -> CompletionLogprobs:
         """Completions' logprobs of `token_ids` (text offsets from `offset`); as vLLM lists them,
         each position's top_logprobs names its own token first, then the top_n by rank."""
         result = CompletionLogprobs()
         for pos, token_id in enumerate(token_ids):
             entry = logprobs[pos] if logprobs is not None and pos < len(logprobs) else None
-            token = self.token_str(token_id, entry.get(token_id) if entry else None)
+            token = self.token_str(token_id, entry.get(token_id) if entry else None, as_ids)
             result.tokens.append(token)
             result.text_offset.append(offset)
             offset += len(token)
@@ -57,23 +64,27 @@ class LogprobFormatter:
             ranked = _ranked(entry)
             top = {token: _finite(entry[token_id].logprob)} if token_id in entry else {}
             for t, lp in ranked if top_n == -1 else ranked[:top_n]:
-                top.setdefault(self.token_str(t, lp), _finite(lp.logprob))
+                top.setdefault(self.token_str(t, lp, as_ids), _finite(lp.logprob))
             result.top_logprobs.append(top)
         return result
 
-    def chat(self, token_ids: list[int], logprobs: list[Any] | None, top_n: int | None) -> ChatLogprobs | None:
-        """Chat's logprobs `content` of `token_ids`, each with its top_n alternatives by rank."""
+    def chat(self, token_ids: list[int], logprobs: list[Any] | None, top_n: int | None,
+             as_ids: bool = False) -> ChatLogprobs | None:
+        """Chat's logprobs `content` of `token_ids`, each with its top_n alternatives by rank.
+        With `as_ids`, a position's own `bytes` stay those of its text (vLLM's)."""
         if logprobs is None:
             return None
         content = []
         for token_id, entry in zip(token_ids, logprobs):
             entry = entry or {}
             ranked = _ranked(entry)
-            token = self.token_str(token_id, entry.get(token_id))
-            top = [TopLogprob(token=(s := self.token_str(t, lp)), logprob=_finite(lp.logprob), bytes=list(s.encode()))
+            token = self.token_str(token_id, entry.get(token_id), as_ids)
+            text = self.token_str(token_id, entry.get(token_id))
+            top = [TopLogprob(token=(s := self.token_str(t, lp, as_ids)), logprob=_finite(lp.logprob),
+                              bytes=list(s.encode()))
                    for t, lp in (ranked if top_n == -1 else ranked[:top_n or 0])]
             lp = _finite(entry[token_id].logprob) if token_id in entry else FLOOR
-            content.append(ChatTokenLogprob(token=token, logprob=lp, bytes=list(token.encode()), top_logprobs=top))
+            content.append(ChatTokenLogprob(token=token, logprob=lp, bytes=list(text.encode()), top_logprobs=top))
         return ChatLogprobs(content=content)
 
     @staticmethod

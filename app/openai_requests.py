@@ -48,6 +48,8 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # vLLM's: the top-N logprobs of each prompt token (-1: all)
     return_token_ids: bool | None = None  # vLLM's: prompt and generated token ids beside the text
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:<id>"
+    logprob_token_ids: list[int] | None = None  # vLLM's; not implemented: a 400 that says so
     truncate_prompt_tokens: int | None = None  # vLLM's: keep this many prompt tokens (-1: what fits)
     truncation_side: Literal["left", "right"] | None = None
     use_beam_search: bool = False  # vLLM's; servax has no beam search: true is a 400 that says so
@@ -79,6 +81,11 @@ class _Request(BaseModel):
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _Request:
+        if self.logprob_token_ids is not None:
+            raise InvalidRequestError(
+                "logprob_token_ids is not supported by servax: ask for top logprobs instead (logprobs, or "
+                "top_logprobs on chat; -1 for the whole vocabulary where the model's max_logprobs is -1)",
+                param="logprob_token_ids")
         if self.use_beam_search:
             raise InvalidRequestError(
                 "use_beam_search is not supported: servax does not implement beam search; sample n choices "

@@ -30,6 +30,9 @@ class ServingConfig(BaseModel):
     enable_force_include_usage: bool = Field(
         False, description="Every stream reports usage, on each chunk and in a last chunk, as if it asked "
                            "stream_options {include_usage, continuous_usage_stats}.")
+    return_tokens_as_token_ids: bool = Field(
+        False, description='Logprobs name tokens as "token_id:<id>" rather than their text (a request\'s '
+                           "return_tokens_as_token_ids overrides it).")
 
     @field_validator("tool_call_parser")
     @classmethod

@@ -71,7 +71,8 @@ def test_instructor_parses_every_call(base_url, mode):
 @pytest.mark.parametrize("method", ["function_calling", "json_schema"])
 def test_langchain_with_structured_output_parses_every_call(base_url, method):
     for seed in SEEDS:
-        out = chat_model(base_url, seed).with_structured_output(Person, method=method, include_raw=True).invoke(MESSAGES)
+        structured = chat_model(base_url, seed).with_structured_output(Person, method=method, include_raw=True)
+        out = structured.invoke(MESSAGES)
         assert out["parsing_error"] is None and isinstance(out["parsed"], Person), out
         assert out["raw"].usage_metadata["output_tokens"] < MAX_TOKENS
 

@@ -37,8 +37,8 @@ VLLM_TOKENIZE_KEYS = {"count", "max_model_len", "tokens", "token_strs"}
 
 
 # The same model served with vLLM's settings that change answers: max_logprobs -1 (the whole
-# vocabulary may be asked for), enable_force_include_usage (usage on every stream chunk) and
-# enable_tokenizer_info_endpoint.
+# vocabulary may be asked for), enable_force_include_usage (usage on every stream chunk),
+# enable_tokenizer_info_endpoint and return_tokens_as_token_ids.
 WIDE = "dropin-wide"
 
 
@@ -48,7 +48,7 @@ def base_url(servax_cache):
         {"model_loading_config": {"model_id": MODEL, "model_source": "servax-tiny/llama"}, "engine_kwargs": ENGINE},
         {"model_loading_config": {"model_id": WIDE, "model_source": "servax-tiny/llama"},
          "engine_kwargs": dict(ENGINE, max_logprobs=-1, enable_force_include_usage=True,
-                              enable_tokenizer_info_endpoint=True)},
+                              enable_tokenizer_info_endpoint=True, return_tokens_as_token_ids=True)},
     ]) as handles, openai_api_server(handles) as url:
         yield url
 
@@ -398,3 +398,51 @@ def test_use_beam_search_is_a_400_that_says_so(http, route, body):
     r = http.post(route, json={"model": MODEL, "max_tokens": 2, "use_beam_search": False, "length_penalty": 2.0,
                                **GREEDY, **body})
     assert r.status_code == 200 and "x-servax-ignored-fields" not in r.headers
+
+
+# ---- 4. return_tokens_as_token_ids -----------------------------------------------------------
+
+def ids_named(names) -> list[int]:
+    assert all(n.startswith("token_id:") for n in names), names
+    return [int(n[len("token_id:"):]) for n in names]
+
+
+def test_completion_logprobs_name_tokens_by_id_when_asked(http):
+    body = complete(http, logprobs=2, return_tokens_as_token_ids=True, return_token_ids=True, max_tokens=4)
+    (choice,) = body["choices"]
+    lp = choice["logprobs"]
+    assert ids_named(lp["tokens"]) == choice["token_ids"]
+    assert all(len(ids_named(top)) >= 2 for top in lp["top_logprobs"])
+    # Offsets count the names, as vLLM's do.
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+    assert choice["text"] == detokenize(http, choice["token_ids"])  # the text itself is unchanged
+    plain = complete(http, logprobs=2, max_tokens=4)["choices"][0]["logprobs"]
+    assert not any(t.startswith("token_id:") for t in plain["tokens"])
+
+
+def test_chat_logprobs_name_tokens_by_id_when_asked_or_served_so(http):
+    reply = chat(http, logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True, return_token_ids=True)
+    (choice,) = reply["choices"]
+    content = choice["logprobs"]["content"]
+    assert ids_named([c["token"] for c in content]) == choice["token_ids"]
+    assert all(len(ids_named([t["token"] for t in c["top_logprobs"]])) == 2 for c in content)
+    # A position's own bytes stay its text's; its alternatives' are their names' (vLLM's).
+    texts = [detokenize(http, [t]) for t in choice["token_ids"]]
+    assert [c["bytes"] for c in content] == [list(t.encode()) for t in texts]
+    assert all(t["bytes"] == list(t["token"].encode()) for c in content for t in c["top_logprobs"])
+    # The model served with return_tokens_as_token_ids names ids unless the request says false.
+    served = chat(http, model=WIDE, logprobs=True, return_token_ids=True)["choices"][0]
+    assert ids_named([c["token"] for c in served["logprobs"]["content"]]) == served["token_ids"]
+    off = chat(http, model=WIDE, logprobs=True, return_tokens_as_token_ids=False)["choices"][0]
+    assert not any(c["token"].startswith("token_id:") for c in off["logprobs"]["content"])
+    streamed = stream(http, "chat/completions", model=WIDE, logprobs=True)
+    names = [c["token"] for e in streamed for ch in e["choices"] if ch.get("logprobs")
+             for c in ch["logprobs"]["content"]]
+    assert len(names) == 4 and ids_named(names)
+
+
+def test_logprob_token_ids_is_a_400_that_says_so(http):
+    for route, body in (("/v1/completions", {"prompt": "Hi", "logprobs": 1}),
+                        ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True})):
+        r = http.post(route, json={"model": MODEL, "logprob_token_ids": [1, 2], **body})
+        assert "not supported" in assert_openai_error(r, 400, "logprob_token_ids")["message"]
