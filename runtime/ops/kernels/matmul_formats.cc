@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "panels.h"
 #include "parallel.h"
@@ -47,6 +48,16 @@ constexpr int kMaxRows = 5;  // 10 accumulators, the panel row, its scale/offset
 constexpr int64_t kPrefetchBytes = 1024;  // how far ahead the first row block prefetches its panel
 
 // One panel row: 16 weights of one k, as two 8-float halves (columns 0-7, 8-15).
+struct Float {  // a panel already widened (see Widen)
+  using T = float;
+  static constexpr int64_t kRow = 16;
+  static constexpr bool kScaled = false, kOffset = false;
+  static float At(const T* row, int j) { return row[j]; }
+#ifdef SERVAX_FORMATS_AVX2
+  static void Load(const T* row, __m256& lo, __m256& hi) { lo = _mm256_loadu_ps(row), hi = _mm256_loadu_ps(row + 8); }
+#endif
+};
+
 struct Bf16 {
   using T = uint16_t;
   static constexpr int64_t kRow = 16;  // elements of T per panel row
@@ -189,21 +200,62 @@ struct RowBlocks {
   }
 };
 
+// One panel of W widened to float32 [K, 16] in `out`, scales and offsets applied.
+template <class W>
+void Widen(const typename W::T* panel, const float* scale, const float* offset, int64_t group, int64_t K, float* out) {
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t g = k / group;
+#ifdef SERVAX_FORMATS_AVX2
+    __m256 lo, hi;
+    W::Load(panel + k * W::kRow, lo, hi);
+    if (W::kScaled) {
+      const __m256 s0 = _mm256_loadu_ps(scale + g * kPanel), s1 = _mm256_loadu_ps(scale + g * kPanel + 8);
+      if (W::kOffset) {
+        lo = _mm256_fmadd_ps(lo, s0, _mm256_loadu_ps(offset + g * kPanel));
+        hi = _mm256_fmadd_ps(hi, s1, _mm256_loadu_ps(offset + g * kPanel + 8));
+      } else {
+        lo = _mm256_mul_ps(lo, s0), hi = _mm256_mul_ps(hi, s1);
+      }
+    }
+    _mm256_storeu_ps(out + k * kPanel, lo);
+    _mm256_storeu_ps(out + k * kPanel + 8, hi);
+#else
+    for (int j = 0; j < kPanel; ++j) {
+      float w = W::At(panel + k * W::kRow, j);
+      if (W::kScaled) w = W::kOffset ? w * scale[g * kPanel + j] + offset[g * kPanel + j] : w * scale[g * kPanel + j];
+      out[k * kPanel + j] = w;
+    }
+#endif
+  }
+}
+
 // The rows of a [M, K] times panels [first, last) of W into c [M, N] (matmul.cc's MultiplyPanels).
+// Rows in one block read each panel row once, widening it in registers; more rows (a prefill)
+// widen the panel once into a float32 scratch panel that every row block then reads from cache.
 template <class W>
 void MultiplyPanels(const float* a, int64_t M, int64_t K, const typename W::T* b, const float* scales,
                     const float* offsets, int64_t groups, int64_t first, int64_t last, float* c, int64_t N) {
   static const RowBlocks<W> form;
+  static const RowBlocks<Float> widened;
+  thread_local std::vector<float> scratch;
   const int64_t blocks = (M + kMaxRows - 1) / kMaxRows, group = K / groups;
   for (int64_t p = first; p < last; ++p) {
     const typename W::T* panel = b + p * K * W::kRow;
     const float* s = W::kScaled ? scales + p * groups * kPanel : nullptr;
     const float* o = W::kOffset ? offsets + p * groups * kPanel : nullptr;
+    if (blocks > 1) {
+      scratch.resize(K * kPanel);
+      Widen<W>(panel, s, o, group, K, scratch.data());
+    }
     for (int64_t blk = 0, r0 = 0; blk < blocks; ++blk) {
       const int64_t rows = M / blocks + (blk < M % blocks);
-      const bool fetch_own = blocks == 1 || p == first;
-      const typename W::T* next = (blk == (fetch_own ? 1 : 0) && p + 1 < last) ? panel + K * W::kRow : nullptr;
-      form.fns[blk == 0 && fetch_own][rows](a + r0 * K, K, panel, s, o, group, K, c + r0 * N + p * kPanel, N, next);
+      if (blocks > 1) {
+        widened.fns[0][rows](a + r0 * K, K, scratch.data(), nullptr, nullptr, K, K, c + r0 * N + p * kPanel, N,
+                             nullptr);
+      } else {
+        const typename W::T* next = p + 1 < last ? panel + K * W::kRow : nullptr;
+        form.fns[1][rows](a + r0 * K, K, panel, s, o, group, K, c + r0 * N + p * kPanel, N, next);
+      }
       r0 += rows;
     }
   }
