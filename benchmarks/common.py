@@ -31,6 +31,13 @@ BENCH_LLAMA = dict(
 # a small Qwen3-MoE (32 experts, 4 active per token, experts 256 wide), shaped like the
 # released Qwen3-MoE models at a size that runs here (experts hold ~80% of the weights).
 BENCH_MODELS = {
+    # Llama-3.2-1B's body (16 layers of 2048, GQA 32/8 heads of 64, a tied 128k vocabulary): the
+    # 1B dense size people deploy, random weights (~5 GB in float32).
+    "bench/llama-1b": ("llama", dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=500000.0,
+        initializer_range=0.02,
+    )),
     "bench/qwen3-moe": ("qwen3_moe", dict(
         hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
         head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=True,
