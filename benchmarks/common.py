@@ -108,6 +108,15 @@ def machine() -> str:
     )
 
 
+def weights_read(params) -> int:
+    """Bytes of weights a decode step reads: every matrix, but an untied embedding only in the rows
+    it gathers (counted as none)."""
+    from runtime.ops.quantization import param_bytes
+
+    total = param_bytes(params)
+    return total - param_bytes(params["embed"]) if "lm_head" in params else total
+
+
 def memory_read_bandwidth(size_mb: int = 512, repeats: int = 5) -> float:
     """Bytes per second of streaming reads through XLA (a sum over a large array), best of N."""
     import jax

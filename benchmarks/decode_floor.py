@@ -13,6 +13,8 @@ every request is decoding (after all prompts were prefilled).
     python benchmarks/decode_floor.py
     python benchmarks/decode_floor.py --attention-backends xla,cpu      # the C++ kernel against pure JAX (CPU)
     python benchmarks/decode_floor.py --model bench/qwen3-moe           # MoE: the active-expert floor
+    python benchmarks/decode_floor.py --model bench/llama-1b --dtype bfloat16   # a format's own floor
+    python benchmarks/decode_floor.py --model bench/llama-1b --quantization int8
     python benchmarks/decode_floor.py --attention-backends xla,pallas   # side by side (on a TPU)
 
 On CPU the Pallas backend runs interpreted (a correctness mode): its times there mean nothing.
@@ -27,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    bench_checkpoint, bench_model_path, decode_step_ms, memory_read_bandwidth, record, table,
+    bench_checkpoint, bench_model_path, decode_step_ms, memory_read_bandwidth, record, table, weights_read,
 )
 
 
@@ -38,6 +40,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantization", default=None, help="int8 (or gguf for a .gguf model)")
     parser.add_argument("--attention-backends", default="auto",
                         help="comma-separated attention_backend values (auto, xla, pallas, cpu), timed in turn")
     args = parser.parse_args()
@@ -46,15 +50,15 @@ def main() -> None:
 
     path = bench_model_path(args.model) if args.model else bench_checkpoint()
     batches = [int(b) for b in args.batches.split(",")]
-    weight_bytes = _weights_read(path)
     bandwidth = memory_read_bandwidth()
     rows = []
     for backend in args.attention_backends.split(","):
         llm = LLM(
-            model=str(path), model_impl=args.impl, dtype="float32", max_model_len=512,
-            max_num_seqs=max(batches), max_num_batched_tokens=512, show_progress=False,
+            model=str(path), model_impl=args.impl, dtype=args.dtype, quantization=args.quantization,
+            max_model_len=512, max_num_seqs=max(batches), max_num_batched_tokens=512, show_progress=False,
             enable_prefix_caching=False, attention_backend=backend,
         )
+        weight_bytes = _weights_read(path, llm.engine.model.params)
         rows += _decode_rows(llm, backend, batches, args, weight_bytes, bandwidth)
         assert llm.engine.stats().compilations_since_warmup == 0
         del llm
@@ -64,11 +68,14 @@ def main() -> None:
         + table(["attention", "batch", "weights MB", "KV read MB", "floor ms", "step ms", "step/floor", "tokens/s"],
                 rows)
     )
-    record(f"Decode step against the bandwidth floor ({args.model or '~100M Llama'} float32)", body)
+    form = args.dtype + (f", quantization {args.quantization}" if args.quantization else "")
+    record(f"Decode step against the bandwidth floor ({args.model or '~100M Llama'} {form})", body)
 
 
-def _weights_read(path: Path):
-    """batch -> bytes of weights a decode step of that many tokens reads (see the module docstring)."""
+def _weights_read(path: Path, params):
+    """batch -> bytes of weights a decode step of that many tokens reads (see the module docstring):
+    a dense model's weights as the engine holds them (its format: bfloat16, int8, ...), an
+    untied embedding only gathered; a MoE model's from the checkpoint, its experts' share."""
     import json
 
     from registry.weights import open_checkpoint
@@ -80,7 +87,8 @@ def _weights_read(path: Path):
     count = config.get("num_local_experts") or config.get("num_experts") or 0
     k = config.get("num_experts_per_tok", 0)
     if not experts:
-        return lambda batch: dense
+        held = weights_read(params)
+        return lambda batch: held
     return lambda batch: dense + experts * (1 - (1 - k / count) ** batch)
 
 

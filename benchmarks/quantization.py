@@ -24,7 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import bench_checkpoint, decode_step_ms, memory_read_bandwidth, record, table  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    bench_checkpoint, decode_step_ms, memory_read_bandwidth, record, table, weights_read,
+)
 
 DEMO = "servax-demo/smollm2-135m-instruct"
 FORMATS = {
@@ -35,15 +37,6 @@ FORMATS = {
 }
 PROMPTS = ["The history of the Roman Empire began", "def fibonacci(n):", "Explain photosynthesis to a child.",
            "Once upon a time, in a small village,"]
-
-
-def weights_read(params) -> int:
-    """Bytes of weights a decode step reads: every matrix, but an untied embedding only in the rows
-    it gathers (counted as none)."""
-    from runtime.ops.quantization import param_bytes
-
-    total = param_bytes(params)
-    return total - param_bytes(params["embed"]) if "lm_head" in params else total
 
 
 def agreement(llm, continuations: list[list[int]], prompts: list[list[int]]) -> float:
