@@ -122,7 +122,8 @@ class OpenAIServing:
                     text, logprobs = c.delta_text or "", None
                     if request.logprobs is not None and c.delta_logprobs:
                         logprobs = self.logprobs.completion(c.delta_token_ids, c.delta_logprobs, request.logprobs,
-                                                            as_ids=self._as_ids(request))
+                                                            as_ids=self._as_ids(request),
+                                                            named=bool(request.logprob_token_ids))
                     if request.echo and first:
                         text, logprobs = self._echo(request, out, text, logprobs)
                     offset = text_offsets.get(index, 0)
@@ -156,7 +157,8 @@ class OpenAIServing:
     def _completion_choice(self, request: CompletionRequest, index: int, out: Any, c: Any) -> CompletionChoice:
         text, logprobs = c.text, None
         if request.logprobs is not None:
-            logprobs = self.logprobs.completion(c.token_ids, c.logprobs, request.logprobs, as_ids=self._as_ids(request))
+            logprobs = self.logprobs.completion(c.token_ids, c.logprobs, request.logprobs, as_ids=self._as_ids(request),
+                                                named=bool(request.logprob_token_ids))
         if request.echo:
             text, logprobs = self._echo(request, out, text, logprobs)
         ids = request.return_token_ids
@@ -271,7 +273,8 @@ class OpenAIServing:
                        ) -> ChatLogprobs | None:
         if not request.logprobs:
             return None
-        return self.logprobs.chat(token_ids, logprobs, request.top_logprobs, as_ids=self._as_ids(request))
+        return self.logprobs.chat(token_ids, logprobs, request.top_logprobs, as_ids=self._as_ids(request),
+                                  named=bool(request.logprob_token_ids))
 
     def _as_ids(self, request: Any) -> bool:
         """Whether logprobs name tokens "token_id:<id>": the request's return_tokens_as_token_ids,

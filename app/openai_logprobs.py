@@ -23,8 +23,14 @@ def _finite(logprob: float) -> float:
     return logprob if logprob >= FLOOR else FLOOR  # NaN too compares False
 
 
-def _ranked(entry: dict[int, Any]) -> list[tuple[int, Any]]:
-    return sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+def _ranked(entry: dict[int, Any], top_n: int | None, named: bool) -> list[tuple[int, Any]]:
+    """The entry's alternatives to list: the top_n by rank (-1: all; None: none), or with `named`
+    every one in the engine's order (the chosen token, then the ids logprob_token_ids named, as
+    vLLM lists them)."""
+    if named:
+        return list(entry.items())
+    ranked = sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+    return ranked if top_n == -1 else ranked[:top_n or 0]
 
 
 class LogprobFormatter:
@@ -46,7 +52,7 @@ class LogprobFormatter:
         return decoded if decoded is not None else self.tokenizer.decode([token_id])
 
     def completion(self, token_ids: list[int], logprobs: list[Any] | None, top_n: int,
-                   offset: int = 0, as_ids: bool = False) -> CompletionLogprobs:
+                   offset: int = 0, as_ids: bool = False, named: bool = False) -> CompletionLogprobs:
         """Completions' logprobs of `token_ids` (text offsets from `offset`); as vLLM lists them,
         each position's top_logprobs names its own token first, then the top_n by rank."""
         result = CompletionLogprobs()
@@ -61,15 +67,14 @@ class LogprobFormatter:
                 result.top_logprobs.append(None)
                 continue
             result.token_logprobs.append(_finite(entry[token_id].logprob) if token_id in entry else None)
-            ranked = _ranked(entry)
             top = {token: _finite(entry[token_id].logprob)} if token_id in entry else {}
-            for t, lp in ranked if top_n == -1 else ranked[:top_n]:
+            for t, lp in _ranked(entry, top_n, named):
                 top.setdefault(self.token_str(t, lp, as_ids), _finite(lp.logprob))
             result.top_logprobs.append(top)
         return result
 
     def chat(self, token_ids: list[int], logprobs: list[Any] | None, top_n: int | None,
-             as_ids: bool = False) -> ChatLogprobs | None:
+             as_ids: bool = False, named: bool = False) -> ChatLogprobs | None:
         """Chat's logprobs `content` of `token_ids`, each with its top_n alternatives by rank.
         With `as_ids`, a position's own `bytes` stay those of its text (vLLM's)."""
         if logprobs is None:
@@ -77,12 +82,11 @@ class LogprobFormatter:
         content = []
         for token_id, entry in zip(token_ids, logprobs):
             entry = entry or {}
-            ranked = _ranked(entry)
             token = self.token_str(token_id, entry.get(token_id), as_ids)
             text = self.token_str(token_id, entry.get(token_id))
             top = [TopLogprob(token=(s := self.token_str(t, lp, as_ids)), logprob=_finite(lp.logprob),
                               bytes=list(s.encode()))
-                   for t, lp in (ranked if top_n == -1 else ranked[:top_n or 0])]
+                   for t, lp in _ranked(entry, top_n, named)]
             lp = _finite(entry[token_id].logprob) if token_id in entry else FLOOR
             content.append(ChatTokenLogprob(token=token, logprob=lp, bytes=list(text.encode()), top_logprobs=top))
         return ChatLogprobs(content=content)

@@ -49,7 +49,7 @@ class _Request(BaseModel):
     prompt_logprobs: int | None = None  # vLLM's: the top-N logprobs of each prompt token (-1: all)
     return_token_ids: bool | None = None  # vLLM's: prompt and generated token ids beside the text
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:<id>"
-    logprob_token_ids: list[int] | None = None  # vLLM's; not implemented: a 400 that says so
+    logprob_token_ids: list[int] | None = None  # vLLM's: logprobs of these ids instead of the top N
     truncate_prompt_tokens: int | None = None  # vLLM's: keep this many prompt tokens (-1: what fits)
     truncation_side: Literal["left", "right"] | None = None
     use_beam_search: bool = False  # vLLM's; servax has no beam search: true is a 400 that says so
@@ -81,11 +81,8 @@ class _Request(BaseModel):
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _Request:
-        if self.logprob_token_ids is not None:
-            raise InvalidRequestError(
-                "logprob_token_ids is not supported by servax: ask for top logprobs instead (logprobs, or "
-                "top_logprobs on chat; -1 for the whole vocabulary where the model's max_logprobs is -1)",
-                param="logprob_token_ids")
+        if self.logprob_token_ids and self.use_beam_search:
+            raise InvalidRequestError("logprob_token_ids is not supported with beam search", param="logprob_token_ids")
         if self.use_beam_search:
             raise InvalidRequestError(
                 "use_beam_search is not supported: servax does not implement beam search; sample n choices "
@@ -115,6 +112,8 @@ class _Request(BaseModel):
             kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.logit_bias:
             kwargs["logit_bias"] = dict(self.logit_bias)  # SamplingParams checks the ids and values
+        if self.logprob_token_ids:  # SamplingParams checks them; the engine, against the vocabulary
+            kwargs["logprob_token_ids"] = list(self.logprob_token_ids)
         for name in ("allowed_token_ids", "bad_words"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
@@ -238,10 +237,17 @@ class CompletionRequest(_Request):
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kwargs = super().sampling_kwargs()
-        if self.logprobs is not None:
+        if self.logprob_token_ids:  # as vLLM: the ids' logprobs, however many logprobs asked
+            if self.logprobs is None:
+                raise InvalidRequestError("when using logprob_token_ids, logprobs must be set",
+                                          param="logprob_token_ids")
+            if self.echo and self.max_tokens == 0:
+                raise InvalidRequestError("logprob_token_ids is not supported when echo is true and max_tokens "
+                                          "is 0: no output tokens are generated", param="logprob_token_ids")
+        elif self.logprobs is not None:
             kwargs["logprobs"] = self.logprobs
-            if self.echo and self.prompt_logprobs is None:  # the echoed prompt's logprobs, as vLLM
-                kwargs["prompt_logprobs"] = self.logprobs
+        if self.logprobs is not None and self.echo and self.prompt_logprobs is None:
+            kwargs["prompt_logprobs"] = self.logprobs  # the echoed prompt's logprobs, as vLLM
         return kwargs
 
 
@@ -300,6 +306,9 @@ class ChatCompletionRequest(_Request):
                                       f"got {self.top_logprobs}", param="top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.logprob_token_ids and not self.logprobs:
+            raise InvalidRequestError("when using logprob_token_ids, logprobs must be set to true",
+                                      param="logprob_token_ids")
         return self
 
     def chat_messages(self) -> list[dict[str, Any]]:
@@ -329,7 +338,7 @@ class ChatCompletionRequest(_Request):
         kwargs = super().sampling_kwargs()
         if self.max_completion_tokens is not None:
             kwargs["max_tokens"] = self.max_completion_tokens
-        if self.logprobs:
+        if self.logprobs and not self.logprob_token_ids:  # with ids, as many entries as ids (vLLM's)
             kwargs["logprobs"] = self.top_logprobs or 0
         forced = self.forced_tool_call_schema()
         if forced is not None:  # as vLLM: a forced tool call replaces any other constraint

@@ -441,8 +441,33 @@ def test_chat_logprobs_name_tokens_by_id_when_asked_or_served_so(http):
     assert len(names) == 4 and ids_named(names)
 
 
-def test_logprob_token_ids_is_a_400_that_says_so(http):
-    for route, body in (("/v1/completions", {"prompt": "Hi", "logprobs": 1}),
-                        ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True})):
-        r = http.post(route, json={"model": MODEL, "logprob_token_ids": [1, 2], **body})
-        assert "not supported" in assert_openai_error(r, 400, "logprob_token_ids")["message"]
+def test_logprob_token_ids_report_exactly_those_ids(http):
+    """vLLM's logprob_token_ids: each position reports the named ids' logprobs (and the chosen
+    token's), the same values the whole vocabulary gives (WIDE serves max_logprobs -1 and names
+    tokens token_id:<id>), however many logprobs were asked for."""
+    ids = [7, 300, 42]
+    names = {f"token_id:{t}" for t in ids}
+    whole = complete(http, model=WIDE, logprobs=-1)["choices"][0]["logprobs"]
+    asked = complete(http, model=WIDE, logprobs=1, logprob_token_ids=ids)["choices"][0]["logprobs"]
+    assert asked["tokens"] == whole["tokens"]
+    for top, full, token in zip(asked["top_logprobs"], whole["top_logprobs"], asked["tokens"]):
+        assert set(top) == names | {token}
+        for name in top:
+            assert abs(top[name] - full[name]) < 1e-5, name
+    content = chat(http, model=WIDE, logprobs=True, top_logprobs=5, logprob_token_ids=ids)["choices"][0]
+    for position in content["logprobs"]["content"]:
+        assert {c["token"] for c in position["top_logprobs"]} == names | {position["token"]}
+
+
+def test_logprob_token_ids_refused_as_vllm_refuses_them(http):
+    cases = [
+        ("/v1/completions", {"prompt": "Hi"}, "logprobs must be set"),  # logprobs unset
+        ("/v1/chat/completions", {"messages": MESSAGES}, "logprobs must be set to true"),
+        ("/v1/completions", {"prompt": "Hi", "logprobs": 1, "logprob_token_ids": [3, VOCAB, 9999]},
+         f"[{VOCAB}, 9999]"),  # every out-of-vocabulary id named, with the bound
+        ("/v1/completions", {"prompt": "Hi", "logprobs": 1, "logprob_token_ids": list(range(129))}, "at most 128"),
+    ]
+    for route, body, message in cases:
+        body = {"logprob_token_ids": [1, 2], **body}
+        r = http.post(route, json={"model": MODEL, **body})
+        assert message in assert_openai_error(r, 400, "logprob_token_ids")["message"], body

@@ -272,3 +272,26 @@ def test_bad_prompt_forms_are_refused_by_the_one_processor(llm):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], GREEDY)
     with pytest.raises(InvalidRequestError, match="unknown sampling parameter"):
         llm.engine.process_inputs("x", "hi", {"temprature": 1})
+
+
+def test_logprob_token_ids_offline_give_the_whole_vocabularys_values():
+    """LLM.generate with SamplingParams(logprob_token_ids=...): each position lists the chosen
+    token and the named ids, ranked by their place in the list (vLLM's), with the values the
+    whole vocabulary's logprobs give; out-of-vocabulary ids are refused naming them."""
+    from runtime.engine.errors import InvalidRequestError
+
+    llm = LLM("servax-tiny/llama", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, max_logprobs=-1,
+              show_progress=False)
+    prompt = {"prompt_token_ids": [5, 9, 33, 71]}
+    ids = [300, 7, 42]
+    named = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, logprob_token_ids=ids), use_tqdm=False)
+    whole = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, logprobs=-1), use_tqdm=False)
+    out, ref = named[0].outputs[0], whole[0].outputs[0]
+    assert out.token_ids == ref.token_ids
+    for token, entry, full in zip(out.token_ids, out.logprobs, ref.logprobs):
+        assert list(entry)[0] == token and set(entry) == {token, *ids}
+        assert [entry[t].rank for t in ids if t != token] == [i + 1 for i, t in enumerate(ids) if t != token]
+        for t in entry:
+            assert abs(entry[t].logprob - full[t].logprob) < 1e-5
+    with pytest.raises(InvalidRequestError, match=r"\[512, 600\]"):
+        llm.generate(prompt, SamplingParams(logprob_token_ids=[1, 512, 600]), use_tqdm=False)

@@ -27,7 +27,8 @@ def run(logits, history_len=8, num_logprobs=4, **rows):
         else:
             b[k][...] = v
     out = sample_jit(logits, SamplingBatch(**b), num_logprobs=num_logprobs)
-    return {k: np.asarray(getattr(out, k)) for k in ("sampled", "chosen_logprob", "chosen_rank", "top_ids", "top_logprobs")}
+    return {k: np.asarray(getattr(out, k))
+            for k in ("sampled", "chosen_logprob", "chosen_rank", "top_ids", "top_logprobs", "id_logprobs")}
 
 
 def many(probs, **rows):
@@ -249,3 +250,27 @@ def test_token_mask_applies_only_where_a_row_is_constrained():
     narrow[0] = 0  # row 0: none of tokens 0-31
     got = run(logits, token_mask=narrow)["sampled"]
     assert got[0] == 32 + logits[0, 32:].argmax() and got[1] == logits[1].argmax()
+
+
+def test_logprob_token_ids_are_the_raw_distributions_logprobs_of_those_ids():
+    """A row naming ids (vLLM's logprob_token_ids) gets their log_softmax values in its order
+    (unused slots -inf), whatever the row samples with; other rows' slots stay -inf."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((3, 50)).astype(np.float32)
+    ids = np.full((3, 128), -1, np.int32)
+    ids[0, :3] = [49, 0, 17]
+    ids[2, :1] = [5]
+    out = run(logits, temperature=np.array([0.0, 0.7, 1.3], np.float32), report=True, logprob_ids=ids,
+              seeds=np.arange(3, dtype=np.uint32))
+    raw = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    np.testing.assert_allclose(out["id_logprobs"][0, :3], raw[0, [49, 0, 17]], atol=1e-5)
+    np.testing.assert_allclose(out["id_logprobs"][2, :1], raw[2, [5]], atol=1e-5)
+    assert np.isneginf(out["id_logprobs"][0, 3:]).all() and np.isneginf(out["id_logprobs"][1]).all()
+
+
+def test_logprob_token_ids_settings_are_checked():
+    assert SamplingParams(logprob_token_ids=[4, 2]).logprobs == 2  # as many entries as ids
+    with pytest.raises(InvalidRequestError, match="at most 128"):
+        SamplingParams(logprob_token_ids=list(range(129)))
+    with pytest.raises(InvalidRequestError, match="logprobs must equal"):
+        SamplingParams(logprobs=1, logprob_token_ids=[4, 2])

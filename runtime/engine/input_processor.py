@@ -291,6 +291,7 @@ class InputProcessor:
                 )
         check_token_ids(params.logit_bias, vocab, "logit_bias")
         check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
+        check_token_ids(params.logprob_token_ids or (), vocab, "logprob_token_ids")
         if params.n > self.max_num_seqs:
             raise InvalidRequestError(f"n must be <= max_num_seqs={self.max_num_seqs}", param="n")
         return params.clone(**whole_vocab) if whole_vocab else params

@@ -37,12 +37,13 @@ class TokenTexts:
 
 
 def logprob_entry(token_id: int, row: RowResult, n: int, texts: TokenTexts) -> dict[int, Logprob]:
-    """{chosen token: its Logprob} plus the top-n tokens (rank 1 = most likely)."""
+    """{chosen token: its Logprob} plus the top-n tokens (rank 1 = most likely), or the n ids the
+    request named (vLLM's logprob_token_ids: ranked by their place in its list, as vLLM ranks
+    them; the chosen token among them takes that entry, as in vLLM)."""
     entry = {token_id: Logprob(row.chosen_logprob, row.chosen_rank, texts(token_id))}
     for rank in range(min(n, len(row.top_ids))):
         tid = int(row.top_ids[rank])
-        if tid not in entry:
-            entry[tid] = Logprob(float(row.top_logprobs[rank]), rank + 1, texts(tid))
+        entry[tid] = Logprob(float(row.top_logprobs[rank]), rank + 1, texts(tid))
     return entry
 
 

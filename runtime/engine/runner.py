@@ -61,13 +61,16 @@ class ModelRunner:
         out = jax.device_get(step.out)
         self.busy_since = None
 
-        def result(r: int) -> RowResult:
+        def result(r: int, ids: list[int] | None = None) -> RowResult:
+            if ids:  # the ids the request named, in its order, for the top K (vLLM's logprob_token_ids)
+                return RowResult(float(out.chosen_logprob[r]), int(out.chosen_rank[r]), ids,
+                                 out.id_logprobs[r, :len(ids)])
             return RowResult(float(out.chosen_logprob[r]), int(out.chosen_rank[r]), out.top_ids[r], out.top_logprobs[r])
 
         sample_rows = step.inputs.sample_rows
         sampled = [[int(out.sampled[r]) for r in rows] for rows in sample_rows]
         sample_logprobs = {
-            e.request.request_id: [result(r) for r in rows]
+            e.request.request_id: [result(r, e.request.sampling_params.logprob_token_ids) for r in rows]
             for e, rows in zip(step.sched.scheduled, sample_rows)
             if e.request.sampling_params.logprobs is not None
         }

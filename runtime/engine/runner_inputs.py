@@ -157,6 +157,8 @@ class InputBuilder:
         draft tokens before this row, when verifying a proposal)."""
         p = req.sampling_params
         sb["report"][r] |= p.logprobs is not None
+        if p.logprob_token_ids:
+            sb["logprob_ids"][r, :len(p.logprob_token_ids)] = p.logprob_token_ids
         sb["temperature"][r] = p.temperature
         sb["top_k"][r] = p.top_k
         sb["top_p"][r] = p.top_p

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runtime.engine.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+from runtime.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROB_TOKEN_IDS, MAX_STOP_TOKEN_IDS
 
 # Width of the per-row bias table: user logit_bias plus the ids suppressed by min_tokens
 # (stop token ids and a few EOS ids).
@@ -45,6 +45,7 @@ class SamplingBatch:
     prompt_lens: jax.Array  # [S] int32, history entries before this index are prompt
     target_ids: jax.Array  # [S] int32, token whose logprob to report instead of the sample, -1 = none
     report: jax.Array  # [S] bool, the row's logprobs are read (logprobs asked for, or a prompt-logprob row)
+    logprob_ids: jax.Array  # [S, MAX_LOGPROB_TOKEN_IDS] int32: ids whose logprobs the row reports, -1 = unused
     # [S, ceil(vocab/32)] int32 packed bits, bit t%32 of word t//32 set = token t allowed
     # (all-ones rows are unconstrained; ids past the last word are allowed, so a [S, 1]
     # all-ones placeholder constrains nothing).
@@ -58,6 +59,7 @@ class SamplerOutput:
     chosen_rank: jax.Array  # [S] int32, 1 = most likely
     top_ids: jax.Array  # [S, K] int32
     top_logprobs: jax.Array  # [S, K] float32
+    id_logprobs: jax.Array  # [S, MAX_LOGPROB_TOKEN_IDS] float32, logprobs of batch.logprob_ids (-inf unused)
 
 
 def empty_sampling_batch(num_rows: int, history_len: int, mask_words: int = 1,
@@ -82,6 +84,7 @@ def empty_sampling_batch(num_rows: int, history_len: int, mask_words: int = 1,
         prompt_lens=np.zeros(s, np.int32),
         target_ids=np.full(s, -1, np.int32),
         report=np.full(s, report, np.bool_),
+        logprob_ids=np.full((s, MAX_LOGPROB_TOKEN_IDS), -1, np.int32),
         token_mask=np.full((s, mask_words), -1, np.int32),
     )
 
@@ -288,7 +291,8 @@ def sample(
 
 def _report(logits: jax.Array, sampled: jax.Array, batch: SamplingBatch, num_logprobs: int) -> SamplerOutput:
     """The sample with the raw distribution's logprobs (log_softmax of the logits): the chosen
-    (target or sampled) token's logprob and rank, and the top K. Zeros (rank 1) when no row
+    (target or sampled) token's logprob and rank, the top K, and the logprobs of the ids a row
+    names (batch.logprob_ids: vLLM's logprob_token_ids). Zeros (rank 1) when no row
     reports any (batch.report), without a pass over the vocabulary: most steps serve requests
     that ask for no logprobs, and the top-K alone is a visible part of a decode step on XLA:CPU."""
     chosen = jnp.where(batch.target_ids >= 0, batch.target_ids, sampled)
@@ -298,11 +302,13 @@ def _report(logits: jax.Array, sampled: jax.Array, batch: SamplingBatch, num_log
         chosen_logprob = jnp.take_along_axis(raw, chosen[:, None], axis=-1)[:, 0]
         chosen_rank = 1 + jnp.sum(raw > chosen_logprob[:, None], axis=-1).astype(jnp.int32)
         top_logprobs, top_ids = jax.lax.top_k(raw, num_logprobs)
-        return chosen_logprob, chosen_rank, top_ids.astype(jnp.int32), top_logprobs
+        ids = batch.logprob_ids
+        by_id = jnp.where(ids >= 0, jnp.take_along_axis(raw, jnp.maximum(ids, 0), axis=-1), -jnp.inf)
+        return chosen_logprob, chosen_rank, top_ids.astype(jnp.int32), top_logprobs, by_id
 
     def unread(logits: jax.Array) -> tuple[jax.Array, ...]:
         s = logits.shape[0]
         return (jnp.zeros(s, jnp.float32), jnp.ones(s, jnp.int32), jnp.zeros((s, num_logprobs), jnp.int32),
-                jnp.zeros((s, num_logprobs), jnp.float32))
+                jnp.zeros((s, num_logprobs), jnp.float32), jnp.full((s, MAX_LOGPROB_TOKEN_IDS), -jnp.inf))
 
     return SamplerOutput(sampled, *jax.lax.cond(jnp.any(batch.report), logprobs, unread, logits))

@@ -18,6 +18,7 @@ from runtime.engine.errors import InvalidRequestError
 # The limits of every request, whatever door it comes in by (HTTP, handle, offline LLM):
 # vLLM's ranges. The HTTP models type the fields but leave the ranges to this module.
 MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit); the sampler gets a fixed-width table
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids; the sampler's row width for them
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request (they share the sampler's bias table)
@@ -150,6 +151,9 @@ class SamplingParams:
         logprobs: return the top-N logprobs of each generated token (and the chosen one);
             -1: the whole vocabulary (the engine's max_logprobs must allow it).
         prompt_logprobs: return the top-N logprobs of each prompt token; -1 as for logprobs.
+        logprob_token_ids: return the logprobs of exactly these token ids (and the chosen one)
+            at each generated token instead of the top N (vLLM's; at most 128, and logprobs,
+            where set, must equal their number).
         logit_bias: token id -> value added to its logit [-100, 100].
         skip_special_tokens: leave special tokens out of the text.
         structured_outputs: a grammar the output follows (StructuredOutputsParams or a dict
@@ -179,6 +183,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
     logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -274,6 +279,19 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not is_int(v) or v < -1):
                 fail(name, "an integer >= 0, -1 (the whole vocabulary) or None")
+        if self.logprob_token_ids is not None:
+            ids = self.logprob_token_ids
+            if not isinstance(ids, (list, tuple)) or not all(is_int(t) for t in ids):
+                fail("logprob_token_ids", "a list of token ids")
+            if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+                raise InvalidRequestError(f"logprob_token_ids holds {len(ids)} ids; at most {MAX_LOGPROB_TOKEN_IDS}",
+                                          param="logprob_token_ids")
+            if self.logprobs is not None and self.logprobs != len(ids):
+                raise InvalidRequestError(
+                    f"when both logprobs and logprob_token_ids are set, logprobs must equal len(logprob_token_ids); "
+                    f"got logprobs={self.logprobs}, len(logprob_token_ids)={len(ids)}", param="logprob_token_ids")
+            self.logprob_token_ids = [int(t) for t in ids]
+            self.logprobs = len(ids)  # the entries each position reports (vLLM's num_logprobs)
         if self.logit_bias is not None:
             lo, hi = LOGIT_BIAS_RANGE
             if not isinstance(self.logit_bias, dict):
