@@ -43,9 +43,10 @@ class ExecutionPlan:
         attention_backend: "xla", "cpu" or "pallas"; the cache is laid out for it.
         layered: the model steps a few decoder layers per program (runtime/ops/layered.py).
         packed_weights: those programs multiply weights packed for the C++ matmuls.
-        compute_float32: a bfloat16 / float16 model whose weights are packed computes in
+        compute_float32: a bfloat16 / float16 model stepped layer by layer on CPU computes in
             float32 (XLA:CPU has no fast half-precision arithmetic; the packed kernels widen
-            the stored weights in registers) and caches K/V in float32 for the C++ attention.
+            the stored weights in registers, XLA's dots convert them) and caches K/V in
+            float32 for the C++ attention.
         layer_seqs: every layer program runs at this many sequence slots (the C++ attention
             costs nothing for empty ones, so one program per token bucket), or None.
         token_buckets / seq_buckets: padded sizes compiled ahead of time.
@@ -109,7 +110,8 @@ def make_plan(config: EngineConfig, model: LoadedModel, mesh: Mesh, *, max_model
     platform = mesh.devices.flat[0].platform
     layered = config.layered and model.stages is not None
     packed = layered and platform == "cpu" and _packs(model)
-    compute_float32 = packed and np.dtype(kv_spec.dtype) in (np.dtype(jax.numpy.bfloat16), np.float16)
+    half = np.dtype(kv_spec.dtype) in (np.dtype(jax.numpy.bfloat16), np.float16)
+    compute_float32 = layered and platform == "cpu" and half
     if compute_float32:
         kv_spec = dataclasses.replace(kv_spec, dtype=jax.numpy.float32)
     num_blocks, budget = _num_kv_blocks(config, model, kv_spec, mesh, max_model_len)

@@ -26,9 +26,9 @@ picks each sequence's row for the LM head, keeps the bucket's own sequence count
 `pack` (also the CPU kernels' path) the layers' matrices and the LM head are packed for the
 C++ matmul of runtime/ops/matmul.py, where the model offers it (LayerStages.pack_layer,
 pack_head) and the weights are whole on every device.
-With `compute_float32` (a half-precision model with packed weights on CPU) the prologue's
-carry is widened to float32, so the layers compute in float32 while the packed kernels read
-the weights as stored.
+With `compute_float32` (a half-precision model on CPU) the prologue's carry is widened to
+float32, so the layers compute in float32 while the weights stay as stored (the packed
+kernels widen them in registers; under tensor parallelism XLA's dots convert them).
 
 Shardings are pinned: the carry and the batch are replicated on the mesh, the weights and
 the KV cache keep their own, so every call of a bucket hits the same compiled program
