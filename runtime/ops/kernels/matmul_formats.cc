@@ -43,7 +43,7 @@ using servax::kPanel;
 #ifdef __AVX512F__
 constexpr int kMaxRows = 8;  // 16 accumulators of 32 vector registers
 #else
-constexpr int kMaxRows = 5;  // 10 accumulators, the panel row, its scale/offset and a broadcast in 16
+constexpr int kMaxRows = 6;  // 12 accumulators, the panel row and a broadcast in 16
 #endif
 constexpr int64_t kPrefetchBytes = 1024;  // how far ahead the first row block prefetches its panel
 
@@ -185,7 +185,18 @@ template <class W>
 using RowBlockFn = void (*)(const float*, int64_t, const typename W::T*, const float*, const float*, int64_t, int64_t,
                             float*, int64_t, const typename W::T*);
 
-// fns[kPrefetch][rows], rows 1..kMaxRows.
+// Rows one block of format W multiplies: with AVX2's 16 registers a scaled format gives up a
+// row for its scale (and offset) registers.
+template <class W>
+constexpr int MaxRows() {
+#ifdef __AVX512F__
+  return kMaxRows;
+#else
+  return W::kScaled ? kMaxRows - 1 : kMaxRows;
+#endif
+}
+
+// fns[kPrefetch][rows], rows 1..MaxRows<W>().
 template <class W>
 struct RowBlocks {
   RowBlockFn<W> fns[2][kMaxRows + 1];
@@ -196,7 +207,7 @@ struct RowBlocks {
   template <int MR, class P>
   void Fill(P) {
     fns[P::value][MR] = RowBlock<W, MR, P::value>;
-    if constexpr (MR < kMaxRows) Fill<MR + 1>(P{});
+    if constexpr (MR < MaxRows<W>()) Fill<MR + 1>(P{});
   }
 };
 
@@ -238,18 +249,21 @@ void MultiplyPanels(const float* a, int64_t M, int64_t K, const typename W::T* b
   static const RowBlocks<W> form;
   static const RowBlocks<Float> widened;
   thread_local std::vector<float> scratch;
-  const int64_t blocks = (M + kMaxRows - 1) / kMaxRows, group = K / groups;
+  // One block of rows reads the panel as stored; more widen it (then in blocks of Float's rows).
+  const bool widen = M > MaxRows<W>();
+  const int64_t rows_per_block = widen ? MaxRows<Float>() : MaxRows<W>();
+  const int64_t blocks = (M + rows_per_block - 1) / rows_per_block, group = K / groups;
   for (int64_t p = first; p < last; ++p) {
     const typename W::T* panel = b + p * K * W::kRow;
     const float* s = W::kScaled ? scales + p * groups * kPanel : nullptr;
     const float* o = W::kOffset ? offsets + p * groups * kPanel : nullptr;
-    if (blocks > 1) {
+    if (widen) {
       scratch.resize(K * kPanel);
       Widen<W>(panel, s, o, group, K, scratch.data());
     }
     for (int64_t blk = 0, r0 = 0; blk < blocks; ++blk) {
       const int64_t rows = M / blocks + (blk < M % blocks);
-      if (blocks > 1) {
+      if (widen) {
         widened.fns[0][rows](a + r0 * K, K, scratch.data(), nullptr, nullptr, K, K, c + r0 * N + p * kPanel, N,
                              nullptr);
       } else {
