@@ -308,6 +308,19 @@ def hf_logits(hf, tokens: list[int]) -> np.ndarray:
         return hf(torch.tensor([list(tokens)])).logits[0].float().numpy()
 
 
+def assert_greedy_and_logprobs_match_hf(hf, prompts: list[list[int]], outs, new_tokens: int) -> None:
+    """Each RequestOutput's tokens are transformers' greedy continuation of its prompt, and its
+    chosen tokens' logprobs transformers' (float64 log-softmax of its logits, within 1e-4)."""
+    for prompt, out in zip(prompts, outs):
+        tokens = out.outputs[0].token_ids
+        assert tokens == hf_greedy(hf, prompt, new_tokens)
+        logits = hf_logits(hf, prompt + tokens[:-1])[len(prompt) - 1:].astype(np.float64)
+        logprobs = logits - logits.max(-1, keepdims=True)
+        logprobs -= np.log(np.exp(logprobs).sum(-1, keepdims=True))
+        got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
+        np.testing.assert_allclose(got, logprobs[np.arange(len(tokens)), tokens], atol=1e-4)
+
+
 def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
     """transformers' greedy continuation of exactly `new_tokens` tokens (EOS suppressed until then)."""
     import torch

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from app import LLM, SamplingParams
-from conftest import hf_greedy, hf_logits, hf_model, quick_loop_keeps, run_in_fresh_kernel_build
+from conftest import (assert_greedy_and_logprobs_match_hf, hf_greedy, hf_model, quick_loop_keeps,
+                      run_in_fresh_kernel_build)
 from runtime.ops.cpu_kernels import cpu_flags
 from runtime.ops.matmul import PANEL, PackedWeight, pack_matrix, packed_matmul_available
 
@@ -88,15 +89,7 @@ def test_engine_packs_the_weights_and_matches_transformers(tied, tmp_path):
     prompts = [[(5 * i + 7) % 400 + 3 for i in range(n)] for n in (3, 11, 20)]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-    hf = hf_model(path)
-    for prompt, out in zip(prompts, outs):
-        tokens = out.outputs[0].token_ids
-        assert tokens == hf_greedy(hf, prompt, 12)
-        logits = hf_logits(hf, prompt + tokens[:-1])[len(prompt) - 1:].astype(np.float64)
-        logprobs = logits - logits.max(-1, keepdims=True)
-        logprobs -= np.log(np.exp(logprobs).sum(-1, keepdims=True))
-        got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
-        np.testing.assert_allclose(got, logprobs[np.arange(len(tokens)), tokens], atol=1e-4)
+    assert_greedy_and_logprobs_match_hf(hf_model(path), prompts, outs, 12)
     assert llm.engine.plan.token_buckets == (1, 16, 32) and llm.engine.plan.seq_buckets == (1, 4)
     assert llm.engine.stats().compilations_since_warmup == 0
 

@@ -112,7 +112,7 @@ def test_a_bfloat16_model_keeps_bfloat16_weights_and_computes_in_float32(tmp_pat
     import torch
 
     from app import LLM, SamplingParams
-    from conftest import hf_greedy, hf_logits, hf_model
+    from conftest import assert_greedy_and_logprobs_match_hf, hf_model
     from registry.tiny import make_tiny_checkpoint
 
     path = make_tiny_checkpoint("qwen2", tmp_path / "m")
@@ -130,12 +130,5 @@ def test_a_bfloat16_model_keeps_bfloat16_weights_and_computes_in_float32(tmp_pat
     with torch.no_grad():
         for p in hf.parameters():
             p.copy_(p.to(torch.bfloat16).to(torch.float32))
-    for prompt, out in zip(prompts, outs):
-        tokens = out.outputs[0].token_ids
-        assert tokens == hf_greedy(hf, prompt, 10)
-        logits = hf_logits(hf, prompt + tokens[:-1])[len(prompt) - 1:].astype(np.float64)
-        logprobs = logits - logits.max(-1, keepdims=True)
-        logprobs -= np.log(np.exp(logprobs).sum(-1, keepdims=True))
-        got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
-        np.testing.assert_allclose(got, logprobs[np.arange(len(tokens)), tokens], atol=1e-4)
+    assert_greedy_and_logprobs_match_hf(hf, prompts, outs, 10)
     assert llm.engine.stats().compilations_since_warmup == 0
