@@ -106,6 +106,30 @@ struct UInt4 {
 #endif
 };
 
+// Weight j of a panel row of W, scaled and offset by group g's values where the format is.
+template <class W>
+inline float DequantizedAt(const typename W::T* row, int j, const float* scale, const float* offset, int64_t g) {
+  const float w = W::At(row, j);
+  if (!W::kScaled) return w;
+  const float scaled = w * scale[g * kPanel + j];
+  return W::kOffset ? scaled + offset[g * kPanel + j] : scaled;
+}
+
+#ifdef SERVAX_FORMATS_AVX2
+// A panel row of W as two float32 halves, scaled (and offset) by its group's vectors where the
+// format is.
+template <class W>
+inline void Dequantized(const typename W::T* row, __m256 s_lo, __m256 s_hi, __m256 o_lo, __m256 o_hi, __m256& lo,
+                        __m256& hi) {
+  W::Load(row, lo, hi);
+  if (W::kOffset) {
+    lo = _mm256_fmadd_ps(lo, s_lo, o_lo), hi = _mm256_fmadd_ps(hi, s_hi, o_hi);
+  } else if (W::kScaled) {
+    lo = _mm256_mul_ps(lo, s_lo), hi = _mm256_mul_ps(hi, s_hi);
+  }
+}
+#endif
+
 // c[r, 0:16] = sum_k a[r, k] * w[k, 0:16] for MR rows of a, w one panel in format W with its
 // scales/offsets [K / group, 16] (unused for unscaled formats).
 template <class W, int MR, bool kPrefetch>
@@ -117,8 +141,7 @@ void RowBlock(const float* a, int64_t lda, const typename W::T* panel, const flo
   for (int64_t k = 0; k < K; ++k) {
     const int64_t g = k / group;
     for (int j = 0; j < kPanel; ++j) {
-      float w = W::At(panel + k * W::kRow, j);
-      if (W::kScaled) w = W::kOffset ? w * scale[g * kPanel + j] + offset[g * kPanel + j] : w * scale[g * kPanel + j];
+      const float w = DequantizedAt<W>(panel + k * W::kRow, j, scale, offset, g);
       for (int r = 0; r < MR; ++r) acc[r][j] += a[r * lda + k] * w;
     }
   }
@@ -141,12 +164,7 @@ void RowBlock(const float* a, int64_t lda, const typename W::T* panel, const flo
       _mm_prefetch(reinterpret_cast<const char*>(next + k * W::kRow), _MM_HINT_T1);
     }
     __m256 b0, b1;
-    W::Load(panel + k * W::kRow, b0, b1);
-    if (W::kOffset) {
-      b0 = _mm256_fmadd_ps(b0, s_lo, o_lo), b1 = _mm256_fmadd_ps(b1, s_hi, o_hi);
-    } else if (W::kScaled) {
-      b0 = _mm256_mul_ps(b0, s_lo), b1 = _mm256_mul_ps(b1, s_hi);
-    }
+    Dequantized<W>(panel + k * W::kRow, s_lo, s_hi, o_lo, o_hi, b0, b1);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m256 x = _mm256_broadcast_ss(a + r * lda + k);
@@ -217,25 +235,16 @@ void Widen(const typename W::T* panel, const float* scale, const float* offset, 
   for (int64_t k = 0; k < K; ++k) {
     const int64_t g = k / group;
 #ifdef SERVAX_FORMATS_AVX2
+    const __m256 none = _mm256_setzero_ps();
+    const float* s = W::kScaled ? scale + g * kPanel : nullptr;
+    const float* o = W::kOffset ? offset + g * kPanel : nullptr;
     __m256 lo, hi;
-    W::Load(panel + k * W::kRow, lo, hi);
-    if (W::kScaled) {
-      const __m256 s0 = _mm256_loadu_ps(scale + g * kPanel), s1 = _mm256_loadu_ps(scale + g * kPanel + 8);
-      if (W::kOffset) {
-        lo = _mm256_fmadd_ps(lo, s0, _mm256_loadu_ps(offset + g * kPanel));
-        hi = _mm256_fmadd_ps(hi, s1, _mm256_loadu_ps(offset + g * kPanel + 8));
-      } else {
-        lo = _mm256_mul_ps(lo, s0), hi = _mm256_mul_ps(hi, s1);
-      }
-    }
+    Dequantized<W>(panel + k * W::kRow, s ? _mm256_loadu_ps(s) : none, s ? _mm256_loadu_ps(s + 8) : none,
+                   o ? _mm256_loadu_ps(o) : none, o ? _mm256_loadu_ps(o + 8) : none, lo, hi);
     _mm256_storeu_ps(out + k * kPanel, lo);
     _mm256_storeu_ps(out + k * kPanel + 8, hi);
 #else
-    for (int j = 0; j < kPanel; ++j) {
-      float w = W::At(panel + k * W::kRow, j);
-      if (W::kScaled) w = W::kOffset ? w * scale[g * kPanel + j] + offset[g * kPanel + j] : w * scale[g * kPanel + j];
-      out[k * kPanel + j] = w;
-    }
+    for (int j = 0; j < kPanel; ++j) out[k * kPanel + j] = DequantizedAt<W>(panel + k * W::kRow, j, scale, offset, g);
 #endif
   }
 }
@@ -267,8 +276,7 @@ void MultiplyPanels(const float* a, int64_t M, int64_t K, const typename W::T* b
         widened.fns[0][rows](a + r0 * K, K, scratch.data(), nullptr, nullptr, K, K, c + r0 * N + p * kPanel, N,
                              nullptr);
       } else {
-        const typename W::T* next = p + 1 < last ? panel + K * W::kRow : nullptr;
-        form.fns[1][rows](a + r0 * K, K, panel, s, o, group, K, c + r0 * N + p * kPanel, N, next);
+        form.fns[1][rows](a + r0 * K, K, panel, s, o, group, K, c + r0 * N + p * kPanel, N, nullptr);
       }
       r0 += rows;
     }
