@@ -321,6 +321,24 @@ def assert_greedy_and_logprobs_match_hf(hf, prompts: list[list[int]], outs, new_
         np.testing.assert_allclose(got, logprobs[np.arange(len(tokens)), tokens], atol=1e-4)
 
 
+def assert_prompt_logprobs_match_hf(llm, hf, prompt: list[int]) -> None:
+    """The engine's logprob of each prompt token (after the first) is transformers' log-softmax
+    of its logits there (within 1e-4)."""
+    out = llm.generate([prompt], greedy(max_tokens=1, prompt_logprobs=0))[0]
+    ref = hf_logits(hf, prompt)
+    ref = ref - np.log(np.exp(ref - ref.max(-1, keepdims=True)).sum(-1, keepdims=True)) - ref.max(-1, keepdims=True)
+    ours = [entry[prompt[i]].logprob for i, entry in enumerate(out.prompt_logprobs) if entry is not None]
+    want = [ref[i - 1, prompt[i]] for i in range(1, len(prompt))]
+    np.testing.assert_allclose(ours, want, atol=1e-4)
+
+
+def assert_prefix_hits_keep_their_tokens(llm, prompt: list[int]) -> None:
+    """A prompt generated twice: the second run hits the prefix cache and gives the same greedy tokens."""
+    first = llm.generate([prompt], greedy())[0]
+    again = llm.generate([prompt], greedy())[0]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
 def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
     """transformers' greedy continuation of exactly `new_tokens` tokens (EOS suppressed until then)."""
     import torch

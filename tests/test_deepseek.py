@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from conftest import (
-    ENGINE_PROMPTS as PROMPTS, greedy, hf_greedy, hf_logits, hf_model, NEW_TOKENS,
+    ENGINE_PROMPTS as PROMPTS, assert_prefix_hits_keep_their_tokens, assert_prompt_logprobs_match_hf, greedy,
+    hf_greedy, hf_model, NEW_TOKENS,
     output_tokens as tokens, quick_loop_keeps, SMALL_ENGINE as ENGINE, tiny_llm,
 )
 
@@ -115,20 +116,12 @@ def test_deepseek_greedy_tokens_match_transformers(deepseek_model):
 
 def test_deepseek_prompt_logprobs_match_transformers(deepseek_model):
     name, llm, path = deepseek_model
-    prompt = PROMPTS[2]
-    out = llm.generate([prompt], greedy(max_tokens=1, prompt_logprobs=0))[0]
-    ref = hf_logits(hf_model(path), prompt)
-    ref = ref - np.log(np.exp(ref - ref.max(-1, keepdims=True)).sum(-1, keepdims=True)) - ref.max(-1, keepdims=True)
-    ours = [entry[prompt[i]].logprob for i, entry in enumerate(out.prompt_logprobs) if entry is not None]
-    want = [ref[i - 1, prompt[i]] for i in range(1, len(prompt))]
-    np.testing.assert_allclose(ours, want, atol=1e-4)
+    assert_prompt_logprobs_match_hf(llm, hf_model(path), PROMPTS[2])
 
 
 def test_deepseek_prefix_hits_keep_their_tokens(deepseek_model):
     name, llm, _ = deepseek_model
-    first = llm.generate([PROMPTS[2]], greedy())[0]
-    again = llm.generate([PROMPTS[2]], greedy())[0]
-    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_prefix_hits_keep_their_tokens(llm, PROMPTS[2])
 
 
 @pytest.mark.slow

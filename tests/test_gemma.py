@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from conftest import (
-    ENGINE_PROMPTS as PROMPTS, greedy, hf_greedy, hf_logits, hf_model, NEW_TOKENS,
+    ENGINE_PROMPTS as PROMPTS, assert_prefix_hits_keep_their_tokens, assert_prompt_logprobs_match_hf, greedy,
+    hf_greedy, hf_logits, hf_model, NEW_TOKENS,
     output_tokens as tokens, quick_loop_keeps, PagedRunner, SMALL_ENGINE as ENGINE, tiny_llm,
 )
 
@@ -75,19 +76,12 @@ def test_gemma_greedy_tokens_match_transformers(gemma_model):
 
 def test_gemma_prompt_logprobs_match_transformers(gemma_model):
     name, llm, path = gemma_model
-    prompt = PROMPTS[2]
-    out = llm.generate([prompt], greedy(max_tokens=1, prompt_logprobs=0))[0]
-    ref = log_softmax(hf_logits(hf_model(path), prompt))
-    ours = [entry[prompt[i]].logprob for i, entry in enumerate(out.prompt_logprobs) if entry is not None]
-    want = [ref[i - 1, prompt[i]] for i in range(1, len(prompt))]
-    np.testing.assert_allclose(ours, want, atol=1e-4)
+    assert_prompt_logprobs_match_hf(llm, hf_model(path), PROMPTS[2])
 
 
 def test_gemma_prefix_hits_keep_their_tokens(gemma_model):
     name, llm, _ = gemma_model
-    first = llm.generate([PROMPTS[2]], greedy())[0]
-    again = llm.generate([PROMPTS[2]], greedy())[0]
-    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_prefix_hits_keep_their_tokens(llm, PROMPTS[2])
 
 
 @pytest.mark.slow
