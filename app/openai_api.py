@@ -28,6 +28,7 @@ from app.openai_responses import (
     ChatChoice, ChatChunkChoice, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage,
     CompletionChoice, CompletionLogprobs, CompletionResponse, ErrorResponse, UsageInfo, error_response, new_id,
 )
+from app.reasoning_parsers import ReasoningParser, ReasoningStream, get_reasoning_parser
 from app.relay import Relay
 from app.serving_config import ServingConfig
 from app.tool_parsers import NamedToolCall, RequiredToolCalls, ToolCallStream, ToolParser, final_tool_calls, get_tool_parser
@@ -73,6 +74,8 @@ class OpenAIServing:
         self.force_include_usage: bool = serving_config.enable_force_include_usage
         self.enable_tokenizer_info: bool = serving_config.enable_tokenizer_info_endpoint
         self.return_tokens_as_token_ids: bool = serving_config.return_tokens_as_token_ids
+        self.reasoning_parser: ReasoningParser | None = (
+            get_reasoning_parser(serving_config.reasoning_parser) if serving_config.reasoning_parser else None)
 
     # ---- /v1/completions ----------------------------------------------------------------
 
@@ -197,6 +200,7 @@ class OpenAIServing:
             generation = request.generation_request(request_id, lora_request)
             if tool_parser is not None and tool_parser.keeps_special_tokens:
                 generation.sampling["skip_special_tokens"] = False  # the call markers may be special tokens
+            reasoning = self._reasoning(request, generation.sampling)
             outputs = await self.relay.start(generation)
         except Exception as e:
             _name_constraint_param(e, request)
@@ -214,17 +218,22 @@ class OpenAIServing:
                     pass
                 choices = []
                 for c in out.outputs:
-                    message, finish_reason = ChatResponseMessage(content=echo + c.text), c.finish_reason
-                    if tool_parser is not None:
-                        content, calls = final_tool_calls(tool_parser, c.text, request.parallel_tool_calls)
+                    thought, answer = (None, c.text) if reasoning is None else reasoning.split(c.text)
+                    message, finish_reason = ChatResponseMessage(content=echo + (answer or "")), c.finish_reason
+                    if reasoning is not None:
+                        message.content = echo + answer if answer else None
+                    if tool_parser is not None and answer is not None:
+                        content, calls = final_tool_calls(tool_parser, answer, request.parallel_tool_calls)
                         message = ChatResponseMessage(content=content, tool_calls=calls or None)
                         finish_reason = _tool_finish_reason(finish_reason, bool(calls), tool_parser)
+                    if thought and request.include_reasoning:
+                        message.reasoning = message.reasoning_content = thought
                     choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
                                               logprobs=self._chat_logprobs(c.token_ids, c.logprobs, request),
                                               stop_reason=c.stop_reason,
                                               token_ids=list(c.token_ids) if request.return_token_ids else None))
                 yield ChatCompletionResponse(
-                    id=request_id, created=created, model=model, choices=choices, usage=_usage([out]),
+                    id=request_id, created=created, model=model, choices=choices, usage=self._chat_usage(out, reasoning),
                     prompt_logprobs=self.logprobs.prompt(out.prompt_logprobs),
                     prompt_token_ids=list(out.prompt_token_ids) if request.return_token_ids else None).model_dump()
                 return
@@ -232,21 +241,29 @@ class OpenAIServing:
             started: set[int] = set()
             finished: set[int] = set()  # choices whose finish_reason was sent: nothing more of them
             tool_streams: dict[int, ToolCallStream] = {}
+            thought_streams: dict[int, ReasoningStream] = {}
             out = None
             async for _, out in outputs:
                 choices = []
                 for c in out.outputs:
                     if c.index in finished:
                         continue
-                    finish_reason = c.finish_reason
+                    finish_reason, final = c.finish_reason, c.finish_reason is not None
+                    thought, answer_delta, answer = "", c.delta_text or "", c.text
+                    if reasoning is not None:
+                        thinking = thought_streams.setdefault(c.index, ReasoningStream(reasoning))
+                        thought, answer_delta = thinking.update(c.text, final)
+                        answer = thinking.answer_so_far(c.text, final)
                     if tool_parser is not None:
                         stream = tool_streams.setdefault(c.index, ToolCallStream(tool_parser, request.parallel_tool_calls))
-                        text, calls = stream.update(c.text, final=c.finish_reason is not None)
+                        text, calls = stream.update(answer, final=final)
                         delta = ChatDelta(content=text or None, tool_calls=calls or None)
                         called = stream.num_calls > 0
                         finish_reason = _tool_finish_reason(finish_reason, called, tool_parser)
                     else:
-                        delta = ChatDelta(content=c.delta_text or "")
+                        delta = ChatDelta(content=answer_delta or ("" if reasoning is None else None))
+                    if thought and request.include_reasoning:
+                        delta.reasoning = delta.reasoning_content = thought
                     head = {}  # fields of the chunk beside its choice
                     if c.index not in started:
                         started.add(c.index)
@@ -254,20 +271,48 @@ class OpenAIServing:
                         delta.content = echo + (delta.content or "")
                         if request.return_token_ids:  # as vLLM: on each choice's first chunk
                             head["prompt_token_ids"] = list(out.prompt_token_ids)
-                    elif not delta.content and not delta.tool_calls and c.finish_reason is None:
+                    elif not delta.content and not delta.tool_calls and not delta.reasoning and c.finish_reason is None:
                         continue
                     choice = ChatChunkChoice(index=c.index, delta=delta, finish_reason=finish_reason,
                                              logprobs=self._chat_logprobs(c.delta_token_ids, c.delta_logprobs, request),
                                              token_ids=list(c.delta_token_ids) if request.return_token_ids else None)
                     if include_usage:
-                        head["usage"] = _choice_usage(out, c) if continuous_usage else None
+                        head["usage"] = self._chat_choice_usage(out, c, reasoning) if continuous_usage else None
                     choices.append({**chunk, "choices": [choice.body(c.stop_reason)], **head})
                     if c.finish_reason is not None:
                         finished.add(c.index)
                 for body in choices:  # one choice a chunk, as vLLM streams them
                     yield body
             if include_usage:
-                yield {**chunk, "choices": [], "usage": _usage([out]).model_dump(exclude_none=True)}
+                yield {**chunk, "choices": [], "usage": self._chat_usage(out, reasoning).model_dump(exclude_none=True)}
+
+    def _reasoning(self, request: ChatCompletionRequest, sampling: dict[str, Any]) -> ReasoningParser | None:
+        """How this request's replies split into reasoning and answer (None: all answer); a
+        grammar it asks for (structured outputs, a forced tool call) then starts after the
+        reasoning, as in vLLM."""
+        parser = self.reasoning_parser
+        if parser is None or not parser.thinks(request.template_kwargs()):
+            return None
+        spec = sampling.get("structured_outputs")
+        if isinstance(spec, dict) and self.tokenizer is not None:
+            sampling["structured_outputs"] = {**spec, "reasoning_end_token_ids": parser.reasoning_end_token_ids(
+                self.tokenizer)}
+        return parser
+
+    def _chat_usage(self, out: Any, reasoning: ReasoningParser | None) -> UsageInfo:
+        """_usage, with vLLM's completion_tokens_details.reasoning_tokens on a server with a
+        reasoning_parser (0 for a request that does not think)."""
+        usage = _usage([out])
+        if self.reasoning_parser is not None and out is not None:
+            usage.completion_tokens_details = {
+                "reasoning_tokens": sum(_reasoning_tokens(reasoning, self.tokenizer, c) for c in out.outputs)}
+        return usage
+
+    def _chat_choice_usage(self, out: Any, c: Any, reasoning: ReasoningParser | None) -> dict[str, Any]:
+        usage: dict[str, Any] = _choice_usage(out, c)
+        if self.reasoning_parser is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": _reasoning_tokens(reasoning, self.tokenizer, c)}
+        return usage
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[Any] | None, request: ChatCompletionRequest
                        ) -> ChatLogprobs | None:
@@ -357,6 +402,10 @@ def _tool_finish_reason(finish_reason: str | None, called: bool, parser: ToolPar
     """OpenAI's "tool_calls" for a reply that ended by itself with tool calls (not for a named
     tool_choice: that finishes as "stop", as in OpenAI and vLLM)."""
     return "tool_calls" if called and finish_reason == "stop" and parser.finishes_as_tool_calls else finish_reason
+
+
+def _reasoning_tokens(reasoning: ReasoningParser | None, tokenizer: Any, c: Any) -> int:
+    return 0 if reasoning is None or tokenizer is None else reasoning.count_tokens(tokenizer, c.token_ids)
 
 
 def _json_ready(value: Any) -> Any:

@@ -266,6 +266,9 @@ class ChatCompletionRequest(_Request):
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the reply
+    # vLLM's: reaches the chat template, and "none" turns Qwen3-style thinking off (enable_thinking)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     # OpenAI features servax does not implement: a 400 naming them.
     audio: Any = None
     prediction: Any = None
@@ -320,8 +323,16 @@ class ChatCompletionRequest(_Request):
         this body's template options and tools, and this body's sampling."""
         prompt = ChatPrompt(self.chat_messages(), add_generation_prompt=self.add_generation_prompt,
                             continue_final_message=self.continue_final_message, chat_template=self.chat_template,
-                            chat_template_kwargs=self.chat_template_kwargs, tools=self.tool_dicts())
+                            chat_template_kwargs=self.template_kwargs(), tools=self.tool_dicts())
         return GenerationRequest(request_id, [prompt], self.sampling_kwargs(), lora_request)
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs, with reasoning_effort as vLLM passes it (and enable_thinking
+        from it unless the request sets that itself)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        extra = {"reasoning_effort": self.reasoning_effort, "enable_thinking": self.reasoning_effort != "none"}
+        return {**extra, **(self.chat_template_kwargs or {})}
 
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:

@@ -99,18 +99,25 @@ class ChatResponseMessage(BaseModel):
     function_call: Any = None
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's: {id, type: function, function: {name, arguments}}
     reasoning: str | None = None
+    # The same text under its earlier name (vLLM before 0.10, DeepSeek's API), which many
+    # clients read; sent only when there is reasoning.
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _no_empty_tool_calls(self, handler: Any) -> dict[str, Any]:
         data = handler(self)  # as vLLM: tool_calls only when there are some
         if not data.get("tool_calls"):
             data.pop("tool_calls", None)
+        if data.get("reasoning_content") is None:
+            data.pop("reasoning_content", None)
         return data
 
 
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None  # the same text under its earlier name
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's deltas: {index, id?, type?, function: {...}}
 
 

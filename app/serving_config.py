@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from app.reasoning_parsers import get_reasoning_parser
 from app.tool_parsers import get_tool_parser
 
 
@@ -30,6 +31,9 @@ class ServingConfig(BaseModel):
     enable_force_include_usage: bool = Field(
         False, description="Every stream reports usage, on each chunk and in a last chunk, as if it asked "
                            "stream_options {include_usage, continuous_usage_stats}.")
+    reasoning_parser: str | None = Field(
+        None, description="How a thinking model's reasoning is told from its answer: qwen3 or deepseek_r1 "
+                          "(app.reasoning_parsers); replies then carry it as message.reasoning.")
     return_tokens_as_token_ids: bool = Field(
         False, description='Logprobs name tokens as "token_id:<id>" rather than their text (a request\'s '
                            "return_tokens_as_token_ids overrides it).")
@@ -39,6 +43,13 @@ class ServingConfig(BaseModel):
     def _known_parser(cls, name: str | None) -> str | None:
         if name is not None:
             get_tool_parser(name)  # raises ValueError naming the known parsers
+        return name
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, name: str | None) -> str | None:
+        if name is not None:
+            get_reasoning_parser(name)  # raises ValueError naming the known parsers
         return name
 
     @model_validator(mode="after")

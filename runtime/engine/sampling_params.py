@@ -46,6 +46,11 @@ class StructuredOutputsParams:
             default backend).
         whitespace_pattern: a regex for the whitespace JSON may hold between tokens.
         structural_tag: vLLM's structural tags are not supported (a 400 says so).
+        reasoning_end_token_ids: servax's: token sequences that end a reasoning model's thinking;
+            the grammar then starts after the first of them the output holds (the tokens
+            before it are unconstrained), as vLLM's reasoning parser gates its grammars.
+            None: the grammar starts at the first token. The OpenAI routes set it from the
+            model's `reasoning_parser`.
 
     The grammar is compiled (and its errors found) when a request is admitted, see
     runtime/engine/structured_output.py.
@@ -60,6 +65,7 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
+    reasoning_end_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         def fail(name: str, message: str) -> None:
@@ -96,6 +102,13 @@ class StructuredOutputsParams:
             fail("whitespace_pattern", "must be a string")
         if self.choice is not None:
             self.choice = list(self.choice)
+        ends = self.reasoning_end_token_ids
+        if ends is not None:
+            if not isinstance(ends, (list, tuple)) or not all(
+                    isinstance(e, (list, tuple)) and e and all(isinstance(t, int) and not isinstance(t, bool)
+                                                               for t in e) for e in ends):
+                fail("reasoning_end_token_ids", "must be a list of non-empty lists of token ids")
+            self.reasoning_end_token_ids = [list(e) for e in ends]
 
     @property
     def kind(self) -> str:

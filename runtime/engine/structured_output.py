@@ -133,6 +133,7 @@ def _no_additional_properties(schema: Any, close: bool = True) -> Any:
 
 def _cache_key(spec: StructuredOutputsParams) -> str:
     fields = dataclasses.asdict(spec)
+    fields.pop("reasoning_end_token_ids")  # when the grammar starts, not what it is
     return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
 
@@ -145,6 +146,8 @@ class CompiledConstraints:
         allowed: packed row [words] of allowed_token_ids, or None.
         bad_words: token-id sequences whose last token is masked after the rest.
         num_words: words of a packed row (covers the logits' vocabulary).
+        reasoning_end: token sequences after the first of which the grammar starts; () from
+            the first token.
     """
 
     grammar: Any
@@ -152,6 +155,7 @@ class CompiledConstraints:
     bad_words: tuple[tuple[int, ...], ...]
     num_words: int
     grammar_words: int  # words of the grammar's own masks (its tokenizer may be wider)
+    reasoning_end: tuple[tuple[int, ...], ...] = ()
 
     def start(self) -> TokenConstraints:
         """The constraints of one new sequence (its own grammar state)."""
@@ -166,18 +170,30 @@ class TokenConstraints:
         self.compiled = compiled
         self.matcher = matcher
         self.failed = False
+        # Thinking first: the grammar waits for the end of the reasoning (the last tokens seen
+        # are kept to spot an end sequence of several tokens).
+        self.in_reasoning = bool(compiled.reasoning_end) and matcher is not None
+        self._recent: list[int] = []
 
     @property
     def has_grammar(self) -> bool:
-        return self.matcher is not None
+        """A grammar masks this sequence's next token (not while it is still reasoning)."""
+        return self.matcher is not None and not self.in_reasoning
 
     @property
     def is_finished(self) -> bool:
         """The grammar is complete (or broken): no token may follow."""
-        return self.matcher is not None and (self.failed or self.matcher.is_stopped())
+        return self.has_grammar and (self.failed or self.matcher.is_stopped())
 
     def accept(self, token_id: int) -> None:
-        """Advance the grammar with the token the sequence just got."""
+        """Advance the grammar with the token the sequence just got (a reasoning sequence's
+        tokens up to its end sequence, that included, are not the grammar's)."""
+        if self.in_reasoning:
+            longest = max(len(e) for e in self.compiled.reasoning_end)
+            self._recent = (self._recent + [token_id])[-longest:]
+            if any(tuple(self._recent[-len(e):]) == e for e in self.compiled.reasoning_end):
+                self.in_reasoning = False
+            return
         if self.matcher is None or self.is_finished:
             return
         if not self.matcher.consume_token(token_id):
@@ -317,7 +333,12 @@ class TokenMaskCompiler:
             allowed = pack_token_ids(params.allowed_token_ids, self.num_words)
         bad_words = self._bad_word_ids(params.bad_words or [])
         grammar_words = mask_words(max(self.vocab_size, len(self.tokenizer))) if grammar is not None else self.num_words
-        return CompiledConstraints(grammar, allowed, bad_words, self.num_words, grammar_words)
+        ends = params.structured_outputs.reasoning_end_token_ids if grammar is not None else None
+        if ends:
+            for end in ends:
+                check_token_ids(end, self.vocab_size, "structured_outputs.reasoning_end_token_ids")
+        return CompiledConstraints(grammar, allowed, bad_words, self.num_words, grammar_words,
+                                   tuple(tuple(e) for e in ends or ()))
 
     def _bad_word_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
         """vLLM's rule: each word as the tokenizer spells it alone and after a space."""
