@@ -60,6 +60,9 @@ class ModelEntry:
             cache holds where that is not K and V per KV head (multi-head latent attention keeps
             one latent per token). None: K and V of num_kv_heads * kv_repeat heads of head_dim,
             kv_repeat set from the mesh; with a spec of its own, a model replicates no KV heads.
+        window_blocks: its sliding-window layers keep only their window's blocks (the KV cache
+            in groups, runtime.ops.step.KVCacheGroups; args.sliding_windows per layer). False:
+            every layer keeps every block of a sequence.
     """
 
     architectures: tuple[str, ...]
@@ -72,3 +75,4 @@ class ModelEntry:
     pack_layer: Callable[[dict], dict] | None = None
     pack_head: Callable[..., dict] | None = None
     kv_spec: Callable[[Any, Any], Any] | None = None
+    window_blocks: bool = False

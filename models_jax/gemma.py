@@ -10,7 +10,10 @@ What differs from models_jax/llama.py, all read from the Hugging Face config:
 - the feed-forward block is GeGLU: down(gelu_tanh(gate(x)) * up(x));
 - attention scales by query_pre_attn_scalar ** -1/2 (not head_dim ** -1/2);
 - sliding-window and global layers interleave by `layer_types`, the window a per-layer value
-  (llama.layer_windows: a traced per-layer window under the scan);
+  (llama.layer_windows: a traced per-layer window under the scan); the sliding layers keep only
+  their window's blocks of the paged cache (`window_blocks`: the global layers form one KV cache
+  group and the sliding ones others, runtime.ops.step.KVCacheGroups), so a long sequence holds
+  its global layers' context plus the windows (Gemma 3: ~1/6 of every layer's full context);
 - Gemma 2: attention logits soft-capped (cap * tanh(s / cap), `attn_logit_softcapping`) in
   paged_attention on every backend, and the final logits likewise (`final_logit_softcapping`);
 - Gemma 3: per-head RMSNorm of q and k (QK-norm, with Gemma's (1 + weight)); each layer type its
@@ -273,4 +276,5 @@ ENTRY = ModelEntry(
     fuse_layer=llama.fuse_layer,  # q/k/v and gate/up joined, as the Llama family joins them
     pack_layer=llama.pack_layer,
     pack_head=llama.pack_head,
+    window_blocks=True,  # the sliding layers keep only their window's blocks (KV cache groups)
 )

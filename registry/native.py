@@ -71,7 +71,9 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: 
         raise ModelLoadError(f"{resolved.model_id} ({resolved.architecture}): {e}") from e
     if entry.kv_spec is None:  # K and V per KV head, each stored often enough to split over the model axis
         args = dataclasses.replace(args, kv_repeat=kv_repeat(args.num_kv_heads, logical_axis_size("kv_heads", mesh)))
-        kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads * args.kv_repeat, args.head_dim, dtype)
+        windowed = entry.window_blocks and any(args.sliding_windows)  # sliding layers keep only their window
+        kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads * args.kv_repeat, args.head_dim, dtype,
+                              sliding_windows=tuple(args.sliding_windows) if windowed else None)
     else:  # what the model says a block holds (a latent per token: whole on every device)
         kv_spec = entry.kv_spec(args, dtype)
     args = _place_experts(args, mesh, expert_parallel, resolved)

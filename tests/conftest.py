@@ -358,7 +358,8 @@ class PagedRunner:
     """Runs a LoadedModel's jitted step over a paged cache whose blocks are taken in shuffled order.
 
     Every step is padded to one shape ([pad_tokens] tokens, [pad_seqs] sequences), so a
-    model compiles once per runner shape.
+    model compiles once per runner shape. A model with several KV cache groups (sliding and
+    global layers) gets a block table per group, each from `num_blocks` blocks of its own.
     """
 
     def __init__(self, loaded, step=None, *, num_blocks: int = 48, block_size: int = 4,
@@ -369,12 +370,14 @@ class PagedRunner:
         self.step = step if step is not None else jax.jit(loaded.step_fn, donate_argnames="kv_cache")
         self.block_size, self.max_blocks_per_seq = block_size, max_blocks_per_seq
         self.pad_tokens, self.pad_seqs = pad_tokens, pad_seqs
+        self.num_groups = loaded.kv_spec.groups.num_groups
+        num_blocks *= self.num_groups
         self.cache = allocate_kv_cache(loaded.kv_spec, num_blocks, block_size)
         self.free_blocks = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
-        self.block_tables: dict[int, list[int]] = {}
+        self.block_tables: dict[tuple[int, int], list[int]] = {}  # (seq, group) -> its blocks
 
-    def slot(self, seq: int, pos: int) -> int:
-        table = self.block_tables.setdefault(seq, [])
+    def slot(self, seq: int, pos: int, group: int = 0) -> int:
+        table = self.block_tables.setdefault((seq, group), [])
         while len(table) <= pos // self.block_size:
             table.append(int(self.free_blocks.pop()))
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -383,21 +386,27 @@ class PagedRunner:
         """One step over chunks (seq id, first position, new tokens) -> logits [len(chunks), vocab]."""
         from runtime.ops.step import make_step_input
 
-        ids, pos, slots = np.zeros(self.pad_tokens), np.zeros(self.pad_tokens), np.full(self.pad_tokens, -1)
-        tables = np.zeros((self.pad_seqs, self.max_blocks_per_seq))
+        ids, pos = np.zeros(self.pad_tokens), np.zeros(self.pad_tokens)
+        g = self.num_groups
+        group_tables = np.zeros((self.pad_seqs, g, self.max_blocks_per_seq))
+        group_slots = np.full((g, self.pad_tokens), -1)
         seq_lens, starts, last = np.zeros(self.pad_seqs), np.zeros(self.pad_seqs + 1), np.zeros(self.pad_seqs)
         t = 0
         for i, (seq, start, tokens) in enumerate(chunks):
             for j, token in enumerate(tokens):
-                ids[t], pos[t], slots[t] = token, start + j, self.slot(seq, start + j)
+                ids[t], pos[t] = token, start + j
+                group_slots[:, t] = [self.slot(seq, start + j, group) for group in range(g)]
                 t += 1
-            table = self.block_tables[seq]
-            tables[i, : len(table)] = table
+            for group in range(g):
+                table = self.block_tables[(seq, group)]
+                group_tables[i, group, : len(table)] = table
             seq_lens[i], last[i], starts[i + 1] = start + len(tokens), t - 1, t
         starts[len(chunks) + 1:] = t
+        groups = dict(group_block_tables=group_tables, group_slot_mapping=group_slots) if g > 1 else {}
         batch = make_step_input(
-            input_ids=ids, positions=pos, slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
-            query_start_loc=starts, logits_indices=last, num_seqs=len(chunks), num_tokens=t,
+            input_ids=ids, positions=pos, slot_mapping=group_slots[0], block_tables=group_tables[:, 0],
+            seq_lens=seq_lens, query_start_loc=starts, logits_indices=last, num_seqs=len(chunks), num_tokens=t,
+            **groups,
         )
         logits, self.cache = self.step(self.loaded.params, self.cache, batch)
         assert logits.dtype == np.float32 and logits.shape == (self.pad_seqs, self.loaded.vocab_size)

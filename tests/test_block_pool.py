@@ -56,10 +56,10 @@ def test_prefix_hit_reuses_blocks_and_leaves_a_token_to_compute():
     assert kv.allocate_slots(a, a.num_tokens)
     b = req("b", list(range(1, 9)) + [99, 98, 97])  # shares the 2 full blocks
     hits, n = kv.get_computed_blocks(b)
-    assert n == 8 and [x.block_id for x in hits] == kv.block_ids("a")[:2]
+    assert n == 8 and [x.block_id for x in hits[0]] == kv.block_ids("a")[:2]
     assert kv.allocate_slots(b, b.num_tokens - n, hits)
     assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]
-    assert all(x.ref_cnt == 2 for x in hits)
+    assert all(x.ref_cnt == 2 for x in hits[0])
     # A prompt that is exactly cached still computes its last token.
     c = req("c", list(range(1, 9)))
     _, n = kv.get_computed_blocks(c)
@@ -89,7 +89,7 @@ def test_prefix_caching_off_means_no_hits():
     a = req("a", list(range(1, 11)))
     kv.allocate_slots(a, a.num_tokens)
     kv.free(a)
-    assert kv.get_computed_blocks(req("b", list(range(1, 11)))) == ([], 0)
+    assert kv.get_computed_blocks(req("b", list(range(1, 11)))) == ([[]], 0)
 
 
 def test_block_hashes_chain_on_the_previous_block():

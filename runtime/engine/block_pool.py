@@ -4,12 +4,14 @@ Blocks live in a free queue in LRU order while nobody references them. A full bl
 keep its hash after being freed, so that a later request with the same prefix can take it
 back (a prefix-cache hit); it only loses its hash when it is reused for something else
 (eviction, oldest freed first). Block 0 is the null block: never handed out, it pads
-block-table rows.
+block-table rows and stands in for the blocks a sliding-window group has freed; taking or
+dropping a reference to it does nothing.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Hashable
 
 
 class KVCacheBlock:
@@ -18,14 +20,15 @@ class KVCacheBlock:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
+        self.block_hash: Hashable | None = None  # its prefix-cache key while it has one
 
     def __repr__(self) -> str:
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
 
 
 class BlockPool:
-    """Fixed-size blocks with a free list, ref counts and a hash -> block prefix cache.
+    """Fixed-size blocks with a free list, ref counts and a key -> block prefix cache (the KV
+    cache manager's keys: a block hash and the KV cache group it is cached for).
 
     Args:
         num_blocks: blocks in the KV cache, the null block included.
@@ -44,7 +47,7 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # never freed, never handed out
         # block_id -> block, least recently freed first.
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
-        self._cached: dict[int, KVCacheBlock] = {}
+        self._cached: dict[Hashable, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -59,12 +62,14 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
-    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+    def get_cached_block(self, block_hash: Hashable) -> KVCacheBlock | None:
         return self._cached.get(block_hash) if self.enable_caching else None
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Take a reference on (possibly free) cached blocks a request reuses."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
             block.ref_cnt += 1
@@ -94,6 +99,8 @@ class BlockPool:
         Pass a sequence's blocks tail-first so that its last blocks are evicted first.
         """
         for block in blocks:
+            if block is self.null_block:
+                continue
             block.ref_cnt -= 1
             if block.ref_cnt < 0:
                 raise RuntimeError(f"{block} freed more often than allocated")
@@ -102,9 +109,9 @@ class BlockPool:
                     block.block_hash = None
                 self._free[block.block_id] = block
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: Hashable) -> None:
         """Register a full block under its hash (first writer wins for duplicates)."""
-        if not self.enable_caching or block.block_hash is not None:
+        if not self.enable_caching or block.block_hash is not None or block is self.null_block:
             return
         if block_hash in self._cached:
             return

@@ -136,7 +136,8 @@ class Engine:
         self.plan = make_plan(config, model, self.mesh, max_model_len=self.max_model_len,
                               multi_process=self.peers is not None)
         self.block_size, self.num_blocks, self.kv_spec = self.plan.block_size, self.plan.num_kv_blocks, self.plan.kv_spec
-        self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching,
+                                 group_windows=self.kv_spec.groups.windows)
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill, speculative=config.speculative_config,
@@ -377,7 +378,7 @@ class Engine:
         if sched.is_empty:
             return None
         self._iteration_tokens[sched.num_scheduled_tokens] += 1
-        block_ids = {e.request.request_id: self.kv.block_ids(e.request.request_id) for e in sched.scheduled}
+        block_ids = {e.request.request_id: self.kv.block_tables(e.request.request_id) for e in sched.scheduled}
         with self.compile_counter.track():
             return self.runner.dispatch(sched, block_ids)
 

@@ -86,9 +86,13 @@ class ExecutionPlan:
         return min(fits) if fits else None
 
     def describe(self) -> str:
+        groups = self.kv_spec.groups
+        kv_groups = "" if groups.num_groups == 1 else (
+            f" in {groups.num_groups} KV cache groups of {groups.num_rows} layers (windows "
+            f"{['full' if w is None else w for w in groups.windows]})")
         stepping = ("layered" + (", packed weights" if self.packed_weights else "")
                     + (", computing in float32" if self.compute_float32 else "")) if self.layered else "one program"
-        return (f"{self.num_kv_blocks} KV blocks x {self.block_size} tokens ({self.kv_budget}); attention "
+        return (f"{self.num_kv_blocks} KV blocks x {self.block_size} tokens{kv_groups} ({self.kv_budget}); attention "
                 f"{self.attention_backend}; {stepping}; {len(self.bucket_pairs)} buckets (tokens "
                 f"{list(self.token_buckets)}, seqs {list(self.seq_buckets)})"
                 + ("; compiling in the background" if self.compile_in_background else ""))
@@ -236,8 +240,9 @@ def _attention_backend(config: EngineConfig, kv_spec: KVCacheSpec, platform: str
     return backend
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def _blocks_per_seq(config: EngineConfig, spec: KVCacheSpec, num_tokens: int) -> int:
+    """The most blocks one sequence of `num_tokens` tokens holds (over its KV cache groups)."""
+    return spec.groups.blocks_per_seq(num_tokens, config.block_size, config.max_num_batched_tokens)
 
 
 def _local_devices(mesh: Mesh) -> list:
@@ -268,7 +273,7 @@ def _num_kv_blocks(config: EngineConfig, model: LoadedModel, spec: KVCacheSpec, 
             num = budget // per_block
         else:
             num, source = _host_memory_blocks(config, model, mesh, per_block, max_model_len)
-    needed = _cdiv(max_model_len, block_size) + 1  # + the null block
+    needed = _blocks_per_seq(config, spec, max_model_len) + 1  # + the null block
     if num < needed:
         raise ValueError(
             f"the KV cache has {num} blocks of {block_size} tokens ({source}), but one "
@@ -289,7 +294,7 @@ def _host_memory_blocks(config: EngineConfig, model: LoadedModel, mesh: Mesh, pe
     available = _available_host_memory()
     devices = len(_local_devices(mesh))
     per_device = min(CPU_DEFAULT_KV_BYTES, int(available * config.kv_cache_memory_fraction) // devices)
-    wanted = 2 * config.max_num_seqs * _cdiv(max_model_len, config.block_size) + 1
+    wanted = 2 * config.max_num_seqs * _blocks_per_seq(config, model.kv_spec, max_model_len) + 1
     num = min(per_device * num_shards(model.kv_partition_spec, mesh) // per_block, wanted)
     return num, (f"{config.kv_cache_memory_fraction:.0%} of {available / 2**30:.1f} GiB available host memory "
                  f"over {devices} device(s), at most {CPU_DEFAULT_KV_BYTES / 2**30:.0f} GiB each, capped at "
@@ -328,7 +333,7 @@ def _blocks_for_memory_share(config: EngineConfig, model: LoadedModel, mesh: Mes
             f"gpu_memory_utilization={share} of {total / 2**30:.1f} GiB of {where} memory leaves nothing "
             f"for the KV cache after the weights ({weights / 2**30:.2f} GiB per device); raise it"
         )
-    wanted = 2 * config.max_num_seqs * _cdiv(max_model_len, config.block_size) + 1
+    wanted = 2 * config.max_num_seqs * _blocks_per_seq(config, model.kv_spec, max_model_len) + 1
     num = min(budget * shards // per_block, wanted)
     return num, (f"gpu_memory_utilization={share} of {total / 2**30:.1f} GiB {where} memory, "
                  f"less {weights / 2**20:.0f} MiB of weights, capped at {wanted} blocks")

@@ -73,7 +73,8 @@ class ModelPrograms:
         self._step = jax.jit(model.step_fn, donate_argnums=(1,), out_shardings=(self.replicated, kv_shardings))
         self.lora = LoRASlots.of(model)  # None without adapter slots
         self.inputs = InputBuilder(max_model_len=max_model_len, block_size=plan.block_size,
-                                   vocab_size=model.vocab_size, lora=self.lora is not None)
+                                   vocab_size=model.vocab_size, lora=self.lora is not None,
+                                   num_kv_groups=plan.kv_spec.groups.num_groups)
         self._sample = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "cpu_kernel"))
         self.sample_kernel = _sample_kernel_usable(mesh)  # top-k / top-p cut by the C++ kernel
         self.compiled = BucketPrograms(self._lower)

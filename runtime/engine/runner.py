@@ -42,8 +42,10 @@ class ModelRunner:
         self.plan = programs.plan
         self.busy_since: float | None = None  # time.monotonic() of the dispatched step not collected yet
 
-    def dispatch(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> InFlightStep:
-        """Build the inputs and enqueue step + sampler on the device without waiting."""
+    def dispatch(self, sched: SchedulerOutput, block_ids: dict[str, list[list[int]]]) -> InFlightStep:
+        """Build the inputs and enqueue step + sampler on the device without waiting.
+
+        block_ids: per scheduled request, its block table in each KV cache group."""
         self.busy_since = time.monotonic()
         programs = self.programs
         use_penalties = any(e.request.sampling_params.uses_penalties for e in sched.scheduled)

@@ -6,6 +6,9 @@ tokens in a slot of its own (same block table, seq_len = position + 1). Because 
 writes all new K/V before it attends, the result equals one ragged prefill, and every
 position yields logits.
 
+A model whose layers keep different blocks (KV cache groups, runtime.ops.step.KVCacheGroups)
+gets every group's block tables and slots as well; block_tables and slot_mapping are group 0's.
+
 Every batch ships the token mask (all ones where unconstrained), so one sampler program
 serves constrained and free batches alike; the masks of constrained rows are filled later
 (`StepInputs.masked_rows`), while the device runs the step.
@@ -45,14 +48,24 @@ class InputBuilder:
         block_size: tokens per KV block.
         vocab_size: rows of the logits (the token mask's width).
         lora: whether the step takes per-token adapter slots.
+        num_kv_groups: the model's KV cache groups (one: the step takes no group tables).
     """
 
-    def __init__(self, *, max_model_len: int, block_size: int, vocab_size: int, lora: bool):
+    def __init__(self, *, max_model_len: int, block_size: int, vocab_size: int, lora: bool,
+                 num_kv_groups: int = 1):
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.mask_words = mask_words(vocab_size)  # packed token-mask row of the logits' vocabulary
         self.lora = lora
+        self.num_kv_groups = num_kv_groups
+
+    def _group_arrays(self, t: int, s: int) -> dict[str, np.ndarray]:
+        """Empty group block tables [s, G, max_blocks] and slots [G, t]; none with one group."""
+        if self.num_kv_groups == 1:
+            return {}
+        return dict(group_block_tables=np.zeros((s, self.num_kv_groups, self.max_blocks_per_seq), np.int32),
+                    group_slot_mapping=np.full((self.num_kv_groups, t), -1, np.int32))
 
     def _empty_sampling(self, s: int, penalties: bool) -> dict[str, np.ndarray]:
         return empty_sampling_batch(s, self.max_model_len if penalties else 1, self.mask_words, report=False)
@@ -69,7 +82,7 @@ class InputBuilder:
             block_tables=np.zeros((s, self.max_blocks_per_seq), np.int32),
             seq_lens=np.zeros(s, np.int32), query_start_loc=np.zeros(s + 1, np.int32),
             logits_indices=np.zeros(s, np.int32), num_seqs=0, num_tokens=0,
-            lora_slots=np.zeros(t, np.int32) if self.lora else None,
+            lora_slots=np.zeros(t, np.int32) if self.lora else None, **self._group_arrays(t, s),
         )
 
     def decode_probe(self, n: int, t_pad: int, s_pad: int, context: int) -> StepInput:
@@ -86,11 +99,13 @@ class InputBuilder:
             block_tables=np.zeros((s_pad, self.max_blocks_per_seq), np.int32), seq_lens=seq_lens,
             query_start_loc=query_start_loc, logits_indices=np.minimum(np.arange(s_pad), n - 1).astype(np.int32),
             num_seqs=n, num_tokens=n, lora_slots=np.zeros(t_pad, np.int32) if self.lora else None,
+            **self._group_arrays(t_pad, s_pad),
         )
 
-    def build(self, sched: SchedulerOutput, block_ids: dict[str, list[int]], t_pad: int, s_pad: int,
+    def build(self, sched: SchedulerOutput, block_ids: dict[str, list[list[int]]], t_pad: int, s_pad: int,
               use_penalties: bool) -> StepInputs:
-        """The inputs of a scheduled step, padded to bucket (t_pad, s_pad)."""
+        """The inputs of a scheduled step, padded to bucket (t_pad, s_pad); `block_ids` holds each
+        scheduled request's block table per KV cache group."""
         bs = self.block_size
         input_ids = np.zeros(t_pad, np.int32)
         positions = np.zeros(t_pad, np.int32)
@@ -100,23 +115,29 @@ class InputBuilder:
         query_start_loc = np.zeros(s_pad + 1, np.int32)
         logits_indices = np.zeros(s_pad, np.int32)
         lora_slots = np.zeros(t_pad, np.int32) if self.lora else None
+        groups = self._group_arrays(t_pad, s_pad)
+        group_tables, group_slots = groups.get("group_block_tables"), groups.get("group_slot_mapping")
         sb = self._empty_sampling(s_pad, use_penalties)
         masked_rows, sample_rows, prompt_rows = [], [], []
         t = row = 0
         for entry in sched.scheduled:
             req = entry.request
             c, n = entry.num_computed_tokens, entry.num_new_tokens
-            table = np.asarray(block_ids[req.request_id], np.int32)
+            tables = [np.asarray(ids, np.int32) for ids in block_ids[req.request_id]]
+            table = tables[0]
             pos = np.arange(c, c + n, dtype=np.int32)
             drafts = entry.draft_token_ids
             input_ids[t:t + n] = req.all_token_ids[c:c + n] + drafts
             positions[t:t + n] = pos
             slot_mapping[t:t + n] = table[pos // bs] * bs + pos % bs
+            if group_tables is not None:
+                for g, group_table in enumerate(tables):
+                    group_slots[g, t:t + n] = group_table[pos // bs] * bs + pos % bs
             if lora_slots is not None:
                 lora_slots[t:t + n] = req.lora_slot
             if entry.one_slot_per_token:
                 rows = np.arange(row, row + n)
-                block_tables[rows, :len(table)] = table
+                _put_tables(block_tables, group_tables, rows, tables)
                 seq_lens[rows] = pos + 1
                 query_start_loc[row + 1:row + n + 1] = t + np.arange(1, n + 1)
                 logits_indices[rows] = t + np.arange(n)
@@ -132,7 +153,7 @@ class InputBuilder:
                 rows_sampled = list(range(row, row + n)) if drafts else [last]
                 row += n
             else:
-                block_tables[row, :len(table)] = table
+                _put_tables(block_tables, group_tables, row, tables)
                 seq_lens[row] = c + n
                 query_start_loc[row + 1] = t + n
                 logits_indices[row] = t + n - 1
@@ -148,7 +169,7 @@ class InputBuilder:
         batch = make_step_input(
             input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_tables=block_tables,
             seq_lens=seq_lens, query_start_loc=query_start_loc, logits_indices=logits_indices,
-            num_seqs=row, num_tokens=t, lora_slots=lora_slots,
+            num_seqs=row, num_tokens=t, lora_slots=lora_slots, **groups,
         )
         return StepInputs(batch, SamplingBatch(**sb), use_penalties, masked_rows, sample_rows, prompt_rows)
 
@@ -178,3 +199,13 @@ class InputBuilder:
             hist = (req.all_token_ids + list(drafts))[: self.max_model_len]
             sb["token_history"][r, :len(hist)] = hist
             sb["prompt_lens"][r] = req.num_prompt_tokens
+
+
+def _put_tables(block_tables: np.ndarray, group_tables: np.ndarray | None, rows: int | np.ndarray,
+                tables: list[np.ndarray]) -> None:
+    """One request's block tables into `rows` of the step's: group 0's into block_tables
+    [S, max_blocks], and with KV cache groups every group's into group_tables [S, G, max_blocks]."""
+    block_tables[rows, :len(tables[0])] = tables[0]
+    if group_tables is not None:
+        for g, table in enumerate(tables):
+            group_tables[rows, g, :len(table)] = table

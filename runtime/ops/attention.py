@@ -92,7 +92,8 @@ def paged_attention(
     D is value_dims where that is given.
 
     `kv_cache` is the stacked KVCache of all layers, with `layer` (an int, or a traced
-    int32 under a scan over layers) naming the one this call writes and reads; or one
+    int32 under a scan over layers) naming the one this call writes and reads (with KV cache
+    groups, runtime.ops.step.KVCacheGroups, through its group's block tables); or one
     layer's (k_cache, v_cache), each [num_blocks, kv_heads, block_size, head_dim], with
     `layer` None. The cache comes back in the form it was given.
 
@@ -129,6 +130,8 @@ def paged_attention(
         raise ValueError("value_dims reads the values from the keys: pass v=None, with a cache allocated for a "
                          f"KVCacheSpec with value_dims (this one stores values of shape {kv_cache.v.shape})")
     batch = jax.tree.map(jnp.asarray, batch)
+    if kv_cache.groups is not None:  # KV cache groups: the layer's row, read through its group's block tables
+        layer, batch = kv_cache.groups.row_and_batch(layer, batch)
     if kv_cache.k_scale is not None:  # a quantized cache: read back through its scales
         if kv_cache.attention_backend != "xla" and value_dims is None:
             raise NotImplementedError("a quantized KV cache (kv_cache_dtype) runs on the xla attention backend")

@@ -130,9 +130,10 @@ def widen_seqs(batch: StepInput, num_seqs: int) -> StepInput:
         out[len(a):] = a[-1] if edge else 0
         return out
 
+    groups = {} if batch.group_block_tables is None else {"group_block_tables": rows(batch.group_block_tables)}
     return dataclasses.replace(batch, block_tables=rows(batch.block_tables), seq_lens=rows(batch.seq_lens),
                                query_start_loc=rows(batch.query_start_loc, edge=True),
-                               logits_indices=rows(batch.logits_indices))
+                               logits_indices=rows(batch.logits_indices), **groups)
 
 
 def _float32_carry(prologue: Any) -> Any:

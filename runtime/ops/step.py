@@ -7,6 +7,16 @@ Every model servax serves, native JAX or torchax-wrapped transformers, is reduce
 a pure function: weights and the paged KV cache go in as arguments and come back out,
 nothing hides in module state. The runtime owns everything around it (scheduling,
 the block pool, sampling, sharding, compilation).
+
+KV cache groups (vLLM v1's): where a model's layers have different sliding windows
+(`KVCacheSpec.sliding_windows`, e.g. Gemma 2/3's sliding and global layers), the layers form
+groups (`KVCacheGroups`), each with its own block table: a sliding group's table covers only
+its window (the KV cache manager frees the blocks before it; the table reads the null block
+there). The stacked cache then has a row per layer of a group, not per layer, and the step
+input carries every group's block tables and slots (`StepInput.group_block_tables`,
+`group_slot_mapping`); `paged_attention` reads a layer's row through its group's tables, so
+models see no difference. A model with one group (no windows, or one window for every layer)
+gets no group arrays: its programs are what they were.
 """
 
 from __future__ import annotations
@@ -53,8 +63,13 @@ class KVCache:
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
 
+    # How layers map to rows and block tables where the model has several KV cache groups
+    # (KVCacheGroups); None: one group, row i is layer i.
+    groups: Any = flax.struct.field(pytree_node=False, default=None)
+
     @property
     def num_layers(self) -> int:
+        """Rows of the stacked arrays: the layers (with KV cache groups, the layers of one group)."""
         return self.k.shape[0]
 
 
@@ -81,6 +96,16 @@ class StepInput:
     num_tokens: jax.Array  # [] int32, real tokens (<= T)
     # [T] int32, each token's LoRA adapter slot (0: none); None when the engine serves no adapters.
     lora_slots: jax.Array | None = None
+    # Several KV cache groups (KVCacheGroups): every group's block tables and new-K/V slots
+    # (block_tables and slot_mapping above are group 0's); None with one group.
+    group_block_tables: jax.Array | None = None  # [S, G, max_blocks_per_seq] int32
+    group_slot_mapping: jax.Array | None = None  # [G, T] int32
+
+    def of_group(self, group: int | jax.Array) -> "StepInput":
+        """The batch as KV cache group `group` (an int or a traced int32) reads it: that group's
+        block tables and slots in block_tables and slot_mapping."""
+        return self.replace(block_tables=self.group_block_tables[:, group],
+                            slot_mapping=self.group_slot_mapping[group])
 
     @property
     def padded_num_tokens(self) -> int:
@@ -89,6 +114,67 @@ class StepInput:
     @property
     def padded_num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheGroups:
+    """How a model's layers share the paged cache when their sliding windows differ (vLLM v1's
+    KV cache groups).
+
+    Layers of one window (None: full attention) are split into groups of `num_rows` layers,
+    `num_rows` being the layer count of the rarest window (Gemma 3's 5 sliding layers per
+    global one: a group of the global layers and five of sliding layers). Every group has its
+    own block table and a block belongs to one group at a time; the stacked cache arrays have
+    `num_rows` rows, and block b of row r holds layer r of the group that owns b. A sliding
+    group keeps only the blocks of its window, so a long sequence holds its global layers'
+    context plus a window per sliding group, not every layer's context.
+    """
+
+    windows: tuple[int | None, ...]  # per group: its layers' sliding window (None: full attention)
+    layer_group: tuple[int, ...]  # per layer: its group
+    layer_row: tuple[int, ...]  # per layer: its row of the stacked cache arrays
+    num_rows: int
+
+    @classmethod
+    def of(cls, sliding_windows: tuple[int | None, ...]) -> "KVCacheGroups":
+        """The groups of layers with these windows (full-attention groups first); one group of
+        every layer where all windows are equal."""
+        kinds: dict[int | None, list[int]] = {}
+        for layer, window in enumerate(sliding_windows):
+            kinds.setdefault(window, []).append(layer)
+        size = min(len(layers) for layers in kinds.values())
+        windows, group, row = [], [0] * len(sliding_windows), [0] * len(sliding_windows)
+        for window in sorted(kinds, key=lambda w: -1 if w is None else w):
+            for start in range(0, len(kinds[window]), size):
+                for r, layer in enumerate(kinds[window][start:start + size]):
+                    group[layer], row[layer] = len(windows), r
+                windows.append(window)
+        return cls(tuple(windows), tuple(group), tuple(row), size)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    def blocks_per_seq(self, num_tokens: int, block_size: int, step_tokens: int) -> int:
+        """The most blocks, over all groups, one sequence of `num_tokens` tokens holds when its
+        steps compute up to `step_tokens` tokens (a sliding group: the window before a step
+        plus the step's own tokens)."""
+        full = -(-num_tokens // block_size)
+        return sum(full if w is None else min(full, -(-(w - 1 + step_tokens) // block_size) + 1)
+                   for w in self.windows)
+
+    def row_and_batch(self, layer: int | jax.Array, batch: StepInput) -> tuple[int | jax.Array, StepInput]:
+        """Layer `layer`'s row of the stacked cache and the batch as its group reads it.
+
+        Raises:
+            ValueError: the batch has no group tables (it was built for one group)."""
+        if batch.group_block_tables is None or batch.group_block_tables.shape[1] != self.num_groups:
+            raise ValueError(f"this KV cache has {self.num_groups} groups: the step input needs "
+                             f"group_block_tables [S, {self.num_groups}, max_blocks] and group_slot_mapping")
+        if isinstance(layer, (int, np.integer)):
+            return self.layer_row[layer], batch.of_group(self.layer_group[layer])
+        rows, groups = jnp.asarray(self.layer_row, jnp.int32), jnp.asarray(self.layer_group, jnp.int32)
+        return rows[layer], batch.of_group(groups[layer])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +192,13 @@ class KVCacheSpec:
     # `value_dims` dims of its key (the compressed latent; the rest is the rotary part), so a
     # block holds keys only and KVCache.v is empty. None: separate K and V of head_dim each.
     value_dims: int | None = None
+    # Each layer's sliding window (None: full attention), or None where no layer has one;
+    # layers with differing windows keep different blocks (KVCacheGroups).
+    sliding_windows: tuple[int | None, ...] | None = None
+
+    @property
+    def groups(self) -> KVCacheGroups:
+        return KVCacheGroups.of(self.sliding_windows or (None,) * self.num_layers)
 
     @property
     def quantized(self) -> bool:
@@ -116,12 +209,13 @@ class KVCacheSpec:
         return self.value_dims is not None
 
     def bytes_per_block(self, block_size: int) -> int:
-        """Bytes one block takes across all layers, K and V (and their scales, quantized);
-        keys only where the values are in the keys."""
+        """Bytes one block takes across all rows of the cache (the layers, or with KV cache
+        groups the layers of one group), K and V (and their scales, quantized); keys only
+        where the values are in the keys."""
         itemsize = np.dtype(self.cache_dtype if self.quantized else self.dtype).itemsize
         per_token_head = self.head_dim * itemsize + (4 if self.quantized else 0)
         arrays = 1 if self.values_in_keys else 2
-        return arrays * self.num_layers * block_size * self.num_kv_heads * per_token_head
+        return arrays * self.groups.num_rows * block_size * self.num_kv_heads * per_token_head
 
     def partition_spec(self, mesh: jax.sharding.Mesh) -> jax.sharding.PartitionSpec:
         """The PartitionSpec of one stacked cache array (KVCache.k or .v) under `mesh`:
@@ -152,8 +246,13 @@ class LayerStages:
     prologue: Callable[..., Any]  # (outer_params, batch) -> carry
     layer: Callable[..., Any]  # (layer_params, carry, kv_cache, i: int32 [], batch) -> (carry, kv_cache)
     epilogue: Callable[..., Any]  # (outer_params, carry, batch) -> logits [S, vocab] float32
-    num_layers: int
+    num_layers: int  # every decoder layer, all stacks together
     layers_key: str = "layers"  # params[layers_key]: the layers' weights, stacked [num_layers, ...]
+    # Layers whose weights differ in structure (DeepSeek: its first dense layers, then the MoE
+    # ones) lie in more than one stack: (params key, layer count) in layer order, each stack
+    # [count, ...]; `layer` (and fuse, pack_layer) take a layer of any of them, i its index
+    # among all layers. Empty: one stack, params[layers_key].
+    stacks: tuple[tuple[str, int], ...] = ()
     # One layer's weights -> a joined form `layer` also takes (e.g. q/k/v as one matrix),
     # applied by the runtime to per-layer weights that are whole on every device; None: none.
     # Weights in the joined form pass through unchanged.
@@ -163,6 +262,11 @@ class LayerStages:
     # form); applied by the runtime where it runs its CPU kernels. None: never packed.
     pack_layer: Callable[[Any], Any] | None = None
     pack_head: Callable[[dict], dict] | None = None
+
+    @property
+    def layer_stacks(self) -> tuple[tuple[str, int], ...]:
+        """(params key, layer count) of each stack of layers, in layer order."""
+        return self.stacks or ((self.layers_key, self.num_layers),)
 
 
 @dataclasses.dataclass
@@ -214,11 +318,14 @@ def allocate_kv_cache(
     spec: KVCacheSpec, num_blocks: int, block_size: int, sharding: jax.sharding.Sharding | None = None,
     attention_backend: str = "xla",
 ) -> KVCache:
-    """Zero-filled paged KV cache: K and V, each [num_layers, num_blocks, kv_heads, block_size, head_dim],
-    for the given attention backend (both backends read this one layout). Where the spec keeps
-    the values in the keys, V (and its scales) has no blocks: [num_layers, 0, kv_heads, block_size, 0]."""
-    shape = (spec.num_layers, num_blocks, spec.num_kv_heads, block_size, spec.head_dim)
-    v_shape = (spec.num_layers, 0, spec.num_kv_heads, block_size, 0) if spec.values_in_keys else shape
+    """Zero-filled paged KV cache: K and V, each [rows, num_blocks, kv_heads, block_size, head_dim]
+    (rows: the layers, or with KV cache groups the layers of one group), for the given attention
+    backend (both backends read this one layout). Where the spec keeps the values in the keys, V
+    (and its scales) has no blocks: [rows, 0, kv_heads, block_size, 0]."""
+    groups = spec.groups
+    shape = (groups.num_rows, num_blocks, spec.num_kv_heads, block_size, spec.head_dim)
+    v_shape = (groups.num_rows, 0, spec.num_kv_heads, block_size, 0) if spec.values_in_keys else shape
+    groups = groups if groups.num_groups > 1 else None
     mesh = partition_spec = None
     if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
         mesh, partition_spec = sharding.mesh, sharding.spec
@@ -227,7 +334,8 @@ def allocate_kv_cache(
     def zeros() -> KVCache:
         scale = (lambda s: jnp.ones(s[:-1], jnp.float32)) if spec.quantized else (lambda s: None)  # noqa: E731
         return KVCache(jnp.zeros(shape, stored), jnp.zeros(v_shape, stored), attention_backend=attention_backend,
-                       mesh=mesh, partition_spec=partition_spec, k_scale=scale(shape), v_scale=scale(v_shape))
+                       mesh=mesh, partition_spec=partition_spec, k_scale=scale(shape), v_scale=scale(v_shape),
+                       groups=groups)
 
     if sharding is None:
         return jax.jit(zeros)()
@@ -253,11 +361,14 @@ def make_step_input(
     num_seqs: int,
     num_tokens: int,
     lora_slots: np.ndarray | None = None,
+    group_block_tables: np.ndarray | None = None,
+    group_slot_mapping: np.ndarray | None = None,
 ) -> StepInput:
     """A StepInput from host arrays (int32).
 
     Raises:
-        ValueError: the token arrays are not all [T], or the sequence arrays not [S] / [S + 1].
+        ValueError: the token arrays are not all [T], the sequence arrays not [S] / [S + 1], or
+            the group arrays not [S, G, ...] / [G, T].
     """
     t, s = len(input_ids), len(seq_lens)
     if positions.shape != (t,) or slot_mapping.shape != (t,):
@@ -267,6 +378,10 @@ def make_step_input(
             f"block_tables {block_tables.shape}, query_start_loc {query_start_loc.shape} and logits_indices "
             f"{logits_indices.shape} must be [S={s}, ...], [S + 1] and [S]"
         )
+    if (group_block_tables is None) != (group_slot_mapping is None) or (group_block_tables is not None and (
+            group_block_tables.shape[0] != s or group_slot_mapping.shape != (group_block_tables.shape[1], t))):
+        raise ValueError(f"group_block_tables and group_slot_mapping must be [S={s}, G, ...] and [G, T={t}] "
+                         "(or both None)")
     i32 = lambda a: np.asarray(a, dtype=np.int32)  # noqa: E731
     return StepInput(
         input_ids=i32(input_ids),
@@ -279,4 +394,6 @@ def make_step_input(
         num_seqs=np.int32(num_seqs),
         num_tokens=np.int32(num_tokens),
         lora_slots=None if lora_slots is None else i32(lora_slots),
+        group_block_tables=None if group_block_tables is None else i32(group_block_tables),
+        group_slot_mapping=None if group_slot_mapping is None else i32(group_slot_mapping),
     )
