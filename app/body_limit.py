@@ -1,4 +1,5 @@
-"""BodySizeLimit: the HTTP front's limit on request bodies (a 413 in OpenAI's error shape)."""
+"""BodySizeLimit: the HTTP front's limit on request bodies (a 413 in OpenAI's error shape, or
+Anthropic's on its Messages API)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.anthropic_api import anthropic_error_body
 from app.openai_responses import ErrorResponse
 
 # Largest request body accepted: 16 MiB holds a max-length prompt of any model many times
@@ -32,7 +34,9 @@ class BodySizeLimit:
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             error = ErrorResponse.make(413, f"request body exceeds {self.limit} bytes")
-            return await JSONResponse(error.model_dump(), status_code=413)(scope, receive, send)
+            anthropic = scope.get("path", "").startswith("/v1/messages")  # Anthropic's error shape there
+            body = anthropic_error_body(error) if anthropic else error.model_dump()
+            return await JSONResponse(body, status_code=413)(scope, receive, send)
         received = 0
 
         async def limited() -> dict:

@@ -32,6 +32,7 @@ from ray.serve.handle import DeploymentHandle
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.anthropic_api import CountTokensRequest, MessagesRequest, anthropic_error_body, anthropic_sse
 from app.body_limit import BodySizeLimit
 from app.metrics import render_families
 from app.openai_requests import (
@@ -64,10 +65,20 @@ STREAM_OPTIONS = ({"stream": True, "_by_reference": False}
 IGNORED_FIELDS_HEADER = "x-servax-ignored-fields"
 
 
-def _json_error(err: ErrorResponse) -> JSONResponse:
+def _json_error(err: ErrorResponse, anthropic: bool = False) -> JSONResponse:
+    """The error's JSON response, in OpenAI's shape or (for the Messages API) Anthropic's."""
     # 429 and 503 are worth retrying: say when (clients such as openai's honour Retry-After).
     headers = {"Retry-After": "1"} if err.status_code in (429, 503) else None
-    return JSONResponse(err.model_dump(), status_code=err.status_code, headers=headers)
+    body = anthropic_error_body(err) if anthropic else err.model_dump()
+    return JSONResponse(body, status_code=err.status_code, headers=headers)
+
+
+def _is_anthropic(request: Request) -> bool:
+    """The request is to Anthropic's Messages API: its errors take Anthropic's shape."""
+    return request.url.path.startswith(ANTHROPIC_PREFIX)
+
+
+ANTHROPIC_PREFIX = "/v1/messages"
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -96,10 +107,13 @@ class OpenAIRouter:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
+        if "x-api-key" in request.headers and not header:  # Anthropic's clients send the key there
+            scheme, token = "bearer", request.headers["x-api-key"]
         # Constant-time, on bytes (compare_digest refuses non-ASCII str; headers arrive as latin-1).
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise APIError(ErrorResponse.make(
-                401, "missing or incorrect API key (send Authorization: Bearer <key>)", code="invalid_api_key"))
+                401, "missing or incorrect API key (send Authorization: Bearer <key>, or x-api-key: <key>)",
+                code="invalid_api_key"))
 
     def handle_for(self, model: str | None) -> DeploymentHandle:
         return self.route(model)[0]
@@ -192,14 +206,14 @@ class OpenAIRouter:
         return {m: ("ok" if not isinstance(r, BaseException) else f"{type(_unwrap(r)).__name__}: {_unwrap(r)}")
                 for m, r in zip(self.handles, results)}
 
-    async def call(self, method: str, body: TokenizeRequest | DetokenizeRequest) -> JSONResponse:
+    async def call(self, method: str, body: Any, anthropic: bool = False) -> JSONResponse:
         """Call LLMServer.<method>(body) once (no streaming) and answer with its body or error."""
         handle = self.handle_for(body.model)
         try:
             result = await getattr(handle, method).remote(body)
         except Exception as e:
             raise APIError(_server_error(e)) from e
-        return _json_error(result) if isinstance(result, ErrorResponse) else JSONResponse(result)
+        return _json_error(result, anthropic) if isinstance(result, ErrorResponse) else JSONResponse(result)
 
     async def tokenizer_info(self, model: str | None) -> JSONResponse:
         """vLLM's GET /tokenizer_info of `model` (the only model when None)."""
@@ -222,8 +236,10 @@ class OpenAIRouter:
         raise APIError(ErrorResponse.make(400, "Cannot find suitable handler for request. Expected one of: "
                                                "['ChatCompletionRequest', 'CompletionRequest']"))
 
-    async def relay(self, method: str, body: CompletionRequest | ChatCompletionRequest) -> Any:
-        """Call LLMServer.<method>(body) and turn what it yields into the HTTP response."""
+    async def relay(self, method: str, body: CompletionRequest | ChatCompletionRequest | MessagesRequest) -> Any:
+        """Call LLMServer.<method>(body) and turn what it yields into the HTTP response (for
+        Anthropic's Messages API, its errors and its named stream events)."""
+        anthropic = isinstance(body, MessagesRequest)
         handle, lora = self.route(body.model)
         ignored = body.ignored_fields
         headers = {IGNORED_FIELDS_HEADER: ",".join(quote(name, safe="_-.") for name in ignored)} if ignored else {}
@@ -241,10 +257,10 @@ class OpenAIRouter:
             raise APIError(_server_error(e)) from e
         if isinstance(first, ErrorResponse):
             gen.cancel()
-            return _json_error(first)
+            return _json_error(first, anthropic)
         if not body.stream:
             return JSONResponse(first, headers=headers)
-        return StreamingResponse(_sse(first, gen), media_type="text/event-stream",
+        return StreamingResponse((_anthropic_events if anthropic else _sse)(first, gen), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", **headers})
 
 
@@ -286,6 +302,24 @@ async def _sse(first: dict[str, Any], gen: Any) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
+async def _anthropic_events(first: dict[str, Any], gen: Any) -> AsyncIterator[str]:
+    """Anthropic's server-sent events (`event: <type>` + `data: {json}`; no [DONE]); a failure
+    mid-stream is an `error` event. Cancellation as in `_sse`."""
+    finished = False
+    try:
+        yield anthropic_sse(first)
+        async for item in gen:
+            yield anthropic_sse(item)
+        finished = True
+    except RequestCancelledError:
+        return
+    except Exception as e:
+        yield anthropic_sse(anthropic_error_body(_server_error(e)))
+    finally:
+        if not finished:
+            gen.cancel()
+
+
 # pydantic names union members and validators in an error's location (`prompt.str`,
 # `prompt.list[int]`, `function-after[...]`); the client's parameter is the rest.
 _NOT_A_FIELD = re.compile(r"^(str|int|float|bool|none|dict|list|function-\w+)(\[.*\])?$")
@@ -312,31 +346,34 @@ def _error_text(error: dict[str, Any]) -> str:
 
 
 def build_openai_api(router: OpenAIRouter) -> FastAPI:
-    """The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /health, and vLLM's
-    other routes (/tokenize, /detokenize, /tokenizer_info, /invocations, /ping, /version, /metrics)."""
+    """The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, Anthropic's /v1/messages
+    (and /v1/messages/count_tokens), /health, and vLLM's other routes (/tokenize, /detokenize,
+    /tokenizer_info, /invocations, /ping, /version, /metrics)."""
     api = FastAPI(title="servax", description="OpenAI-compatible LLM serving on JAX")
     api.add_middleware(BodySizeLimit)
 
     @api.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _json_error(exc.response)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _json_error(exc.response, _is_anthropic(request))
 
     @api.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+        anthropic = _is_anthropic(request)
         if first.get("type") == "json_invalid":
-            return _json_error(ErrorResponse.make(400, f"request body is not valid JSON: {first.get('msg')}"))
+            return _json_error(ErrorResponse.make(400, f"request body is not valid JSON: {first.get('msg')}"),
+                               anthropic)
         cause = (first.get("ctx") or {}).get("error")  # a validator's InvalidRequestError names its field
         param = getattr(cause, "param", None) or _param_of(tuple(first.get("loc", ())))
         if param is None and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
-            return _json_error(ErrorResponse.make(400, "request body must be a JSON object"))
-        return _json_error(ErrorResponse.make(400, "; ".join(_error_text(e) for e in errors), param=param))
+            return _json_error(ErrorResponse.make(400, "request body must be a JSON object"), anthropic)
+        return _json_error(ErrorResponse.make(400, "; ".join(_error_text(e) for e in errors), param=param), anthropic)
 
     @api.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return _json_error(ErrorResponse.make(exc.status_code, str(exc.detail), type=kind))
+        return _json_error(ErrorResponse.make(exc.status_code, str(exc.detail), type=kind), _is_anthropic(request))
 
     @api.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
@@ -359,6 +396,17 @@ def build_openai_api(router: OpenAIRouter) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         router.authorize(request)
         return await router.relay("chat", body)
+
+    @api.post(ANTHROPIC_PREFIX)
+    async def messages(body: MessagesRequest, request: Request) -> Any:
+        """Anthropic's Messages API (app.anthropic_api)."""
+        router.authorize(request)
+        return await router.relay("messages", body)
+
+    @api.post(ANTHROPIC_PREFIX + "/count_tokens")
+    async def count_tokens(body: CountTokensRequest, request: Request) -> JSONResponse:
+        router.authorize(request)
+        return await router.call("count_tokens", body, anthropic=True)
 
     if router.allow_runtime_lora_updating:
         @api.post("/v1/load_lora_adapter")

@@ -8,7 +8,8 @@ the typed methods through a handle:
     async for delta in handle.options(stream=True).stream.remote([{"role": "user", "content": "Hi"}]):
         print(delta.text, end="")
 
-The ingress uses `completion` / `chat` (OpenAI bodies, see app.openai_api), `model_info`
+The ingress uses `completion` / `chat` (OpenAI bodies, see app.openai_api), `messages` /
+`count_tokens` (Anthropic's, see app.anthropic_api), `model_info`
 and `stats`. Every generating method, handle or OpenAI, runs through the replica's one
 Relay (app.relay). Serve calls `check_health` periodically and replaces a replica whose
 engine loop has died.
@@ -28,6 +29,7 @@ from typing import Any
 
 from ray import serve
 
+from app.anthropic_api import AnthropicServing, CountTokensRequest, MessagesRequest
 from app.llm_config import LLMConfig
 from app.metrics import ServerMetrics
 from app.openai_api import OpenAIServing
@@ -122,6 +124,7 @@ class LLMServerImpl:
         self.metrics = ServerMetrics(self.model_id, enabled=self.llm_config.log_engine_metrics)
         self.relay = Relay(self.engine, self.model_id, self.metrics)
         self.serving = OpenAIServing(self.engine, self.model_id, self.relay, self.llm_config.serving_config())
+        self.anthropic = AnthropicServing(self.serving)
         self._load_multiplexed = None
         lora_config = self.llm_config.lora_config
         if lora_config is not None and lora_config.dynamic_lora_loading_path:
@@ -286,6 +289,18 @@ class LLMServerImpl:
             async for item in items:
                 yield item
         self._update_gauges()
+
+    async def messages(self, request: MessagesRequest, lora: dict[str, Any] | None = None
+                       ) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
+        """Anthropic /v1/messages bodies: the message, or with stream each event (see
+        app.anthropic_api.AnthropicServing.messages)."""
+        async with aclosing(self._serve(self.anthropic.messages, request, lora)) as items:
+            async for item in items:
+                yield item
+
+    def count_tokens(self, request: CountTokensRequest) -> dict[str, Any] | ErrorResponse:
+        """Anthropic /v1/messages/count_tokens body: {input_tokens}."""
+        return self.anthropic.count_tokens(request)
 
     def tokenize(self, request: TokenizeRequest) -> dict[str, Any] | ErrorResponse:
         """vLLM's /tokenize body (see app.openai_api.OpenAIServing.tokenize)."""

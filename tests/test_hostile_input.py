@@ -172,6 +172,42 @@ def _bodies(draw, route: str):
     return body
 
 
+_BLOCKS = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.one_of(st.text(max_size=20), _SCALARS)}),
+    st.fixed_dictionaries({"type": st.just("tool_use")}, optional={"id": _SCALARS, "name": _SCALARS, "input": _VALUES}),
+    st.fixed_dictionaries({"type": st.just("tool_result")},
+                          optional={"tool_use_id": _SCALARS, "content": st.one_of(_VALUES, _MIXED)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["thinking", "image", "redacted_thinking", "x", 3])},
+                          optional={"thinking": _SCALARS, "source": _VALUES}))
+_MESSAGES_FIELDS = {
+    "max_tokens": st.integers(-2, 40), "system": st.one_of(st.text(max_size=20), st.lists(_BLOCKS, max_size=2)),
+    "stop_sequences": st.lists(st.text(max_size=4), max_size=3), "temperature": st.floats(-1, 3),
+    "top_p": st.floats(-0.5, 1.5), "top_k": st.integers(-3, 600), "stream": st.booleans(), "metadata": _VALUES,
+    "tools": st.lists(st.fixed_dictionaries({"name": st.text(max_size=6)}, optional={"input_schema": _VALUES}),
+                      max_size=2),
+    "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none", "x"])},
+                                         optional={"name": _SCALARS, "disable_parallel_tool_use": _SCALARS}),
+    "thinking": st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled", "adaptive", 1])},
+                                      optional={"budget_tokens": st.integers(-1, 5000)}),
+    "chat_template_kwargs": _VALUES, "no_such_field": _SCALARS,
+}
+
+
+@st.composite
+def _messages_bodies(draw):
+    """Anthropic Messages bodies: content blocks of every kind, mixed with junk."""
+    body: dict = {"model": draw(st.sampled_from([MODEL, MODEL, "nope", 5]))}
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "user", "system", 1]),
+                                     "content": st.one_of(st.text(max_size=30), st.lists(_BLOCKS, max_size=3),
+                                                          _VALUES)})
+    body["messages"] = draw(st.one_of(st.lists(message, min_size=1, max_size=3), _VALUES))
+    if draw(st.integers(0, 9)):
+        body["max_tokens"] = draw(st.integers(1, 8))
+    for name in draw(st.lists(st.sampled_from(sorted(_MESSAGES_FIELDS)), max_size=4, unique=True)):
+        body[name] = draw(st.one_of(_MESSAGES_FIELDS[name], _VALUES))
+    return body
+
+
 def _check(http, path: str, body) -> int:
     """Send one fuzzed body; its status, once the answer has the right shape."""
     content = json.dumps(body, allow_nan=True)
@@ -183,9 +219,14 @@ def _check(http, path: str, body) -> int:
     if r.status_code >= 400:
         err = json.loads(raw)["error"]
         assert err["message"] and err["type"], err
+        assert not path.startswith("/v1/messages") or json.loads(raw)["type"] == "error", raw[:300]
     elif not r.headers["content-type"].startswith("text/event-stream"):
         answer = json.loads(raw)
-        assert answer.get("choices") or "tokens" in answer or "prompt" in answer, raw[:300]
+        assert answer.get("choices") or answer.get("content") or {"tokens", "prompt", "input_tokens"} & set(answer), \
+            raw[:300]
+    elif path.startswith("/v1/messages"):  # Anthropic's events: no [DONE]
+        assert raw.rstrip().endswith(b'data: {"type": "message_stop"}'), raw[-300:]
+        assert b"event: error" not in raw, raw[:500]
     else:
         assert raw.rstrip().endswith(b"data: [DONE]"), raw[-300:]
         assert b'"error"' not in raw, raw[:500]
@@ -214,6 +255,15 @@ def test_fuzzed_bodies_never_500(http, route):
     """300 random bodies per route (hypothesis), types mixed inside lists and objects: many
     refused, some served; never a 5xx."""
     outcomes = _fuzz(http, f"/v1/{route}", _bodies(route), 300)
+    assert outcomes[200] >= 3 and sum(n for status, n in outcomes.items() if status >= 400) >= 100, outcomes
+    assert_still_serving(http)
+
+
+@pytest.mark.slow
+def test_fuzzed_anthropic_messages_never_500(http):
+    """300 random Anthropic Messages bodies (content blocks of every kind, junk mixed in): 4xx
+    in Anthropic's error shape or a message, never a 5xx."""
+    outcomes = _fuzz(http, "/v1/messages", _messages_bodies(), 300)
     assert outcomes[200] >= 3 and sum(n for status, n in outcomes.items() if status >= 400) >= 100, outcomes
     assert_still_serving(http)
 
@@ -266,7 +316,8 @@ def _openapi_bodies(http, path: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+                                  "/v1/messages", "/v1/messages/count_tokens"])
 def test_bodies_from_the_openapi_document_never_500(http, path):
     """Bodies drawn from the route's own request schema (servax's /openapi.json), with values of
     the wrong type mixed in at every level: never a 5xx."""
