@@ -96,8 +96,11 @@ ContentBlock = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock
 
 
 class AnthropicMessage(BaseModel):
+    """A turn; vLLM also takes `system` turns (Claude Code's reminders): their text joins the
+    system prompt, where every chat template accepts it."""
+
     model_config = ConfigDict(extra="forbid")
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
 
@@ -164,9 +167,15 @@ class _MessagesBody(BaseModel):
         """The conversation as OpenAI chat messages (vLLM's conversion)."""
         out: list[dict[str, Any]] = []
         system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system or ())
+        for message in self.messages:
+            if message.role == "system":
+                system += message.content if isinstance(message.content, str) else "".join(
+                    b.text for b in message.content if isinstance(b, TextBlock))
         if system:
             out.append({"role": "system", "content": system})
         for i, message in enumerate(self.messages):
+            if message.role == "system":
+                continue
             if isinstance(message.content, str):
                 out.append({"role": message.role, "content": message.content})
                 continue
@@ -199,8 +208,8 @@ class _MessagesBody(BaseModel):
             if "content" in chat or message.role == "assistant":
                 chat.setdefault("content", "")
                 out.append(chat)
-        if not out:
-            raise InvalidRequestError("messages must hold at least one message", param="messages")
+        if all(m["role"] == "system" for m in out):
+            raise InvalidRequestError("messages must hold at least one user or assistant message", param="messages")
         return out
 
     def _chat_fields(self) -> dict[str, Any]:

@@ -233,7 +233,8 @@ class OpenAIServing:
                                               stop_reason=c.stop_reason,
                                               token_ids=list(c.token_ids) if request.return_token_ids else None))
                 yield ChatCompletionResponse(
-                    id=request_id, created=created, model=model, choices=choices, usage=self._chat_usage(out, reasoning),
+                    id=request_id, created=created, model=model, choices=choices,
+                    usage=self._chat_usage(out, reasoning),
                     prompt_logprobs=self.logprobs.prompt(out.prompt_logprobs),
                     prompt_token_ids=list(out.prompt_token_ids) if request.return_token_ids else None).model_dump()
                 return

@@ -22,7 +22,8 @@ API_KEY = "anthropic-key"
 ENGINE = dict(model_impl="jax", max_model_len=640, max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=256,
               show_progress=False, enable_auto_tool_choice=True, tool_call_parser="hermes")
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
-           "input_schema": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}
+           "input_schema": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                            "required": ["city"]}}
 GREEDY = {"temperature": 0}  # anthropic's client no longer names temperature: sent as it is in the body
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -70,7 +71,9 @@ def test_errors_take_anthropics_shape_with_the_right_status(base_url):
         ({"model": PLAIN, "messages": ASK}, 400, "invalid_request_error", "max_tokens: Field required"),
         ({**ok, "max_tokens": 0}, 400, "invalid_request_error", "max_tokens"),
         ({**ok, "model": "nope"}, 404, "not_found_error", "nope"),
-        ({**ok, "messages": [{"role": "system", "content": "x"}]}, 400, "invalid_request_error", "messages.0.role"),
+        ({**ok, "messages": [{"role": "tool", "content": "x"}]}, 400, "invalid_request_error", "messages.0.role"),
+        ({**ok, "messages": [{"role": "system", "content": "x"}]}, 400, "invalid_request_error",
+         "at least one user or assistant message"),
         ({**ok, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
          "invalid_request_error", "image content blocks are not supported"),
         ({**ok, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "other"}}, 400, "invalid_request_error",
@@ -79,7 +82,7 @@ def test_errors_take_anthropics_shape_with_the_right_status(base_url):
         ({**ok, "temperature": -1}, 400, "invalid_request_error", "temperature"),
         ({**ok, "thinking": {"type": "enabled", "budget_tokens": 2048}}, 400, "invalid_request_error",
          "budget_tokens must be less than max_tokens"),
-        ({**ok, "messages": []}, 400, "invalid_request_error", "at least one message"),
+        ({**ok, "messages": []}, 400, "invalid_request_error", "at least one user or assistant message"),
     ]:
         got, err = post(body)
         assert (got, err["type"], err["error"]["type"]) == (status, "error", kind), (body, err)
