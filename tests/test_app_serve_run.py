@@ -111,6 +111,25 @@ def test_handle_generate_and_stream(handle):
     assert [g.index for g in two.outputs] == [0, 1] and two.prompt_token_ids == [5, 6, 7]
 
 
+def test_anthropic_messages_through_the_proxy_and_the_handle(base_url, handle):
+    """The colocated app serves Anthropic's Messages API over Serve's proxy, and as the handle's
+    `messages` method (#43)."""
+    import anthropic
+
+    from app.anthropic_api import MessagesRequest
+
+    client = anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0)
+    body = dict(model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "Hi"}])
+    message = client.messages.create(**body, extra_body={"temperature": 0})
+    assert message.content[0].type == "text" and message.stop_reason in ("max_tokens", "end_turn")
+    with client.messages.stream(**body, extra_body={"temperature": 0}) as stream:
+        assert stream.get_final_message().content[0].text == message.content[0].text
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(**{**body, "model": "nope"})
+    (reply,) = list(handle.options(stream=True).messages.remote(MessagesRequest(**body, temperature=0)))
+    assert reply["content"][0]["text"] == message.content[0].text
+
+
 def test_handle_errors_keep_their_type(handle):
     from runtime.engine.errors import InvalidRequestError
 
