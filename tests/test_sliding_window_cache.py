@@ -193,6 +193,21 @@ def test_long_conversation_on_xla_attention_in_one_scanned_step(name, tiny_check
         assert_no_blocks_held(llm)
 
 
+@pytest.mark.slow
+def test_speculative_drafts_on_sliding_groups_keep_the_tokens(tiny_checkpoint):
+    """n-gram drafts verified a row per token over the group tables, on prompts that quote
+    themselves: transformers' greedy tokens."""
+    rng = random.Random(7)
+    prompts = [([rng.randrange(4, 500) for _ in range(6)] * 60)[:n] for n in (310, 333)]
+    hf = hf_model(tiny_checkpoint("gemma3"))
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+             "adaptive_drafts": False}
+    with tiny_llm("gemma3", **LONG, speculative_config=ngram) as llm:
+        assert tokens(llm.generate(prompts, greedy(NEW))) == [hf_greedy(hf, p, NEW) for p in prompts]
+        assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
+        assert_no_blocks_held(llm)
+
+
 def test_long_gemma3_sequence_holds_its_global_context_plus_windows(long_gemma):
     """Measured at every step of a 420-token prompt and its decode: the request holds its global
     layers' blocks for the whole context plus, per sliding group, the window before the step and
