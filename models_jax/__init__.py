@@ -44,7 +44,8 @@ class ModelEntry:
         weight_table: args -> pytree of WeightSpec.
         forward: the step function, (params, kv_cache, batch, *, args) -> (logits, kv_cache).
         stages: (prologue, layer, epilogue), the step split at its decoder layers, whose
-            stacked weights are params["layers"]; None if the model does not offer it.
+            stacked weights are params["layers"] (or see layer_stacks); None if the model does
+            not offer it.
         lora_targets: args -> {PEFT module name: runtime.ops.lora.LoRATarget}, the projections
             LoRA adapters may adapt; the layer then reads the adapter slots from
             layer_params["lora"] (see runtime/ops/lora.py). None: no LoRA for this model.
@@ -56,6 +57,9 @@ class ModelEntry:
             form); the runtime applies it where it runs its CPU kernels. None: never packed.
         pack_head: the params without their layers -> the same with the LM head packed
             likewise (prologue and epilogue read either form). None: never packed.
+        layer_stacks: args -> ((params key, layer count), ...), where a model's layers lie in
+            more than one stack of weights (runtime.ops.step.LayerStages.stacks); None: all in
+            params["layers"].
         kv_spec: (args, dtype) -> runtime.ops.step.KVCacheSpec, what one block of the paged
             cache holds where that is not K and V per KV head (multi-head latent attention keeps
             one latent per token). None: K and V of num_kv_heads * kv_repeat heads of head_dim,
@@ -76,3 +80,4 @@ class ModelEntry:
     pack_head: Callable[..., dict] | None = None
     kv_spec: Callable[[Any, Any], Any] | None = None
     window_blocks: bool = False
+    layer_stacks: Callable[[Any], tuple[tuple[str, int], ...]] | None = None

@@ -27,10 +27,12 @@ V3 sigmoid scores chosen with `e_score_correction_bias` (choosing, not weighting
 `topk_group` of `n_group` groups; both scaled by `routed_scaling_factor`, with
 `n_shared_experts` shared experts (one ungated MLP) beside them.
 
-The layers are not uniform, so the step scans two stacks over one KV cache (params
-"dense_layers", then "layers") and the model offers no layer stages (no layer-by-layer
-stepping, packed weights or LoRA). Multi-token-prediction layers (V3's model.layers.61) are
-not read.
+The layers are not uniform, so their weights lie in two stacks over one KV cache (params
+"dense_layers", then "layers"): `forward` scans each; the runtime's layered step
+(runtime/ops/layered.py) runs a layer program per stack on per-layer weights, packed for the
+CPU kernels where it runs them (`pack_layer`: q/kv_a/o and the MLPs; the routed experts through
+the grouped kernel). LoRA adapters are not served on these models. Multi-token-prediction
+layers (V3's model.layers.61) are not read.
 """
 
 from __future__ import annotations
@@ -43,11 +45,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models_jax import ModelEntry, layers, llama, moe
+from models_jax import ModelEntry, layers, llama, llama_moe, moe
 from models_jax.weights import (
     WeightSpec, embedding, is_weight_spec, linear, linear_from_heads, linear_to_heads, stacked, vector, zeros,
 )
 from runtime.ops.attention import paged_attention
+from runtime.ops.matmul import PackedWeight, pack_matrix
 from runtime.ops.step import KVCache, KVCacheSpec, StepInput
 
 # The RMSNorms inside attention (q_a_layernorm, kv_a_layernorm) keep transformers' default eps,
@@ -273,9 +276,17 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) -> jax
     return layers.apply_rope(x, cos, sin)
 
 
-def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
-    y = x @ w
+def _linear(x: jax.Array, w: Any, b: jax.Array | None, rows: jax.Array) -> jax.Array:
+    """x [T, in] @ w [in, out] (or w packed; rows: see layers.matmul) (+ b)."""
+    y = layers.matmul(x, w, rows)
     return y if b is None else y + b
+
+
+def _to_heads(x: jax.Array, w: Any, heads: int, rows: jax.Array) -> jax.Array:
+    """x [T, in] @ w [in, heads, dims] (or that packed as [in, heads * dims]) -> [T, heads, dims]."""
+    if isinstance(w, PackedWeight):
+        return w.matmul(x, rows).reshape(x.shape[0], heads, -1)
+    return layers.project_to_heads(x, w)
 
 
 def attention_block(
@@ -291,14 +302,15 @@ def attention_block(
     """Latent attention in the absorbed form (see the module docstring)."""
     nope, r = a.qk_nope_head_dim, a.kv_lora_rank
     with jax.named_scope("q"):
+        rows, h = batch.num_tokens, a.num_heads
         if "q" in p:
-            q = layers.project_to_heads(x, p["q"])  # [T, H, nope + rope]
+            q = _to_heads(x, p["q"], h, rows)  # [T, H, nope + rope]
         else:
-            q_a = layers.rms_norm(_linear(x, p["q_a"], p.get("q_a_bias")), p["q_a_norm"], LATENT_NORM_EPS)
-            q = layers.project_to_heads(q_a, p["q_b"])
+            q_a = layers.rms_norm(_linear(x, p["q_a"], p.get("q_a_bias"), rows), p["q_a_norm"], LATENT_NORM_EPS)
+            q = _to_heads(q_a, p["q_b"], h, rows)
         q_rope = rope(q[..., nope:], cos, sin, a.rope_interleave)  # [T, H, rope]
     with jax.named_scope("latent"):
-        kv = _linear(x, p["kv_a"], p.get("kv_a_bias"))  # [T, r + rope]
+        kv = _linear(x, p["kv_a"], p.get("kv_a_bias"), rows)  # [T, r + rope]
         latent = layers.rms_norm(kv[:, :r], p["kv_a_norm"], LATENT_NORM_EPS)  # [T, r]
         k_rope = rope(kv[:, None, r:], cos, sin, a.rope_interleave)  # [T, 1, rope]
         key = jnp.concatenate([latent[:, None, :], k_rope], axis=-1)  # [T, 1, r + rope]: what the cache keeps
@@ -354,10 +366,49 @@ def forward(params: dict, kv_cache: KVCache, batch: StepInput, *, args: Deepseek
     return llama.epilogue(params, carry, batch, args=args), kv_cache
 
 
+def layer_stacks(a: DeepseekArgs) -> tuple[tuple[str, int], ...]:
+    """The two stacks of layers (runtime.ops.step.LayerStages.stacks): dense, then MoE."""
+    stacks = (("dense_layers", a.num_dense_layers), ("layers", a.num_layers - a.num_dense_layers))
+    return tuple((key, n) for key, n in stacks if n)
+
+
+def fuse_layer(p: dict) -> dict:
+    """A dense layer's gate and up joined ([D, 2F]); a MoE layer's experts' and shared expert's
+    likewise (models_jax/llama_moe.py)."""
+    if "router" in p["mlp"]:
+        return llama_moe.fuse_layer(p)
+    return {**p, "mlp": llama._joined(p["mlp"], ("gate", "up"), "gate_up")}
+
+
+def pack_layer(p: dict) -> dict:
+    """One layer's projections as runtime.ops.matmul.PackedWeight where the kernels take them:
+    q (or q_a, q_b) and kv_a, o, the MLP (dense, or the experts and shared expert). kv_b stays
+    an array: the absorbed form multiplies it per head, not as one matrix."""
+    out = dict(p)
+    for name in ("q", "q_b"):  # [in, H, nope + rope] -> [in, H * (nope + rope)]
+        if name in p and isinstance(p[name], jax.Array):
+            out[name] = pack_matrix(p[name].reshape(p[name].shape[0], -1))
+    for name in ("q_a", "kv_a"):
+        if name in p:
+            out[name] = pack_matrix(p[name])
+    out["o"] = pack_matrix(p["o"], inputs=2)  # [H, v, D] -> [H * v, D]
+    mlp = p["mlp"]
+    if "router" in mlp:
+        out["mlp"] = llama_moe.pack_moe_block(mlp)
+    elif "gate_up" in mlp:
+        out["mlp"] = {**mlp, "gate_up": pack_matrix(mlp["gate_up"]), "down": pack_matrix(mlp["down"])}
+    return out
+
+
 ENTRY = ModelEntry(
     architectures=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
     config_from_hf=DeepseekArgs.from_hf,
     weight_table=weight_table,
     forward=forward,
+    stages=(llama.prologue, decoder_layer, llama.epilogue),
+    layer_stacks=layer_stacks,
+    fuse_layer=fuse_layer,
+    pack_layer=pack_layer,
+    pack_head=llama.pack_head,
     kv_spec=kv_spec,
 )

@@ -127,15 +127,19 @@ def _float32(w: object) -> bool:
 def pack_layer(p: dict) -> dict:
     """Attention's joined projections (as the Llama family packs them) and the experts as packed
     weights for the CPU kernels."""
-    out = llama.pack_layer(p)
-    block = dict(p["mlp"])
+    return {**llama.pack_layer(p), "mlp": pack_moe_block(p["mlp"])}
+
+
+def pack_moe_block(block: dict) -> dict:
+    """A MoE block (joined by fuse_layer) with its float32 experts as PackedExperts and its
+    shared expert's joined matrices as PackedWeight; the router and biases as they are."""
+    block = dict(block)
     block["experts"] = {k: PackedExperts.pack(w) if _float32(w) and w.ndim == 3 else w  # biases stay
                         for k, w in block["experts"].items()}
     if "shared" in block and "gate_up" in block["shared"]:
         block["shared"] = {**block["shared"], "gate_up": pack_matrix(block["shared"]["gate_up"]),
                            "down": pack_matrix(block["shared"]["down"])}
-    out["mlp"] = block
-    return out
+    return block
 
 
 ENTRY = ModelEntry(

@@ -85,12 +85,13 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: 
     if entry.stages is not None:
         pack_head = functools.partial(entry.pack_head, args=args) if entry.pack_head is not None else None
         stages = LayerStages(*(functools.partial(fn, args=args) for fn in entry.stages), num_layers=args.num_layers,
+                             stacks=entry.layer_stacks(args) if entry.layer_stacks is not None else (),
                              fuse=entry.fuse_layer, pack_layer=entry.pack_layer, pack_head=pack_head)
     if layered:  # {name: [per-layer arrays]} -> [{name: array} per layer]
-        key, n = stages.layers_key, stages.num_layers
         is_parts = lambda x: isinstance(x, list)  # noqa: E731
-        params[key] = [jax.tree.map(lambda parts, i=i: parts[i], params[key], is_leaf=is_parts) for i in range(n)]
-        shardings[key] = [shardings[key]] * n
+        for key, n in stages.layer_stacks:
+            params[key] = [jax.tree.map(lambda parts, i=i: parts[i], params[key], is_leaf=is_parts) for i in range(n)]
+            shardings[key] = [shardings[key]] * n
         step_fn = functools.partial(layered_forward, stages=stages)
     targets = entry.lora_targets(args) if entry.lora_targets is not None else None
     read_adapter = None if targets is None else functools.partial(

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
 from conftest import (
     ENGINE_PROMPTS as PROMPTS, assert_prefix_hits_keep_their_tokens, assert_prompt_logprobs_match_hf, greedy,
-    hf_greedy, hf_model, NEW_TOKENS,
-    output_tokens as tokens, quick_loop_keeps, SMALL_ENGINE as ENGINE, tiny_llm,
+    hf_greedy, hf_logits, hf_model, NEW_TOKENS,
+    output_tokens as tokens, PagedRunner, quick_loop_keeps, SMALL_ENGINE as ENGINE, tiny_llm,
 )
 
 DEEPSEEK = ["deepseek_v2", "deepseek_v3"]
@@ -43,6 +44,28 @@ def test_deepseek_runs_natively_on_a_latent_cache(deepseek_model):
     assert cache.v.size == 0  # the values are the latent's first kv_lora_rank dims
     assert llm.engine.plan.kv_spec.value_dims == cfg.kv_lora_rank
     assert llm.engine.plan.attention_backend == "xla"  # the kernels read separate values
+    # Stepped a few layers per call, a program per stack (dense layers, then MoE), on packed weights
+    layered = llm.engine.programs.layered
+    assert [(s.key, len(s.layers)) for s in layered.stacks] == [
+        ("dense_layers", cfg.first_k_dense_replace), ("layers", cfg.num_hidden_layers - cfg.first_k_dense_replace)]
+    assert layered.packed
+
+
+@pytest.mark.parametrize("name", quick_loop_keeps(DEEPSEEK, "deepseek_v2"))
+def test_deepseek_scanned_step_matches_transformers_logits(name, tiny_checkpoint):
+    """The whole step in one program (each stack of layers under a scan, as under `layered:
+    false`) over a shuffled paged cache: every decode step's logits within 1e-4 of
+    transformers' on the full sequence, and the same greedy tokens."""
+    import registry
+
+    path = tiny_checkpoint(name)
+    loaded = registry.load(str(path), model_impl="jax", dtype="float32")
+    runner = PagedRunner(loaded, jax.jit(loaded.step_fn, donate_argnames="kv_cache"), pad_tokens=32)
+    prompt = PROMPTS[1]
+    got, logits = runner.greedy(prompt, 16)
+    hf = hf_model(path)
+    assert got == hf_greedy(hf, prompt, 16)
+    np.testing.assert_allclose(logits, hf_logits(hf, prompt + got[:-1])[len(prompt) - 1:], atol=1e-4)
 
 
 @pytest.mark.slow
@@ -243,6 +266,7 @@ def test_deepseek_tensor_and_expert_parallel_match_one_device(servax_cache):
             assert run[field] == ref[field], f"{key}: {field}"
     tp = runs[("v3", 2)]
     assert tp["kv"]["shard_shape"] == tp["kv"]["shape"]  # one latent head: replicated, not split
-    assert tp["params"]["kv_b"]["shard_shape"] == [2, 32, 2, 32]  # [layers, r, heads / 2, nope + v]
-    assert tp["params"]["gate"]["shard_shape"] == [2, 8, 64, 16]  # every expert, half its features
-    assert runs[("v3-ep", 2)]["params"]["gate"]["shard_shape"] == [2, 4, 64, 32]  # half the experts, whole
+    # Layer 0's of each (the layers are stepped a few per call, each with arrays of its own)
+    assert tp["params"]["kv_b"]["shard_shape"] == [32, 2, 32]  # [r, heads / 2, nope + v]
+    assert tp["params"]["gate"]["shard_shape"] == [8, 64, 16]  # every expert, half its features
+    assert runs[("v3-ep", 2)]["params"]["gate"]["shard_shape"] == [4, 64, 32]  # half the experts, whole

@@ -60,12 +60,13 @@ def layers_per_call(num_layers: int, most: int = MAX_LAYERS_PER_CALL) -> int:
 
 
 def layered_forward(params: dict, kv_cache: KVCache, batch: StepInput, *, stages: LayerStages):
-    """The whole step from its stages, with params[layers_key] a list of per-layer weights
-    (the form LayeredStep leaves a model in); one program when jitted whole."""
-    key = stages.layers_key
-    outer = {k: v for k, v in params.items() if k != key}
+    """The whole step from its stages, with each params[key] of stages.layer_stacks a list of
+    per-layer weights (the form LayeredStep leaves a model in); one program when jitted whole."""
+    keys = [key for key, _ in stages.layer_stacks]
+    outer = {k: v for k, v in params.items() if k not in keys}
     carry = stages.prologue(outer, batch)
-    for i, layer_params in enumerate(params[key]):
+    per_layer = [layer_params for key in keys for layer_params in params[key]]
+    for i, layer_params in enumerate(per_layer):
         carry, kv_cache = stages.layer(layer_params, carry, kv_cache, jnp.int32(i), batch)
     return stages.epilogue(outer, carry, batch), kv_cache
 
@@ -163,13 +164,26 @@ def _layers_in_order(layer: Any) -> Any:
     return run
 
 
+@dataclasses.dataclass
+class _Stack:
+    """One stack of layers as LayeredStep runs it: its per-layer weights and the program that
+    runs `per_call` of them from the index of the first (`firsts`: each call's, on the device)."""
+
+    key: str
+    layers: list
+    per_call: int
+    program: Any
+    firsts: list
+
+
 class LayeredStep:
     """Steps a LoadedModel a few layers per call (see the module docstring).
 
-    Takes ownership of `model.params`: the stacked layer weights are replaced by per-layer
-    arrays (model.params[layers_key] becomes a list, model.param_shardings likewise), and
+    Takes ownership of `model.params`: each stack's stacked layer weights are replaced by
+    per-layer arrays (model.params[key] becomes a list, model.param_shardings likewise), and
     model.step_fn by `layered_forward`, which computes the same from that form. A model
-    already in that form (a second engine on the same LoadedModel) is used as it is.
+    already in that form (a second engine on the same LoadedModel) is used as it is. A model
+    whose layers lie in several stacks (LayerStages.stacks) gets a layer program per stack.
     """
 
     def __init__(self, model: LoadedModel, mesh: Mesh, kv_sharding: NamedSharding | KVCache,
@@ -178,47 +192,66 @@ class LayeredStep:
         assert stages is not None
         if compute_float32 and not getattr(stages.prologue, "computes_float32", False):
             model.stages = stages = dataclasses.replace(stages, prologue=_float32_carry(stages.prologue))
-        key, n = stages.layers_key, stages.num_layers
-        self.outer = {k: v for k, v in model.params.items() if k != key}
-        if isinstance(model.params[key], list):  # per-layer already (the torchax path, or another engine's)
-            self.layers = model.params[key]
-        else:
-            self.layers = _unstack(model.params[key], model.param_shardings[key], n, mesh)
+        keys = [key for key, _ in stages.layer_stacks]
+        self.outer = {k: v for k, v in model.params.items() if k not in keys}
+        per_stack = {}
+        for key, n in stages.layer_stacks:
+            if isinstance(model.params[key], list):  # per-layer already (the torchax path, or another engine's)
+                per_stack[key] = model.params[key]
+            else:
+                per_stack[key] = _unstack(model.params[key], model.param_shardings[key], n, mesh)
         replicated = NamedSharding(mesh, PartitionSpec())
-        whole = all(a.sharding.is_fully_replicated for a in jax.tree.leaves(self.layers))
-        changes = []  # changes of each layer's form, made in one pass (one program) per layer
-        if stages.fuse is not None and whole and _fuse_changes(stages.fuse, self.layers[0]):
-            changes.append(stages.fuse)
-        if pack and packed_matmul_available() and whole and all(
+        every_layer = [layer for key in keys for layer in per_stack[key]]
+        whole = all(a.sharding.is_fully_replicated for a in jax.tree.leaves(every_layer))
+        if pack and packed_matmul_available() and whole and stages.pack_head is not None and all(
                 a.sharding.is_fully_replicated for a in jax.tree.leaves(self.outer)):
-            if stages.pack_layer is not None and _fuse_changes(stages.pack_layer,
-                                                               jax.eval_shape(_chain(changes), self.layers[0])):
-                changes.append(stages.pack_layer)
-            if stages.pack_head is not None and _fuse_changes(stages.pack_head, self.outer):
+            if _fuse_changes(stages.pack_head, self.outer):
                 self.outer = jax.jit(stages.pack_head, out_shardings=replicated)(self.outer)
-        if changes:
-            _fuse_in_place(self.layers, _chain(changes), replicated)
+        for key in keys:  # changes of each layer's form, made in one pass (one program) per layer
+            layers, changes = per_stack[key], []
+            if stages.fuse is not None and whole and _fuse_changes(stages.fuse, layers[0]):
+                changes.append(stages.fuse)
+            if pack and packed_matmul_available() and whole and stages.pack_layer is not None and _fuse_changes(
+                    stages.pack_layer, jax.eval_shape(_chain(changes), layers[0])):
+                changes.append(stages.pack_layer)
+            if changes:
+                _fuse_in_place(layers, _chain(changes), replicated)
         # Whether the layers' products run on packed weights (here or by an earlier engine).
         self.packed = any(isinstance(w, PackedWeight) for w in jax.tree.leaves(
-            self.layers[0], is_leaf=lambda x: isinstance(x, PackedWeight)))
-        layer_specs = jax.tree.map(lambda a: a.sharding.spec, self.layers[0])
-        model.params = {**self.outer, key: self.layers}
-        model.param_shardings = {**jax.tree.map(lambda a: a.sharding.spec, self.outer), key: [layer_specs] * n}
+            per_stack[keys[0]][0], is_leaf=lambda x: isinstance(x, PackedWeight)))
+        model.params = {**self.outer, **per_stack}
+        model.param_shardings = {**jax.tree.map(lambda a: a.sharding.spec, self.outer),
+                                 **{key: [jax.tree.map(lambda a: a.sharding.spec, layer) for layer in layers]
+                                    for key, layers in per_stack.items()}}
         model.step_fn = functools.partial(layered_forward, stages=stages)
 
-        self.replicated = NamedSharding(mesh, PartitionSpec())
-        rep = self.replicated
+        self.replicated = rep = replicated
         outer_shardings = jax.tree.map(lambda a: a.sharding, self.outer)
-        layer_shardings = jax.tree.map(lambda a: a.sharding, self.layers[0])
         # A KVCache of shardings carries the cache's static metadata (attention backend, mesh).
         kv = kv_sharding if isinstance(kv_sharding, KVCache) else KVCache(kv_sharding, kv_sharding)
         self._prologue = jax.jit(stages.prologue, in_shardings=(outer_shardings, rep), out_shardings=rep)
-        self.per_call = k = layers_per_call(n)
-        self._layers = jax.jit(_layers_in_order(stages.layer), in_shardings=([layer_shardings] * k, rep, kv, rep, rep),
-                               out_shardings=(rep, kv), donate_argnums=(2,))
+        self.stacks: list[_Stack] = []
+        first_layer = 0
+        for key, n in stages.layer_stacks:
+            k = layers_per_call(n)
+            layer_shardings = jax.tree.map(lambda a: a.sharding, per_stack[key][0])
+            program = jax.jit(_layers_in_order(stages.layer), in_shardings=([layer_shardings] * k, rep, kv, rep, rep),
+                              out_shardings=(rep, kv), donate_argnums=(2,))
+            firsts = [jax.device_put(np.int32(first_layer + i), rep) for i in range(0, n, k)]
+            self.stacks.append(_Stack(key, per_stack[key], k, program, firsts))
+            first_layer += n
         self._epilogue = jax.jit(stages.epilogue, in_shardings=(outer_shardings, rep, rep), out_shardings=rep)
-        self._firsts = [jax.device_put(np.int32(i), rep) for i in range(0, n, k)]  # each call's first layer
         self.wide_seqs = wide_seqs  # see the module docstring
+
+    @property
+    def layers(self) -> list:
+        """Every layer's weights, in layer order."""
+        return [layer for stack in self.stacks for layer in stack.layers]
+
+    @property
+    def per_call(self) -> int:
+        """Layers per call of the first stack's program (of the only one, for most models)."""
+        return self.stacks[0].per_call
 
     def _inputs(self, batch: StepInput) -> tuple[StepInput, StepInput]:
         """(batch for the prologue and layers, batch for the epilogue), as host arrays: each
@@ -231,9 +264,10 @@ class LayeredStep:
         """One step: (logits, kv_cache), dispatched without waiting (kv_cache is donated)."""
         wide, narrow = self._inputs(batch)
         carry = self._prologue(self.outer, wide)
-        k = self.per_call
-        for g, first in enumerate(self._firsts):
-            carry, kv_cache = self._layers(self.layers[g * k:(g + 1) * k], carry, kv_cache, first, wide)
+        for stack in self.stacks:
+            k = stack.per_call
+            for g, first in enumerate(stack.firsts):
+                carry, kv_cache = stack.program(stack.layers[g * k:(g + 1) * k], carry, kv_cache, first, wide)
         return self._epilogue(self.outer, carry, narrow), kv_cache
 
     def lower(self, kv_cache: KVCache, batch: StepInput, seen: set | None = None) -> list:
@@ -246,10 +280,9 @@ class LayeredStep:
         shared = (wide.padded_num_tokens, wide.padded_num_seqs)
         programs = []
         if seen is None or shared not in seen:
-            programs += [
-                self._prologue.lower(self.outer, wide),
-                self._layers.lower(self.layers[:self.per_call], carry, kv_cache, self._firsts[0], wide),
-            ]
+            programs.append(self._prologue.lower(self.outer, wide))
+            programs += [stack.program.lower(stack.layers[:stack.per_call], carry, kv_cache, stack.firsts[0], wide)
+                         for stack in self.stacks]
             if seen is not None:
                 seen.add(shared)
         return programs + [self._epilogue.lower(self.outer, carry, narrow)]
