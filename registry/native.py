@@ -86,10 +86,11 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: 
         pack_head = functools.partial(entry.pack_head, args=args) if entry.pack_head is not None else None
         stages = LayerStages(*(functools.partial(fn, args=args) for fn in entry.stages), num_layers=args.num_layers,
                              stacks=entry.layer_stacks(args) if entry.layer_stacks is not None else (),
-                             fuse=entry.fuse_layer, pack_layer=entry.pack_layer, pack_head=pack_head)
+                             fuse=entry.fuse_layer, pack_layer=entry.pack_layer, pack_head=pack_head,
+                             hidden=functools.partial(entry.hidden, args=args) if entry.hidden is not None else None)
     if layered:  # {name: [per-layer arrays]} -> [{name: array} per layer]
         is_parts = lambda x: isinstance(x, list)  # noqa: E731
-        for key, n in stages.layer_stacks:
+        for key, n in stages.stack_sizes.items():
             params[key] = [jax.tree.map(lambda parts, i=i: parts[i], params[key], is_leaf=is_parts) for i in range(n)]
             shardings[key] = [shardings[key]] * n
         step_fn = functools.partial(layered_forward, stages=stages)

@@ -46,8 +46,8 @@ def test_deepseek_runs_natively_on_a_latent_cache(deepseek_model):
     assert llm.engine.plan.attention_backend == "xla"  # the kernels read separate values
     # Stepped a few layers per call, a program per stack (dense layers, then MoE), on packed weights
     layered = llm.engine.programs.layered
-    assert [(s.key, len(s.layers)) for s in layered.stacks] == [
-        ("dense_layers", cfg.first_k_dense_replace), ("layers", cfg.num_hidden_layers - cfg.first_k_dense_replace)]
+    assert {key: len(layers) for key, layers in layered.stacks.items()} == {
+        "dense_layers": cfg.first_k_dense_replace, "layers": cfg.num_hidden_layers - cfg.first_k_dense_replace}
     assert layered.packed
 
 

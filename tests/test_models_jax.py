@@ -404,6 +404,42 @@ def test_layers_per_call_divide_the_depth():
     assert [layers_per_call(n) for n in (1, 2, 7, 8, 12, 28, 30, 32)] == [1, 2, 1, 4, 6, 4, 6, 4]
 
 
+def test_layers_in_interleaved_stacks_equal_the_scan(tmp_path):
+    """A model whose layers lie in two stacks that interleave (LayerStages.stacks: runs of 2, 1
+    and 2 layers, stack "a" then "b" then "a" again, as Gemma 4's sliding and global layers would):
+    LayeredStep runs each layer with its own weights and index, one program per (stack, layers
+    per call) shared by the runs; the same logits and cache as the one-program scan."""
+    from registry.tiny import make_tiny_checkpoint
+    from runtime.ops.layered import LayeredStep
+    from runtime.ops.mesh import make_mesh
+
+    path = make_tiny_checkpoint("llama", tmp_path / "ckpt", num_hidden_layers=5)
+    scan_model, model = registry.load(str(path)), registry.load(str(path))
+    in_a, in_b = [0, 1, 3, 4], [2]
+    stacked = model.params.pop("layers")
+    specs = model.param_shardings.pop("layers")
+    for key, rows in (("a", in_a), ("b", in_b)):
+        model.params[key] = jax.tree.map(lambda w, rows=rows: w[np.asarray(rows)], stacked)
+        model.param_shardings[key] = specs
+    model.stages = dataclasses.replace(model.stages, stacks=(("a", 2), ("b", 1), ("a", 2)))
+    assert model.stages.stack_sizes == {"a": 4, "b": 1}
+    layered = LayeredStep(model, make_mesh(), jax.tree.map(
+        lambda a: a.sharding, allocate_kv_cache(model.kv_spec, NUM_BLOCKS, BLOCK_SIZE)))
+    assert [(c.key, c.start, c.per_call, int(c.first)) for c in layered.calls] == [
+        ("a", 0, 2, 0), ("b", 0, 1, 2), ("a", 2, 2, 3)]
+    assert len({id(c.program) for c in layered.calls}) == 2
+    scan_step = jax.jit(scan_model.step_fn, donate_argnums=1)
+    scan_cache = allocate_kv_cache(scan_model.kv_spec, NUM_BLOCKS, BLOCK_SIZE)
+    layered_cache = allocate_kv_cache(model.kv_spec, NUM_BLOCKS, BLOCK_SIZE)
+    prompts = PROMPTS[:2]
+    for batch in (step_input([(p, 0) for p in prompts]), step_input([(p + [7], len(p)) for p in prompts])):
+        want, scan_cache = scan_step(scan_model.params, scan_cache, batch)
+        got, layered_cache = layered(layered_cache, batch)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(layered_cache.k), np.asarray(scan_cache.k), atol=1e-4, rtol=1e-4)
+    assert len(layered.lower(layered_cache, batch)) == 4  # prologue, the two layer programs, epilogue
+
+
 def test_layers_in_several_calls_with_wide_sequences_equal_the_scan(tmp_path):
     """8 layers, 4 per call (two calls of the layer program), attention in the C++ kernel with the
     prologue and layers taking the batch widened to 8 sequence slots: the same logits and cache

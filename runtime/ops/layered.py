@@ -60,15 +60,23 @@ def layers_per_call(num_layers: int, most: int = MAX_LAYERS_PER_CALL) -> int:
 
 
 def layered_forward(params: dict, kv_cache: KVCache, batch: StepInput, *, stages: LayerStages):
-    """The whole step from its stages, with each params[key] of stages.layer_stacks a list of
-    per-layer weights (the form LayeredStep leaves a model in); one program when jitted whole."""
-    keys = [key for key, _ in stages.layer_stacks]
-    outer = {k: v for k, v in params.items() if k not in keys}
+    """The whole step from its stages, with each stack's params[key] a list of per-layer
+    weights (the form LayeredStep leaves a model in); one program when jitted whole."""
+    outer = {k: v for k, v in params.items() if k not in stages.stack_sizes}
     carry = stages.prologue(outer, batch)
-    per_layer = [layer_params for key in keys for layer_params in params[key]]
-    for i, layer_params in enumerate(per_layer):
+    for i, (key, j) in enumerate(_layer_order(stages)):
+        layer_params = params[key][j]
         carry, kv_cache = stages.layer(layer_params, carry, kv_cache, jnp.int32(i), batch)
     return stages.epilogue(outer, carry, batch), kv_cache
+
+
+def _layer_order(stages: LayerStages) -> list[tuple[str, int]]:
+    """(stack key, index in the stack) of every layer, in layer order."""
+    order, taken = [], dict.fromkeys(stages.stack_sizes, 0)
+    for key, n in stages.layer_runs:
+        order += [(key, taken[key] + j) for j in range(n)]
+        taken[key] += n
+    return order
 
 
 def _unstack(stacked: Any, specs: Any, num_layers: int, mesh: Mesh) -> list:
@@ -165,15 +173,15 @@ def _layers_in_order(layer: Any) -> Any:
 
 
 @dataclasses.dataclass
-class _Stack:
-    """One stack of layers as LayeredStep runs it: its per-layer weights and the program that
-    runs `per_call` of them from the index of the first (`firsts`: each call's, on the device)."""
+class _Call:
+    """One call of a layer program: `per_call` layers of stack `key` from its layer `start`,
+    the first of them layer `first` of the model (an int32 already on the device)."""
 
-    key: str
-    layers: list
-    per_call: int
     program: Any
-    firsts: list
+    key: str
+    start: int
+    per_call: int
+    first: jax.Array
 
 
 class LayeredStep:
@@ -183,7 +191,8 @@ class LayeredStep:
     per-layer arrays (model.params[key] becomes a list, model.param_shardings likewise), and
     model.step_fn by `layered_forward`, which computes the same from that form. A model
     already in that form (a second engine on the same LoadedModel) is used as it is. A model
-    whose layers lie in several stacks (LayerStages.stacks) gets a layer program per stack.
+    whose layers lie in several stacks (LayerStages.stacks) gets a layer program per stack
+    (and per layers-per-call its runs need).
     """
 
     def __init__(self, model: LoadedModel, mesh: Mesh, kv_sharding: NamedSharding | KVCache,
@@ -192,23 +201,22 @@ class LayeredStep:
         assert stages is not None
         if compute_float32 and not getattr(stages.prologue, "computes_float32", False):
             model.stages = stages = dataclasses.replace(stages, prologue=_float32_carry(stages.prologue))
-        keys = [key for key, _ in stages.layer_stacks]
-        self.outer = {k: v for k, v in model.params.items() if k not in keys}
-        per_stack = {}
-        for key, n in stages.layer_stacks:
+        sizes = stages.stack_sizes
+        self.outer = {k: v for k, v in model.params.items() if k not in sizes}
+        self.stacks: dict[str, list] = {}  # each stack's per-layer weights
+        for key, n in sizes.items():
             if isinstance(model.params[key], list):  # per-layer already (the torchax path, or another engine's)
-                per_stack[key] = model.params[key]
+                self.stacks[key] = model.params[key]
             else:
-                per_stack[key] = _unstack(model.params[key], model.param_shardings[key], n, mesh)
+                self.stacks[key] = _unstack(model.params[key], model.param_shardings[key], n, mesh)
         replicated = NamedSharding(mesh, PartitionSpec())
-        every_layer = [layer for key in keys for layer in per_stack[key]]
-        whole = all(a.sharding.is_fully_replicated for a in jax.tree.leaves(every_layer))
+        whole = all(a.sharding.is_fully_replicated for a in jax.tree.leaves(list(self.stacks.values())))
         if pack and packed_matmul_available() and whole and stages.pack_head is not None and all(
                 a.sharding.is_fully_replicated for a in jax.tree.leaves(self.outer)):
             if _fuse_changes(stages.pack_head, self.outer):
                 self.outer = jax.jit(stages.pack_head, out_shardings=replicated)(self.outer)
-        for key in keys:  # changes of each layer's form, made in one pass (one program) per layer
-            layers, changes = per_stack[key], []
+        for layers in self.stacks.values():  # changes of each layer's form, made in one pass (one program) per layer
+            changes = []
             if stages.fuse is not None and whole and _fuse_changes(stages.fuse, layers[0]):
                 changes.append(stages.fuse)
             if pack and packed_matmul_available() and whole and stages.pack_layer is not None and _fuse_changes(
@@ -218,11 +226,11 @@ class LayeredStep:
                 _fuse_in_place(layers, _chain(changes), replicated)
         # Whether the layers' products run on packed weights (here or by an earlier engine).
         self.packed = any(isinstance(w, PackedWeight) for w in jax.tree.leaves(
-            per_stack[keys[0]][0], is_leaf=lambda x: isinstance(x, PackedWeight)))
-        model.params = {**self.outer, **per_stack}
+            next(iter(self.stacks.values()))[0], is_leaf=lambda x: isinstance(x, PackedWeight)))
+        model.params = {**self.outer, **self.stacks}
         model.param_shardings = {**jax.tree.map(lambda a: a.sharding.spec, self.outer),
                                  **{key: [jax.tree.map(lambda a: a.sharding.spec, layer) for layer in layers]
-                                    for key, layers in per_stack.items()}}
+                                    for key, layers in self.stacks.items()}}
         model.step_fn = functools.partial(layered_forward, stages=stages)
 
         self.replicated = rep = replicated
@@ -230,28 +238,34 @@ class LayeredStep:
         # A KVCache of shardings carries the cache's static metadata (attention backend, mesh).
         kv = kv_sharding if isinstance(kv_sharding, KVCache) else KVCache(kv_sharding, kv_sharding)
         self._prologue = jax.jit(stages.prologue, in_shardings=(outer_shardings, rep), out_shardings=rep)
-        self.stacks: list[_Stack] = []
-        first_layer = 0
-        for key, n in stages.layer_stacks:
+        programs: dict[tuple[str, int], Any] = {}  # (stack, layers per call) -> its program
+        self.calls: list[_Call] = []
+        taken, first_layer = dict.fromkeys(sizes, 0), 0
+        for key, n in stages.layer_runs:
             k = layers_per_call(n)
-            layer_shardings = jax.tree.map(lambda a: a.sharding, per_stack[key][0])
-            program = jax.jit(_layers_in_order(stages.layer), in_shardings=([layer_shardings] * k, rep, kv, rep, rep),
-                              out_shardings=(rep, kv), donate_argnums=(2,))
-            firsts = [jax.device_put(np.int32(first_layer + i), rep) for i in range(0, n, k)]
-            self.stacks.append(_Stack(key, per_stack[key], k, program, firsts))
+            if (key, k) not in programs:
+                layer_shardings = jax.tree.map(lambda a: a.sharding, self.stacks[key][0])
+                programs[key, k] = jax.jit(_layers_in_order(stages.layer),
+                                           in_shardings=([layer_shardings] * k, rep, kv, rep, rep),
+                                           out_shardings=(rep, kv), donate_argnums=(2,))
+            self.calls += [_Call(programs[key, k], key, taken[key] + i, k,
+                                 jax.device_put(np.int32(first_layer + i), rep)) for i in range(0, n, k)]
+            taken[key] += n
             first_layer += n
+        # The first call of each program: what lowering a bucket compiles.
+        self._distinct = list({id(c.program): c for c in self.calls}.values())
         self._epilogue = jax.jit(stages.epilogue, in_shardings=(outer_shardings, rep, rep), out_shardings=rep)
         self.wide_seqs = wide_seqs  # see the module docstring
 
     @property
     def layers(self) -> list:
         """Every layer's weights, in layer order."""
-        return [layer for stack in self.stacks for layer in stack.layers]
+        return [self.stacks[c.key][c.start + j] for c in self.calls for j in range(c.per_call)]
 
     @property
     def per_call(self) -> int:
-        """Layers per call of the first stack's program (of the only one, for most models)."""
-        return self.stacks[0].per_call
+        """Layers per call of the first layer program (of the only one, for most models)."""
+        return self.calls[0].per_call
 
     def _inputs(self, batch: StepInput) -> tuple[StepInput, StepInput]:
         """(batch for the prologue and layers, batch for the epilogue), as host arrays: each
@@ -264,10 +278,9 @@ class LayeredStep:
         """One step: (logits, kv_cache), dispatched without waiting (kv_cache is donated)."""
         wide, narrow = self._inputs(batch)
         carry = self._prologue(self.outer, wide)
-        for stack in self.stacks:
-            k = stack.per_call
-            for g, first in enumerate(stack.firsts):
-                carry, kv_cache = stack.program(stack.layers[g * k:(g + 1) * k], carry, kv_cache, first, wide)
+        for c in self.calls:
+            layers = self.stacks[c.key][c.start:c.start + c.per_call]
+            carry, kv_cache = c.program(layers, carry, kv_cache, c.first, wide)
         return self._epilogue(self.outer, carry, narrow), kv_cache
 
     def lower(self, kv_cache: KVCache, batch: StepInput, seen: set | None = None) -> list:
@@ -281,8 +294,8 @@ class LayeredStep:
         programs = []
         if seen is None or shared not in seen:
             programs.append(self._prologue.lower(self.outer, wide))
-            programs += [stack.program.lower(stack.layers[:stack.per_call], carry, kv_cache, stack.firsts[0], wide)
-                         for stack in self.stacks]
+            programs += [c.program.lower(self.stacks[c.key][c.start:c.start + c.per_call], carry, kv_cache, c.first,
+                                         wide) for c in self._distinct]
             if seen is not None:
                 seen.add(shared)
         return programs + [self._epilogue.lower(self.outer, carry, narrow)]

@@ -236,6 +236,9 @@ class LayerStages:
         logits = epilogue(outer_params, carry, batch)
 
     equals step_fn(params, kv_cache, batch) (outer_params: params without `layers_key`).
+    A pooling engine (runner="pooling") swaps the epilogue for runtime.ops.pooling's, which
+    also returns each sequence slot's pooled hidden state: its step returns (logits, pooled),
+    kv_cache; a generating engine's programs are unchanged.
     Why: under a scan over stacked weights XLA:CPU copies each layer's weights out of the
     stack before its matmuls (a copy of every weight per step, ~60% of a batch-1 decode on
     the 30-layer demo model); separate per-layer arrays are read in place, and the layer
@@ -249,9 +252,10 @@ class LayerStages:
     num_layers: int  # every decoder layer, all stacks together
     layers_key: str = "layers"  # params[layers_key]: the layers' weights, stacked [num_layers, ...]
     # Layers whose weights differ in structure (DeepSeek: its first dense layers, then the MoE
-    # ones) lie in more than one stack: (params key, layer count) in layer order, each stack
-    # [count, ...]; `layer` (and fuse, pack_layer) take a layer of any of them, i its index
-    # among all layers. Empty: one stack, params[layers_key].
+    # ones) lie in more than one stack: runs of consecutive layers as (params key, layer count)
+    # in layer order, each run the next layers of its stack (a key may recur where kinds of
+    # layers interleave); each stack [its layers, ...]. `layer` (and fuse, pack_layer) take a
+    # layer of any stack, i its index among all layers. Empty: one stack, params[layers_key].
     stacks: tuple[tuple[str, int], ...] = ()
     # One layer's weights -> a joined form `layer` also takes (e.g. q/k/v as one matrix),
     # applied by the runtime to per-layer weights that are whole on every device; None: none.
@@ -262,11 +266,23 @@ class LayerStages:
     # form); applied by the runtime where it runs its CPU kernels. None: never packed.
     pack_layer: Callable[[Any], Any] | None = None
     pack_head: Callable[[dict], dict] | None = None
+    # (outer_params, carry, batch) -> the final normed hidden states of the step's tokens [T, D]
+    # (what the epilogue feeds its LM head): what pooling reads (runtime/ops/pooling.py, whose
+    # epilogue returns (logits, pooled) in a pooling engine). None: the model does not pool.
+    hidden: Callable[..., Any] | None = None
 
     @property
-    def layer_stacks(self) -> tuple[tuple[str, int], ...]:
-        """(params key, layer count) of each stack of layers, in layer order."""
+    def layer_runs(self) -> tuple[tuple[str, int], ...]:
+        """(params key, layer count) of each run of consecutive layers, in layer order."""
         return self.stacks or ((self.layers_key, self.num_layers),)
+
+    @property
+    def stack_sizes(self) -> dict[str, int]:
+        """{params key: layers in that stack}, in the order the stacks first appear."""
+        sizes: dict[str, int] = {}
+        for key, n in self.layer_runs:
+            sizes[key] = sizes.get(key, 0) + n
+        return sizes
 
 
 @dataclasses.dataclass
