@@ -25,7 +25,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {"LLM": "app.llm", "load_model": "app.llm", "SamplingParams": "runtime.engine.sampling_params",
-            "LoRARequest": "runtime.engine.lora_request"}
+            "LoRARequest": "runtime.engine.lora_request", "PoolingParams": "runtime.engine.pooling"}
 
 __all__ = list(_EXPORTS)
 

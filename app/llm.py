@@ -28,7 +28,10 @@ from runtime.engine.config import EngineConfig
 from runtime.engine.core import Engine
 from runtime.engine.lora_request import LoRARequest
 from runtime.ops.mesh import make_mesh
-from runtime.engine.outputs import RequestOutput
+from runtime.engine.outputs import (
+    EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput,
+)
+from runtime.engine.pooling import PoolingParams, cosine_similarity, cross_encoder_prompt, score_pairs
 from runtime.engine.input_processor import ChatPrompt, PromptType, is_chat
 from runtime.engine.sampling_params import SamplingParams
 from runtime.ops.step import LoadedModel
@@ -115,10 +118,8 @@ class LLM:
         Raises:
             InvalidRequestError / PromptTooLongError: before anything is queued.
         """
-        single = isinstance(prompts, (str, Mapping)) or (
-            isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], int)
-        )
-        return self._run([prompts] if single else list(prompts), sampling_params, use_tqdm, lora_request)
+        return self._run([prompts] if _single_prompt(prompts) else list(prompts), sampling_params, use_tqdm,
+                         lora_request)
 
     def beam_search(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's LLM.beam_search: not implemented by servax.
@@ -156,6 +157,90 @@ class LLM:
                    for conversation in conversations]
         return self._run(prompts, sampling_params, use_tqdm, lora_request)
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """An embedding of every prompt, in prompt order (vLLM's LLM.embed): `.outputs.embedding`.
+        Needs a pooling engine (runner="pooling"; convert="embed").
+
+        Raises:
+            InvalidRequestError: a bad prompt or setting (e.g. dimensions on a model that is not
+                Matryoshka-trained), or an engine that does not pool."""
+        prompt_list = [prompts] if _single_prompt(prompts) else list(prompts)
+        params = pooling_params or PoolingParams(task="embed")
+        outs = self._pool(prompt_list, params, use_tqdm, lora_request, "servax: embedding")
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def score(
+        self,
+        data_1: PromptType | Sequence[PromptType],
+        data_2: PromptType | Sequence[PromptType],
+        /,
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Scores of (data_1, data_2) pairs, 1 -> 1, 1 -> N or N -> N (vLLM's LLM.score):
+        `.outputs.score`. A classify engine (a reranker) scores each pair's joined prompt
+        (runtime.engine.pooling.cross_encoder_prompt; `chat_template` renders it); an embed
+        engine scores the cosine similarity of the two embeddings.
+
+        Raises:
+            InvalidRequestError: unpaired inputs, a bad setting, an engine that does not pool."""
+        pairs = score_pairs(data_1, data_2)
+        pooler = self.engine.pooler
+        if pooler is not None and pooler.task == "embed":
+            texts = list(dict.fromkeys(_hashable(x) for pair in pairs for x in pair))
+            vectors = self._pool([_prompt(t) for t in texts], pooling_params or PoolingParams(task="embed"),
+                                 use_tqdm, lora_request, "servax: scoring")
+            by_text = dict(zip(texts, vectors))
+            outs = []
+            for i, (q, d) in enumerate(pairs):
+                a, b = by_text[_hashable(q)], by_text[_hashable(d)]
+                outs.append(ScoringRequestOutput(
+                    f"score-{i}", ScoringOutput(cosine_similarity(a.outputs.data, b.outputs.data)),
+                    a.prompt_token_ids + b.prompt_token_ids))
+            return outs
+        prompts = [cross_encoder_prompt(q, d, self.tokenizer, chat_template) for q, d in pairs]
+        outs = self._pool(prompts, pooling_params or PoolingParams(task="classify"), use_tqdm, lora_request,
+                          "servax: scoring")
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])), o.prompt_token_ids,
+                                     o.finished, o.num_cached_tokens) for o in outs]
+
+    def _pool(self, prompt_list: list[PromptType], pooling_params: Any, use_tqdm: bool, lora_request: Any,
+              desc: str) -> list[PoolingRequestOutput]:
+        """Run pooling requests to completion; their outputs in prompt order."""
+        if isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"{len(prompt_list)} prompts but {len(params_list)} pooling params")
+        lora_list = ([lora_request] * len(prompt_list) if lora_request is None or isinstance(lora_request, LoRARequest)
+                     else list(lora_request))
+        processed = [
+            self.engine.process_inputs(f"llm-{next(self._ids)}", p, pp, enforce_queue_limit=False, lora_request=lora)
+            for p, pp, lora in zip(prompt_list, params_list, lora_list)
+        ]
+        for req in processed:
+            self.engine.add_processed(req)
+        finals: dict[str, PoolingRequestOutput] = {}
+        bar = tqdm(total=len(processed), desc=desc, disable=not use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [finals[req.request_id] for req in processed]
+
     def _run(self, prompt_list: list[PromptType], sampling_params: Any, use_tqdm: bool,
              lora_request: Any = None) -> list[RequestOutput]:
         if sampling_params is None:  # vLLM's: the defaults for generate and chat alike
@@ -189,3 +274,18 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [finals[req.request_id] for req in processed]
+
+
+def _single_prompt(prompts: Any) -> bool:
+    """One prompt (text, a prompt dict or token ids), not a list of them."""
+    return isinstance(prompts, (str, Mapping)) or (
+        isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], int))
+
+
+def _hashable(data: Any) -> Any:
+    """A score input as a dict key (token ids as a tuple)."""
+    return data if isinstance(data, str) else tuple(data)
+
+
+def _prompt(key: Any) -> PromptType:
+    return key if isinstance(key, str) else list(key)

@@ -64,6 +64,9 @@ class ModelEntry:
             cache holds where that is not K and V per KV head (multi-head latent attention keeps
             one latent per token). None: K and V of num_kv_heads * kv_repeat heads of head_dim,
             kv_repeat set from the mesh; with a spec of its own, a model replicates no KV heads.
+        hidden: (params, carry, batch, *, args) -> the final normed hidden states [T, D] of the
+            step's tokens (runtime.ops.step.LayerStages.hidden), what pooling reads (embeddings,
+            scores); None: the model serves no pooling requests.
         window_blocks: its sliding-window layers keep only their window's blocks (the KV cache
             in groups, runtime.ops.step.KVCacheGroups; args.sliding_windows per layer). False:
             every layer keeps every block of a sequence.
@@ -81,3 +84,4 @@ class ModelEntry:
     kv_spec: Callable[[Any, Any], Any] | None = None
     window_blocks: bool = False
     layer_stacks: Callable[[Any], tuple[tuple[str, int], ...]] | None = None
+    hidden: Callable[..., Any] | None = None

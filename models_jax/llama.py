@@ -303,6 +303,13 @@ def epilogue(params: dict, carry: tuple, batch: StepInput, *, args: LlamaArgs) -
         return lm_head(params, x, batch, tied=args.tie_word_embeddings)
 
 
+def final_hidden(params: dict, carry: tuple, batch: StepInput, *, args: LlamaArgs) -> jax.Array:
+    """The final norm on every token: hidden states [T, D], what transformers' base model
+    (Qwen3Model, LlamaModel) returns as last_hidden_state and pooling reads (runtime/ops/pooling.py)."""
+    with jax.named_scope("final_norm"):
+        return layers.rms_norm(carry[0], params["final_norm"], args.rms_norm_eps)
+
+
 def lm_head(params: dict, x: jax.Array, batch: StepInput, *, tied: bool) -> jax.Array:
     """x [S, D] (normed) through the LM head: "lm_head" [D, vocab], or with `tied` the embedding
     [vocab, D] (either possibly packed by pack_head) -> logits [S, vocab] float32."""
@@ -391,4 +398,5 @@ ENTRY = ModelEntry(
     fuse_layer=fuse_layer,
     pack_layer=pack_layer,
     pack_head=pack_head,
+    hidden=final_hidden,
 )

@@ -50,6 +50,13 @@ def resolve(
     if not architectures:
         raise ModelLoadError(f"{model_id}: config.json names no architectures")
     architecture = architectures[0]
+    causal = architecture.replace("ForSequenceClassification", "ForCausalLM")
+    if causal != architecture and getattr(hf_config, "classifier_from_token", None) and causal in NATIVE_MODELS:
+        # vLLM's Qwen3-Reranker recipe (hf_overrides architectures ...ForSequenceClassification with
+        # classifier_from_token): the checkpoint is the causal LM, scored by its LM head's rows of
+        # those tokens (runtime/engine/pooling.py); the pooling engine reads classifier_from_token.
+        hf_config.architectures = [causal, *architectures[1:]]
+        architecture = causal
     native = architecture in NATIVE_MODELS
     if model_impl == "jax" and not native:
         raise ModelLoadError(

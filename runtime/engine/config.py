@@ -138,6 +138,17 @@ class EngineConfig(BaseModel):
     tokenizer_mode: Literal["auto", "hf", "slow"] = "auto"
     skip_tokenizer_init: bool = Field(False, description="Load no tokenizer: prompts must be token ids.")
     hf_overrides: dict[str, Any] | None = Field(None, description="Config attributes to override.")
+    runner: Literal["auto", "generate", "pooling"] = Field(
+        "auto", description="generate: text generation only; pooling: embeddings / scores as well (prefill-only "
+                            "requests beside generation ones; the step also returns pooled hidden states). auto: "
+                            "pooling for embedding / classification architectures or a convert setting (vLLM's).")
+    convert: Literal["auto", "none", "embed", "classify"] = Field(
+        "auto", description="The pooling task of a pooling runner: embed (vectors) or classify (scores; with "
+                            "hf_overrides classifier_from_token). auto: classify where the config names classifier "
+                            "tokens or a ...ForSequenceClassification architecture, else embed.")
+    pooler_config: dict[str, Any] | None = Field(
+        None, description='How a pooling model pools (vLLM\'s): {"pooling_type": "LAST" | "MEAN" | "CLS", '
+                          '"use_activation" (or "normalize"): true}; default LAST, normalized.')
     served_model_name: str | list[str] | None = Field(
         None, description="The name in responses and metrics (the first one, if a list); default the model."
     )
@@ -191,6 +202,14 @@ class EngineConfig(BaseModel):
                 f"distributed_executor_backend={v!r} is not supported: servax starts the further processes of a "
                 "multi-process engine as Ray actors ('ray'); 'uni' keeps it in one process"
             )
+        return v
+
+    @field_validator("pooler_config")
+    @classmethod
+    def _pooler_config_known(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        from runtime.engine.pooling import PoolerConfig
+
+        PoolerConfig.of(v)  # raises ValueError naming the bad key or pooling type
         return v
 
     @field_validator("kv_cache_dtype")

@@ -35,6 +35,7 @@ from runtime.engine.lora_request import LoRARequest
 from runtime.engine.output_processor import OutputProcessor
 from runtime.engine.outputs import RequestOutput
 from runtime.engine.plan import make_plan
+from runtime.engine.pooling import Pooler, PoolerConfig, PoolingParams, resolve_pooler, runner_of
 from runtime.engine.programs import ModelPrograms
 from runtime.engine.request import Request, RequestStatus
 from runtime.engine.runner import InFlightStep, ModelRunner
@@ -43,9 +44,13 @@ from runtime.engine.scheduler import Scheduler
 from runtime.engine.speculative import DraftPolicy, SpeculativeConfig, candidate_draft_lengths
 from runtime.ops.lora import LoRAError, add_lora_slots
 from runtime.ops.mesh import make_mesh
+from runtime.ops.pooling import pooling_epilogue
 from runtime.ops.step import LoadedModel
 
 logger = logging.getLogger("servax.engine")
+
+# The sampling settings a pooling request's sequence carries (its rows are pooled, never sampled).
+_PREFILL_ONLY = SamplingParams(max_tokens=1)
 
 
 @dataclasses.dataclass
@@ -147,9 +152,13 @@ class Engine:
                 add_lora_slots(model, max_loras=config.max_loras, max_rank=config.max_lora_rank, mesh=self.mesh)
             except LoRAError as e:
                 raise ValueError(f"enable_lora: {e}") from e
+        self.pooler = self._pooler(config, model)
         sizes = dict(max_model_len=self.max_model_len, max_logprobs=max_logprobs)
         if self.peers is None:
-            self.programs = ModelPrograms(model, self.mesh, self.plan, **sizes)
+            pooled = None if self.pooler is None else pooling_epilogue(
+                model.stages.epilogue, model.stages.hidden, self.pooler.pooling_type,
+                self.pooler.classifier_token_ids)
+            self.programs = ModelPrograms(model, self.mesh, self.plan, **sizes, pooled_epilogue=pooled)
         else:  # the workers build the same programs over their shards and repeat every device call
             self.programs = distributed.MirroredPrograms(self.peers, model, self.mesh, self.plan, **sizes, build=dict(
                 tensor_parallel_size=config.tensor_parallel_size, data_parallel_size=config.data_parallel_size,
@@ -189,6 +198,33 @@ class Engine:
         self._prompt_tokens = 0
         self._iteration_tokens: collections.Counter[int] = collections.Counter()
 
+    def _pooler(self, config: EngineConfig, model: LoadedModel) -> Pooler | None:
+        """The pooler of a pooling engine (runner "pooling", or auto on an embedding or
+        classification model), None for a generating one.
+
+        Raises:
+            ValueError: pooling this model or with these settings is not supported."""
+        if runner_of(config.runner, config.convert, model.hf_config) != "pooling":
+            if config.convert in ("embed", "classify") or config.pooler_config:
+                raise ValueError(f"convert / pooler_config need runner='pooling' (runner={config.runner!r})")
+            return None
+        if model.stages is None or model.stages.hidden is None:
+            raise ValueError(
+                f"runner='pooling': {model.model_id} ({model.impl}) does not expose its final hidden states; "
+                "pooling is served by the native Llama-family models (Llama, Mistral, Qwen2, Qwen3: "
+                "Qwen3-Embedding, Qwen3-Reranker), not by the torchax fallback (a BERT-style encoder is not "
+                "supported)")
+        if not self.plan.layered:
+            raise ValueError("runner='pooling' steps the model layer by layer; drop layered=False")
+        if self.peers is not None:
+            raise ValueError("runner='pooling' is not supported on a multi-process engine yet")
+        pooler = resolve_pooler(convert=config.convert, pooler_config=PoolerConfig.of(config.pooler_config),
+                                hf_config=model.hf_config, tokenizer=model.tokenizer,
+                                hidden_size=int(model.hf_config.hidden_size))
+        logger.info("pooling runner: task %s, %s pooling%s", pooler.task, pooler.pooling_type,
+                    f", classifier tokens {pooler.classifier_token_ids}" if pooler.classifier_token_ids else "")
+        return pooler
+
     def _measured_draft_policy(self, spec: SpeculativeConfig) -> DraftPolicy:
         """Time verification steps of each candidate draft length against a one-token step
         (compiled already), so that drafts are proposed only where they pay (DraftPolicy)."""
@@ -216,6 +252,9 @@ class Engine:
             token_buckets=list(self.plan.token_buckets), seq_buckets=list(self.plan.seq_buckets),
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
             served_model_name=self.served_model_name,
+            runner="generate" if self.pooler is None else "pooling",
+            **({} if self.pooler is None else dict(pooling_task=self.pooler.task,
+                                                   pooling_type=self.pooler.pooling_type)),
             enable_prefix_caching=self.config.enable_prefix_caching,
             compilation_cache_dir=self.compilation_cache_dir, warmup_seconds=round(self.warmup_seconds, 2),
         )
@@ -233,7 +272,15 @@ class Engine:
             PromptTooLongError: prompt + 1 token does not fit max_model_len.
             EngineOverloadedError: the waiting queue is full.
         """
-        processed = self.processor.process(request_id, prompt, params, arrival_time=arrival_time)
+        if isinstance(params, PoolingParams):
+            if self.pooler is None:
+                raise InvalidRequestError(
+                    f"model {self.served_model_name!r} runs runner='generate': it serves no embeddings or scores "
+                    "(start it with runner='pooling')", param="model")
+            params = self.pooler.check(params, self.served_model_name)
+            processed = self.processor.process_pooling(request_id, prompt, params, arrival_time=arrival_time)
+        else:
+            processed = self.processor.process(request_id, prompt, params, arrival_time=arrival_time)
         if lora_request is not None:
             processed.lora_request = self.check_lora_request(lora_request)
         # Requests that the next step starts (free running slots) are not queued: a burst of
@@ -301,6 +348,9 @@ class Engine:
         if req.request_id in self.outputs.states:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
         params = req.params
+        if isinstance(params, PoolingParams):
+            self._add_pooling(req)
+            return
         state = self.outputs.add_request(req.request_id, req.prompt, req.prompt_token_ids, params)
         eos = tuple(self.model.eos_token_ids)
         for i in range(params.n):
@@ -319,6 +369,20 @@ class Engine:
             child.wants_prompt_logprobs = child.wants_prompt_logprobs and i == 0
             state.child_ids.append(child_id)
             self.scheduler.add_request(child)
+        self._prompt_tokens += len(req.prompt_token_ids)
+        if self.lora is not None:
+            self.lora.count_request(req.lora_request)
+
+    def _add_pooling(self, req: ProcessedRequest) -> None:
+        """Queue a pooling request: one prefill-only sequence (its sampling settings unused)."""
+        state = self.outputs.add_pooling_request(req.request_id, req.prompt, req.prompt_token_ids, req.params,
+                                                 self.pooler)
+        state.child_ids.append(req.request_id)
+        self.scheduler.add_request(Request(
+            req.request_id, req.prompt_token_ids, _PREFILL_ONLY, eos_token_ids=(), block_size=self.block_size,
+            max_model_len=self.max_model_len, sample_seed=0, arrival_time=req.arrival_time,
+            lora_request=req.lora_request, pooling_params=req.params,
+        ))
         self._prompt_tokens += len(req.prompt_token_ids)
         if self.lora is not None:
             self.lora.count_request(req.lora_request)
@@ -364,6 +428,7 @@ class Engine:
         with self.compile_counter.track():
             result = self.runner.collect(inflight)
         self.outputs.add_prompt_logprobs(result, self.scheduler.requests)
+        pooled = self.outputs.process_pooled(result.pooled, self.scheduler.requests) if result.pooled else []
         advanced = self.scheduler.update_from_output(inflight.sched, result.sampled)
         if self.before_schedule is not None:
             self.before_schedule()
@@ -371,7 +436,7 @@ class Engine:
         outs, stopped = self.outputs.process(advanced, result)
         for request, decision in stopped:  # by a stop string
             self.scheduler.finish_request(request.request_id, decision.status, decision.reason)
-        return outs
+        return outs + pooled if pooled else outs
 
     def _dispatch_next(self) -> InFlightStep | None:
         sched = self.scheduler.schedule()

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from runtime.engine.errors import InvalidRequestError, PromptTooLongError, check_token_ids
+from runtime.engine.pooling import PoolingParams
 from runtime.engine.sampling_params import SamplingParams
 from runtime.engine.structured_output import CompiledConstraints, TokenMaskCompiler
 
@@ -247,6 +248,28 @@ class InputProcessor:
         params = self.check_limits(params)
         constraints = self.token_masks.compile(params)
         return ProcessedRequest(request_id, text, token_ids, params, arrival_time or time.time(), constraints)
+
+    def process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams, *,
+                        arrival_time: float | None = None) -> ProcessedRequest:
+        """Validate and tokenize one pooling request (an embedding or a score: nothing is
+        generated, so the whole context may be prompt).
+
+        Raises:
+            InvalidRequestError: bad prompt or params; PromptTooLongError: over max_model_len.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
+        text, token_ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            kept = self.truncate(token_ids, keep, None)
+            text, token_ids = (text if len(kept) == len(token_ids) else None), kept
+        if len(token_ids) > self.max_model_len:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(token_ids)} tokens in the input for pooling. Please reduce the length of the input "
+                "(or set truncate_prompt_tokens).", param="input")
+        return ProcessedRequest(request_id, text, token_ids, params, arrival_time or time.time())  # type: ignore[arg-type]
 
     def truncate(self, token_ids: list[int], keep: int, side: str | None) -> list[int]:
         """The prompt cut to `keep` tokens (-1: the context less one token to generate) from

@@ -28,6 +28,7 @@ class StepRequest(Protocol):
     lora_slot: int
     token_constraints: Any  # runtime.engine.structured_output.TokenConstraints, or None
     eos_token_ids: tuple[int, ...]
+    pooling_params: Any  # runtime.engine.pooling.PoolingParams of a pooling request, else None
 
 
 @dataclasses.dataclass
@@ -86,3 +87,6 @@ class RunnerOutput:
     sample_logprobs: dict[str, list[RowResult]]  # request id -> its sampled tokens' logprobs, as `sampled`
     # request id -> (prompt index of the token, result) for newly computed prompt logprobs
     prompt_logprobs: dict[str, list[tuple[int, RowResult]]]
+    # Pooling requests: request id -> (first prompt token of its chunk, tokens in it, the chunk's
+    # pooled row [D] or [K]; runtime/ops/pooling.py); empty when the step pooled nothing.
+    pooled: dict[str, tuple[int, int, np.ndarray]] = dataclasses.field(default_factory=dict)

@@ -80,11 +80,12 @@ class KVCacheManager:
         blocks where a sliding group needs none; number of tokens).
 
         At least one token is always left to compute, so the step yields logits. Requests
-        that want prompt logprobs get no hits (every prompt position must be computed).
+        that want prompt logprobs get no hits (every prompt position must be computed), nor
+        pooling requests whose pooling reads every token (MEAN, CLS).
         The lookup counts in `prefix_cache_stats` once `allocate_slots` admits the request with them.
         """
         groups = range(len(self.group_windows))
-        if not self.enable_caching or request.needs_prompt_logprobs:
+        if not self.enable_caching or request.needs_prompt_logprobs or request.skip_reading_prefix_cache:
             return [[] for _ in groups], 0
         hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
         n = len(hashes)

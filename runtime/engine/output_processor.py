@@ -12,9 +12,12 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import numpy as np
+
 from runtime.engine.detokenizer import IncrementalDetokenizer
 from runtime.engine.interfaces import RowResult, RunnerOutput
-from runtime.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from runtime.engine.outputs import CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput
+from runtime.engine.pooling import Pooler, PoolingParams
 from runtime.engine.request import Request
 from runtime.engine.sampling_params import SamplingParams
 from runtime.engine.stop import StopDecision, check_stop, is_stop_token
@@ -152,6 +155,41 @@ class RequestState:
         )
 
 
+class PoolingState:
+    """A pooling request: its prompt's pooled state, accumulated chunk by chunk until the
+    chunk that completes the prompt, then finished into one PoolingRequestOutput."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: PoolingParams,
+                 pooler: Pooler):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.pooler = pooler
+        self.acc: np.ndarray | None = None
+        self.child_ids: list[str] = []
+        self.num_cached_tokens = 0
+
+    def add_chunk(self, first: int, num_tokens: int, row: np.ndarray) -> PoolingRequestOutput | None:
+        """Pool one computed chunk; the final output once the chunk completes the prompt."""
+        prompt_len = len(self.prompt_token_ids)
+        self.acc = self.pooler.accumulate(self.acc, first, num_tokens, prompt_len, row)
+        if first + num_tokens < prompt_len:
+            return None
+        result = self.pooler.finish(self.acc, prompt_len, self.params)
+        data = np.asarray([result] if isinstance(result, float) else result, np.float32)
+        return PoolingRequestOutput(self.request_id, PoolingOutput(data), self.prompt_token_ids, True,
+                                    self.num_cached_tokens, self.prompt)
+
+    def finish_child(self, index: int, finish_reason: str, stop_reason: int | str | None) -> None:
+        """(Aborted: nothing to record; the abort's snapshot says it is over.)"""
+
+    def snapshot(self) -> PoolingRequestOutput:
+        """An aborted request's last word: finished, with no data."""
+        return PoolingRequestOutput(self.request_id, PoolingOutput(np.zeros(0, np.float32)), self.prompt_token_ids,
+                                    True, self.num_cached_tokens, self.prompt)
+
+
 class OutputProcessor:
     """Turns sampled tokens into RequestOutputs for every request the engine holds.
 
@@ -173,6 +211,32 @@ class OutputProcessor:
         state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
         self.states[request_id] = state
         return state
+
+    def add_pooling_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                            params: PoolingParams, pooler: Pooler) -> PoolingState:
+        state = PoolingState(request_id, prompt, prompt_token_ids, params, pooler)
+        self.states[request_id] = state  # type: ignore[assignment]
+        return state
+
+    def process_pooled(self, pooled: dict[str, tuple[int, int, np.ndarray]],
+                       requests: dict[str, Request]) -> list[PoolingRequestOutput]:
+        """Pool a step's chunks of pooling requests; the outputs of those it completed.
+        `requests`: the scheduler's live requests (their prefix-cache hits), read before the
+        update that finishes them."""
+        outs = []
+        for rid, (first, num_tokens, row) in pooled.items():
+            state = self.states.get(rid)
+            if not isinstance(state, PoolingState):
+                continue  # aborted while its step ran
+            request = requests.get(rid)
+            if request is not None:
+                state.num_cached_tokens = max(0, request.num_cached_tokens)
+            out = state.add_chunk(first, num_tokens, row)
+            if out is not None:
+                outs.append(out)
+                del self.states[rid]
+                self.num_finished += 1
+        return outs
 
     def abort_request(self, request_id: str) -> RequestState | None:
         """Forget a request; its state (for a final snapshot), or None if unknown."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import numpy as np
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -52,4 +54,69 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass
+class PoolingOutput:
+    """A pooling request's result (vLLM's PoolingOutput): the vector, or a classify score as
+    a one-element array."""
+
+    data: np.ndarray  # [D] float32 (embed) or [1] (classify)
+
+
+@dataclasses.dataclass
+class PoolingRequestOutput:
+    """The one, final output of a pooling request (vLLM's PoolingRequestOutput)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    """vLLM's EmbeddingOutput: `.embedding` as a list of floats."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt (vLLM's EmbeddingRequestOutput)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(out.request_id, EmbeddingOutput([float(x) for x in out.outputs.data]), out.prompt_token_ids,
+                   out.finished, out.num_cached_tokens)
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    """vLLM's ScoringOutput: `.score`."""
+
+    score: float
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """What LLM.score returns per pair (vLLM's ScoringRequestOutput)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
     num_cached_tokens: int = 0

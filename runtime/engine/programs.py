@@ -12,6 +12,7 @@ every call is repeated on the workers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -30,7 +31,7 @@ from runtime.engine.plan import ExecutionPlan
 from runtime.engine.runner_inputs import InputBuilder
 from runtime.engine.sampler import SamplingBatch, sample
 from runtime.ops.cpu_kernels import kernel_available
-from runtime.ops.layered import LayeredStep
+from runtime.ops.layered import LayeredStep, layered_forward
 from runtime.ops.lora import LoRASlots
 from runtime.ops.step import LoadedModel, allocate_kv_cache
 
@@ -52,8 +53,11 @@ class ModelPrograms:
     """
 
     def __init__(self, model: LoadedModel, mesh: Mesh, plan: ExecutionPlan, *, max_model_len: int,
-                 max_logprobs: int):
+                 max_logprobs: int, pooled_epilogue: Any = None):
         self.model = model
+        # A pooling engine's epilogue (runtime/ops/pooling.py): every step program then returns
+        # (logits, pooled rows); None: the model's own epilogue, programs as they always were.
+        self.pools = pooled_epilogue is not None
         self.mesh = mesh
         self.plan = plan
         self.num_logprobs = max(1, min(max_logprobs, model.vocab_size))
@@ -64,9 +68,17 @@ class ModelPrograms:
         # Logits come out replicated whichever way the step runs, so the sampler programs
         # compiled ahead of time for that sharding are the ones serving calls.
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        self.layered = (LayeredStep(model, mesh, kv_shardings, plan.layer_seqs, pack=plan.packed_weights,
-                                    compute_float32=plan.compute_float32)
-                        if plan.layered else None)
+        own_epilogue = model.stages.epilogue if model.stages is not None else None
+        if self.pools:  # a pooling engine steps layer by layer (Engine checks it)
+            model.stages = dataclasses.replace(model.stages, epilogue=pooled_epilogue)
+        try:
+            self.layered = (LayeredStep(model, mesh, kv_shardings, plan.layer_seqs, pack=plan.packed_weights,
+                                        compute_float32=plan.compute_float32)
+                            if plan.layered else None)
+        finally:  # the LoadedModel keeps its own epilogue for any later engine (the layered step has jitted ours)
+            if self.pools:
+                model.stages = dataclasses.replace(model.stages, epilogue=own_epilogue)
+                model.step_fn = functools.partial(layered_forward, stages=model.stages)
         if self.layered is not None and self.layered.packed != plan.packed_weights:
             logger.warning("the plan expected %spacked weights; the layers are %spacked (buckets stay as planned)",
                            "" if plan.packed_weights else "un", "" if self.layered.packed else "un")
@@ -82,11 +94,22 @@ class ModelPrograms:
     # -- running -------------------------------------------------------------------------
     def run_step(self, batch) -> jax.Array:
         """Enqueue the model's step on `batch`; the logits (the KV cache is updated)."""
+        if self.pools:
+            return self.run_pooling_step(batch)[0]
         if self.layered is not None:
             logits, self.kv_cache = self.layered(self.kv_cache, batch)
         else:
             logits, self.kv_cache = self._step(self.model.params, self.kv_cache, batch)
         return logits
+
+    def run_pooling_step(self, batch) -> tuple[jax.Array, jax.Array | None]:
+        """Enqueue the model's step on `batch`: (logits, each sequence slot's pooled row [S, D]
+        or None where this engine does not pool)."""
+        if self.layered is not None:
+            out, self.kv_cache = self.layered(self.kv_cache, batch)
+        else:
+            out, self.kv_cache = self._step(self.model.params, self.kv_cache, batch)
+        return out if self.pools else (out, None)
 
     def run_sample(self, logits: jax.Array, sb: SamplingBatch | dict[str, np.ndarray], *, use_penalties: bool) -> Any:
         """Enqueue the sampler on the step's logits (a SamplerOutput of device arrays)."""

@@ -15,6 +15,7 @@ from runtime.engine.speculative import AcceptanceHistory
 
 if TYPE_CHECKING:
     from runtime.engine.lora_request import LoRARequest
+    from runtime.engine.pooling import PoolingParams
     from runtime.engine.structured_output import TokenConstraints
 
 
@@ -66,6 +67,8 @@ class Request:
         token_constraints: the grammar / allowed ids / bad words of this sequence, advanced
             with every output token (None: unconstrained).
         lora_request: the LoRA adapter it generates with (None: the base model).
+        pooling_params: set for a pooling request (an embedding or a score: its prompt is
+            computed and pooled, nothing generated); None for generation.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class Request:
         arrival_time: float | None = None,
         token_constraints: TokenConstraints | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ):
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -103,6 +107,8 @@ class Request:
         self.token_constraints = token_constraints
         self.block_hashes: list[int] = []
         self.lora_request = lora_request
+        # A pooling request (runtime/engine/pooling.py): prefill only, finished once its prompt is computed.
+        self.pooling_params = pooling_params
         self.lora_slot = 0  # the adapter's device slot while running (runtime.engine.lora.LoRAManager)
         self.draft_history = AcceptanceHistory()  # n-gram speculation's record (runtime.engine.speculative)
         limit = max_model_len - len(prompt_token_ids)
@@ -141,6 +147,11 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         """True while some prompt-token logprobs are still to be computed."""
         return self.wants_prompt_logprobs and self.num_prompt_logprobs < self.num_prompt_tokens - 1
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """A pooling request whose pooling needs every prompt token computed (MEAN, CLS)."""
+        return self.pooling_params is not None and self.pooling_params.skip_reading_prefix_cache
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 
 from runtime.engine.interfaces import RowResult, RunnerOutput, SchedulerOutput
 from runtime.engine.programs import ModelPrograms
@@ -28,6 +29,7 @@ class InFlightStep:
     sched: SchedulerOutput
     out: Any  # SamplerOutput of device arrays
     inputs: StepInputs
+    pooled: Any = None  # [S, D] device array of pooled rows when the step has pooling requests
 
 
 class ModelRunner:
@@ -52,11 +54,14 @@ class ModelRunner:
         t_pad, s_pad = self.plan.step_bucket(sched.num_scheduled_tokens, sched.num_slots)
         t_pad, s_pad = programs.runnable_bucket(t_pad, s_pad, use_penalties)
         inputs = programs.inputs.build(sched, block_ids, t_pad, s_pad, use_penalties)
-        logits = programs.run_step(inputs.batch)
+        if programs.pools:
+            logits, pooled = programs.run_pooling_step(inputs.batch)
+        else:  # (a multi-process engine mirrors run_step on its workers)
+            logits, pooled = programs.run_step(inputs.batch), None
         # Filled while the device runs the step (llguidance releases the GIL).
         fill_token_masks(inputs.sampling.token_mask, inputs.masked_rows)
         out = programs.run_sample(logits, inputs.sampling, use_penalties=use_penalties)
-        return InFlightStep(sched, out, inputs)
+        return InFlightStep(sched, out, inputs, pooled if inputs.pool_rows else None)
 
     def collect(self, step: InFlightStep) -> RunnerOutput:
         """Wait for a dispatched step and bring its results to the host."""
@@ -79,4 +84,8 @@ class ModelRunner:
         prompt_logprobs: dict[str, list[tuple[int, RowResult]]] = {}
         for rid, r, target in step.inputs.prompt_rows:
             prompt_logprobs.setdefault(rid, []).append((target, result(r)))
-        return RunnerOutput(sampled, sample_logprobs, prompt_logprobs)
+        pooled = {}
+        if step.pooled is not None:  # the pooling requests' rows only (runtime/engine/pooling.py pools them)
+            rows = np.asarray(jax.device_get(step.pooled))
+            pooled = {rid: (first, n, rows[r]) for rid, r, first, n in step.inputs.pool_rows}
+        return RunnerOutput(sampled, sample_logprobs, prompt_logprobs, pooled)

@@ -38,6 +38,9 @@ class StepInputs:
     masked_rows: list[tuple[int, Any, list[int]]]  # (row, token constraints, output token ids) to mask
     sample_rows: list[list[int]]  # per scheduled request, the rows whose samples count
     prompt_rows: list[tuple[str, int, int]]  # (request id, row, prompt token index) of prompt logprobs
+    # Pooling requests: (request id, row, first prompt token of the chunk, tokens in it); their
+    # rows are pooled (runtime/ops/pooling.py), never sampled.
+    pool_rows: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
 
 
 class InputBuilder:
@@ -118,7 +121,7 @@ class InputBuilder:
         groups = self._group_arrays(t_pad, s_pad)
         group_tables, group_slots = groups.get("group_block_tables"), groups.get("group_slot_mapping")
         sb = self._empty_sampling(s_pad, use_penalties)
-        masked_rows, sample_rows, prompt_rows = [], [], []
+        masked_rows, sample_rows, prompt_rows, pool_rows = [], [], [], []
         t = row = 0
         for entry in sched.scheduled:
             req = entry.request
@@ -160,7 +163,10 @@ class InputBuilder:
                 last = row
                 rows_sampled = [row]
                 row += 1
-            self._fill_sampling_row(sb, last, req, drafts)
+            if req.pooling_params is not None:
+                pool_rows.append((req.request_id, last, c, n))
+            else:
+                self._fill_sampling_row(sb, last, req, drafts)
             if req.token_constraints is not None:
                 masked_rows.append((last, req.token_constraints, req.output_token_ids))
             sample_rows.append(rows_sampled)
@@ -171,7 +177,7 @@ class InputBuilder:
             seq_lens=seq_lens, query_start_loc=query_start_loc, logits_indices=logits_indices,
             num_seqs=row, num_tokens=t, lora_slots=lora_slots, **groups,
         )
-        return StepInputs(batch, SamplingBatch(**sb), use_penalties, masked_rows, sample_rows, prompt_rows)
+        return StepInputs(batch, SamplingBatch(**sb), use_penalties, masked_rows, sample_rows, prompt_rows, pool_rows)
 
     def _fill_sampling_row(self, sb: dict[str, np.ndarray], r: int, req: StepRequest, drafts: list[int] = ()) -> None:
         """Row r samples the request's next token after its tokens and then `drafts` (the

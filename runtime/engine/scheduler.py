@@ -9,6 +9,10 @@ Order: running requests first (oldest first), then waiting ones (FIFO, preempted
 the front). When the block pool runs dry the newest running request is preempted: its
 blocks are freed and it is recomputed later (its prefix may still be in the cache).
 
+A pooling request (an embedding or a score, runtime/engine/pooling.py) is scheduled as a
+prompt like any other and finished, its blocks freed, in the update after its last prompt
+token was computed; it never decodes.
+
 With n-gram speculation (runtime/engine/speculative.py) a decoding request may compute its last
 token plus draft tokens in one step, each in a sequence slot of its own; the drafts are
 the first thing dropped when tokens, slots or blocks run short.
@@ -157,7 +161,7 @@ class Scheduler:
         """Draft tokens for a decoding request (at most `room`, and none that would pass its
         max_tokens); [] without speculation or under a grammar."""
         spec = self.speculative
-        if spec is None or room <= 0 or request.token_constraints is not None:
+        if spec is None or room <= 0 or request.token_constraints is not None or request.pooling_params is not None:
             return []
         history = request.draft_history
         history.decay()
@@ -195,6 +199,11 @@ class Scheduler:
         for entry, tokens in zip(output.scheduled, sampled):
             request = entry.request
             if request.is_finished:
+                continue
+            if request.pooling_params is not None:  # prefill only: done (blocks freed) once the prompt is
+                request.num_computed_tokens += entry.num_new_tokens
+                if request.num_computed_tokens >= request.num_tokens:
+                    self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 continue
             if entry.draft_token_ids:
                 tokens = accept_drafts(entry.draft_token_ids, [int(t) for t in tokens])
