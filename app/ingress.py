@@ -40,6 +40,8 @@ from app.openai_requests import (
     UnloadLoRAAdapterRequest,
 )
 from app.openai_responses import ErrorResponse, ModelCard, ModelList, error_response
+from app.pooling_api import add_pooling_routes
+from app.responses_api import ResponsesRequest, responses_error_event
 from runtime.engine.lora_request import stable_lora_id
 
 logger = logging.getLogger("ray.serve")
@@ -236,9 +238,11 @@ class OpenAIRouter:
         raise APIError(ErrorResponse.make(400, "Cannot find suitable handler for request. Expected one of: "
                                                "['ChatCompletionRequest', 'CompletionRequest']"))
 
-    async def relay(self, method: str, body: CompletionRequest | ChatCompletionRequest | MessagesRequest) -> Any:
+    async def relay(self, method: str,
+                    body: CompletionRequest | ChatCompletionRequest | MessagesRequest | ResponsesRequest) -> Any:
         """Call LLMServer.<method>(body) and turn what it yields into the HTTP response (for
-        Anthropic's Messages API, its errors and its named stream events)."""
+        Anthropic's Messages API, its errors and its named stream events; for the Responses
+        API, its named stream events)."""
         anthropic = isinstance(body, MessagesRequest)
         handle, lora = self.route(body.model)
         ignored = body.ignored_fields
@@ -260,8 +264,28 @@ class OpenAIRouter:
             return _json_error(first, anthropic)
         if not body.stream:
             return JSONResponse(first, headers=headers)
-        return StreamingResponse((_anthropic_events if anthropic else _sse)(first, gen), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", **headers})
+        if anthropic:
+            events = _named_events(first, gen, lambda err, last: anthropic_error_body(err))
+        elif isinstance(body, ResponsesRequest):
+            events = _named_events(first, gen, lambda err, last: responses_error_event(
+                err, last.get("sequence_number", -1) + 1))
+        else:
+            events = _sse(first, gen)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
+
+    async def stored_response(self, method: str, response_id: str) -> JSONResponse:
+        """LLMServer.<method>(response_id) (retrieve_response, cancel_response) on every model:
+        the answer of the replica that stored the response, else the 404."""
+        results = await asyncio.gather(*(getattr(h, method).remote(response_id) for h in self.handles.values()),
+                                       return_exceptions=True)
+        found = [r for r in results if not isinstance(r, (ErrorResponse, BaseException)) or
+                 isinstance(r, ErrorResponse) and r.status_code != 404]
+        if found:
+            return _json_error(found[0]) if isinstance(found[0], ErrorResponse) else JSONResponse(found[0])
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise APIError(_server_error(failed[0]))
+        return _json_error(results[0])
 
 
 def _server_error(exc: BaseException) -> ErrorResponse:
@@ -302,19 +326,20 @@ async def _sse(first: dict[str, Any], gen: Any) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
-async def _anthropic_events(first: dict[str, Any], gen: Any) -> AsyncIterator[str]:
-    """Anthropic's server-sent events (`event: <type>` + `data: {json}`; no [DONE]); a failure
-    mid-stream is an `error` event. Cancellation as in `_sse`."""
-    finished = False
+async def _named_events(first: dict[str, Any], gen: Any, error_event: Any) -> AsyncIterator[str]:
+    """Named server-sent events (`event: <type>` + `data: {json}`; no [DONE]), as Anthropic's
+    Messages API and OpenAI's Responses API send them; a failure mid-stream is the event
+    `error_event(error, last event sent)`. Cancellation as in `_sse`."""
+    finished, last = False, first
     try:
         yield anthropic_sse(first)
-        async for item in gen:
-            yield anthropic_sse(item)
+        async for last in gen:
+            yield anthropic_sse(last)
         finished = True
     except RequestCancelledError:
         return
     except Exception as e:
-        yield anthropic_sse(anthropic_error_body(_server_error(e)))
+        yield anthropic_sse(error_event(_server_error(e), last))
     finally:
         if not finished:
             gen.cancel()
@@ -346,7 +371,8 @@ def _error_text(error: dict[str, Any]) -> str:
 
 
 def build_openai_api(router: OpenAIRouter) -> FastAPI:
-    """The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, Anthropic's /v1/messages
+    """The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (and
+    GET /v1/responses/{id}, POST /v1/responses/{id}/cancel), Anthropic's /v1/messages
     (and /v1/messages/count_tokens), /health, and vLLM's other routes (/tokenize, /detokenize,
     /tokenizer_info, /invocations, /ping, /version, /metrics)."""
     api = FastAPI(title="servax", description="OpenAI-compatible LLM serving on JAX")
@@ -408,6 +434,26 @@ def build_openai_api(router: OpenAIRouter) -> FastAPI:
         router.authorize(request)
         return await router.call("count_tokens", body, anthropic=True)
 
+    @api.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Any:
+        """OpenAI's Responses API (app.responses_api)."""
+        router.authorize(request)
+        return await router.relay("responses", body)
+
+    @api.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, request: Request, stream: bool = False) -> JSONResponse:
+        """A stored Response (stored by the replica that answered it: see app.responses_api)."""
+        router.authorize(request)
+        if stream:
+            raise APIError(ErrorResponse.make(400, "streaming a stored response needs background streaming, "
+                                                   "which servax does not support", param="stream"))
+        return await router.stored_response("retrieve_response", response_id)
+
+    @api.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, request: Request) -> JSONResponse:
+        router.authorize(request)
+        return await router.stored_response("cancel_response", response_id)
+
     if router.allow_runtime_lora_updating:
         @api.post("/v1/load_lora_adapter")
         async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> Response:
@@ -466,6 +512,7 @@ def build_openai_api(router: OpenAIRouter) -> FastAPI:
         families = await asyncio.gather(*(h.metric_families.remote() for h in router.handles.values()))
         return Response(render_families(list(families)), media_type=CONTENT_TYPE_LATEST)
 
+    add_pooling_routes(api, router)  # /v1/embeddings, /v1/score, /rerank (app/pooling_api.py)
     return api
 
 

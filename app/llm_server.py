@@ -9,7 +9,8 @@ the typed methods through a handle:
         print(delta.text, end="")
 
 The ingress uses `completion` / `chat` (OpenAI bodies, see app.openai_api), `messages` /
-`count_tokens` (Anthropic's, see app.anthropic_api), `model_info`
+`count_tokens` (Anthropic's, see app.anthropic_api), `responses` / `retrieve_response` /
+`cancel_response` (OpenAI's Responses API, see app.responses_api), `model_info`
 and `stats`. Every generating method, handle or OpenAI, runs through the replica's one
 Relay (app.relay). Serve calls `check_health` periodically and replaces a replica whose
 engine loop has died.
@@ -35,7 +36,9 @@ from app.metrics import ServerMetrics
 from app.openai_api import OpenAIServing
 from app.openai_requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from app.openai_responses import ErrorResponse, error_response
+from app.pooling_api import EmbeddingRequest, PoolingServing, RerankRequest, ScoreRequest
 from app.relay import GenerationRequest, Relay
+from app.responses_api import ResponsesRequest, ResponsesServing
 from runtime.engine.errors import InvalidRequestError
 from runtime.engine.lora_request import LoRARequest, stable_lora_id
 
@@ -125,6 +128,8 @@ class LLMServerImpl:
         self.relay = Relay(self.engine, self.model_id, self.metrics)
         self.serving = OpenAIServing(self.engine, self.model_id, self.relay, self.llm_config.serving_config())
         self.anthropic = AnthropicServing(self.serving)
+        self.pooling = PoolingServing(self.engine, self.model_id)
+        self.responses_api = ResponsesServing(self.serving)
         self._load_multiplexed = None
         lora_config = self.llm_config.lora_config
         if lora_config is not None and lora_config.dynamic_lora_loading_path:
@@ -298,9 +303,37 @@ class LLMServerImpl:
             async for item in items:
                 yield item
 
+    async def responses(self, request: ResponsesRequest, lora: dict[str, Any] | None = None
+                        ) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
+        """OpenAI /v1/responses bodies: the Response, or with stream each event (see
+        app.responses_api.ResponsesServing.create); stored in this replica unless store is false."""
+        async with aclosing(self._serve(self.responses_api.create, request, lora)) as items:
+            async for item in items:
+                yield item
+
+    def retrieve_response(self, response_id: str) -> dict[str, Any] | ErrorResponse:
+        """GET /v1/responses/{id}: a Response this replica stored (404 if it has none)."""
+        return self.responses_api.retrieve(response_id)
+
+    async def cancel_response(self, response_id: str) -> dict[str, Any] | ErrorResponse:
+        """POST /v1/responses/{id}/cancel: abort a background Response of this replica."""
+        return await self.responses_api.cancel(response_id)
+
     def count_tokens(self, request: CountTokensRequest) -> dict[str, Any] | ErrorResponse:
         """Anthropic /v1/messages/count_tokens body: {input_tokens}."""
         return self.anthropic.count_tokens(request)
+
+    async def embeddings(self, request: EmbeddingRequest) -> dict[str, Any] | ErrorResponse:
+        """OpenAI /v1/embeddings body (a pooling engine: runner="pooling"; app.pooling_api)."""
+        return await self.pooling.embeddings(request)
+
+    async def score(self, request: ScoreRequest) -> dict[str, Any] | ErrorResponse:
+        """vLLM's /v1/score body: a score per (query, document) pair."""
+        return await self.pooling.score(request)
+
+    async def rerank(self, request: RerankRequest) -> dict[str, Any] | ErrorResponse:
+        """/rerank body (Cohere / Jina shape): documents ordered by relevance to the query."""
+        return await self.pooling.rerank(request)
 
     def tokenize(self, request: TokenizeRequest) -> dict[str, Any] | ErrorResponse:
         """vLLM's /tokenize body (see app.openai_api.OpenAIServing.tokenize)."""
