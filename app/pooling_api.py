@@ -16,6 +16,7 @@ import uuid
 from typing import Any, Literal
 
 import numpy as np
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from app.openai_responses import ErrorResponse, error_response
@@ -228,8 +229,6 @@ def _error(exc: BaseException, prompt_param: str) -> ErrorResponse:
 def add_pooling_routes(api: Any, router: Any) -> None:
     """POST /v1/embeddings, /v1/score, /score, /rerank, /v1/rerank, /v2/rerank on the ingress's
     FastAPI app, routed by `model` to LLMServer.embeddings / score / rerank."""
-    from fastapi import Request
-
     async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
         router.authorize(request)
         return await router.call("embeddings", body)
