@@ -208,6 +208,51 @@ def _messages_bodies(draw):
     return body
 
 
+_PARTS = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image", "x", 3])},
+                                        optional={"text": _SCALARS}), max_size=2)
+_ITEMS = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "developer", "tool", 1])},
+                          optional={"type": st.sampled_from(["message", "x"]),
+                                    "content": st.one_of(st.text(max_size=20), _PARTS, _VALUES)}),
+    st.fixed_dictionaries({"type": st.just("function_call")},
+                          optional={"call_id": _SCALARS, "name": _SCALARS, "arguments": st.one_of(_SCALARS, _VALUES)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output")},
+                          optional={"call_id": _SCALARS, "output": st.one_of(st.text(max_size=10), _PARTS, _VALUES)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "item_reference", "web_search_call", 4])},
+                          optional={"summary": st.one_of(_PARTS, _VALUES), "content": _PARTS,
+                                    "encrypted_content": _SCALARS}))
+_RESPONSES_FIELDS = {
+    "max_output_tokens": st.integers(-2, 40), "instructions": st.one_of(st.text(max_size=20), _SCALARS),
+    "temperature": st.floats(-1, 3), "top_p": st.floats(-0.5, 1.5), "top_k": st.integers(-3, 600),
+    "stream": st.booleans(), "store": st.booleans(), "background": st.booleans(), "metadata": _VALUES,
+    "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search", "x"])},
+                                            optional={"name": st.text(max_size=6), "parameters": _VALUES}), max_size=2),
+    "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required", "x"]), st.fixed_dictionaries(
+        {"type": st.sampled_from(["function", "allowed_tools", 2])}, optional={"name": _SCALARS})),
+    "text": st.fixed_dictionaries({}, optional={"format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "x"])},
+        optional={"name": _SCALARS, "schema": _VALUES, "strict": _SCALARS})}),
+    "reasoning": st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["none", "low", "high", "x", 1])}),
+    "include": st.lists(st.sampled_from(["message.output_text.logprobs", "reasoning.encrypted_content", "x"]),
+                        max_size=2),
+    "top_logprobs": st.integers(-1, 25), "previous_response_id": st.one_of(st.text(max_size=8), _SCALARS),
+    "logit_bias": st.dictionaries(st.integers(-2, VOCAB + 2).map(str), st.floats(-200, 200), max_size=2),
+    "stop": st.one_of(st.text(max_size=4), _MIXED), "seed": st.integers(-2**64, 2**64), "no_such_field": _SCALARS,
+}
+
+
+@st.composite
+def _responses_bodies(draw):
+    """OpenAI Responses bodies: input as text or items of every kind, mixed with junk."""
+    body: dict = {"model": draw(st.sampled_from([MODEL, MODEL, "nope", 5]))}
+    body["input"] = draw(st.one_of(st.text(max_size=30), st.lists(_ITEMS, min_size=1, max_size=3), _VALUES))
+    if draw(st.integers(0, 9)):
+        body["max_output_tokens"] = draw(st.integers(1, 8))
+    for name in draw(st.lists(st.sampled_from(sorted(_RESPONSES_FIELDS)), max_size=4, unique=True)):
+        body[name] = draw(st.one_of(_RESPONSES_FIELDS[name], _VALUES))
+    return body
+
+
 def _check(http, path: str, body) -> int:
     """Send one fuzzed body; its status, once the answer has the right shape."""
     content = json.dumps(body, allow_nan=True)
@@ -222,8 +267,13 @@ def _check(http, path: str, body) -> int:
         assert not path.startswith("/v1/messages") or json.loads(raw)["type"] == "error", raw[:300]
     elif not r.headers["content-type"].startswith("text/event-stream"):
         answer = json.loads(raw)
-        assert answer.get("choices") or answer.get("content") or {"tokens", "prompt", "input_tokens"} & set(answer), \
+        assert answer.get("choices") or answer.get("content") or answer.get("object") == "response" or answer.get("data") or answer.get("results") or \
+            {"tokens", "prompt", "input_tokens"} & set(answer), \
             raw[:300]
+    elif path.startswith("/v1/responses"):  # the Responses API's events: no [DONE]
+        assert raw.rstrip().split(b"\n")[0] == b"event: response.created", raw[:300]
+        assert b'"type": "response.completed"' in raw.rstrip().split(b"\n")[-1], raw[-300:]
+        assert b"event: error" not in raw, raw[:500]
     elif path.startswith("/v1/messages"):  # Anthropic's events: no [DONE]
         assert raw.rstrip().endswith(b'data: {"type": "message_stop"}'), raw[-300:]
         assert b"event: error" not in raw, raw[:500]
@@ -269,6 +319,19 @@ def test_fuzzed_anthropic_messages_never_500(http):
 
 
 @pytest.mark.slow
+def test_fuzzed_responses_never_500(http):
+    """300 random Responses bodies (items of every kind, junk mixed in): a 4xx in OpenAI's error
+    shape or a Response, never a 5xx; stored-response ids of any text are a 404."""
+    outcomes = _fuzz(http, "/v1/responses", _responses_bodies(), 300)
+    assert outcomes[200] >= 3 and sum(n for status, n in outcomes.items() if status >= 400) >= 100, outcomes
+    for response_id in ["resp_x", "é" * 3, "a" * 5000, "%00", "..%2F..", "{}", " "]:
+        for method, path in (("GET", f"/v1/responses/{response_id}"), ("POST", f"/v1/responses/{response_id}/cancel")):
+            r = http.request(method, path)
+            assert r.status_code == 404 and r.json()["error"]["message"], (path, r.text[:200])
+    assert_still_serving(http)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["completions", "chat/completions"])
 def test_fuzzed_invocations_never_500(http, kind):
     """/invocations (SageMaker's, vLLM's) picks the route from the body: the same bodies, never a 5xx."""
@@ -307,20 +370,45 @@ def _from_schema(schema: dict, defs: dict, depth: int = 0):
     return st.integers(0, 19).flatmap(lambda k: st.one_of(_VALUES, _MIXED) if k == 0 and depth else typed)
 
 
-def _openapi_bodies(http, path: str):
+def _openapi_bodies(http, path: str, name: str = MODEL):
     doc = http.get("/openapi.json").json()
     schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    model = st.sampled_from([MODEL, MODEL, MODEL, "nope"])
+    model = st.sampled_from([name, name, name, "nope"])
     return st.tuples(_from_schema(schema, doc["components"]["schemas"]), model).map(
         lambda pair: {**pair[0], "model": pair[1]} if isinstance(pair[0], dict) else pair[0])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
-                                  "/v1/messages", "/v1/messages/count_tokens"])
+                                  "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"])
 def test_bodies_from_the_openapi_document_never_500(http, path):
     """Bodies drawn from the route's own request schema (servax's /openapi.json), with values of
     the wrong type mixed in at every level: never a 5xx."""
     outcomes = _fuzz(http, path, _openapi_bodies(http, path), 200)
     assert sum(n for status, n in outcomes.items() if status >= 400) >= 20, outcomes
     assert_still_serving(http)
+
+
+POOL_MODEL = "fuzz-pool"
+
+
+@pytest.fixture(scope="module")
+def pooling_http():
+    """A pooling engine (an embedding model) of its own, under POOL_MODEL."""
+    with local_llm_servers([{"model_loading_config": {"model_id": POOL_MODEL, "model_source": "servax-tiny/qwen3"},
+                             "engine_kwargs": {**ENGINE, "runner": "pooling"}}]) as handles, \
+            openai_api_server(handles) as url, httpx.Client(base_url=url, timeout=60) as client:
+        yield client
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/score", "/rerank"])
+def test_pooling_routes_fuzzed_never_500(pooling_http, path):
+    """Bodies from the pooling routes' own schemas (inputs as text, ids, nested lists, junk;
+    dimensions, encoding_format, top_n, ...) with wrong types mixed in: never a 5xx, and the
+    engine still answers and holds no blocks afterwards."""
+    outcomes = _fuzz(pooling_http, path, _openapi_bodies(pooling_http, path, POOL_MODEL), 150)
+    assert sum(n for status, n in outcomes.items() if status >= 400) >= 20, outcomes
+    r = pooling_http.post("/v1/embeddings", json={"model": POOL_MODEL, "input": "hello"})
+    assert r.status_code == 200, r.text
+    wait_idle(local_llm_server(POOL_MODEL).engine)
