@@ -397,6 +397,17 @@ def _logprobs(chat_logprobs: dict[str, Any] | None) -> list[dict[str, Any]]:
     return out
 
 
+def _text_config(text: TextConfig | None) -> dict[str, Any] | None:
+    """The request's text config as the Response echoes it: a json_schema format with its
+    fields, the other formats as their type alone."""
+    if text is None:
+        return None
+    body = text.model_dump(by_alias=True)
+    if text.format is not None and text.format.type != "json_schema":
+        body["format"] = {"type": text.format.type, **(text.format.model_extra or {})}
+    return body
+
+
 def _message_item(item_id: str, text: str, logprobs: list[dict[str, Any]] | None, status: str) -> dict[str, Any]:
     part = {"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}
     return {"id": item_id, "content": [part] if text else [], "role": "assistant", "status": status,
@@ -452,7 +463,7 @@ class ResponseBody:
             "previous_response_id": r.previous_response_id, "prompt": None,
             "reasoning": r.reasoning.model_dump() if r.reasoning is not None else None,
             "service_tier": r.service_tier, "status": status,
-            "text": r.text.model_dump(by_alias=True) if r.text is not None else None,
+            "text": _text_config(r.text),
             "top_logprobs": r.top_logprobs if r.wants_logprobs else None, "truncation": r.truncation,
             "usage": usage, "user": r.user,
             "presence_penalty": effective("presence_penalty", 0.0),

@@ -130,6 +130,27 @@ def test_anthropic_messages_through_the_proxy_and_the_handle(base_url, handle):
     assert reply["content"][0]["text"] == message.content[0].text
 
 
+def test_responses_api_through_the_proxy_and_the_handle(base_url, handle):
+    """The colocated app serves OpenAI's Responses API over Serve's proxy (create streamed and
+    not, retrieve from the replica's store), and as the handle's `responses` method (#43)."""
+    import openai
+
+    from app.responses_api import ResponsesRequest
+
+    client = openai_client(base_url)
+    body = dict(model=MODEL, input="Hi", max_output_tokens=6, temperature=0)
+    response = client.responses.create(**body)
+    assert response.output[0].type == "message" and response.status in ("incomplete", "completed")
+    with client.responses.stream(**body) as stream:
+        assert stream.get_final_response().output_text == response.output_text
+    assert client.responses.retrieve(response.id).output_text == response.output_text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(**{**body, "model": "nope"})
+    (reply,) = list(handle.options(stream=True).responses.remote(ResponsesRequest(**body)))
+    assert reply["output"][0]["content"][0]["text"] == response.output_text
+    assert handle.retrieve_response.remote(reply["id"]).result()["id"] == reply["id"]
+
+
 def test_handle_errors_keep_their_type(handle):
     from runtime.engine.errors import InvalidRequestError
 

@@ -1,4 +1,5 @@
-"""Compare servax's reasoning output and Anthropic Messages API with `vllm serve` (not a test: run by hand).
+"""Compare servax's reasoning output, Anthropic Messages API and OpenAI Responses API with `vllm serve`
+(not a test: run by hand).
 
 Serves the tiny thinking Qwen3 (tests/thinking_model.py) with servax in this process and sends the
 same requests to it and to a running `vllm serve` of the same folder; prints, per request, the
@@ -7,7 +8,7 @@ whether the greedy texts are equal. servax never imports vLLM; start vLLM from i
 
     python tests/vllm_compare_api.py --make /tmp/thinking-qwen3        # writes the checkpoint
     PY=$(../shared/tools/vllm-reference | tail -1)
-    VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=1 "$(dirname "$PY")/vllm" serve /tmp/thinking-qwen3 \\
+    VLLM_ENABLE_RESPONSES_API_STORE=1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=1 "$(dirname "$PY")/vllm" serve /tmp/thinking-qwen3 \\
         --served-model-name thinking --port 8765 --max-model-len 512 --dtype float32 \\
         --reasoning-parser qwen3 --enable-auto-tool-choice --tool-call-parser hermes
     python tests/vllm_compare_api.py /tmp/thinking-qwen3 --vllm http://127.0.0.1:8765
@@ -29,6 +30,7 @@ ASK = [{"role": "user", "content": "Is the sky blue?"}]
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
 ANTHROPIC_TOOL = {"name": "lookup", "input_schema": TOOL["function"]["parameters"]}
+RESPONSES_TOOL = {"type": "function", "name": "lookup", "parameters": TOOL["function"]["parameters"]}
 VOLATILE = {"id", "created", "system_fingerprint", "signature"}
 
 
@@ -64,6 +66,52 @@ def requests(think: dict[str, int]) -> list[tuple[str, str, dict]]:
         ("messages: unknown model", "/v1/messages", {**msg, "model": "nope"}),
         ("messages: system turn in messages", "/v1/messages",
          {**msg, "messages": [{"role": "system", "content": "Be brief."}, *ASK], "thinking": {"type": "disabled"}}),
+        *responses_requests(think),
+    ]
+
+
+def responses_requests(think: dict[str, int]) -> list[tuple[str, str, dict]]:
+    """The Responses API's requests (vLLM serves them with VLLM_ENABLE_RESPONSES_API_STORE=1)."""
+    no_end = {"logit_bias": {str(think["</think>"]): -100}}
+    ends = {"logit_bias": {str(think["</think>"]): 100}}
+    resp = {"model": MODEL, "input": ASK[0]["content"], "temperature": 0, "max_output_tokens": 6}
+    off = {"reasoning": {"effort": "none"}}
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+             {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "Sunny"}]
+    named = {"tools": [RESPONSES_TOOL], "tool_choice": {"type": "function", "name": "lookup"}, "max_output_tokens": 60}
+    choice = {"max_output_tokens": 8, "structured_outputs": {"choice": ["yes", "no"]}}
+    schema = {"format": {"type": "json_schema", "name": "city", "schema": TOOL["function"]["parameters"]}}
+    return [
+        ("responses: text", "/v1/responses", {**resp, **off, "instructions": "Be brief."}),
+        ("responses: reasoning never ends", "/v1/responses", {**resp, **no_end}),
+        ("responses: streamed text", "/v1/responses", {**resp, **off, "stream": True}),
+        ("responses: streamed reasoning", "/v1/responses", {**resp, **no_end, "stream": True}),
+        ("responses: reasoning ends, grammar answers", "/v1/responses", {**resp, **ends, **choice}),
+        ("responses: streamed reasoning then grammar answer", "/v1/responses",
+         {**resp, **ends, **choice, "stream": True}),
+        ("responses: named function tool", "/v1/responses", {**resp, **off, **named}),
+        ("responses: streamed named function tool", "/v1/responses", {**resp, **off, **named, "stream": True}),
+        ("responses: required tool after reasoning", "/v1/responses",
+         {**resp, **ends, "tools": [RESPONSES_TOOL], "tool_choice": "required", "max_output_tokens": 60,
+          "parallel_tool_calls": False}),
+        ("responses: text.format json_schema", "/v1/responses", {**resp, **off, "text": schema, "max_output_tokens": 40}),
+        ("responses: text.format json_object", "/v1/responses",
+         {**resp, **off, "text": {"format": {"type": "json_object"}}, "max_output_tokens": 12}),
+        ("responses: function_call items in", "/v1/responses",
+         {**resp, **off, "input": items, "tools": [RESPONSES_TOOL], "tool_choice": "none"}),
+        ("responses: logprobs", "/v1/responses",
+         {**resp, **off, "include": ["message.output_text.logprobs"], "top_logprobs": 2, "max_output_tokens": 3}),
+        ("responses: max_output_tokens 0", "/v1/responses", {**resp, "max_output_tokens": 0}),
+        ("responses: unknown model", "/v1/responses", {**resp, "model": "nope"}),
+        ("responses: input not text or items", "/v1/responses", {**resp, "input": 5}),
+        ("responses: required without tools", "/v1/responses", {**resp, "tool_choice": "required"}),
+        ("responses: unknown previous_response_id", "/v1/responses", {**resp, "previous_response_id": "resp_nope"}),
+        ("responses: prompt too long", "/v1/responses", {**resp, "input": "word " * 600}),
+        ("responses: cancel a finished response", "/v1/responses/{last}/cancel", {}),
+        ("responses: retrieve", "GET /v1/responses/{last}", {}),
+        ("responses: previous_response_id", "/v1/responses",
+         {**resp, **off, "input": "And Rome?", "previous_response_id": "{last}"}),
     ]
 
 
@@ -88,9 +136,14 @@ def flat(tree, prefix: str = "") -> dict[str, str]:
     return {prefix: tree}
 
 
-def send(base: str, path: str, body: dict) -> tuple[int, list]:
-    """Status and the JSON bodies (one, or each stream event / chunk)."""
-    with httpx.stream("POST", base + path, json=body, timeout=300) as r:
+def send(base: str, path: str, body: dict, last: str = "") -> tuple[int, list]:
+    """Status and the JSON bodies (one, or each stream event / chunk); `{last}` in the path or
+    the previous_response_id is the id of this server's last Response."""
+    method, _, path = path.rpartition(" ")
+    path = path.replace("{last}", last)
+    if body.get("previous_response_id") == "{last}":
+        body = {**body, "previous_response_id": last}
+    with httpx.stream(method or "POST", base + path, json=body if method != "GET" else None, timeout=300) as r:
         raw = r.read().decode()
     if not body.get("stream") or r.status_code != 200:
         return r.status_code, [json.loads(raw)]
@@ -115,7 +168,17 @@ def text_of(items: list) -> str:
             parts += [json.dumps(t.get("function", {}).get("arguments")) for t in m.get("tool_calls") or ()]
         for b in item.get("content") or ():
             parts.append(b.get("text") or _thought(b, "thinking") or json.dumps(b.get("input")))
+        for out in item.get("output") or ():  # a Response
+            parts += [_thought({"r": c["text"]}, "r") for c in out.get("content") or () if out["type"] == "reasoning"]
+            parts += [c.get("text") or "" for c in out.get("content") or () if out["type"] == "message"]
+            parts.append(json.dumps(out["arguments"]) if out["type"] == "function_call" else "")
         d = item.get("delta") or {}
+        if isinstance(d, str):  # a Responses stream event
+            kind = item.get("type", "")
+            parts.append(_thought({"r": d}, "r") if "reasoning" in kind else d if "output_text" in kind else "")
+            if kind == "response.function_call_arguments.done":
+                parts.append(json.dumps(item["arguments"]))
+            continue
         parts.append(d.get("text") or _thought(d, "thinking") or d.get("partial_json") or "")
     return "".join(parts)
 
@@ -138,9 +201,14 @@ def main() -> None:
                   tool_call_parser="hermes")
     config = [{"model_loading_config": {"model_id": MODEL, "model_source": str(args.checkpoint)},
                "engine_kwargs": engine}]
+    last = {"vllm": "", "servax": ""}  # each server's last Response id
     with local_llm_servers(config) as handles, openai_api_server(handles) as servax:
         for name, path, body in requests(think_ids(args.checkpoint)):
-            (vs, vitems), (ss, sitems) = send(args.vllm, path, body), send(servax, path, body)
+            (vs, vitems), (ss, sitems) = send(args.vllm, path, body, last["vllm"]), send(servax, path, body,
+                                                                                         last["servax"])
+            for server, status, items in (("vllm", vs, vitems), ("servax", ss, sitems)):
+                if status == 200 and items[-1].get("object") == "response" and path == "/v1/responses":
+                    last[server] = items[-1]["id"]
             vkeys = {k: v for item in vitems for k, v in flat(shape(item)).items()}
             skeys = {k: v for item in sitems for k, v in flat(shape(item)).items()}
             only_v = sorted(f"{k}:{v}" for k, v in vkeys.items() if skeys.get(k) != v)
@@ -154,7 +222,7 @@ def main() -> None:
                 print("   only/different in vllm:  ", only_v)
             if only_s:
                 print("   only/different in servax:", only_s)
-            if body.get("stream") and path == "/v1/messages":
+            if body.get("stream") and path in ("/v1/messages", "/v1/responses"):
                 print("   events vllm:  ", [i["type"] for i in vitems])
                 print("   events servax:", [i["type"] for i in sitems])
 
