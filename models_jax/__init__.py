@@ -62,8 +62,10 @@ class ModelEntry:
             params["layers"].
         kv_spec: (args, dtype) -> runtime.ops.step.KVCacheSpec, what one block of the paged
             cache holds where that is not K and V per KV head (multi-head latent attention keeps
-            one latent per token). None: K and V of num_kv_heads * kv_repeat heads of head_dim,
-            kv_repeat set from the mesh; with a spec of its own, a model replicates no KV heads.
+            one latent per token; Gemma 4 one head shape for layers that differ). None: K and V of
+            num_kv_heads * kv_repeat heads of head_dim, kv_repeat set from the mesh. A spec of its
+            own with one KV head (a latent) is whole on every device; with several, registry.native
+            sets args.kv_repeat from the mesh and asks again, so its heads split over the mesh.
         hidden: (params, carry, batch, *, args) -> the final normed hidden states [T, D] of the
             step's tokens (runtime.ops.step.LayerStages.hidden), what pooling reads (embeddings,
             scores); None: the model serves no pooling requests.
