@@ -203,6 +203,8 @@ def runner_of(runner: str, convert: str, hf_config: Any) -> str:
     if convert in ("embed", "classify") or getattr(hf_config, "classifier_from_token", None):
         return "pooling"
     arch = ((getattr(hf_config, "architectures", None) or [""])[0])
+    if arch.endswith("LMHeadModel"):  # GPT2LMHeadModel and the like generate
+        return "generate"
     return "pooling" if arch.endswith(("Model", "ForSequenceClassification", "ForEmbedding")) else "generate"
 
 
