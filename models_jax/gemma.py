@@ -28,28 +28,8 @@ activations other than gelu_pytorch_tanh. Gemma3ForConditionalGeneration (the mu
 4B/12B/27B checkpoints, weights under `model.language_model.`) is not declared: it falls
 back to torchax. LoRA adapters are not served on these models.
 
-Gemma 4 (`Gemma4ForCausalLM`, transformers' gemma4_text) is not declared: it routes to
-torchax, which refuses it for the first reason below (its layers' KV shapes differ; the tiny
-`servax-tiny/gemma4` is shaped so). What its text model adds, and why each part is not served:
-- global layers with their own head size (`global_head_dim`, 512 where sliding layers have 256
-  by default) and, with `attention_k_eq_v`, their own KV head count
-  (`num_global_key_value_heads`): the paged cache has one head size and head count for all
-  layers (runtime.ops.step.KVCacheSpec) and the scan one weight shape per stacked weight;
-  serving it needs a cache spec per layer type (or K/V padded to the larger head, doubling
-  the sliding layers' cache) and per-type weight stacks, both runtime changes;
-- "proportional" rotary embeddings on global layers (rotation frequencies for a
-  `partial_rotary_factor` share of the dimensions, zero for the rest), keyed per layer type;
-- per-layer input embeddings (`hidden_size_per_layer_input`, on by default: a second
-  [vocab, layers * 256] embedding plus a projection of the main one, gated into every layer's
-  residual after its MLP) and KV sharing across the last `num_kv_shared_layers` layers (they
-  attend over an earlier layer's K/V and own no cache): the scanned layers each own one
-  cache slice;
-- a MoE block beside the dense MLP (`enable_moe_block`: a router with its own norm, scale and
-  per-expert scales, the experts' output normed and added to the MLP's) and the double-wide
-  MLP of KV-shared layers;
-- `attention_k_eq_v` (values from the key projection), a v-norm without scale, attention
-  scale 1.0, a per-layer `layer_scalar` and plain-weight RMSNorm (weight, not 1 + weight):
-  small, but worth having only with the rest.
+Gemma 4 (`Gemma4ForCausalLM`) is models_jax/gemma4.py: its layers differ in head shape and
+weights by kind, its norms are plain weights, and it adds per-layer inputs, KV sharing and experts.
 """
 
 from __future__ import annotations

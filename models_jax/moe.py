@@ -58,8 +58,9 @@ class MoeConfig:
             experts in num_groups equal groups, a token's k chosen among the topk_groups best
             groups only; 1 / 1: no groups.
         routed_scaling_factor: the routing weights are multiplied by it (DeepSeek).
-        activation: "silu" (SwiGLU, gate and up side by side) or "clamped_swiglu" (gpt-oss: gate
-            and up interleaved in one matrix, clamped at `swiglu_limit`, (up + 1) * gate * sigmoid(alpha gate)).
+        activation: "silu" (SwiGLU, gate and up side by side), "gelu_tanh" (GeGLU, likewise: Gemma 4)
+            or "clamped_swiglu" (gpt-oss: gate and up interleaved in one matrix, clamped at
+            `swiglu_limit`, (up + 1) * gate * sigmoid(alpha gate)).
         expert_parallel: experts split over the model axis instead of their features.
         mesh: the mesh the weights live on (None: one device, no collective).
     """
@@ -180,6 +181,8 @@ def _activation(h: jax.Array, rows_expert: jax.Array, p: dict, cfg: MoeConfig) -
         up = jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
         return (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
     gate, up = jnp.split(h, 2, axis=-1)
+    if cfg.activation == "gelu_tanh":  # GeGLU (Gemma 4)
+        return jax.nn.gelu(gate, approximate=True) * up
     return jax.nn.silu(gate) * up
 
 

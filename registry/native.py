@@ -76,6 +76,10 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: 
                               sliding_windows=tuple(args.sliding_windows) if windowed else None)
     else:  # what the model says a block holds (a latent per token: whole on every device)
         kv_spec = entry.kv_spec(args, dtype)
+        if kv_spec.num_kv_heads > 1:  # heads of its own shape (Gemma 4): stored often enough to split, as above
+            args = dataclasses.replace(args, kv_repeat=kv_repeat(kv_spec.num_kv_heads, logical_axis_size("kv_heads",
+                                                                                                         mesh)))
+            kv_spec = entry.kv_spec(args, dtype)
     args = _place_experts(args, mesh, expert_parallel, resolved)
     layered = layered and entry.stages is not None and not int8_groups
     params, shardings = load_params(resolved.path, entry.weight_table(args), mesh, dtype, int8_groups,

@@ -61,6 +61,17 @@ _DEEPSEEK = dict(
 )
 _DEEPSEEK_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256,
                       beta_fast=32.0, beta_slow=1.0)
+_GEMMA4 = dict(
+    _LLAMA_LIKE, num_hidden_layers=6, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+    attention_k_eq_v=True, tie_word_embeddings=True, sliding_window=8,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                 "sliding_attention", "full_attention"],
+    vocab_size_per_layer_input=VOCAB_SIZE, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+    use_double_wide_mlp=True, final_logit_softcapping=10.0, architectures=["Gemma4ForCausalLM"],
+    rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                     "full_attention": dict(rope_type="proportional", partial_rotary_factor=0.25,
+                                            rope_theta=1000000.0)},
+)
 TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # name: (transformers config class, kwargs)
     "llama": ("LlamaConfig", dict(_LLAMA_LIKE, rope_theta=10000.0)),
@@ -117,13 +128,20 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
                          "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1000000.0)},
     )),
-    # Gemma 4 (text) as released checkpoints are shaped: global layers with a larger head (32
-    # here, 16 on sliding layers) and per-layer input embeddings. Neither path serves it yet (the
-    # KV cache has one head shape for all layers); see models_jax/gemma.py.
-    "gemma4": ("Gemma4TextConfig", dict(
-        _LLAMA_LIKE, num_hidden_layers=4, head_dim=16, global_head_dim=32, tie_word_embeddings=True,
-        sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-        vocab_size_per_layer_input=VOCAB_SIZE, hidden_size_per_layer_input=8,
+    # Gemma 4 (text), shaped as the released checkpoints are (models_jax/gemma4.py): global layers
+    # with a larger head (32, sliding 16) and one KV head whose values are its keys (attention_k_eq_v,
+    # the sliding layers 2), proportional rope on a quarter of the global head, per-layer input
+    # embeddings, the last two layers (one of each type) reading earlier layers' K/V with a
+    # double-wide MLP, final logits soft-capped. Norm scales and layer scalars are drawn away from 1
+    # (_spread_scales) so that a norm read as 1 + weight, or a scalar left out, shows.
+    "gemma4": ("Gemma4TextConfig", dict(_GEMMA4)),
+    # ... and with the MoE block beside every layer's MLP (the 26B-A4B's shape, which has no
+    # per-layer inputs and no KV sharing).
+    "gemma4_moe": ("Gemma4TextConfig", dict(
+        _GEMMA4, num_hidden_layers=4, layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                                   "full_attention"],
+        hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False,
+        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
     )),
     "qwen3_moe": ("Qwen3MoeConfig", dict(
         _LLAMA_LIKE, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -194,6 +212,8 @@ def make_tiny_checkpoint(
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if class_name == "Gemma4TextConfig":
+        _spread_scales(model)
     model = model.to(getattr(torch, dtype)).eval()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -202,6 +222,18 @@ def make_tiny_checkpoint(
     tokenizer.save_pretrained(out)
     (out / "servax_tiny.json").write_text(json.dumps({"name": name, "seed": seed, "dtype": dtype}))
     return out
+
+
+def _spread_scales(model: Any) -> None:
+    """Gemma 4's norm weights, router scales and layer scalars, which transformers initialises
+    to ones, drawn from [0.5, 1.5) instead (seeded): a reading of any of them as 1 changes the
+    logits."""
+    import torch
+
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(("norm.weight", "layer_scalar", "router.scale", "per_expert_scale")):
+                tensor.copy_(torch.rand_like(tensor) + 0.5)
 
 
 def tiny_checkpoint_path(model_id: str) -> Path:

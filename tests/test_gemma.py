@@ -148,22 +148,6 @@ def test_gemma_bidirectional_attention_is_refused(tmp_path):
         LLM(str(path), model_impl="jax", **ENGINE)
 
 
-def test_gemma4_is_refused_while_the_cache_has_one_head_shape(tiny_checkpoint):
-    """Gemma 4's global layers have a larger head than its sliding layers (and per-layer input
-    embeddings): no native model declares it, and the torchax path refuses it clearly rather than
-    serving it wrong (see models_jax/gemma.py for what serving it needs)."""
-    import registry
-    from app import LLM
-    from registry.errors import ModelLoadError
-
-    path = tiny_checkpoint("gemma4")
-    assert registry.resolve(str(path)).impl == "torchax"
-    with pytest.raises(ModelLoadError, match="differing KV shapes"):
-        LLM(str(path), **ENGINE)
-    with pytest.raises(ModelLoadError, match="Gemma4ForCausalLM has no native JAX model"):
-        LLM(str(path), model_impl="jax", **ENGINE)
-
-
 @pytest.mark.slow
 def test_gemma_tensor_parallel_matches_one_device(servax_cache):
     """Gemma 2 and Gemma 3 (4 heads, 2 KV heads): tensor parallel 2 and 4 give one device's greedy
