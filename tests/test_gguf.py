@@ -256,9 +256,9 @@ def test_quantization_gguf_serves_four_bit_weights_as_stored(tiny_checkpoint, gg
     prompt = [(7 * i + 3) % 500 + 4 for i in range(40)]
     params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16, logprobs=0)
     runs = {}
-    for quantization in (None, "gguf"):
+    for quantization in (None, "gguf"):  # float activations: the products of the stored weights exactly
         llm = LLM(model=str(gguf_file), quantization=quantization, max_model_len=128, max_num_seqs=4,
-                  max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="")
+                  max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="", int8_activations=False)
         (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
         lp = [next(iter(d.values())).logprob for d in out.outputs[0].logprobs]
         runs[quantization] = (llm, out.outputs[0].token_ids, np.array(lp))
@@ -287,7 +287,7 @@ def test_quantization_gguf_serves_q8_0_as_int8_with_the_same_logits(tiny_checkpo
     for quantization in (None, "gguf"):
         llm = LLM(model=str(gguf_file), model_impl=model_impl, quantization=quantization, max_model_len=128,
                   max_num_seqs=4, max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="",
-                  enforce_eager=quantization is None or model_impl == "torchax")
+                  enforce_eager=quantization is None or model_impl == "torchax", int8_activations=False)
         (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)  # chunked: 2 prefill steps
         logprobs = np.array([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
         runs[quantization] = (llm, out.outputs[0].token_ids, logprobs)
@@ -589,7 +589,7 @@ def test_demo_with_quantization_gguf_keeps_the_q8_0_embedding_as_int8(reference,
     from runtime.ops.matmul import PackedWeight
 
     llm = LLM(model=DEMO, quantization="gguf", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256,
-              enforce_eager=True, show_progress=False)
+              enforce_eager=True, show_progress=False, int8_activations=False)
     embed = llm.engine.model.params["embed"]  # packed as the LM head [576, 49152] for the CPU kernel, as stored
     assert isinstance(embed, PackedWeight) and embed.format == "int8" and embed.shape == (576, 49152)
     assert embed.scales.shape == (49152 // 16, 576 // 32, 16)

@@ -72,7 +72,7 @@ for model, quantization in models:
     for tp in (1, 2):
         llm = LLM(model=model, quantization=quantization, tensor_parallel_size=tp, max_model_len=128,
                   max_num_seqs=4, max_num_batched_tokens=64, show_progress=False, compilation_cache_dir="",
-                  enforce_eager=True)
+                  enforce_eager=True, int8_activations=False)  # tp 2's split weights multiply float activations
         o = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16),
                          use_tqdm=False)[0]
         layer = llm.engine.model.params["layers"][0]

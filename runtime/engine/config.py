@@ -132,6 +132,12 @@ class EngineConfig(BaseModel):
                           "and its Q4_0 / Q4_1 / Q4_K tensors as 4-bit values (native models), each with their "
                           "scale per 32 inputs (other types dequantized). On CPU the C++ matmul multiplies them as "
                           "stored; elsewhere they are dequantized inside the step (runtime/ops/quantization.py).")
+    int8_activations: bool | None = Field(
+        None, description="Products on int8 and 4-bit weights (quantization int8 / gguf, CPU kernels) with each "
+                          "step's activations quantized to int8 per 32 inputs: integer dot products, as llama.cpp "
+                          "computes: several times faster per matrix at decode batch sizes, about even on "
+                          "prefills. None: on where those kernels run; False: activations stay float (the "
+                          "products of the stored weights exactly, as transformers computes them dequantized).")
     speculative_config: SpeculativeConfig | None = Field(
         None, description='n-gram speculative decoding, vLLM\'s dict: {"method": "ngram", "num_speculative_tokens": '
                           'k, "prompt_lookup_max": n, "prompt_lookup_min": m} (runtime/engine/speculative.py).')

@@ -20,8 +20,10 @@ from jax.sharding import Mesh
 
 from runtime.engine.config import EngineConfig
 from runtime.ops.attention import resolve_attention_backend
+from runtime.ops.cpu_kernels import kernel_available
 from runtime.ops.matmul import packed_matmul_available
 from runtime.ops.mesh import num_shards
+from runtime.ops.quantization import count_quantized
 from runtime.ops.step import KVCacheSpec, LoadedModel
 
 logger = logging.getLogger("servax.engine")
@@ -43,6 +45,8 @@ class ExecutionPlan:
         attention_backend: "xla", "cpu" or "pallas"; the cache is laid out for it.
         layered: the model steps a few decoder layers per program (runtime/ops/layered.py).
         packed_weights: those programs multiply weights packed for the C++ matmuls.
+        int8_activations: packed int8 and 4-bit weights multiply int8-quantized activations at
+            decode sizes (EngineConfig.int8_activations; runtime/ops/matmul.py PackedWeight.dot).
         compute_float32: a bfloat16 / float16 model stepped layer by layer on CPU computes in
             float32 (XLA:CPU has no fast half-precision arithmetic; the packed kernels widen
             the stored weights in registers, XLA's dots convert them) and caches K/V in
@@ -65,6 +69,7 @@ class ExecutionPlan:
     token_buckets: tuple[int, ...]
     seq_buckets: tuple[int, ...]
     compile_in_background: bool
+    int8_activations: bool = False
 
     def step_bucket(self, num_tokens: int, num_rows: int) -> tuple[int, int]:
         """The (tokens, sequences) bucket a step of `num_tokens` tokens in `num_rows` rows runs in."""
@@ -91,6 +96,7 @@ class ExecutionPlan:
             f" in {groups.num_groups} KV cache groups of {groups.num_rows} layers (windows "
             f"{['full' if w is None else w for w in groups.windows]})")
         stepping = ("layered" + (", packed weights" if self.packed_weights else "")
+                    + (", int8 activations" if self.int8_activations else "")
                     + (", computing in float32" if self.compute_float32 else "")) if self.layered else "one program"
         return (f"{self.num_kv_blocks} KV blocks x {self.block_size} tokens{kv_groups} ({self.kv_budget}); attention "
                 f"{self.attention_backend}; {stepping}; {len(self.bucket_pairs)} buckets (tokens "
@@ -127,6 +133,8 @@ def make_plan(config: EngineConfig, model: LoadedModel, mesh: Mesh, *, max_model
     plan = ExecutionPlan(
         kv_spec=kv_spec, num_kv_blocks=num_blocks, block_size=config.block_size, kv_budget=budget,
         attention_backend=backend, layered=layered, packed_weights=packed, compute_float32=compute_float32,
+        int8_activations=(packed and config.int8_activations is not False and count_quantized(model.params) > 0
+                          and kernel_available("matmul_dot")),
         layer_seqs=seqs[-1] if layered and on_cpu_kernel else None,
         token_buckets=tuple(tokens), seq_buckets=tuple(seqs),
         compile_in_background=config.compile_in_background and not config.enforce_eager and not multi_process,

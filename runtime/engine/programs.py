@@ -73,7 +73,7 @@ class ModelPrograms:
             model.stages = dataclasses.replace(model.stages, epilogue=pooled_epilogue)
         try:
             self.layered = (LayeredStep(model, mesh, kv_shardings, plan.layer_seqs, pack=plan.packed_weights,
-                                        compute_float32=plan.compute_float32)
+                                        compute_float32=plan.compute_float32, int8_activations=plan.int8_activations)
                             if plan.layered else None)
         finally:  # the LoadedModel keeps its own epilogue for any later engine (the layered step has jitted ours)
             if self.pools:

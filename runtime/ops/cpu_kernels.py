@@ -1,6 +1,6 @@
 """servax's C++ kernels for XLA:CPU: building, caching and loading them, with a status per kernel.
 
-Four kernels, each its own source in runtime/ops/kernels/ (sharing the header-only work
+Five kernels, each its own source in runtime/ops/kernels/ (sharing the header-only work
 splitter parallel.h, which runs on the thread pool XLA hands each call, so nothing is shared
 between the libraries at run time, and the matmuls' panel header panels.h):
 
@@ -8,7 +8,9 @@ between the libraries at run time, and the matmuls' panel header panels.h):
 - "truncation" (sampling.cc): the sampler's top-k / top-p cut, runtime/engine/sampler.py;
 - "matmul" (matmul.cc): products on packed weights, and experts' grouped products, runtime/ops/matmul.py;
 - "matmul_formats" (matmul_formats.cc): products on packed bfloat16, int8 and 4-bit weights
-  (as quantized or as a GGUF file stores them), runtime/ops/matmul.py.
+  (as quantized or as a GGUF file stores them), runtime/ops/matmul.py;
+- "matmul_dot" (matmul_dot.cc): products on int8 and 4-bit weights with the activations
+  quantized to int8 (integer dot products), runtime/ops/matmul.py.
 
 Each kernel is compiled on its first use into its own shared library, with the machine's C++
 compiler (`CXX`, else g++ or c++; more flags from SERVAX_KERNEL_CXXFLAGS) against the XLA FFI
@@ -45,6 +47,8 @@ GROUPED_MATMUL_TARGET = "servax_grouped_matmul"  # runtime/ops/matmul.py's exper
 BF16_MATMUL_TARGET = "servax_bf16_matmul"  # runtime/ops/matmul.py, weights stored as bfloat16
 INT8_MATMUL_TARGET = "servax_int8_matmul"  # ... as int8 with grouped or per-channel scales
 UINT4_MATMUL_TARGET = "servax_uint4_matmul"  # ... as 4-bit values with scales and offsets
+INT8_DOT_TARGET = "servax_int8_dot_matmul"  # ... int8 weights, activations quantized to int8 (PackedWeight.dot)
+UINT4_DOT_TARGET = "servax_uint4_dot_matmul"  # ... 4-bit weights, likewise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +70,8 @@ KERNELS = {k.name: k for k in (
            more=(("ServaxGroupedMatmul", GROUPED_MATMUL_TARGET),)),
     Kernel("matmul_formats", "matmul_formats.cc", "ServaxBf16Matmul", BF16_MATMUL_TARGET,
            more=(("ServaxInt8Matmul", INT8_MATMUL_TARGET), ("ServaxUInt4Matmul", UINT4_MATMUL_TARGET))),
+    Kernel("matmul_dot", "matmul_dot.cc", "ServaxInt8DotMatmul", INT8_DOT_TARGET,
+           more=(("ServaxUInt4DotMatmul", UINT4_DOT_TARGET),)),
 )}
 
 SOURCE_DIR = Path(__file__).with_name("kernels")

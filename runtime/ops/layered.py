@@ -125,6 +125,13 @@ def _fuse_changes(fuse: Any, layer: Any) -> bool:
     return jax.tree.structure(joined) != jax.tree.structure(layer)
 
 
+def _for_int8_activations(params: Any) -> Any:
+    """params with their packed int8 and 4-bit matrices laid out for int8 activations
+    (runtime.ops.matmul.PackedWeight.for_int8_activations); the rest as it is."""
+    is_packed = lambda x: isinstance(x, PackedWeight)  # noqa: E731
+    return jax.tree.map(lambda w: w.for_int8_activations() if is_packed(w) else w, params, is_leaf=is_packed)
+
+
 def widen_seqs(batch: StepInput, num_seqs: int) -> StepInput:
     """A host batch with its sequence arrays padded to `num_seqs` slots of no tokens (the
     batch itself when it has that many already)."""
@@ -196,7 +203,8 @@ class LayeredStep:
     """
 
     def __init__(self, model: LoadedModel, mesh: Mesh, kv_sharding: NamedSharding | KVCache,
-                 wide_seqs: int | None = None, pack: bool = False, compute_float32: bool = False):
+                 wide_seqs: int | None = None, pack: bool = False, compute_float32: bool = False,
+                 int8_activations: bool = False):
         stages = model.stages
         assert stages is not None
         if compute_float32 and not getattr(stages.prologue, "computes_float32", False):
@@ -215,6 +223,8 @@ class LayeredStep:
                 a.sharding.is_fully_replicated for a in jax.tree.leaves(self.outer)):
             if _fuse_changes(stages.pack_head, self.outer):
                 self.outer = jax.jit(stages.pack_head, out_shardings=replicated)(self.outer)
+            if int8_activations and _fuse_changes(_for_int8_activations, self.outer):
+                self.outer = jax.jit(_for_int8_activations, out_shardings=replicated)(self.outer)
         for layers in self.stacks.values():  # changes of each layer's form, made in one pass (one program) per layer
             changes = []
             if stages.fuse is not None and whole and _fuse_changes(stages.fuse, layers[0]):
@@ -222,6 +232,8 @@ class LayeredStep:
             if pack and packed_matmul_available() and whole and stages.pack_layer is not None and _fuse_changes(
                     stages.pack_layer, jax.eval_shape(_chain(changes), layers[0])):
                 changes.append(stages.pack_layer)
+                if int8_activations:
+                    changes.append(_for_int8_activations)
             if changes:
                 _fuse_in_place(layers, _chain(changes), replicated)
         # Whether the layers' products run on packed weights (here or by an earlier engine).

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from runtime.ops.quantization import QuantizedWeight
-from runtime.ops.cpu_kernels import (BF16_MATMUL_TARGET, GROUPED_MATMUL_TARGET, INT8_MATMUL_TARGET, MATMUL_TARGET,
-                                     UINT4_MATMUL_TARGET, cpu_flags, kernel_available, kernel_status)
+from runtime.ops.cpu_kernels import (BF16_MATMUL_TARGET, GROUPED_MATMUL_TARGET, INT8_DOT_TARGET, INT8_MATMUL_TARGET,
+                                     MATMUL_TARGET, UINT4_DOT_TARGET, UINT4_MATMUL_TARGET, cpu_flags, kernel_available,
+                                     kernel_status)
 
 PANEL = 16  # output columns per packed panel (runtime/ops/kernels/matmul.cc kPanel)
 
@@ -47,12 +48,18 @@ class PackedWeight:
     - uint8 panels [.., in, 8] holding two 4-bit values a byte (column j in the low nibble of
       byte j, column j + 8 in its high one) with `scales` and `offsets`: w = q * scale + offset
       (GGUF's Q4_0, Q4_1 and Q4_K as stored).
+
+    With `dot` (`for_int8_activations`), int8 and 4-bit panels are laid out for products with
+    the activations quantized to int8 (runtime/ops/kernels/matmul_dot.cc): their inputs in
+    quads, panels [.., in / 4, 64] int8 (16 columns x 4 inputs, column-major) or [.., in / 4, 32]
+    uint8 (columns 0-7 in the low nibbles, 8-15 in the high ones), the same scales and offsets.
     """
 
     panels: jax.Array
     out_features: int = flax.struct.field(pytree_node=False)
     scales: jax.Array | None = None
     offsets: jax.Array | None = None
+    dot: bool = flax.struct.field(pytree_node=False, default=False)
 
     @classmethod
     def pack(cls, w: jax.Array) -> "PackedWeight":
@@ -73,10 +80,27 @@ class PackedWeight:
         nibbles = panels[..., :PANEL // 2] | (panels[..., PANEL // 2:] << 4)
         return cls(nibbles, q.shape[1], _panels(scales.astype(jnp.float32)), _panels(offsets.astype(jnp.float32)))
 
+    def for_int8_activations(self) -> "PackedWeight":
+        """The same weights laid out for products with int8-quantized activations (`dot`), where
+        they are int8 or 4-bit values whose groups are whole blocks of 32 inputs (or per-channel
+        scales on inputs in quads); else self."""
+        d_in = self.shape[0]
+        group = d_in // self.scales.shape[1] if self.scales is not None else 0
+        if self.dot or self.scales is None or d_in % 4 or (group % 32 and self.scales.shape[1] != 1):
+            return self
+        values = self.panels if self.offsets is None else _nibbles(self.panels)  # [P, in, 16]
+        quads = values.reshape(values.shape[0], d_in // 4, 4, PANEL).transpose(0, 1, 3, 2)  # [P, in/4, 16, 4]
+        if self.offsets is None:
+            return self.replace(panels=quads.reshape(quads.shape[0], d_in // 4, 4 * PANEL), dot=True)
+        half = PANEL // 2
+        low, high = (quads[:, :, :half].reshape(quads.shape[0], d_in // 4, 4 * half),
+                     quads[:, :, half:].reshape(quads.shape[0], d_in // 4, 4 * half))
+        return self.replace(panels=low | (high << 4), dot=True)
+
     @property
     def shape(self) -> tuple[int, int]:
         """The shape of the matrix it packs, [in, out]."""
-        return self.panels.shape[1], self.out_features
+        return self.panels.shape[1] * (4 if self.dot else 1), self.out_features
 
     @property
     def format(self) -> str:
@@ -96,12 +120,13 @@ class PackedWeight:
         Raises:
             RuntimeError: the kernel is not available (`kernel_status(...)` says why).
         """
-        kernel = "matmul" if self.format == "float32" else "matmul_formats"
+        kernel = "matmul_dot" if self.dot else "matmul" if self.format == "float32" else "matmul_formats"
         if not kernel_available(kernel):
             raise RuntimeError(f"the CPU {kernel} kernel is not available: {kernel_status(kernel)}")
         rows = jnp.reshape(jnp.asarray(x.shape[0] if valid_rows is None else valid_rows, jnp.int32), (1,))
-        target = {"float32": MATMUL_TARGET, "bfloat16": BF16_MATMUL_TARGET, "int8": INT8_MATMUL_TARGET,
-                  "uint4": UINT4_MATMUL_TARGET}[self.format]
+        target = ({"int8": INT8_DOT_TARGET, "uint4": UINT4_DOT_TARGET} if self.dot else
+                  {"float32": MATMUL_TARGET, "bfloat16": BF16_MATMUL_TARGET, "int8": INT8_MATMUL_TARGET,
+                   "uint4": UINT4_MATMUL_TARGET})[self.format]
         quantized = [a for a in (self.scales, self.offsets) if a is not None]
         call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], self.panels.shape[0] * PANEL), jnp.float32))
         y = call(x.astype(jnp.float32), self.panels, *quantized, rows)
@@ -113,14 +138,24 @@ class PackedWeight:
         p, j = ids // PANEL, ids % PANEL
         if self.scales is None:
             return self.panels[p, :, j]
-        if self.offsets is None:
-            q = self.panels[p, :, j].astype(jnp.float32)
+        if self.dot:  # column j's 4 bytes of each quad: [len(ids), in / 4, 4] -> [len(ids), in]
+            at = (j % (PANEL // 2) if self.offsets is not None else j)[:, None, None] * 4 + jnp.arange(4)
+            byte = jnp.take_along_axis(self.panels[p], jnp.broadcast_to(at, (len(ids), self.panels.shape[1], 4)), axis=2)
+            byte = byte.reshape(len(ids), -1)
         else:
-            byte = self.panels[p, :, j % (PANEL // 2)]
+            byte = self.panels[p, :, j if self.offsets is None else j % (PANEL // 2)]
+        if self.offsets is None:
+            q = byte.astype(jnp.float32)
+        else:
             q = jnp.where((j >= PANEL // 2)[:, None], byte >> 4, byte & 15).astype(jnp.float32)
-        group = self.panels.shape[1] // self.scales.shape[1]
+        group = self.shape[0] // self.scales.shape[1]
         scale = jnp.repeat(self.scales[p, :, j], group, axis=1)
         return q * scale if self.offsets is None else q * scale + jnp.repeat(self.offsets[p, :, j], group, axis=1)
+
+
+def _nibbles(packed: jax.Array) -> jax.Array:
+    """4-bit panels [P, in, 8] (two columns a byte) as their values [P, in, 16] uint8."""
+    return jnp.concatenate([packed & 15, packed >> 4], axis=-1)
 
 
 def _panels(w: jax.Array) -> jax.Array:

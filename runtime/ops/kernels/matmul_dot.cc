@@ -1,0 +1,248 @@
+// Matrix products for XLA:CPU on int8 and 4-bit weights with the activations quantized to int8:
+// integer dot products (AVX2's vpmaddubsw, as llama.cpp multiplies its Q8_0/Q4 blocks), where
+// matmul_formats.cc widens every weight to float32 before a float multiply-add.
+//
+// y [M, N] float32 = x [M, K] float32 . W. Each row of x is quantized per block of `block`
+// inputs (32, or K where 32 does not divide K): xq = round(x / d), d = max|x| / 127, and the
+// block's float sum kept. W [K, N] is packed (runtime/ops/matmul.py PackedWeight.dot) in panels
+// of 16 output columns whose k run in quads: a quad holds the 16 columns x 4 consecutive k,
+// column-major (byte 4 j + i: column j, input 4 q + i), so one 32-byte register holds 8
+// columns x 4 inputs, which vpmaddubsw multiplies with the row's 4 int8 inputs broadcast and
+// vpmaddwd sums to 8 int32 column partials:
+//
+// - i8 quads [N/16, K/4, 64] int8, scales [N/16, G, 16]: w = q * scale (G groups of K/G inputs;
+//   vpmaddubsw's unsigned operand is |q|, its sign moved onto the inputs);
+// - u4 quads [N/16, K/4, 32] uint8: byte b holds element b of columns 0-7 in its low nibble and
+//   element b of columns 8-15 in its high one, with scales and offsets [N/16, G, 16]:
+//   w = q * scale + offset, so a block adds scale * d * sum(q xq) + offset * sum(x).
+//
+// Per block of inputs the int32 partials become float: y += d * scale * partial (+ offset *
+// sum(x)). Weight groups must be whole blocks. No int16 sum can saturate: |q| <= 128 (int8) or
+// 15 (4-bit) against |xq| <= 127, two products a lane.
+//
+// Integer products win most where few rows share each weight (decode: unpacking the weights is
+// most of matmul_formats.cc's work); with many rows (a prefill) they about match its widened
+// float panels (benchmarks/RESULTS.md, stop 43), and keep one arithmetic for every step.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "panels.h"
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SERVAX_DOT_AVX2 1
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using servax::kPanel;
+constexpr int64_t kBlock = 32;  // inputs per activation scale, where it divides K
+constexpr int kRows = 4;        // rows of x per block: 8 int32 accumulators
+
+// x [M, K] quantized per block: q [M, K] int8, d and the float sum [M, blocks].
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, sum;
+  int64_t K = 0, block = 0, blocks = 0;
+};
+
+void Quantize(const float* x, int64_t M, int64_t K, int64_t block, QuantizedRows& out) {
+  out.K = K, out.block = block, out.blocks = K / block;
+  out.q.resize(M * K), out.d.resize(M * out.blocks), out.sum.resize(M * out.blocks);
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t b = 0; b < out.blocks; ++b) {
+      const float* in = x + r * K + b * block;
+      float amax = 0.0f, sum = 0.0f;
+      for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(in[i])), sum += in[i];
+      const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int8_t* q = out.q.data() + r * K + b * block;
+      for (int64_t i = 0; i < block; ++i) q[i] = static_cast<int8_t>(std::nearbyint(in[i] * inv));
+      out.d[r * out.blocks + b] = d, out.sum[r * out.blocks + b] = sum;
+    }
+  }
+}
+
+struct I8 {
+  using T = int8_t;
+  static constexpr int64_t kQuad = 64;  // bytes per quad
+  static constexpr bool kOffset = false;
+  static int Value(const T* quad, int e) { return quad[e]; }  // element e = 4 j + i
+#ifdef SERVAX_DOT_AVX2
+  // The quad's two halves (columns 0-7, 8-15), and what each row's inputs are multiplied with.
+  static void Load(const T* quad, __m256i& w0, __m256i& w1) {
+    w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad));
+    w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad + 32));
+  }
+  static __m256i Products(__m256i w, __m256i x) {  // 16 int16: pairs of |w| * (x signed as w)
+    return _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+  }
+#endif
+};
+
+struct U4 {
+  using T = uint8_t;
+  static constexpr int64_t kQuad = 32;
+  static constexpr bool kOffset = true;
+  static int Value(const T* quad, int e) { return e < 32 ? quad[e] & 15 : quad[e - 32] >> 4; }
+#ifdef SERVAX_DOT_AVX2
+  static void Load(const T* quad, __m256i& w0, __m256i& w1) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad));
+    const __m256i nib = _mm256_set1_epi8(15);
+    w0 = _mm256_and_si256(v, nib), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+  }
+  static __m256i Products(__m256i w, __m256i x) { return _mm256_maddubs_epi16(w, x); }
+#endif
+};
+
+// c[r, 0:16] = x[r] . W[:, panel] for MR rows from row r0: per block of inputs, integer dot
+// products over its quads, then scaled into float.
+template <class W, int MR>
+void DotRows(const QuantizedRows& x, int64_t r0, const typename W::T* panel, const float* scale, const float* offset,
+             int64_t group, float* c, int64_t ldc) {
+  const int64_t K = x.K, block = x.block;
+  for (int r = 0; r < MR; ++r) std::fill(c + r * ldc, c + r * ldc + kPanel, 0.0f);
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    const int64_t g = b * block / group;
+    const float* s = scale + g * kPanel;
+    const float* o = W::kOffset ? offset + g * kPanel : nullptr;
+    const typename W::T* quads = panel + (b * block / 4) * W::kQuad;
+#ifdef SERVAX_DOT_AVX2
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[MR][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int64_t q = 0; q < block / 4; ++q) {
+      __m256i w0, w1;
+      W::Load(quads + q * W::kQuad, w0, w1);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        int32_t four;
+        std::memcpy(&four, x.q.data() + (r0 + r) * K + b * block + 4 * q, 4);
+        const __m256i xb = _mm256_set1_epi32(four);
+        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(W::Products(w0, xb), ones));
+        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(W::Products(w1, xb), ones));
+      }
+    }
+    const __m256 s_lo = _mm256_loadu_ps(s), s_hi = _mm256_loadu_ps(s + 8);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const int64_t at = (r0 + r) * x.blocks + b;
+      const __m256 d = _mm256_set1_ps(x.d[at]);
+      float* out = c + r * ldc;
+      __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][0]), _mm256_mul_ps(s_lo, d), _mm256_loadu_ps(out));
+      __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][1]), _mm256_mul_ps(s_hi, d), _mm256_loadu_ps(out + 8));
+      if (W::kOffset) {
+        const __m256 sum = _mm256_set1_ps(x.sum[at]);
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(o), sum, lo), hi = _mm256_fmadd_ps(_mm256_loadu_ps(o + 8), sum, hi);
+      }
+      _mm256_storeu_ps(out, lo), _mm256_storeu_ps(out + 8, hi);
+    }
+#else
+    // Portable loops (runtime/ops/matmul.py uses the kernel only where AVX2 and FMA are there).
+    for (int r = 0; r < MR; ++r) {
+      const int64_t at = (r0 + r) * x.blocks + b;
+      const int8_t* xq = x.q.data() + (r0 + r) * K + b * block;
+      for (int j = 0; j < kPanel; ++j) {
+        int32_t dot = 0;
+        for (int64_t i = 0; i < block; ++i) dot += W::Value(quads + (i / 4) * W::kQuad, 4 * j + i % 4) * xq[i];
+        c[r * ldc + j] += x.d[at] * s[j] * dot + (W::kOffset ? o[j] * x.sum[at] : 0.0f);
+      }
+    }
+#endif
+  }
+}
+
+template <class W>
+using DotRowsFn = void (*)(const QuantizedRows&, int64_t, const typename W::T*, const float*, const float*, int64_t,
+                           float*, int64_t);
+
+template <class W>
+ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t valid, int64_t K,
+                    const typename W::T* packed, int64_t panels, const float* scales, const float* offsets,
+                    int64_t groups, float* c) {
+  static const DotRowsFn<W> fns[kRows + 1] = {nullptr, DotRows<W, 1>, DotRows<W, 2>, DotRows<W, 3>, DotRows<W, 4>};
+  const int64_t N = panels * kPanel;
+  const int64_t M = std::clamp<int64_t>(valid, 0, rows);
+  std::fill(c + M * N, c + rows * N, 0.0f);  // rows past valid_rows: zeros
+  if (M == 0 || panels == 0) return ffi::Error::Success();
+  const int64_t group = K / groups, block = K % kBlock == 0 && group % kBlock == 0 ? kBlock : K;
+  if (group % block != 0)
+    return ffi::Error::InvalidArgument("int8-activation matmul: weight groups must be whole blocks of 32 inputs");
+  thread_local QuantizedRows xq;  // the calling thread's; the pool's threads only read it
+  Quantize(x, M, K, block, xq);
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t per_task = servax::PanelsPerTask(panels, 1, threads);
+  const int64_t tasks = (panels + per_task - 1) / per_task, row_blocks = (M + kRows - 1) / kRows;
+  const QuantizedRows& shared = xq;
+  servax::ParallelFor(pool, tasks, threads - 1, [&](int64_t t) {
+    for (int64_t p = t * per_task; p < std::min(panels, (t + 1) * per_task); ++p) {
+      const typename W::T* panel = packed + p * (K / 4) * W::kQuad;
+      const float* s = scales + p * groups * kPanel;
+      const float* o = W::kOffset ? offsets + p * groups * kPanel : nullptr;
+      for (int64_t blk = 0, r0 = 0; blk < row_blocks; ++blk) {
+        const int64_t n = M / row_blocks + (blk < M % row_blocks);
+        fns[n](shared, r0, panel, s, o, group, c + r0 * N + p * kPanel, N);
+        r0 += n;
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// Shapes: x [M, K]; quads [N/16, K/4, bytes]; scales (offsets) [N/16, G, 16], G dividing K; out [M, N].
+bool Shaped(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> pd, int64_t bytes, ffi::Span<const int64_t> sd,
+            ffi::Span<const int64_t> od) {
+  return xd.size() == 2 && pd.size() == 3 && pd[2] == bytes && pd[1] * 4 == xd[1] && sd.size() == 3 &&
+         sd[0] == pd[0] && sd[2] == kPanel && sd[1] > 0 && xd[1] % sd[1] == 0 && od.size() == 2 && od[0] == xd[0] &&
+         od[1] == pd[0] * kPanel;
+}
+
+ffi::Error Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed,
+                   ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> valid_rows, ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions();
+  if (!Shaped(xd, pd, I8::kQuad, sd, out->dimensions()))
+    return ffi::Error::InvalidArgument(
+        "int8-activation int8 matmul: x [M, K], quads [N/16, K/4, 64], scales [N/16, G, 16], out [M, N]");
+  return Multiply<I8>(pool, x.typed_data(), xd[0], valid_rows.typed_data()[0], xd[1], packed.typed_data(), pd[0],
+                      scales.typed_data(), nullptr, sd[1], out->typed_data());
+}
+
+ffi::Error UInt4Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
+                    ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> offsets, ffi::Buffer<ffi::S32> valid_rows,
+                    ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions(), od = offsets.dimensions();
+  if (!Shaped(xd, pd, U4::kQuad, sd, out->dimensions()) || !std::equal(sd.begin(), sd.end(), od.begin(), od.end()))
+    return ffi::Error::InvalidArgument("int8-activation 4-bit matmul: x [M, K], quads [N/16, K/4, 32], scales and "
+                                       "offsets [N/16, G, 16], out [M, N]");
+  return Multiply<U4>(pool, x.typed_data(), xd[0], valid_rows.typed_data()[0], xd[1], packed.typed_data(), pd[0],
+                      scales.typed_data(), offsets.typed_data(), sd[1], out->typed_data());
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxInt8DotMatmul, Int8Dot,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // quads [N / 16, K / 4, 64]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N / 16, G, 16]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // valid rows [1]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxUInt4DotMatmul, UInt4Dot,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()  // quads [N / 16, K / 4, 32]: two columns a byte
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N / 16, G, 16]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // offsets [N / 16, G, 16]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // valid rows [1]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]

@@ -1,0 +1,115 @@
+"""Products with int8-quantized activations (runtime/ops/kernels/matmul_dot.cc, PackedWeight.dot).
+
+Against a NumPy oracle that quantizes each row of x per block of 32 inputs (d = max|x| / 127,
+round to nearest) and multiplies in float64: the kernel's integer dot products give exactly that
+product up to float32 rounding, for int8 weights with per-channel and grouped scales and 4-bit
+weights with scales and offsets, across the row blocks, padded panels and `valid_rows`; the
+quads' column gather; and the engine: int8 activations on by default for a GGUF model's 4-bit
+weights, close to the float-activation run, and off when asked.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import quick_loop_keeps
+from runtime.ops.cpu_kernels import kernel_status
+from runtime.ops.matmul import PackedWeight
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel():
+    assert kernel_status("matmul_dot") == "ok", kernel_status("matmul_dot")
+
+
+def quantized_rows(x: np.ndarray, block: int) -> np.ndarray:
+    """x as the kernel sees it: each row's blocks of `block` inputs rounded to 255 levels."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // block, block).astype(np.float64)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    d = amax / 127
+    q = np.rint(blocks * np.divide(127, amax, out=np.zeros_like(amax), where=amax > 0))
+    return (q * d).reshape(m, k)
+
+
+def _weights(fmt: str, d_in: int, d_out: int, groups: int, rng) -> tuple[PackedWeight, np.ndarray, np.ndarray | None]:
+    """(packed weight, its scaled values without offsets [in, out] float64, offsets per input or None)."""
+    scales = rng.uniform(0.001, 0.02, (groups, d_out)).astype(np.float32)
+    per_input = lambda a: np.repeat(a, d_in // groups, axis=0).astype(np.float64)  # noqa: E731
+    if fmt == "int8":
+        q = rng.integers(-128, 128, (d_in, d_out))
+        return PackedWeight.pack_int8(jnp.asarray(q, jnp.int8), jnp.asarray(scales)), q * per_input(scales), None
+    q = rng.integers(0, 16, (d_in, d_out))
+    offsets = rng.uniform(-0.2, 0.0, (groups, d_out)).astype(np.float32)
+    packed = PackedWeight.pack_uint4(jnp.asarray(q, jnp.uint8), jnp.asarray(scales), jnp.asarray(offsets))
+    return packed, q * per_input(scales), per_input(offsets)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 70])
+@pytest.mark.parametrize("fmt,d_in,d_out,groups", [
+    ("int8", 64, 1000, 1),  # per output channel: blocks of 32
+    ("int8", 36, 40, 1),  # per output channel, 32 does not divide the inputs: one block of 36
+    ("int8", 96, 33, 3),  # groups of 32 (GGUF Q8_0)
+    ("uint4", 128, 50, 4),  # groups of 32 with offsets (GGUF Q4_0 / Q4_1 / Q4_K)
+    ("uint4", 64, 16, 1),  # one group of 64 (two blocks), one panel
+])
+def test_int8_activation_products_match_the_quantized_oracle(fmt, d_in, d_out, groups, rows):
+    rng = np.random.default_rng(rows * 7 + d_out)
+    packed, scaled, offsets = _weights(fmt, d_in, d_out, groups, rng)
+    dot = packed.for_int8_activations()
+    assert dot.dot and dot.format == fmt and dot.shape == (d_in, d_out)
+    assert dot.panels.shape == (-(-d_out // 16), d_in // 4, 32 if fmt == "uint4" else 64)
+    x = rng.standard_normal((rows, d_in)).astype(np.float32)
+    valid = max(rows - 1, 1)
+    got = np.asarray(jax.jit(lambda x, w: w.matmul(x, valid))(jnp.asarray(x), dot))
+    block = 32 if d_in % 32 == 0 and (d_in // groups) % 32 == 0 else d_in
+    want = quantized_rows(x, block) @ scaled + (0 if offsets is None else x.astype(np.float64) @ offsets)
+    np.testing.assert_allclose(got[:valid], want[:valid], rtol=1e-4, atol=1e-4)
+    assert not got[valid:].any()
+    exact = x.astype(np.float64) @ (scaled if offsets is None else scaled + offsets)
+    assert np.abs(got[:valid] - exact[:valid]).max() < 0.02 * np.abs(exact).max()  # ~1% of the scale
+    # a tied head's embedding rows, gathered from the quads
+    np.testing.assert_allclose(np.asarray(dot.columns(jnp.arange(d_out))), np.asarray(packed.columns(jnp.arange(d_out))))
+
+
+def test_weights_the_kernel_cannot_take_keep_their_layout():
+    rng = np.random.default_rng(0)
+    floats = PackedWeight.pack(jnp.asarray(rng.standard_normal((64, 16)), jnp.float32))
+    odd = PackedWeight.pack_int8(jnp.ones((30, 16), jnp.int8), jnp.ones((1, 16)))  # inputs not in quads
+    small_groups = PackedWeight.pack_uint4(jnp.ones((48, 16), jnp.uint8), jnp.ones((3, 16)), jnp.zeros((3, 16)))
+    for w in (floats, odd, small_groups):  # groups of 16 inputs are not whole blocks of 32
+        assert w.for_int8_activations() is w
+    dot = PackedWeight.pack_int8(jnp.ones((64, 16), jnp.int8), jnp.ones((2, 16))).for_int8_activations()
+    assert dot.for_int8_activations() is dot
+
+
+@pytest.mark.parametrize("weight_type", quick_loop_keeps(["Q4_1", "Q8_0"], "Q4_1"))
+def test_gguf_model_multiplies_int8_activations_by_default(tiny_checkpoint, tmp_path, weight_type):
+    """quantization="gguf" packs its int8/4-bit matrices for int8 activations unless asked not to;
+    greedy tokens and logprobs close to the float-activation products of the same weights, and
+    nothing compiles while serving."""
+    from app import LLM, SamplingParams
+    from test_gguf import write_gguf
+
+    gguf_file = write_gguf(tiny_checkpoint("llama"), tmp_path / f"tiny-{weight_type}.gguf", weight_type=weight_type)
+    prompt = [(7 * i + 3) % 500 + 4 for i in range(40)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)  # teacher-forced: no divergence
+    runs = {}
+    for int8_activations in (None, False):
+        llm = LLM(model=str(gguf_file), quantization="gguf", max_model_len=128, max_num_seqs=4, show_progress=False,
+                  max_num_batched_tokens=32, compilation_cache_dir="", int8_activations=int8_activations)
+        (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)  # chunked: 2 prefill steps
+        lp = np.array([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+        top = [max(d, key=lambda t, d=d: d[t].logprob) for d in out.prompt_logprobs[1:]]
+        runs[int8_activations] = (llm, lp, top)
+        assert llm.engine.stats().compilations_since_warmup == 0
+    (llm, lp, top), (float_llm, float_lp, float_top) = runs[None], runs[False]
+    assert llm.engine.plan.int8_activations and not float_llm.engine.plan.int8_activations
+    assert llm.engine.model.params["layers"][0]["mlp"]["gate_up"].dot
+    assert not float_llm.engine.model.params["layers"][0]["mlp"]["gate_up"].dot
+    diff = np.abs(lp - float_lp)  # a random model's flat logits: bounds as for int8 weights (test_quantization)
+    assert diff.max() < 0.3 and diff.mean() < 0.1, (diff.max(), diff.mean())
+    assert np.mean(np.array(top) == np.array(float_top)) >= 0.7  # (a broken product: ~0; the demo: benchmarks)
