@@ -51,6 +51,16 @@ BENCH_MODELS = {
         layer_types=["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2,
         initializer_range=0.05,
     )),
+    # Gemma 4 shaped like the released E2B (4 heads, 1 KV head of 256 on sliding layers, 512 on
+    # global ones, per-layer inputs of 256, the last layers reading earlier layers' K/V with a
+    # double-wide MLP) at 8 layers, with 128-token windows that the workload's prompts outgrow.
+    "bench/gemma4": ("gemma4", dict(
+        hidden_size=640, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=256, global_head_dim=512, num_global_key_value_heads=None, attention_k_eq_v=False,
+        sliding_window=128, hidden_size_per_layer_input=256, num_kv_shared_layers=2, use_double_wide_mlp=True,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention", "full_attention"],
+        final_logit_softcapping=30.0, max_position_embeddings=2048, initializer_range=0.05,
+    )),
     # DeepSeek-V2-Lite shaped (latent attention, plain q projection, 2 shared experts) at 6 layers.
     "bench/deepseek-v2-lite": ("deepseek_v2", dict(
         hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=6,
@@ -115,6 +125,22 @@ def weights_read(params) -> int:
 
     total = param_bytes(params)
     return total - param_bytes(params["embed"]) if "lm_head" in params else total
+
+
+def matmul_flops_per_s(size: int = 2048, repeats: int = 5) -> float:
+    """Float32 multiply-adds per second (x2: flops) of the machine's best general matrix product
+    on all its cores (NumPy's BLAS on two square [size, size] matrices), best of N: the compute
+    ceiling a decode step's products can reach."""
+    import numpy as np
+
+    a = np.random.default_rng(0).standard_normal((size, size)).astype(np.float32)
+    a @ a  # warm
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t)
+    return 2 * size**3 / best
 
 
 def memory_read_bandwidth(size_mb: int = 512, repeats: int = 5) -> float:

@@ -6,6 +6,10 @@ A mixture-of-experts model reads only the experts its tokens are routed to: of E
 k active per token, a batch of b tokens touches E (1 - (1 - k/E)^b) of them per layer on
 average (uniform routing, as random weights route), so its floor counts the dense weights and
 that share of the experts' bytes.
+A step also multiplies every weight by every token (2 x batch flops a weight): the compute
+floor, at the float32 rate of the machine's best general matrix product (NumPy's BLAS,
+measured in the same run), which at batch 32 on a few cores can exceed the bandwidth floor;
+the table's floor is the larger of the two.
 This measures the machine's read bandwidth in the same run, then the engine's own step
 time (`LLMEngine.step()`, host work included) at batch 1 and 32, timed over steps in which
 every request is decoding (after all prompts were prefilled).
@@ -29,7 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    bench_checkpoint, bench_model_path, decode_step_ms, memory_read_bandwidth, record, table, weights_read,
+    bench_checkpoint, bench_model_path, decode_step_ms, matmul_flops_per_s, memory_read_bandwidth, record, table,
+    weights_read,
 )
 
 
@@ -50,7 +55,7 @@ def main() -> None:
 
     path = bench_model_path(args.model) if args.model else bench_checkpoint()
     batches = [int(b) for b in args.batches.split(",")]
-    bandwidth = memory_read_bandwidth()
+    bandwidth, flops = memory_read_bandwidth(), matmul_flops_per_s()
     rows = []
     for backend in args.attention_backends.split(","):
         llm = LLM(
@@ -59,14 +64,14 @@ def main() -> None:
             enable_prefix_caching=False, attention_backend=backend,
         )
         weight_bytes = _weights_read(path, llm.engine.model.params)
-        rows += _decode_rows(llm, backend, batches, args, weight_bytes, bandwidth)
+        rows += _decode_rows(llm, backend, batches, args, weight_bytes, bandwidth, flops)
         assert llm.engine.stats().compilations_since_warmup == 0
         del llm
     body = (
-        f"read bandwidth measured: {bandwidth / 1e9:.1f} GB/s; impl={args.impl}; prompt {args.prompt_len}, "
-        f"{args.new_tokens} new tokens\n\n"
-        + table(["attention", "batch", "weights MB", "KV read MB", "floor ms", "step ms", "step/floor", "tokens/s"],
-                rows)
+        f"read bandwidth measured: {bandwidth / 1e9:.1f} GB/s; float32 GEMM rate measured: {flops / 1e9:.0f} "
+        f"GFLOP/s; impl={args.impl}; prompt {args.prompt_len}, {args.new_tokens} new tokens\n\n"
+        + table(["attention", "batch", "weights MB", "KV read MB", "bandwidth floor ms", "compute floor ms",
+                 "step ms", "step/floor", "tokens/s"], rows)
     )
     form = args.dtype + (f", quantization {args.quantization}" if args.quantization else "")
     record(f"Decode step against the bandwidth floor ({args.model or '~100M Llama'} {form})", body)
@@ -92,9 +97,16 @@ def _weights_read(path: Path, params):
     return lambda batch: dense + experts * (1 - (1 - k / count) ** batch)
 
 
-def _decode_rows(llm, backend: str, batches: list[int], args, weight_bytes, bandwidth: float) -> list[list]:
+def _decode_rows(llm, backend: str, batches: list[int], args, weight_bytes, bandwidth: float,
+                 flops: float) -> list[list]:
     """One engine's table rows: its pure-decode step time at each batch size."""
+    import jax
+
     engine = llm.engine
+    held = engine.model.params
+    # weights multiplied per token: those read, in elements (a MoE's active share as its bytes')
+    elements = sum(x.size for x in jax.tree.leaves(held)) - (held["embed"].size if "lm_head" in held else 0)
+    per_byte = elements / weights_read(held)
     kv_bytes_per_token = engine.kv_spec.bytes_per_block(1)
     label = f"{engine.programs.kv_cache.attention_backend} ({backend})"
     rows = []
@@ -103,10 +115,12 @@ def _decode_rows(llm, backend: str, batches: list[int], args, weight_bytes, band
         steps = args.new_tokens // 2
         context = args.prompt_len + steps  # mean context over the timed steps (about)
         kv_read = batch * context * kv_bytes_per_token
-        floor = (weight_bytes(batch) + kv_read) / bandwidth
+        read_floor = (weight_bytes(batch) + kv_read) / bandwidth
+        compute_floor = 2 * batch * weight_bytes(batch) * per_byte / flops
+        floor = max(read_floor, compute_floor)
         rows.append([
-            label, batch, f"{weight_bytes(batch) / 1e6:.0f}", f"{kv_read / 1e6:.1f}",
-            f"{floor * 1e3:.1f}", f"{step_s * 1e3:.1f}", f"{step_s / floor:.2f}", f"{batch / step_s:.0f}",
+            label, batch, f"{weight_bytes(batch) / 1e6:.0f}", f"{kv_read / 1e6:.1f}", f"{read_floor * 1e3:.1f}",
+            f"{compute_floor * 1e3:.1f}", f"{step_s * 1e3:.1f}", f"{step_s / floor:.2f}", f"{batch / step_s:.0f}",
         ])
     return rows
 

@@ -1,9 +1,10 @@
 """Weight formats on CPU: decode speed against float32 and against each format's own
 bandwidth floor, and how closely each follows float32's choices.
 
-The demo model (SmolLM2-135M-Instruct, from its GGUF file) served five ways: float32,
+The demo model (SmolLM2-135M-Instruct, from its GGUF file) served these ways: float32,
 `dtype="bfloat16"`, `quantization="int8"`, and `quantization="gguf"` (its Q8_0 embedding and
-Q4_1 layers as stored), each multiplied by the packed C++ matmul in its own format. For
+Q4_1 layers as stored), each multiplied by the packed C++ matmul in its own format, the
+quantized ones with int8 activations (the default) and with `int8_activations=False`. For
 each: the pure-decode engine step at batch 1 and 32 (host work included; min over
 alternating rounds), the bytes of weights a step reads (every matrix; an untied embedding
 is only gathered), the floor those bytes set at the read bandwidth measured in the same run,
@@ -33,7 +34,9 @@ FORMATS = {
     "float32": {"dtype": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"dtype": "float32", "quantization": "int8"},
+    "int8, float activations": {"dtype": "float32", "quantization": "int8", "int8_activations": False},
     "gguf (Q8_0 embed, Q4_1 layers)": {"dtype": "float32", "quantization": "gguf"},
+    "gguf, float activations": {"dtype": "float32", "quantization": "gguf", "int8_activations": False},
 }
 PROMPTS = ["The history of the Roman Empire began", "def fibonacci(n):", "Explain photosynthesis to a child.",
            "Once upon a time, in a small village,"]
