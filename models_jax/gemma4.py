@@ -49,7 +49,9 @@ The layers lie in up to four weight stacks by kind, "sliding", "global", "shared
 "shared_global" (their weights differ in shape), as runs of consecutive layers that interleave
 (runtime.ops.step.LayerStages.stacks); the layer stage reads its kind from its weights' shapes
 and everything else (window, rope, source layer) from per-layer tables indexed by the layer.
-`forward` scans each run in one program; runtime/ops/layered.py steps them a few per call.
+`forward` scans each run in one program; runtime/ops/layered.py steps them a few per call, on
+CPU with the MLP's gate and up joined and the matrices packed for the C++ kernels (fuse_layer,
+pack_layer; q, k and v stay apart, their shapes telling the layer's kind).
 
 Refused with ModelLoadError (results equal to transformers' could not be promised):
 `use_bidirectional_attention` (servax attends causally), activations other than
