@@ -20,6 +20,7 @@ import logging
 import threading
 from typing import Any, AsyncIterator, Callable
 
+from runtime.engine.block_pool import BlockHashEvents
 from runtime.engine.config import EngineConfig
 from runtime.engine.core import Engine, EngineStats, ProcessedRequest
 from runtime.engine.errors import EngineDeadError, InvalidRequestError
@@ -134,6 +135,11 @@ class AsyncLLMEngine:
         under way (what gauges read on an event loop: waiting there would stall every stream
         of the process for up to a step)."""
         return self._latest_stats
+
+    def block_hash_events(self, since: int = -1) -> BlockHashEvents:
+        """Engine.block_hash_events: prefix-cache keys cached / evicted since a cursor, without
+        waiting for the step under way."""
+        return self.engine.block_hash_events(since)
 
     # -- LoRA adapters (any thread; they wait for the loop's current step) ---------------
     def add_lora(self, lora_request: Any) -> bool:

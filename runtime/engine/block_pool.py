@@ -6,12 +6,36 @@ back (a prefix-cache hit); it only loses its hash when it is reused for somethin
 (eviction, oldest freed first). Block 0 is the null block: never handed out, it pads
 block-table rows and stands in for the blocks a sliding-window group has freed; taking or
 dropping a reference to it does nothing.
+
+The pool also logs which keys it caches and evicts (`events_since`), so that something outside
+the engine (a KV-aware router, a prefill/decode pair) can mirror the set of cached keys by
+reading only what changed.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import dataclasses
+import threading
+from collections import OrderedDict, deque
 from typing import Hashable
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockHashEvents:
+    """What changed in the prefix cache since a cursor (BlockPool.events_since).
+
+    Attributes:
+        cursor: pass it as `since` next time.
+        stored: keys cached since then (in order).
+        removed: keys evicted since then (in order; a key may be stored and removed again).
+        reset: the cursor was older than the log keeps (or the cache was reset): `stored` is
+            every key cached now, `removed` is empty, and a mirror drops what it had first.
+    """
+
+    cursor: int
+    stored: list[Hashable]
+    removed: list[Hashable]
+    reset: bool = False
 
 
 class KVCacheBlock:
@@ -33,11 +57,13 @@ class BlockPool:
     Args:
         num_blocks: blocks in the KV cache, the null block included.
         enable_caching: keep hashes of full blocks for prefix reuse.
+        max_events: cache/evict events kept for `events_since` (a reader further behind gets
+            a snapshot instead).
     """
 
     NULL_BLOCK_ID = 0
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_caching: bool = True, max_events: int | None = None):
         if num_blocks < 2:
             raise ValueError(f"the block pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -48,6 +74,12 @@ class BlockPool:
         # block_id -> block, least recently freed first.
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self._cached: dict[Hashable, KVCacheBlock] = {}
+        # (stored?, key) in order; event number i is _events[i - _events_start]. The lock is
+        # the reader's guard: the engine thread writes, a server's event loop reads.
+        self._events: deque[tuple[bool, Hashable]] = deque(maxlen=max_events or 4 * num_blocks)
+        self._events_start = 0
+        self._events_end = 0
+        self._events_lock = threading.Lock()
 
     @property
     def num_free_blocks(self) -> int:
@@ -87,7 +119,9 @@ class BlockPool:
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
                 if self._cached.get(block.block_hash) is block:
-                    del self._cached[block.block_hash]
+                    with self._events_lock:
+                        del self._cached[block.block_hash]
+                        self._log(False, block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -116,10 +150,34 @@ class BlockPool:
         if block_hash in self._cached:
             return
         block.block_hash = block_hash
-        self._cached[block_hash] = block
+        with self._events_lock:
+            self._cached[block_hash] = block
+            self._log(True, block_hash)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their contents)."""
         for block in self._cached.values():
             block.block_hash = None
-        self._cached.clear()
+        with self._events_lock:
+            self._cached.clear()
+            self._events.clear()
+            self._events_start = self._events_end  # every reader gets a (now empty) snapshot
+
+    def _log(self, stored: bool, key: Hashable) -> None:
+        """Record an event (the caller holds _events_lock, with the change to _cached)."""
+        if len(self._events) == self._events.maxlen:
+            self._events_start += 1  # the append drops the oldest
+        self._events.append((stored, key))
+        self._events_end += 1
+
+    def events_since(self, since: int = -1) -> BlockHashEvents:
+        """The keys cached and evicted since cursor `since` (a cursor an earlier call returned;
+        -1, or any cursor the log no longer reaches: a snapshot of every cached key). Any thread."""
+        with self._events_lock:
+            if since < self._events_start or since > self._events_end:
+                return BlockHashEvents(self._events_end, list(self._cached), [], reset=True)
+            stored, removed = [], []
+            for i in range(since - self._events_start, len(self._events)):
+                is_stored, key = self._events[i]
+                (stored if is_stored else removed).append(key)
+            return BlockHashEvents(self._events_end, stored, removed)

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from runtime.engine import distributed
+from runtime.engine.block_pool import BlockHashEvents
 from runtime.engine.compilation import CompileCounter, enable_persistent_cache
 from runtime.engine.config import EngineConfig
 from runtime.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
@@ -448,6 +449,14 @@ class Engine:
             return self.runner.dispatch(sched, block_ids)
 
     # -- introspection -------------------------------------------------------------------
+    def block_hash_events(self, since: int = -1) -> BlockHashEvents:
+        """The prefix-cache block hashes cached and evicted since cursor `since` (-1: all cached
+        now, as a reset): what a KV-aware router mirrors per replica, and what a prefill/decode
+        pair would read to learn which blocks a prefill left behind. Keys are
+        runtime.engine.request.prefix_block_hashes(prompt ids, block_size, lora_int_id) values.
+        Any thread (the pool guards its log), never waits for a step."""
+        return self.kv.block_hash_events(since)
+
     def check_health(self) -> None:
         """Raise EngineDeadError if a worker process of a multi-process engine has failed, or a
         step has run longer than distributed_timeout_s (a worker hangs). Any thread."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from runtime.engine.block_pool import BlockPool, KVCacheBlock
+from runtime.engine.block_pool import BlockHashEvents, BlockPool, KVCacheBlock
 from runtime.engine.request import Request
 
 
@@ -74,6 +74,14 @@ class KVCacheManager:
     def usage(self) -> float:
         """Share of usable blocks held by requests (cached-but-free blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def block_hash_events(self, since: int = -1) -> BlockHashEvents:
+        """The block hashes (Request.block_hashes' values) cached and evicted since cursor
+        `since` in the first KV cache group (the only one unless layers have different sliding
+        windows), as BlockPool.events_since. Any thread."""
+        events = self.pool.events_since(since)
+        return BlockHashEvents(events.cursor, [h for g, h in events.stored if g == 0],
+                               [h for g, h in events.removed if g == 0], events.reset)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[list[KVCacheBlock]], int]:
         """The longest cached prefix of the request's tokens: (per group, its blocks, null

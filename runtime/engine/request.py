@@ -50,9 +50,29 @@ _TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
 }
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """The prefix-cache key of a full block: its tokens chained with the previous block's key."""
+def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
+    """The prefix-cache key of a full block: its tokens chained with the previous block's key.
+
+    Built from ints only, so every process computes the same key (Python randomizes the hashes
+    of strings per process, and before 3.12 that of None): a router elsewhere can hash a
+    prompt and compare with the keys a replica publishes (Engine.block_hash_events)."""
     return hash((parent_hash, token_ids))
+
+
+def hash_seed(lora_int_id: int | None) -> int:
+    """The parent of a sequence's first block: 0, or one per LoRA adapter (blocks computed
+    under an adapter hold other K/V, so their chain starts from the adapter)."""
+    return 0 if lora_int_id is None else hash((-1, int(lora_int_id)))
+
+
+def prefix_block_hashes(token_ids: list[int], block_size: int, lora_int_id: int | None = None) -> list[int]:
+    """The prefix-cache keys of every full block of `token_ids`, as the engine computes them."""
+    out: list[int] = []
+    parent = hash_seed(lora_int_id)
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, tuple(token_ids[start:start + block_size]))
+        out.append(parent)
+    return out
 
 
 class Request:
@@ -161,13 +181,12 @@ class Request:
         self._update_block_hashes()
 
     @property
-    def _hash_seed(self) -> int | None:
-        return None if self.lora_request is None else hash(("lora", self.lora_request.lora_int_id))
+    def _hash_seed(self) -> int:
+        return hash_seed(None if self.lora_request is None else self.lora_request.lora_int_id)
 
     def _update_block_hashes(self) -> None:
         bs = self.block_size
         while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
             i = len(self.block_hashes)
-            # Blocks computed under an adapter hold other K/V: their chain starts from the adapter.
             parent = self.block_hashes[-1] if i else self._hash_seed
             self.block_hashes.append(hash_block(parent, tuple(self.all_token_ids[i * bs:(i + 1) * bs])))
