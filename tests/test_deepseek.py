@@ -43,7 +43,7 @@ def test_deepseek_runs_natively_on_a_latent_cache(deepseek_model):
     assert cache.k.shape[2:] == (1, 8, cfg.kv_lora_rank + cfg.qk_rope_head_dim)  # one latent "head" per token
     assert cache.v.size == 0  # the values are the latent's first kv_lora_rank dims
     assert llm.engine.plan.kv_spec.value_dims == cfg.kv_lora_rank
-    assert llm.engine.plan.attention_backend == "xla"  # the kernels read separate values
+    assert llm.engine.plan.attention_backend == "cpu"  # the C++ kernel reads the values from the keys
     # Stepped a few layers per call, a program per stack (dense layers, then MoE), on packed weights
     layered = llm.engine.programs.layered
     assert {key: len(layers) for key, layers in layered.stacks.items()} == {
@@ -68,11 +68,12 @@ def test_deepseek_scanned_step_matches_transformers_logits(name, tiny_checkpoint
     np.testing.assert_allclose(logits, hf_logits(hf, prompt + got[:-1])[len(prompt) - 1:], atol=1e-4)
 
 
-@pytest.mark.slow
-def test_values_in_keys_attend_as_the_keys_first_dims():
+@pytest.mark.parametrize("backend", quick_loop_keeps(["xla", "cpu"], "cpu"))
+def test_values_in_keys_attend_as_the_keys_first_dims(backend):
     """paged_attention with value_dims over a latent cache equals dense causal attention whose
     values are the keys' first dims: a prompt in two chunks (the second reads the first from the
-    cache, per token and per sequence), then a decode."""
+    cache, per token and per sequence), then a decode; on the XLA path and in the C++ kernel,
+    which reads the keys as values in place."""
     import jax.numpy as jnp
 
     from runtime.ops.attention import paged_attention
@@ -82,7 +83,8 @@ def test_values_in_keys_attend_as_the_keys_first_dims():
     heads, dims, value_dims, block_size, n = 4, 12, 8, 4, 11
     q = rng.standard_normal((n, heads, dims)).astype(np.float32)
     k = rng.standard_normal((n, 1, dims)).astype(np.float32)
-    cache = allocate_kv_cache(KVCacheSpec(2, 1, dims, jnp.float32, value_dims=value_dims), 8, block_size)
+    cache = allocate_kv_cache(KVCacheSpec(2, 1, dims, jnp.float32, value_dims=value_dims), 8, block_size,
+                              attention_backend=backend)
     table = [3, 5, 6, 0]
     outs = []
     for start, end in ((0, 6), (6, 10), (10, 11)):
@@ -244,8 +246,8 @@ def test_router_matches_transformers(name, tiny_checkpoint):
 
 @pytest.mark.slow
 def test_deepseek_tensor_and_expert_parallel_match_one_device(servax_cache):
-    """Tensor parallel 2 (heads, kv_b, MLP features and expert features split; the latent cache
-    whole on each device) and expert parallel 2 give one device's greedy tokens. Programs compile
+    """Tensor parallel 2 and 4 (heads, kv_b, MLP features and expert features split; the latent
+    cache whole on each device) and expert parallel 2 give one device's greedy tokens. Programs compile
     on first use (enforce_eager): the buckets of five engines would not compile within the
     worker's time on a small machine; the one-device tests count compilations after warmup."""
     from test_spmd import run_worker
@@ -253,14 +255,14 @@ def test_deepseek_tensor_and_expert_parallel_match_one_device(servax_cache):
     params = {"kv_b": "layers.kv_b", "gate": "layers.mlp.experts.gate"}
     eager = dict(enforce_eager=True)
     runs = run_worker(dict(model_impl="jax", runs=[
-        dict(model="servax-tiny/deepseek_v3", name="v3", tp=[1, 2], params=params, engine=eager),
+        dict(model="servax-tiny/deepseek_v3", name="v3", tp=[1, 2, 4], params=params, engine=eager),
         dict(model="servax-tiny/deepseek_v3", name="v3-ep", tp=[2], params=params,
              engine=dict(eager, enable_expert_parallel=True)),
     ]), servax_cache)
     runs.update(run_worker(dict(model_impl="jax", runs=[
-        dict(model="servax-tiny/deepseek_v2", name="v2", tp=[1, 2], engine=eager),
+        dict(model="servax-tiny/deepseek_v2", name="v2", tp=[1, 2, 4], engine=eager),
     ]), servax_cache))
-    for key, ref in [(("v3", 2), "v3"), (("v3-ep", 2), "v3"), (("v2", 2), "v2")]:
+    for key, ref in [(("v3", 2), "v3"), (("v3", 4), "v3"), (("v3-ep", 2), "v3"), (("v2", 2), "v2"), (("v2", 4), "v2")]:
         run, ref = runs[key], runs[(ref, 1)]
         for field in ("batched", "alone", "pair"):
             assert run[field] == ref[field], f"{key}: {field}"

@@ -233,10 +233,10 @@ def _attention_backend(config: EngineConfig, kv_spec: KVCacheSpec, platform: str
                              f"(the {backend} kernel reads an unquantized cache)")
         logger.info("kv_cache_dtype=%s: attention backend xla", config.kv_cache_dtype)
         return "xla"
-    if backend in ("pallas", "cpu") and kv_spec.values_in_keys:
+    if backend == "pallas" and kv_spec.values_in_keys:
         if requested == backend:
-            raise ValueError(f"a latent KV cache (values kept in the keys: multi-head latent attention) runs on "
-                             f"attention_backend='xla' (the {backend} kernel reads separate values)")
+            raise ValueError("a latent KV cache (values kept in the keys: multi-head latent attention) runs on "
+                             "attention_backend='xla' or 'cpu' (the pallas kernel reads separate values)")
         logger.info("latent KV cache (values in the keys): attention backend xla")
         return "xla"
     if backend == "cpu" and np.dtype(kv_spec.dtype) != np.float32:

@@ -109,7 +109,8 @@ def paged_attention(
             reads the same cache layout.
         value_dims: the values are the first value_dims dims of each key, and the cache keeps
             keys only (multi-head latent attention: a KVCache allocated for a KVCacheSpec with
-            value_dims; v is None). Such layers attend on the XLA path too.
+            value_dims; v is None). Such layers attend on the XLA path or the CPU kernel
+            (which reads the keys as values in place), not the Pallas kernel.
 
     Raises:
         ValueError: heads that do not group over the KV heads, a KVCache without `layer`, or
@@ -141,7 +142,13 @@ def paged_attention(
     else:
         k_cache, v_cache = write_kv(kv_cache.k, kv_cache.v, k, v, batch.slot_mapping, layer)
         written = {"k": k_cache, "v": v_cache}
-    if value_dims is not None:  # the kernels read separate values: the XLA path reads them from the keys
+    if value_dims is not None and kv_cache.attention_backend == "cpu" and sinks is None and kv_cache.k_scale is None:
+        out = cpu_ragged_paged_attention(  # values read in place from the keys' leading dims
+            jnp.asarray(q), k_cache, k_cache, layer, batch, scale=scale, sliding_window=sliding_window,
+            logit_soft_cap=logit_soft_cap, mesh=kv_cache.mesh, cache_spec=kv_cache.partition_spec,
+            value_dims=value_dims)
+        return out, dataclasses.replace(kv_cache, **written)
+    if value_dims is not None:  # the Pallas kernel reads separate values: the XLA path reads them from the keys
         v, v_cache = k[..., :value_dims], ValuesInKeys(k_cache, value_dims)
     elif kv_cache.attention_backend in ("cpu", "pallas") and sinks is None:  # a kernel reads the whole context
         if kv_cache.attention_backend == "cpu":

@@ -43,8 +43,9 @@ struct Problem {
   const int32_t* seq_lens;      // [S]
   const int32_t* query_start;   // [S + 1]
   const int32_t* positions;     // [T]
-  float* out;                   // [T, H, D]
+  float* out;                   // [T, H, DV]
   int64_t layer, num_blocks, kv_heads, block_size, head_dim, max_blocks, num_heads, group;
+  int64_t value_dims;  // DV: D, or the leading dims of each key where the values are in the keys (v_cache = k_cache)
   int64_t window;  // <= 0: none
   float scale, soft_cap;  // soft_cap <= 0: none
 };
@@ -141,7 +142,7 @@ inline float ExpShifted(float* __restrict sr, float mx, int64_t BS) {
 // acc = acc * correction + sum_j p[j] v_j (v: [BS, D]).
 template <int kBS, int kD>
 inline void Accumulate(float* __restrict acc, float correction, const float* __restrict pr,
-                       const float* __restrict v, int64_t BS, int64_t D) {
+                       const float* __restrict v, int64_t BS, int64_t D, int64_t stride) {
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (kBS > 0 && kD > 0 && kD % 8 == 0 && kD <= 128) {
     __m256 a[kD / 8];
@@ -159,7 +160,7 @@ inline void Accumulate(float* __restrict acc, float correction, const float* __r
   for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
   for (int64_t j = 0; j < BS; ++j) {
     const float pj = pr[j];
-    const float* __restrict vj = v + j * D;
+    const float* __restrict vj = v + j * stride;  // value j: D floats of a row of `stride`
     for (int64_t d = 0; d < D; ++d) acc[d] += pj * vj[d];
   }
 }
@@ -212,12 +213,13 @@ struct ItemContext {
 template <int kBS, int kD>
 void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   const int64_t D = kD > 0 ? kD : p.head_dim, BS = kBS > 0 ? kBS : p.block_size, G = p.group;
+  const int64_t DV = kD > 0 ? kD : p.value_dims;  // the compile-time shapes have values of their own
   const int64_t ntok = it.t1 - it.t0, heads = it.h1 - it.h0;
   const int64_t RH = ntok * G, R = heads * RH;  // rows per KV head: (token, query head of its group)
-  scratch.resize(R * D * 2 + R * BS + R * 2);
+  scratch.resize(R * (D + DV) + R * BS + R * 2);
   float* __restrict q = scratch.data();  // [R, D], scaled
-  float* __restrict acc = q + R * D;     // [R, D]
-  float* __restrict s = acc + R * D;     // [R, BS]
+  float* __restrict acc = q + R * D;     // [R, DV]
+  float* __restrict s = acc + R * DV;    // [R, BS]
   float* __restrict m = s + R * BS;      // [R]
   float* __restrict l = m + R;           // [R]
   // Row of (KV head h0 + hh, token t0 + i, query head g of the group) and the query head it is.
@@ -231,7 +233,7 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
         float* __restrict dst = q + row(hh, i, g) * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * p.scale;
       }
-  std::fill(acc, acc + R * D, 0.0f);
+  std::fill(acc, acc + R * DV, 0.0f);
   std::fill(m, m + R, kMaskValue);
   std::fill(l, l + R, 0.0f);
 
@@ -268,7 +270,7 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
         const float sum = ExpShifted<kBS>(sr, mx, BS);
         m[r] = mx;
         l[r] = l[r] * correction + sum;
-        Accumulate<kBS, kD>(acc + r * D, correction, sr, vb, BS, D);
+        Accumulate<kBS, kD>(acc + r * DV, correction, sr, vb, BS, DV, D);
       }
     }
   }
@@ -278,8 +280,8 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = row(hh, i, g);
         const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;  // no visible key: zeros
-        float* __restrict dst = p.out + ((it.t0 + i) * p.num_heads + head(hh, g)) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
+        float* __restrict dst = p.out + ((it.t0 + i) * p.num_heads + head(hh, g)) * DV;
+        for (int64_t d = 0; d < DV; ++d) dst[d] = acc[r * DV + d] * inv;
       }
 }
 
@@ -437,7 +439,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                           ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> positions,
                           ffi::Buffer<ffi::S32> num_tokens, ffi::Buffer<ffi::S32> window, float scale,
-                          float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+                          float soft_cap, int64_t value_dims, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), kd = k_cache.dimensions(), td = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || td.size() != 2)
     return ffi::Error::InvalidArgument("paged_attention: q [T,H,D], cache [L,NB,KVH,BS,D], tables [S,MB]");
@@ -462,18 +464,25 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   p.window = window.typed_data()[0];
   p.scale = scale;
   p.soft_cap = soft_cap;
-  if (qd[2] != kd[4] || qd[1] % kd[2] || p.layer < 0 || p.layer >= kd[0])
-    return ffi::Error::InvalidArgument("paged_attention: mismatched heads, head_dim or layer");
+  p.value_dims = value_dims > 0 ? value_dims : p.head_dim;
+  if (qd[2] != kd[4] || qd[1] % kd[2] || p.layer < 0 || p.layer >= kd[0] || p.value_dims > p.head_dim)
+    return ffi::Error::InvalidArgument("paged_attention: mismatched heads, head_dim, value dims or layer");
+  auto od = out->dimensions();
+  if (od.size() != 3 || od[0] != qd[0] || od[1] != qd[1] || od[2] != p.value_dims)
+    return ffi::Error::InvalidArgument("paged_attention: out must be [T, H, value dims]");
 
-  // The rows-in-lanes form where it exists, except with a soft cap (RunItem applies it).
-  const ItemFn lanes_run = p.soft_cap > 0 ? nullptr : PickLanesItemFn(p.block_size, p.head_dim);
-  const ItemFn run = lanes_run != nullptr ? lanes_run : PickItemFn(p.block_size, p.head_dim);
+  // The rows-in-lanes form where it exists, except with a soft cap (RunItem applies it); values
+  // read from the keys (fewer dims than a key) take the general form.
+  const bool own_values = p.value_dims == p.head_dim;
+  const ItemFn lanes_run = p.soft_cap > 0 || !own_values ? nullptr : PickLanesItemFn(p.block_size, p.head_dim);
+  const ItemFn run = lanes_run != nullptr ? lanes_run : own_values ? PickItemFn(p.block_size, p.head_dim)
+                                                                  : RunItem<0, 0>;
   const int64_t T = qd[0], S = td[0];
   const int64_t real = std::min<int64_t>(std::max<int32_t>(num_tokens.typed_data()[0], 0), T);
   // The rows-in-lanes form takes tiles of about 48 rows (three vectors of 16: 16 tokens of a
   // group of 3 query heads), the other about 32.
   const int64_t tile = std::max<int64_t>(1, (lanes_run != nullptr ? kRowsPerLanesItem : kRowsPerItem) / p.group);
-  std::fill(p.out + real * p.num_heads * p.head_dim, p.out + T * p.num_heads * p.head_dim, 0.0f);
+  std::fill(p.out + real * p.num_heads * p.value_dims, p.out + T * p.num_heads * p.value_dims, 0.0f);
   // A decode is one item over all KV heads (its blocks then read as one contiguous run per
   // block), or over a share of them when there are fewer decodes than two per thread (batch
   // 1 would leave all but one thread idle); longer queries go per KV head in tiles of `tile`
@@ -500,7 +509,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   for (const Item& it : items)
     for (int64_t t = it.t0; t < it.t1; ++t) covered[t] = true;
   for (int64_t t = 0; t < real; ++t)
-    if (!covered[t]) std::fill(p.out + t * p.num_heads * p.head_dim, p.out + (t + 1) * p.num_heads * p.head_dim, 0.0f);
+    if (!covered[t])
+      std::fill(p.out + t * p.num_heads * p.value_dims, p.out + (t + 1) * p.num_heads * p.value_dims, 0.0f);
   if (items.empty()) return ffi::Error::Success();
 
   servax::ParallelFor(pool, int64_t(items.size()), pool.num_threads() - 1, [&](int64_t i) {
@@ -527,4 +537,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxPagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("value_dims")  // 0: head_dim; else values in the keys' leading dims
                                   .Ret<ffi::Buffer<ffi::F32>>());
