@@ -67,11 +67,13 @@ def test_kernel_matches_numpy_oracle(heads, kv_heads, block_size, head_dim, wind
 
 
 @pytest.mark.parametrize("specs", [[(40, 1)], [(70, 1), (5, 1)]], ids=["one-decode", "two-decodes"])
-@pytest.mark.parametrize("heads,kv_heads,block_size,head_dim,window,soft_cap", CASES[:3], ids=CASE_IDS[:3])
+@pytest.mark.parametrize("heads,kv_heads,block_size,head_dim,window,soft_cap",
+                         CASES[:3] + [(8, 1, 16, 64, None, None)], ids=CASE_IDS[:3] + ["mqa-16x64"])
 def test_few_decodes_split_by_kv_heads_match_the_oracle(specs, heads, kv_heads, block_size, head_dim, window,
                                                          soft_cap):
     """One or two decoding sequences alone: the kernel shares each one's KV heads among the
-    threads (each share reading its heads' part of every block)."""
+    threads (each share reading its heads' part of every block), or with one KV head (multi-query,
+    or a latent cache) its query heads."""
     rng = np.random.default_rng(len(specs) * 100 + kv_heads)
     batch, seqs, n, q, k, v = _case(rng, specs, heads=heads, kv_heads=kv_heads, block_size=block_size,
                                     head_dim=head_dim, pad_tokens=8, pad_seqs=4)

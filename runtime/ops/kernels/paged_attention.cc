@@ -52,6 +52,7 @@ struct Problem {
 
 struct Item {
   int32_t seq, h0, h1, t0, t1;  // tokens [t0, t1) of sequence seq, KV heads [h0, h1)
+  int32_t g0 = 0, g1 = -1;      // the query heads [g0, g1) of each KV head's group (g1 < 0: all of them)
 };
 
 // Dot products of one query row with a block's keys, sr[j] = q . k_j (k: [BS, D]).
@@ -212,7 +213,8 @@ struct ItemContext {
 // so the per-key dot products and the value updates vectorize fully; 0: read from `p`.
 template <int kBS, int kD>
 void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
-  const int64_t D = kD > 0 ? kD : p.head_dim, BS = kBS > 0 ? kBS : p.block_size, G = p.group;
+  const int64_t D = kD > 0 ? kD : p.head_dim, BS = kBS > 0 ? kBS : p.block_size;
+  const int64_t g0 = it.g0, G = (it.g1 < 0 ? p.group : it.g1) - g0;  // this item's query heads of a group
   const int64_t DV = kD > 0 ? kD : p.value_dims;  // the compile-time shapes have values of their own
   const int64_t ntok = it.t1 - it.t0, heads = it.h1 - it.h0;
   const int64_t RH = ntok * G, R = heads * RH;  // rows per KV head: (token, query head of its group)
@@ -224,7 +226,7 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   float* __restrict l = m + R;           // [R]
   // Row of (KV head h0 + hh, token t0 + i, query head g of the group) and the query head it is.
   const auto row = [&](int64_t hh, int64_t i, int64_t g) { return hh * RH + i * G + g; };
-  const auto head = [&](int64_t hh, int64_t g) { return (it.h0 + hh) * G + g; };
+  const auto head = [&](int64_t hh, int64_t g) { return (it.h0 + hh) * p.group + g0 + g; };
 
   for (int64_t hh = 0; hh < heads; ++hh)
     for (int64_t i = 0; i < ntok; ++i)
@@ -491,13 +493,19 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   int64_t decodes = 0;
   for (int64_t s = 0; s < S; ++s)
     decodes += std::min<int64_t>(p.query_start[s + 1], real) - p.query_start[s] == 1;
-  const int64_t shares = decodes == 0 ? 1 : std::clamp<int64_t>((2 * threads + decodes - 1) / decodes, 1, p.kv_heads);
+  const int64_t wanted = decodes == 0 ? 1 : (2 * threads + decodes - 1) / decodes;
+  const int64_t shares = std::clamp<int64_t>(wanted, 1, p.kv_heads);
+  // One KV head read by every query head (a latent cache, or multi-query attention) in the
+  // general form: a decode's query heads are shared out instead.
+  const int64_t head_shares = p.kv_heads == 1 && lanes_run == nullptr ? std::clamp<int64_t>(wanted, 1, p.group) : 1;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t a = p.query_start[s], b = std::min<int64_t>(p.query_start[s + 1], real);
     if (b - a == 1) {
       for (int64_t i = 0; i < shares; ++i)
-        items.push_back({int32_t(s), int32_t(p.kv_heads * i / shares), int32_t(p.kv_heads * (i + 1) / shares),
-                         int32_t(a), int32_t(b)});
+        for (int64_t j = 0; j < head_shares; ++j)
+          items.push_back({int32_t(s), int32_t(p.kv_heads * i / shares), int32_t(p.kv_heads * (i + 1) / shares),
+                           int32_t(a), int32_t(b), int32_t(p.group * j / head_shares),
+                           int32_t(p.group * (j + 1) / head_shares)});
       continue;
     }
     for (int64_t t0 = a; t0 < b; t0 += tile)
