@@ -45,8 +45,10 @@ def test_gemma4_configs_exercise_every_part(tiny_checkpoint):
     """The tiny configs have what models_jax/gemma4.py claims to serve, it is the native path, and
     the cache has one block shape: the global head size, the KV heads repeated to their lcm,
     rows only for the layers that own K/V."""
+    import jax.numpy as jnp
+
     import registry
-    from models_jax.gemma4 import Gemma4Args, layer_stacks
+    from models_jax.gemma4 import Gemma4Args, kv_spec, layer_stacks
 
     dense = Gemma4Args.from_hf(registry.resolve(str(tiny_checkpoint("gemma4"))).hf_config)
     assert (dense.head_dim, dense.global_head_dim, dense.num_kv_heads, dense.global_kv_heads) == (16, 32, 2, 1)
@@ -62,7 +64,7 @@ def test_gemma4_configs_exercise_every_part(tiny_checkpoint):
     for name in GEMMA4:
         resolved = registry.resolve(str(tiny_checkpoint(name)))
         assert resolved.architecture == "Gemma4ForCausalLM" and resolved.impl == "jax"
-        spec = registry.load(str(tiny_checkpoint(name)), model_impl="jax").kv_spec
+        spec = kv_spec(Gemma4Args.from_hf(resolved.hf_config), jnp.float32)
         assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (4, 2, 32)
         assert spec.groups.num_groups > 1  # the sliding layers keep only their window
 
