@@ -30,6 +30,7 @@ from typing import Any
 
 from ray import serve
 
+from app.kv_routing import STATS_KEY
 from app.anthropic_api import AnthropicServing, CountTokensRequest, MessagesRequest
 from app.llm_config import LLMConfig
 from app.metrics import ServerMetrics
@@ -131,6 +132,7 @@ class LLMServerImpl:
         self.pooling = PoolingServing(self.engine, self.model_id)
         self.responses_api = ResponsesServing(self.serving)
         self._load_multiplexed = None
+        self._kv_cursor, self._kv_hashes = -1, set()  # the engine's cached block hashes (record_routing_stats)
         lora_config = self.llm_config.lora_config
         if lora_config is not None and lora_config.dynamic_lora_loading_path:
             # Ray Serve LLM's model multiplexing: Serve keeps max_num_adapters_per_replica
@@ -370,6 +372,35 @@ class LLMServerImpl:
         over only between steps, and this runs on the replica's event loop)."""
         s = self.engine.latest_stats()
         return asdict(s) if hasattr(s, "__dataclass_fields__") else dict(vars(s))
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What Serve hands this deployment's routers every `request_routing_stats_period_s`
+        (app.kv_routing.KVAwareRouter reads it): the engine's cached block hashes, mirrored from
+        its block-hash event feed (only what changed since the last call is read), its queue
+        and KV usage, its block size, its tokenizer's folder and its adapters' ids."""
+        events = self.engine.block_hash_events(self._kv_cursor)
+        if events.reset:
+            self._kv_hashes = set()
+        self._kv_hashes.difference_update(events.removed)
+        self._kv_hashes.update(events.stored)
+        self._kv_cursor = events.cursor
+        stats = self.engine.latest_stats()
+        tokenizer = self.engine.tokenizer
+        return {STATS_KEY: dict(
+            version=events.cursor, block_hashes=list(self._kv_hashes),
+            block_size=int(self.engine.model_config["block_size"]),
+            tokenizer=getattr(tokenizer, "name_or_path", None) if tokenizer is not None else None,
+            num_waiting=stats.num_waiting, num_running=stats.num_running, kv_cache_usage=stats.kv_cache_usage,
+            adapters=self._adapter_ids(),
+        )}
+
+    def _adapter_ids(self) -> dict[str, int]:
+        """The adapters the engine has read, name -> lora_int_id, read without its lock (advisory:
+        a list changing under the read is read again at the next call)."""
+        try:
+            return {r.lora_name: r.lora_int_id for r in list(self.engine.engine.list_loras())}
+        except RuntimeError:
+            return {}
 
     def _update_gauges(self) -> None:
         # As of the last step: runs on the replica's event loop after every request, where waiting
