@@ -26,8 +26,9 @@ class BlockHashEvents:
 
     Attributes:
         cursor: pass it as `since` next time.
-        stored: keys cached since then (in order).
-        removed: keys evicted since then (in order; a key may be stored and removed again).
+        stored: keys cached now that were not at the cursor (or were evicted and cached again).
+        removed: keys evicted since then and not cached again (disjoint from `stored`: a mirror
+            applies both in any order).
         reset: the cursor was older than the log keeps (or the cache was reset): `stored` is
             every key cached now, `removed` is empty, and a mirror drops what it had first.
     """
@@ -176,8 +177,9 @@ class BlockPool:
         with self._events_lock:
             if since < self._events_start or since > self._events_end:
                 return BlockHashEvents(self._events_end, list(self._cached), [], reset=True)
-            stored, removed = [], []
+            last: dict[Hashable, bool] = {}  # each key's last event: its state now
             for i in range(since - self._events_start, len(self._events)):
                 is_stored, key = self._events[i]
-                (stored if is_stored else removed).append(key)
-            return BlockHashEvents(self._events_end, stored, removed)
+                last[key] = is_stored
+            return BlockHashEvents(self._events_end, [k for k, s in last.items() if s],
+                                   [k for k, s in last.items() if not s])
