@@ -215,10 +215,12 @@ def test_unknown_quantization_is_refused():
 
 # ---- quantized KV cache (kv_cache_dtype) ------------------------------------------------------
 
+@pytest.mark.parametrize("backend", ["xla", "cpu"])
 @pytest.mark.parametrize("kv_dtype, tol", [("int8", 0.03), ("float8_e4m3fn", 0.15)])
-def test_quantized_cache_attention_is_close_to_the_float_oracle(kv_dtype, tol):
+def test_quantized_cache_attention_is_close_to_the_float_oracle(kv_dtype, tol, backend):
     """paged_attention on an int8 / fp8 cache (values and per-token-head scales written by the
-    step) against the float oracle: mixed prefills, chunks and decodes, GQA, a window."""
+    step) against the float oracle: mixed prefills, chunks and decodes, GQA, a window; on the
+    XLA path and in the C++ kernel (which scales each block as it reads it)."""
     import jax
 
     from runtime.ops.attention import paged_attention
@@ -237,7 +239,7 @@ def test_quantized_cache_attention_is_close_to_the_float_oracle(kv_dtype, tol):
     flat = lambda c: c.swapaxes(1, 2).reshape(-1, kv_heads, head_dim)  # noqa: E731
     cache = KVCache(jnp.zeros((1, *k_full.shape), dtype), jnp.zeros((1, *k_full.shape), dtype),
                     k_scale=jnp.ones((1, *k_full.shape[:-1]), jnp.float32),
-                    v_scale=jnp.ones((1, *k_full.shape[:-1]), jnp.float32))
+                    v_scale=jnp.ones((1, *k_full.shape[:-1]), jnp.float32), attention_backend=backend)
     all_slots = np.arange(num_blocks * block_size, dtype=np.int32)
     from runtime.ops.attention_common import write_kv_quantized
 
@@ -270,6 +272,7 @@ def test_int8_kv_cache_holds_more_tokens_and_keeps_logprobs_close():
         logprobs[kv] = np.array([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
     assert engines["int8"].num_blocks >= 2 * engines["auto"].num_blocks
     assert engines["int8"].programs.kv_cache.k.dtype == jnp.int8
+    assert engines["int8"].plan.attention_backend == "cpu"  # the C++ kernel reads the int8 cache
     diff = np.abs(logprobs["int8"] - logprobs["auto"])
     assert diff.max() < 0.15 and diff.mean() < 0.04, (diff.max(), diff.mean())
     assert engines["int8"].kv.num_free_blocks == engines["int8"].kv.num_usable_blocks

@@ -125,7 +125,7 @@ def make_plan(config: EngineConfig, model: LoadedModel, mesh: Mesh, *, max_model
     if compute_float32:
         kv_spec = dataclasses.replace(kv_spec, dtype=jax.numpy.float32)
     num_blocks, budget = _num_kv_blocks(config, model, kv_spec, mesh, max_model_len)
-    backend = _attention_backend(config, kv_spec, platform)
+    backend = _attention_backend(config, kv_spec, platform, mesh.size)
     on_cpu_kernel = backend == "cpu"
     tokens, seqs = token_buckets(config.max_num_batched_tokens), seq_buckets(config.max_num_seqs)
     if packed:
@@ -224,13 +224,15 @@ def _packs(model: LoadedModel) -> bool:
             and all(x.sharding.is_fully_replicated for x in jax.tree.leaves(model.params)))
 
 
-def _attention_backend(config: EngineConfig, kv_spec: KVCacheSpec, platform: str) -> str:
+def _attention_backend(config: EngineConfig, kv_spec: KVCacheSpec, platform: str, mesh_size: int = 1) -> str:
     requested = config.attention_backend
     backend = resolve_attention_backend(requested, platform)
-    if backend in ("pallas", "cpu") and kv_spec.quantized:
+    # The CPU kernel reads a quantized cache on one device (scaling each block as it reads it)
+    if kv_spec.quantized and (backend == "pallas" or (backend == "cpu" and mesh_size > 1)):
         if requested == backend:
-            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype} runs on attention_backend='xla' "
-                             f"(the {backend} kernel reads an unquantized cache)")
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype} runs on attention_backend='xla'"
+                             + (" or on 'cpu' on one device" if backend == "cpu" else
+                                " or 'cpu' (the pallas kernel reads an unquantized cache)"))
         logger.info("kv_cache_dtype=%s: attention backend xla", config.kv_cache_dtype)
         return "xla"
     if backend == "pallas" and kv_spec.values_in_keys:

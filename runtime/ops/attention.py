@@ -115,7 +115,7 @@ def paged_attention(
     Raises:
         ValueError: heads that do not group over the KV heads, a KVCache without `layer`, or
             value_dims with a cache that stores values (or v given with it).
-        NotImplementedError: a quantized cache on a kernel backend.
+        NotImplementedError: a quantized cache on the Pallas backend.
     """
     if not isinstance(kv_cache, KVCache):
         out, cache = paged_attention(
@@ -134,9 +134,17 @@ def paged_attention(
     if kv_cache.groups is not None:  # KV cache groups: the layer's row, read through its group's block tables
         layer, batch = kv_cache.groups.row_and_batch(layer, batch)
     if kv_cache.k_scale is not None:  # a quantized cache: read back through its scales
-        if kv_cache.attention_backend != "xla" and value_dims is None:
-            raise NotImplementedError("a quantized KV cache (kv_cache_dtype) runs on the xla attention backend")
+        if kv_cache.attention_backend == "pallas":
+            raise NotImplementedError("a quantized KV cache (kv_cache_dtype) runs on the xla or cpu attention backend")
         kv_cache = write_kv_quantized(kv_cache, k, v, batch.slot_mapping, layer)
+        if kv_cache.attention_backend == "cpu" and sinks is None:  # the kernel scales each block as it reads it
+            in_keys = value_dims is not None
+            out = cpu_ragged_paged_attention(
+                jnp.asarray(q), kv_cache.k, kv_cache.k if in_keys else kv_cache.v, layer, batch, scale=scale,
+                sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, mesh=kv_cache.mesh,
+                cache_spec=kv_cache.partition_spec, value_dims=value_dims, k_scale=kv_cache.k_scale,
+                v_scale=kv_cache.k_scale if in_keys else kv_cache.v_scale)
+            return out, kv_cache
         k_cache, v_cache = ScaledCache(kv_cache.k, kv_cache.k_scale), ScaledCache(kv_cache.v, kv_cache.v_scale)
         written = {}
     else:

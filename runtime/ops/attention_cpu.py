@@ -8,8 +8,9 @@ and that copy, not the arithmetic, is most of a decode step's attention there. T
 runtime/ops/cpu_kernels.py builds and loads it on first use; where that fails,
 `kernel_status("paged_attention")` says why and attention_backend "auto" keeps the XLA path.
 
-Float32 caches only (a quantized or bfloat16 cache keeps the XLA path); a bfloat16 model's
-queries are read as float32 and its output cast back. A latent cache (values in the keys'
+Float32 caches, or int8 / float8 e4m3 ones with their scales (each block scaled to float32 as it
+is read, on one device; a bfloat16 cache keeps the XLA path); a bfloat16 model's queries are
+read as float32 and its output cast back. A latent cache (values in the keys'
 leading dims, DeepSeek's multi-head latent attention) is read as keys and values in place.
 """
 
@@ -42,12 +43,17 @@ def cpu_ragged_paged_attention(
     mesh: jax.sharding.Mesh | None = None,
     cache_spec: PartitionSpec | None = None,
     value_dims: int | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:  # [T, num_heads, head_dim (or value_dims)], dtype of q; zeros for padding tokens
     """Causal paged attention of every token over its sequence's cached context (which
     includes the step's own K/V, already written), read in place by the C++ kernel.
 
     value_dims: the values are each key's first value_dims dims (multi-head latent attention's
     cache of latents: v_cache is then the key cache itself, read twice in place).
+    k_scale, v_scale: a quantized cache's (int8 or float8_e4m3fn values) float32 scales per
+    token and head, [num_layers, num_blocks, kv_heads, block_size]: the kernel scales each
+    block it reads into float32 (one device only).
 
     Same contract as runtime.ops.attention_xla.ragged_paged_attention. On a mesh of several devices
     the kernel runs per shard (shard_map): each device attends with its own KV heads.
@@ -58,25 +64,34 @@ def cpu_ragged_paged_attention(
     status = kernel_status("paged_attention")
     if status != "ok":
         raise RuntimeError(f"the CPU attention kernel is not available: {status}")
-    if k_cache.dtype != jnp.float32:
-        raise NotImplementedError(f"the CPU attention kernel reads a float32 cache, not {k_cache.dtype}")
+    if k_scale is None and k_cache.dtype != jnp.float32:
+        raise NotImplementedError(f"the CPU attention kernel reads a float32 cache (or a quantized one with its "
+                                  f"scales), not {k_cache.dtype}")
     batch = jax.tree.map(jnp.asarray, batch)
     window = NO_WINDOW if sliding_window is None else sliding_window
+    if k_scale is not None:
+        if mesh is not None and mesh.size > 1:
+            raise NotImplementedError("the CPU attention kernel reads a quantized cache on one device only")
+        return _attend(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32), batch,
+                       scale=scale, soft_cap=logit_soft_cap, value_dims=value_dims, scales=(k_scale, v_scale))
     attend = functools.partial(_attend, scale=scale, soft_cap=logit_soft_cap, value_dims=value_dims)
     return per_kv_head_shard(attend, q, k_cache, v_cache, layer, window, batch, mesh=mesh, cache_spec=cache_spec,
                              kernel="CPU attention kernel")
 
 
 def _attend(q, k_cache, v_cache, layer, window, batch: StepInput, *, scale: float,
-            soft_cap: float | None, value_dims: int | None) -> jax.Array:
+            soft_cap: float | None, value_dims: int | None, scales: tuple | None = None) -> jax.Array:
     """cpu_ragged_paged_attention on one device's arrays."""
+    none = jnp.zeros((1,), jnp.float32)  # a float32 cache's scales: none
+    k_scale, v_scale = scales or (none, none)
     # The XLA path's "no window" (a huge traced width) is the kernel's too.
     window = jnp.where(window >= NO_SLIDING_WINDOW, NO_WINDOW, window)
     as_scalar = lambda x: jnp.reshape(jnp.asarray(x, jnp.int32), (1,))  # noqa: E731
     out_shape = (*q.shape[:2], value_dims or q.shape[2])
     call = jax.ffi.ffi_call(PAGED_ATTENTION_TARGET, jax.ShapeDtypeStruct(out_shape, jnp.float32))
     out = call(
-        q.astype(jnp.float32), k_cache, v_cache, as_scalar(layer), batch.block_tables.astype(jnp.int32),
+        q.astype(jnp.float32), k_cache, v_cache, k_scale, v_scale, as_scalar(layer),
+        batch.block_tables.astype(jnp.int32),
         batch.seq_lens.astype(jnp.int32), batch.query_start_loc.astype(jnp.int32),
         batch.positions.astype(jnp.int32), as_scalar(batch.num_tokens), as_scalar(window),
         scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0), value_dims=np.int64(value_dims or 0),

@@ -16,6 +16,7 @@
 // (RunItemRowsInLanes: scores, softmax and values on whole vectors, no horizontal sums).
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -35,10 +36,19 @@ constexpr float kMaskValue = -1e30f;  // finite: exp() and max() stay free of Na
 constexpr int64_t kRowsPerItem = 32;  // query rows (tokens x heads of a group) per work item
 constexpr int64_t kRowsPerLanesItem = 48;  // the same in the rows-in-lanes form (three vectors of 16)
 
+// How the cache stores its values: float32, or int8 / float8 e4m3 with a float32 scale per
+// token and head (value = stored * scale; runtime/ops/step.py KVCache.k_scale).
+enum class Stored { kF32, kS8, kF8E4M3 };
+
 struct Problem {
   const float* q;        // [T, H, D]
-  const float* k_cache;  // [L, NB, KVH, BS, D]
+  const float* k_cache;  // [L, NB, KVH, BS, D] (float32 caches)
   const float* v_cache;
+  Stored stored = Stored::kF32;
+  const uint8_t* k_bytes = nullptr;  // a quantized cache's values, [L, NB, KVH, BS, D] one byte each
+  const uint8_t* v_bytes = nullptr;
+  const float* k_scale = nullptr;  // [L, NB, KVH, BS]
+  const float* v_scale = nullptr;
   const int32_t* block_tables;  // [S, MB]
   const int32_t* seq_lens;      // [S]
   const int32_t* query_start;   // [S + 1]
@@ -166,6 +176,35 @@ inline void Accumulate(float* __restrict acc, float correction, const float* __r
   }
 }
 
+// float8 e4m3 (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinities) as float.
+inline float F8E4M3(uint8_t b) {
+  const int exponent = (b >> 3) & 15, mantissa = b & 7;
+  const float magnitude = exponent == 0 ? std::ldexp(mantissa / 8.0f, -6)
+                                        : exponent == 15 && mantissa == 7 ? NAN
+                                                                          : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+  return b & 128 ? -magnitude : magnitude;
+}
+
+// `rows` rows of `dims` stored values (a stride of D apart) and their scales, as float32 into out [rows, D].
+inline void Dequantize(Stored stored, const uint8_t* values, const float* scale, int64_t rows, int64_t dims,
+                       int64_t D, float* __restrict out) {
+  static const std::array<float, 256> f8 = [] {
+    std::array<float, 256> table{};
+    for (int b = 0; b < 256; ++b) table[b] = F8E4M3(static_cast<uint8_t>(b));
+    return table;
+  }();
+  for (int64_t j = 0; j < rows; ++j) {
+    const uint8_t* row = values + j * D;
+    const float sc = scale[j];
+    float* __restrict dst = out + j * D;
+    if (stored == Stored::kS8) {
+      for (int64_t d = 0; d < dims; ++d) dst[d] = static_cast<float>(static_cast<int8_t>(row[d])) * sc;
+    } else {
+      for (int64_t d = 0; d < dims; ++d) dst[d] = f8[row[d]] * sc;
+    }
+  }
+}
+
 // What an item reads of its sequence: the positions of its tokens, the keys [lo, hi) they may
 // see (never past the table's row), and where each block of the sequence lies in the cache.
 struct ItemContext {
@@ -191,6 +230,13 @@ struct ItemContext {
   void PrefetchNext(int64_t b, int64_t heads) const {
     if ((b + 1) * BS >= hi) return;
     const int64_t next = Offset(b + 1);
+    if (p.stored != Stored::kF32) {  // a byte a value
+      for (int64_t i = 0; i < heads * BS * D; i += 64) {
+        __builtin_prefetch(p.k_bytes + next + i, 0, 1);
+        __builtin_prefetch(p.v_bytes + next + i, 0, 1);
+      }
+      return;
+    }
     for (int64_t i = 0; i < heads * BS * D; i += 16) {
       __builtin_prefetch(p.k_cache + next + i, 0, 1);
       __builtin_prefetch(p.v_cache + next + i, 0, 1);
@@ -218,12 +264,15 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   const int64_t DV = kD > 0 ? kD : p.value_dims;  // the compile-time shapes have values of their own
   const int64_t ntok = it.t1 - it.t0, heads = it.h1 - it.h0;
   const int64_t RH = ntok * G, R = heads * RH;  // rows per KV head: (token, query head of its group)
-  scratch.resize(R * (D + DV) + R * BS + R * 2);
+  const bool quantized = p.stored != Stored::kF32;
+  scratch.resize(R * (D + DV) + R * BS + R * 2 + (quantized ? 2 * BS * D : 0));
   float* __restrict q = scratch.data();  // [R, D], scaled
   float* __restrict acc = q + R * D;     // [R, DV]
   float* __restrict s = acc + R * DV;    // [R, BS]
   float* __restrict m = s + R * BS;      // [R]
   float* __restrict l = m + R;           // [R]
+  float* __restrict kf = l + R;          // a quantized cache's block [BS, D] of one head, as float32
+  float* __restrict vf = kf + BS * D;    // [BS, D]
   // Row of (KV head h0 + hh, token t0 + i, query head g of the group) and the query head it is.
   const auto row = [&](int64_t hh, int64_t i, int64_t g) { return hh * RH + i * G + g; };
   const auto head = [&](int64_t hh, int64_t g) { return (it.h0 + hh) * p.group + g0 + g; };
@@ -248,8 +297,19 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
     const bool whole = context.Whole(k0, BS);
 
     for (int64_t hh = 0; hh < heads; ++hh) {
-      const float* __restrict kb = p.k_cache + offset + hh * BS * D;  // [BS, D]
-      const float* __restrict vb = p.v_cache + offset + hh * BS * D;  // [BS, D]
+      const int64_t at = offset + hh * BS * D;  // block b, head h0 + hh: [BS, D]
+      const float* __restrict kb = kf;
+      const float* __restrict vb = vf;
+      if (!quantized) {
+        kb = p.k_cache + at, vb = p.v_cache + at;
+      } else {  // scaled into float32 once per block and head, then read as a float32 cache's
+        Dequantize(p.stored, p.k_bytes + at, p.k_scale + at / D, BS, D, D, kf);
+        if (p.v_bytes == p.k_bytes) {
+          vb = kf;  // values in the keys
+        } else {
+          Dequantize(p.stored, p.v_bytes + at, p.v_scale + at / D, BS, DV, D, vf);
+        }
+      }
       float* __restrict sh = s + hh * RH * BS;
       for (int64_t r = 0; r < RH; ++r) Scores<kBS, kD>(q + (hh * RH + r) * D, kb, sh + r * BS, BS, D);
       if (p.soft_cap > 0)
@@ -436,8 +496,9 @@ ItemFn PickItemFn(int64_t block_size, int64_t head_dim) {
   return RunItem<0, 0>;
 }
 
-ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
-                          ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> layer,
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
+                          ffi::AnyBuffer v_cache, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                          ffi::Buffer<ffi::S32> layer,
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                           ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> positions,
                           ffi::Buffer<ffi::S32> num_tokens, ffi::Buffer<ffi::S32> window, float scale,
@@ -448,8 +509,21 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   Problem p;
   std::vector<Item> items;
   p.q = q.typed_data();
-  p.k_cache = k_cache.typed_data();
-  p.v_cache = v_cache.typed_data();
+  const ffi::DataType type = k_cache.element_type();
+  if (type != v_cache.element_type())
+    return ffi::Error::InvalidArgument("paged_attention: K and V caches of different types");
+  if (type == ffi::DataType::F32) {
+    p.k_cache = reinterpret_cast<const float*>(k_cache.untyped_data());
+    p.v_cache = reinterpret_cast<const float*>(v_cache.untyped_data());
+  } else if (type == ffi::DataType::S8 || type == ffi::DataType::F8E4M3FN) {
+    p.stored = type == ffi::DataType::S8 ? Stored::kS8 : Stored::kF8E4M3;
+    p.k_bytes = reinterpret_cast<const uint8_t*>(k_cache.untyped_data());
+    p.v_bytes = reinterpret_cast<const uint8_t*>(v_cache.untyped_data());
+    p.k_scale = k_scale.typed_data();
+    p.v_scale = v_scale.typed_data();
+  } else {
+    return ffi::Error::InvalidArgument("paged_attention: a float32, int8 or float8_e4m3fn cache");
+  }
   p.block_tables = block_tables.typed_data();
   p.seq_lens = seq_lens.typed_data();
   p.query_start = query_start_loc.typed_data();
@@ -475,8 +549,12 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
 
   // The rows-in-lanes form where it exists, except with a soft cap (RunItem applies it); values
   // read from the keys (fewer dims than a key) take the general form.
-  const bool own_values = p.value_dims == p.head_dim;
-  const ItemFn lanes_run = p.soft_cap > 0 || !own_values ? nullptr : PickLanesItemFn(p.block_size, p.head_dim);
+  const bool own_values = p.value_dims == p.head_dim, plain = p.stored == Stored::kF32;
+  if (!plain && (k_scale.element_count() * p.head_dim != k_cache.element_count() ||
+                 (p.v_bytes != p.k_bytes && v_scale.element_count() * p.head_dim != v_cache.element_count())))
+    return ffi::Error::InvalidArgument("paged_attention: a quantized cache needs a scale per token and head");
+  const ItemFn lanes_run = p.soft_cap > 0 || !own_values || !plain ? nullptr
+                                                                  : PickLanesItemFn(p.block_size, p.head_dim);
   const ItemFn run = lanes_run != nullptr ? lanes_run : own_values ? PickItemFn(p.block_size, p.head_dim)
                                                                   : RunItem<0, 0>;
   const int64_t T = qd[0], S = td[0];
@@ -534,8 +612,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxPagedAttention, PagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
+                                  .Arg<ffi::AnyBuffer>()  // k_cache: float32, int8 or float8_e4m3fn
+                                  .Arg<ffi::AnyBuffer>()  // v_cache (the same buffer: values in the keys)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scale [L, NB, KVH, BS] (quantized caches)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scale
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
