@@ -141,6 +141,16 @@ class AsyncLLMEngine:
         waiting for the step under way."""
         return self.engine.block_hash_events(since)
 
+    def enable_kv_transfer(self) -> Any:
+        """Engine.enable_kv_transfer (compiles the block copies; waits for the step under way)."""
+        with self._engine_lock:
+            return self.engine.enable_kv_transfer()
+
+    def take_kv(self, request_id: str) -> Any:
+        """The KVTransfer a finished ExportKV request left (arrays on the host), or None. Any thread."""
+        mover = self.engine.kv_transfer
+        return None if mover is None else mover.take(request_id)
+
     # -- LoRA adapters (any thread; they wait for the loop's current step) ---------------
     def add_lora(self, lora_request: Any) -> bool:
         """Read, validate and register an adapter (Engine.add_lora); raises InvalidRequestError."""
@@ -172,11 +182,14 @@ class AsyncLLMEngine:
 
     async def generate(
         self, prompt: PromptType, sampling_params: SamplingParams | dict[str, Any] | None, request_id: str,
-        lora_request: Any = None,
+        lora_request: Any = None, kv_transfer: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutput snapshots of one request; the last has finished=True.
 
         lora_request: a runtime.engine.lora_request.LoRARequest to generate with (needs enable_lora).
+        kv_transfer: P/D (runtime/engine/kv_transfer.py, needs enable_kv_transfer): ExportKV to
+            export the prompt's blocks when it finishes (take them with `take_kv`), or a
+            KVTransfer whose blocks the request starts from.
 
         Raises (before the first output): InvalidRequestError, PromptTooLongError,
         EngineOverloadedError, EngineDeadError.
@@ -184,6 +197,7 @@ class AsyncLLMEngine:
         self.check_health()
         processed = self.engine.process_inputs(request_id, prompt, sampling_params, num_pending=self._num_pending,
                                                lora_request=lora_request)
+        processed.kv_transfer = kv_transfer
         stream = _Stream(asyncio.get_running_loop())
         with self._streams_lock:
             if request_id in self._streams:

@@ -31,6 +31,7 @@ from runtime.engine.config import EngineConfig
 from runtime.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from runtime.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from runtime.engine.kv_cache_manager import KVCacheManager
+from runtime.engine.kv_transfer import KVMover, add_request as add_kv_transfer_request
 from runtime.engine.lora import LoRAManager
 from runtime.engine.lora_request import LoRARequest
 from runtime.engine.output_processor import OutputProcessor
@@ -197,6 +198,7 @@ class Engine:
         self.before_schedule: Callable[[], None] | None = None
         self._rng = np.random.default_rng(config.seed)
         self._prompt_tokens = 0
+        self.kv_transfer: KVMover | None = None  # P/D's block copier (enable_kv_transfer)
         self._iteration_tokens: collections.Counter[int] = collections.Counter()
 
     def _pooler(self, config: EngineConfig, model: LoadedModel) -> Pooler | None:
@@ -349,6 +351,9 @@ class Engine:
         if req.request_id in self.outputs.states:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
         params = req.params
+        if req.kv_transfer is not None:  # P/D: a prefill that exports its KV, or a decode that imports it
+            add_kv_transfer_request(self, req)
+            return
         if isinstance(params, PoolingParams):
             self._add_pooling(req)
             return
@@ -447,6 +452,22 @@ class Engine:
         block_ids = {e.request.request_id: self.kv.block_tables(e.request.request_id) for e in sched.scheduled}
         with self.compile_counter.track():
             return self.runner.dispatch(sched, block_ids)
+
+    # -- prefill/decode disaggregation -----------------------------------------------------
+    def enable_kv_transfer(self) -> KVMover:
+        """Let requests export their prompt's KV blocks (prefill) or start from imported ones
+        (decode): compiles the block copies now, as warmup does. See runtime/engine/kv_transfer.py.
+
+        Raises:
+            ValueError: a multi-process engine (its cache lives on several processes)."""
+        if self.kv_transfer is None:
+            if self.peers is not None:
+                raise ValueError("prefill/decode disaggregation needs a one-process engine")
+            max_blocks = self.kv_spec.groups.blocks_per_seq(self.max_model_len, self.block_size,
+                                                            self.config.max_num_batched_tokens)
+            self.kv_transfer = KVMover(self.programs, self.kv, max_blocks, self.compile_counter)
+            self.scheduler.kv_mover = self.kv_transfer
+        return self.kv_transfer
 
     # -- introspection -------------------------------------------------------------------
     def block_hash_events(self, since: int = -1) -> BlockHashEvents:

@@ -73,6 +73,7 @@ class ProcessedRequest:
     arrival_time: float
     constraints: CompiledConstraints | None = None  # the token mask's grammar / allowed ids / bad words
     lora_request: Any = None  # runtime.engine.lora_request.LoRARequest of the adapter to generate with, or None
+    kv_transfer: Any = None  # P/D: kv_transfer.ExportKV (prefill) or a KVTransfer to import (decode); None: neither
 
 
 def to_sampling_params(fields: Mapping[str, Any]) -> SamplingParams:

@@ -131,6 +131,10 @@ class Request:
         self.pooling_params = pooling_params
         self.lora_slot = 0  # the adapter's device slot while running (runtime.engine.lora.LoRAManager)
         self.draft_history = AcceptanceHistory()  # n-gram speculation's record (runtime.engine.speculative)
+        # Prefill/decode disaggregation (runtime/engine/kv_transfer.py): export the blocks when it
+        # finishes (prefill side), or the prompt's KV to write in at admission (decode side).
+        self.kv_export = False
+        self.kv_import = None
         limit = max_model_len - len(prompt_token_ids)
         # Not a default (InputProcessor.sampling_params decides those): None's meaning, and the cap.
         self.max_tokens = min(sampling_params.max_tokens or limit, limit)

@@ -61,6 +61,8 @@ class Scheduler:
         self.draft_policy = DraftPolicy(speculative.num_speculative_tokens) if speculative else None
         # LoRA: admits a waiting request only once its adapter has a device slot (runtime.ops.lora).
         self.lora: LoRAManager | None = None
+        # P/D: copies blocks out of / into the device cache (runtime.engine.kv_transfer.KVMover).
+        self.kv_mover = None
 
     # -- queue ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -93,6 +95,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.set_status(status)
         request.stop_reason = stop_reason
+        if request.kv_export and status != RequestStatus.FINISHED_ABORTED:
+            self.kv_mover.export(request)  # P/D prefill: its blocks copied out before they are freed
         self.kv.free(request)
         return request
 
@@ -132,6 +136,16 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and slots_left > 0 \
                 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.kv_import is not None:  # P/D decode: its prompt's KV came from a prefill engine
+                if not self.kv_mover.admit(request):
+                    break
+                self.waiting.popleft()
+                request.set_status(RequestStatus.RUNNING)
+                self.running.append(request)
+                scheduled.append(ScheduledRequest(request, request.num_computed_tokens, 1, False))
+                budget -= 1
+                slots_left -= 1
+                continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if num_new > budget and not self.enable_chunked_prefill:
