@@ -61,12 +61,13 @@ BENCH_MODELS = {
         layer_types=["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention", "full_attention"],
         final_logit_softcapping=30.0, max_position_embeddings=2048, initializer_range=0.05,
     )),
-    # DeepSeek-V2-Lite shaped (latent attention, plain q projection, 2 shared experts) at 6 layers.
+    # DeepSeek-V2-Lite shaped (latent attention, plain q projection, 2 shared experts) at 6 layers, with
+    # V2-Lite's own attention dims: a 512 + 64 latent (vLLM's MLA backends take 320, 512 or 576 only).
     "bench/deepseek-v2-lite": ("deepseek_v2", dict(
         hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=6,
         num_attention_heads=8, num_key_value_heads=8, n_routed_experts=32, num_experts_per_tok=4, n_group=1,
-        topk_group=1, topk_method="greedy", kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
-        v_head_dim=64, max_position_embeddings=2048, initializer_range=0.05,
+        topk_group=1, topk_method="greedy", kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, max_position_embeddings=2048, initializer_range=0.05,
     )),
 }
 
@@ -259,3 +260,44 @@ def serve_app(config: Path, ready: Callable[[], bool], timeout_s: float = 900.0,
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         subprocess.run(["ray", "stop", "--force"], capture_output=True)
+
+
+@contextlib.contextmanager
+def serve_app_on_own_cluster(config: Path, ready: Callable[[], bool], timeout_s: float = 900.0,
+                             num_cpus: int = 2) -> Iterator[float]:
+    """As `serve_app`, on a Ray cluster this process starts (ray.init) and stops (ray.shutdown),
+    so that nothing else on the machine is touched (serve_app ends with `ray stop --force`).
+    Yields the seconds until `ready()`; the driver stays connected (ray actors can be asked)."""
+    import httpx
+    import ray
+    from ray import serve
+
+    root = Path(__file__).resolve().parents[1]
+    ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=300 * 1024**2, log_to_driver=False)
+    env = dict(os.environ, RAY_SERVE_LOG_TO_STDERR="0", PYTHONPATH=str(root))
+    proc = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", "--address",
+                             ray.get_runtime_context().gcs_address, str(config)], cwd=root, env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t0 = time.perf_counter()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"serve run exited with {proc.returncode}")
+            if time.perf_counter() - t0 > timeout_s:
+                raise TimeoutError(f"{config.name}: not ready in {timeout_s:.0f} s")
+            try:
+                if ready():
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        yield time.perf_counter() - t0
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
