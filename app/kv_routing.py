@@ -23,9 +23,9 @@ InputProcessor (chat template included; the tokenizer is read once from the fold
 publishes), and hashes its full blocks exactly as the engine does
 (runtime.engine.request.prefix_block_hashes, an adapter's blocks chained from its id, so
 adapters key apart). Each candidate's score is its number of leading blocks cached. Load wins
-when the candidates' queues (Serve's per-replica ongoing requests) differ by more than
-`imbalanced_threshold`: then Serve's power-of-two choice routes it; a replica whose KV cache
-is fuller than `max_kv_usage` is not chosen for affinity. Among the replicas with the longest
+over affinity for a replica whose queue (Serve's ongoing requests there) is more than
+`imbalanced_threshold` longer than the shortest, or whose KV cache is fuller than
+`max_kv_usage`: it is not chosen for its cache. Among the replicas with the longest
 match, the least loaded; with no match, the least loaded of all.
 """
 
@@ -159,8 +159,8 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """Routes a request to the replica holding the longest cached prefix of its prompt (see the module).
 
     request_router_kwargs:
-        imbalanced_threshold: queue-length gap between candidates beyond which load alone
-            decides (Serve's power-of-two choice); default 4.
+        imbalanced_threshold: how many more ongoing requests than the least loaded replica a
+            replica may have and still be chosen for its cached prefix (default 4).
         max_kv_usage: a replica whose KV cache is fuller than this is not chosen for affinity
             (default 0.95).
         min_match_blocks: fewer matched blocks than this count as no match (default 1).
@@ -198,14 +198,14 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         stats = {r.replica_id: self._stats(r) for r in candidate_replicas}
         published = [s for s in stats.values() if s]
         if not published or not self._hasher.ready(published[0].get("tokenizer")):
-            self.decisions["load: no index yet"] += 1
+            self._decided("load: no index yet")
             return fallback
         adapters: dict[str, int] = {}
         for s in published:
             adapters.update(s.get("adapters") or {})
         hashes = self._hasher.hashes(pending_request, int(published[0]["block_size"]), adapters)
         if not hashes:
-            self.decisions["load: no full block"] += 1
+            self._decided("load: no full block")
             return fallback
         self._remember(pending_request, hashes)
         candidates = candidate_replicas
@@ -215,27 +215,34 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             if not candidates:
                 return fallback
         queues = await self._queue_lengths(candidates)
-        if queues and max(queues.values()) - min(queues.values()) > self._imbalanced_threshold:
-            self.decisions["load: queues imbalanced"] += 1
-            return fallback
+        least_queue = min(queues.values(), default=0)
         now = time.monotonic()
-        matched = {r.replica_id: self._caches[r.replica_id].matched_blocks(hashes, now)
-                   for r in candidates if r.replica_id in self._caches}
-        roomy = [r for r in candidates
-                 if float(stats.get(r.replica_id, {}).get("kv_cache_usage", 0.0)) <= self._max_kv_usage]
-        best = max((matched.get(r.replica_id, 0) for r in roomy), default=0)
+        # Affinity only to replicas whose queue is within imbalanced_threshold of the shortest,
+        # and whose KV cache has room.
+        eligible = [r for r in candidates
+                    if queues.get(r.replica_id, 0) - least_queue <= self._imbalanced_threshold
+                    and float(stats.get(r.replica_id, {}).get("kv_cache_usage", 0.0)) <= self._max_kv_usage]
+        matched = {r.replica_id: self._caches[r.replica_id].matched_blocks(hashes, now) for r in eligible}
+        best = max(matched.values(), default=0)
         if best >= self._min_match_blocks:
-            pool = [r for r in roomy if matched.get(r.replica_id, 0) == best]
-            self.decisions["affinity"] += 1
+            pool = [r for r in eligible if matched[r.replica_id] == best]
+            self._decided("affinity")
         else:
             pool = list(candidates)
-            self.decisions["load: no cached prefix"] += 1
+            held = any(self._caches[r.replica_id].matched_blocks(hashes, now) >= self._min_match_blocks
+                       for r in candidates if r not in eligible)
+            self._decided("load: holder too loaded" if held else "load: no cached prefix")
         load = {r.replica_id: (queues.get(r.replica_id, 0), float(stats.get(r.replica_id, {}).get(
             "num_waiting", 0))) for r in pool}
         least = min(load.values())
         chosen = [r for r in pool if load[r.replica_id] == least]
         rest = [r for r in candidate_replicas if r not in chosen]
         return [chosen] + ([rest] if rest else [])
+
+    def _decided(self, kind: str) -> None:
+        self.decisions[kind] += 1
+        if sum(self.decisions.values()) % 500 == 0:
+            logger.info("KVAwareRouter decisions so far: %s", dict(self.decisions))
 
     async def _queue_lengths(self, replicas: list[RunningReplica]) -> dict[ReplicaID, int]:
         """Serve's ongoing requests per replica (its cache, probing the replicas it lacks)."""
@@ -273,4 +280,6 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         for replica_id in gone:
             self._caches.pop(replica_id, None)
         for replica in replicas:
-            self._stats(replica)
+            stats = self._stats(replica)
+            if stats:  # read the tokenizer before the first request needs it
+                self._hasher.ready(stats.get("tokenizer"))

@@ -391,7 +391,7 @@ class LLMServerImpl:
             block_size=int(self.engine.model_config["block_size"]),
             tokenizer=getattr(tokenizer, "name_or_path", None) if tokenizer is not None else None,
             num_waiting=stats.num_waiting, num_running=stats.num_running, kv_cache_usage=stats.kv_cache_usage,
-            adapters=self._adapter_ids(),
+            num_requests_finished=stats.num_requests_finished, adapters=self._adapter_ids(),
         )}
 
     def _adapter_ids(self) -> dict[str, int]:

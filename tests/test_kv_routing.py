@@ -256,3 +256,4 @@ def test_kv_router_keys_lora_adapters_apart(kv_run):
         for model in ("kv-adapter", "kv"):
             _, prompt, cached = _chat(client, follow_up, model=model)
             assert cached >= (len(_hashes(base, chat)) - 1) * 16, (model, i, cached, prompt)
+
