@@ -7,7 +7,8 @@
 It validates the args (app.config), then binds one LLMServer deployment per model, named
 `LLMServer:<model_id>` with its `deployment_config`, and one OpenAIIngress that routes
 to them by model id; or, with `ingress_config.colocate` (one model), only that model's
-LLMServer, which answers HTTP itself (app.colocated).
+LLMServer, which answers HTTP itself (app.colocated). `build_pd_openai_app` (app.pd) builds
+the prefill/decode disaggregated app from `prefill_config` / `decode_config`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from app.config import AppConfig, load_app_config
 from app.ingress import OpenAIIngress
 from app.llm_config import LLMConfig
 from app.llm_server import LLMServer
+from app.pd import build_pd_openai_app  # noqa: F401 - Ray Serve LLM's P/D builder, importable from here too
 
 
 def build_llm_deployment(llm_config: LLMConfig) -> serve.Application:
