@@ -200,7 +200,7 @@ class OpenAIServing:
             generation = request.generation_request(request_id, lora_request)
             if tool_parser is not None and tool_parser.keeps_special_tokens:
                 generation.sampling["skip_special_tokens"] = False  # the call markers may be special tokens
-            reasoning = self._reasoning(request, generation.sampling)
+            reasoning = self._reasoning(request, generation.sampling, tool_parser)
             outputs = await self.relay.start(generation)
         except Exception as e:
             _name_constraint_param(e, request)
@@ -287,17 +287,20 @@ class OpenAIServing:
             if include_usage:
                 yield {**chunk, "choices": [], "usage": self._chat_usage(out, reasoning).model_dump(exclude_none=True)}
 
-    def _reasoning(self, request: ChatCompletionRequest, sampling: dict[str, Any]) -> ReasoningParser | None:
+    def _reasoning(self, request: ChatCompletionRequest, sampling: dict[str, Any], tool_parser: ToolParser | None
+                   ) -> ReasoningParser | None:
         """How this request's replies split into reasoning and answer (None: all answer); a
-        grammar it asks for (structured outputs, a forced tool call) then starts after the
-        reasoning, as in vLLM."""
+        grammar it asks for (structured outputs, a forced tool call) then applies to the
+        answer only, as in vLLM."""
         parser = self.reasoning_parser
         if parser is None or not parser.thinks(request.template_kwargs()):
             return None
+        parser = parser.for_tool_parser(tool_parser)
+        if parser.keeps_special_tokens:
+            sampling["skip_special_tokens"] = False  # its markers are special tokens
         spec = sampling.get("structured_outputs")
         if isinstance(spec, dict) and self.tokenizer is not None:
-            sampling["structured_outputs"] = {**spec, "reasoning_end_token_ids": parser.reasoning_end_token_ids(
-                self.tokenizer)}
+            sampling["structured_outputs"] = parser.constrain(spec, self.tokenizer)
         return parser
 
     def _chat_usage(self, out: Any, reasoning: ReasoningParser | None) -> UsageInfo:

@@ -7,7 +7,13 @@ one parser per model family, chosen by the serving setting `reasoning_parser` (v
 - `qwen3`: the same markers, and also: `enable_thinking: false` among the request's
   `chat_template_kwargs` (the template then closes the thinking in the prompt) makes the whole
   reply the answer; a `<tool_call>` ends the reasoning by itself; a repeated `</think>` in the
-  answer is dropped (Qwen3, Qwen3-2507 thinking models).
+  answer is dropped (Qwen3, Qwen3-2507 thinking models);
+- `openai_gptoss`: gpt-oss's harmony channels (app/harmony.py): the `analysis` messages are
+  the reasoning, the `final` ones the answer; calls to `functions.NAME` are kept for the
+  `openai` tool parser when the request has one, dropped otherwise (as vLLM's HarmonyParser).
+  A structured output is a grammar over the whole harmony reply (an optional analysis
+  message, then the final channel holding the constrained answer), as vLLM's harmony
+  structural tag; a Lark grammar of the request's own starts at the `final` header instead.
 
 The parsers read text, as vLLM's extraction of a finished reply does, so that a marker the
 tokenizer splits into several tokens is found too. A stream (`ReasoningStream`) holds back a
@@ -24,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from app.harmony import CHANNEL, ENDS, MARKERS, MESSAGE, START, final_channel_grammar, header_fields, parse_messages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +54,8 @@ class ReasoningParser:
     implicit_ends: tuple[str, ...] = ()
     drop_repeated_end: bool = False
     switch: str | None = None
+
+    keeps_special_tokens: bool = False  # its markers are special tokens: keep them in the reply's text
 
     def thinks(self, chat_template_kwargs: Mapping[str, Any] | None) -> bool:
         """Whether a reply to a request with these template arguments starts in its reasoning."""
@@ -82,6 +92,15 @@ class ReasoningParser:
         ends = [i for e in self.reasoning_end_token_ids(tokenizer) if (i := _find(ids, e, begin)) is not None]
         return (min(ends) if ends else len(ids)) - begin
 
+    def constrain(self, spec: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+        """The structured-outputs spec a thinking request's grammar becomes: here, the same
+        grammar, started after the reasoning ends (vLLM's reasoning gate)."""
+        return {**spec, "reasoning_end_token_ids": self.reasoning_end_token_ids(tokenizer)}
+
+    def for_tool_parser(self, tool_parser: Any) -> ReasoningParser:
+        """The parser to split a reply that `tool_parser` (None: no tools) reads the answer of."""
+        return self
+
     @staticmethod
     def marker_ids(tokenizer: Any, marker: str) -> list[int]:
         return list(tokenizer.encode(marker, add_special_tokens=False))
@@ -115,10 +134,67 @@ def _partial_marker_len(text: str, markers: Sequence[str]) -> int:
     return best
 
 
+@dataclasses.dataclass(frozen=True)
+class HarmonyReasoningParser(ReasoningParser):
+    """gpt-oss's harmony channels (see app/harmony.py).
+
+    Attributes:
+        answer_frames: the answer keeps its messages as harmony text, tool calls included,
+            for the `openai` tool parser; otherwise it is the text of the answer messages,
+            joined by newlines (vLLM's), and tool calls are dropped.
+    """
+
+    start: str = CHANNEL + "analysis" + MESSAGE
+    end: str = CHANNEL + "final" + MESSAGE
+    keeps_special_tokens: bool = True
+    answer_frames: bool = False
+
+    def split(self, text: str, final: bool = True) -> tuple[str, str | None]:
+        messages = parse_messages(text, final)
+        reasoning = "\n".join(m.content for m in messages if m.kind == "reasoning" and m.content)
+        answers = [m for m in messages if m.kind in ("content", "tool")]
+        if not answers:
+            return reasoning, None
+        if self.answer_frames:
+            return reasoning, (START + "assistant").join(m.render() for m in answers)
+        return reasoning, "\n".join(m.content for m in answers if m.kind == "content" and m.content)
+
+    def count_tokens(self, tokenizer: Any, token_ids: Sequence[int]) -> int:
+        """Tokens of analysis messages and of calls to tools (vLLM's count), markers and
+        headers left out."""
+        markers = {i: m for m in MARKERS if (i := tokenizer.convert_tokens_to_ids(m)) is not None
+                   and tokenizer.convert_ids_to_tokens(i) == m}
+        count, head, counting = 0, [], None  # counting: None while in a header
+        for t in token_ids:
+            marker = markers.get(t)
+            if counting is None:
+                if marker == MESSAGE:
+                    channel, recipient, _ = header_fields("".join(head))
+                    counting = channel == "analysis" or (channel == "commentary" and recipient is not None)
+                else:
+                    head.append(marker or tokenizer.decode([t]))
+            elif marker in (*ENDS, START):
+                counting, head = None, []
+            elif counting and marker is None:
+                count += 1
+        return count
+
+    def reasoning_end_token_ids(self, tokenizer: Any) -> list[list[int]]:
+        return [self.marker_ids(tokenizer, self.end)]
+
+    def constrain(self, spec: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+        grammar = final_channel_grammar(spec)
+        return super().constrain(spec, tokenizer) if grammar is None else {"grammar": grammar}
+
+    def for_tool_parser(self, tool_parser: Any) -> ReasoningParser:
+        return dataclasses.replace(self, answer_frames=bool(getattr(tool_parser, "reads_harmony", False)))
+
+
 REASONING_PARSERS: dict[str, ReasoningParser] = {
     "deepseek_r1": ReasoningParser("deepseek_r1"),
     "qwen3": ReasoningParser("qwen3", implicit_ends=("<tool_call>",), drop_repeated_end=True,
                              switch="enable_thinking"),
+    "openai_gptoss": HarmonyReasoningParser("openai_gptoss"),
 }
 
 
@@ -129,8 +205,7 @@ def get_reasoning_parser(name: str) -> ReasoningParser:
         ValueError: no parser of that name (the message lists them).
     """
     if name not in REASONING_PARSERS:
-        raise ValueError(f"unknown reasoning_parser {name!r}; known: {', '.join(sorted(REASONING_PARSERS))} "
-                         "(gpt-oss's channels are not implemented)")
+        raise ValueError(f"unknown reasoning_parser {name!r}; known: {', '.join(sorted(REASONING_PARSERS))}")
     return REASONING_PARSERS[name]
 
 

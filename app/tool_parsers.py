@@ -6,6 +6,8 @@ and a named function force with a grammar (as vLLM does):
   them is content (Hermes 2/3, Qwen 2/2.5/3 and most chat models trained on that format);
 - `llama3_json`: the whole reply is `{"name": ..., "parameters": {...}}` objects separated
   by `;`, optionally after `<|python_tag|>` (Llama 3.1/3.2/3.3); otherwise it is content;
+- `openai`: gpt-oss's harmony messages (app/harmony.py): a message to `functions.NAME` is a
+  call, its text the arguments; the `final` channel is content, `analysis` is left out;
 - required: a JSON array `[{"name": ..., "parameters": {...}}, ...]`;
 - named: the reply is the arguments object of that function.
 
@@ -23,6 +25,7 @@ import json
 import uuid
 from typing import Any, ClassVar
 
+from app.harmony import parse_messages
 from runtime.engine.errors import InvalidRequestError
 
 _WS = " \t\r\n"
@@ -167,6 +170,7 @@ class ToolParser:
     keeps_special_tokens: ClassVar[bool] = False  # its markers may be special tokens: keep them in the text
     forced: ClassVar[bool] = False  # a grammar forces the calls (tool_choice "required" or named)
     finishes_as_tool_calls: ClassVar[bool] = True  # a reply that stopped by itself with calls: "tool_calls"
+    reads_harmony: ClassVar[bool] = False  # it reads harmony messages (a reasoning parser keeps them so)
 
     def parse(self, text: str, final: bool) -> ParsedText:
         """Content and tool calls of `text`; `final`: no more text will come."""
@@ -271,7 +275,21 @@ class NamedToolCall(ToolParser):
         return ParsedText("", [ToolCallText(self.function_name, arguments, complete=end is not None)])
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
+class HarmonyToolParser(ToolParser):
+    name = "openai"
+    keeps_special_tokens = True
+    reads_harmony = True
+
+    def parse(self, text: str, final: bool) -> ParsedText:
+        messages = parse_messages(text, final)
+        content = "\n".join(m.content for m in messages if m.kind == "content" and m.content)
+        calls = [ToolCallText(m.function_name, m.content, complete=final or m.end is not None)
+                 for m in messages if m.kind == "tool"]
+        return ParsedText(content, calls)
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser,
+                                                                  HarmonyToolParser)}
 
 
 def get_tool_parser(name: str) -> ToolParser:

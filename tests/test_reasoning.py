@@ -60,7 +60,7 @@ def test_qwen3_thinks_unless_the_template_is_told_not_to():
     assert parser.thinks(None) and parser.thinks({"enable_thinking": True})
     assert not parser.thinks({"enable_thinking": False})
     assert get_reasoning_parser("deepseek_r1").thinks({"enable_thinking": False})
-    with pytest.raises(ValueError, match="known: deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="known: deepseek_r1, openai_gptoss, qwen3"):
         get_reasoning_parser("granite")
 
 
