@@ -4,7 +4,8 @@ A prefill engine runs a request's prompt with max_tokens=1 (the first token), an
 request finishes its blocks are copied out before they are freed (`KVMover.export`, called
 from Scheduler.finish_request); `take` hands them over as a `KVTransfer`: the arrays of every
 block the request held, in every KV cache group and every layer (K, V and, on a quantized
-cache, their scales), the prompt's token ids, the first token with its logprobs, and the
+cache, their scales; models with sliding-window layers are refused for now: their groups drop
+blocks mid-prefill that a transfer could not carry), the prompt's token ids, the first token with its logprobs, and the
 sampling seed, so that a seeded request continues exactly as it would have on one engine
 (the sampler's key is (seed, tokens generated so far), runtime/engine/sampler.py).
 
@@ -96,12 +97,18 @@ class KVMover:
         compile_counter: the engine's CompileCounter (copies run inside its `track()`).
 
     Raises:
-        ValueError: the engine's programs are not one process' (a multi-process engine).
+        ValueError: a multi-process engine, or a model with sliding-window layers.
     """
 
     def __init__(self, programs: Any, kv: Any, max_blocks: int, compile_counter: Any):
         if not hasattr(programs, "kv_cache"):
             raise ValueError("KV transfer (prefill/decode disaggregation) needs a one-process engine")
+        if any(w is not None for w in kv.group_windows):
+            # A sliding group drops the blocks before its window during a chunked prefill, so a
+            # transfer cannot carry them, and the decode side's prefix cache would key blocks it
+            # never wrote.
+            raise ValueError("prefill/decode disaggregation supports models whose layers all use full "
+                             f"attention; this one has sliding-window layers (windows {kv.group_windows})")
         self.programs, self.kv, self.counter = programs, kv, compile_counter
         self.block_size = kv.block_size
         cache = programs.kv_cache
