@@ -394,6 +394,14 @@ class LLMServerImpl:
             num_requests_finished=stats.num_requests_finished, adapters=self._adapter_ids(),
         )}
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The engine's signals for app.autoscaling.LLMSignalPolicy (Serve asks every
+        `metrics_interval_s` of an autoscaling deployment): requests waiting, KV-cache usage, and
+        the mean time to first token of the last 30 s (0 when none finished)."""
+        stats = self.engine.latest_stats()
+        return dict(num_waiting=float(stats.num_waiting), kv_cache_usage=float(stats.kv_cache_usage),
+                    ttft_s=self.metrics.recent_ttft_s() or 0.0)
+
     def _adapter_ids(self) -> dict[str, int]:
         """The adapters the engine has read, name -> lora_int_id, read without its lock (advisory:
         a list changing under the read is read again at the next call)."""

@@ -18,8 +18,10 @@ are on the HTTP endpoint only (LoRA adapters, speculation per draft position).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import time
 from typing import Any, Literal
 
 import prometheus_client as prom
@@ -167,6 +169,13 @@ class ServerMetrics:
         self._engine_totals = dict.fromkeys(ENGINE_COUNTERS, 0)
         self._accepted_per_pos: list[int] = []
         self._iteration_tokens: dict[int, int] = {}
+        self._recent_ttft: collections.deque[tuple[float, float]] = collections.deque(maxlen=256)  # (when, s)
+
+    def recent_ttft_s(self, window_s: float = 30.0) -> float | None:
+        """Mean time to first token of the requests that finished in the last `window_s` (None: none)."""
+        since = time.monotonic() - window_s
+        recent = [ttft for when, ttft in list(self._recent_ttft) if when >= since]
+        return sum(recent) / len(recent) if recent else None
 
     @property
     def enabled(self) -> bool:
@@ -183,6 +192,7 @@ class ServerMetrics:
         """Record one finished (or aborted) request; `ttft_s` is None when it generated nothing."""
         if ttft_s is not None:
             self._record("time_to_first_token_seconds", ttft_s)
+            self._recent_ttft.append((time.monotonic(), ttft_s))
             if generation_tokens > 1:
                 self._record("time_per_output_token_seconds", (e2e_s - ttft_s) / (generation_tokens - 1))
         self._record("e2e_request_latency_seconds", e2e_s)
