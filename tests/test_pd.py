@@ -121,7 +121,7 @@ def test_pd_chat_and_streams_match_colocated(run):
 
 
 def test_no_block_leaks_after_many_requests_with_disconnects(run):
-    """120 requests, 8 at a time: a third are streams the client drops after the first chunk."""
+    """200 requests (the issue's count), 8 at a time: a third are streams the client drops after the first chunk."""
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
         body = {"model": MODEL, "prompt": f"request {i} " + LONG[:10 * (i % 30)], "max_tokens": 16,
@@ -142,7 +142,7 @@ def test_no_block_leaks_after_many_requests_with_disconnects(run):
                 await one(client, i)
 
         async with httpx.AsyncClient(base_url=run.base_url, timeout=120) as client:
-            await asyncio.gather(*(gated(client, i) for i in range(120)))
+            await asyncio.gather(*(gated(client, i) for i in range(200)))
 
     asyncio.run(load())
     deadline = time.time() + 30
