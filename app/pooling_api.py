@@ -128,8 +128,7 @@ class PoolingServing:
         tokens = sum(len(o.prompt_token_ids) for o in outs)
         return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                 "model": self.model_id, "data": data,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
-                          "prompt_tokens_details": None}}
+                "usage": _usage(tokens)}
 
     def _ids_without_special(self, prompt: Any) -> Any:
         tokenizer = self.engine.tokenizer
@@ -167,8 +166,7 @@ class PoolingServing:
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                 "model": self.model_id,
                 "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
-                          "prompt_tokens_details": None}}
+                "usage": _usage(tokens)}
 
     async def rerank(self, request: RerankRequest) -> dict[str, Any] | ErrorResponse:
         try:
@@ -185,10 +183,16 @@ class PoolingServing:
             doc = request.documents[i]
             result: dict[str, Any] = {"index": i, "relevance_score": scores[i]}
             if request.return_documents:
-                result["document"] = {"text": doc if isinstance(doc, str) else None}
+                result["document"] = {"text": doc if isinstance(doc, str) else None, "multi_modal": None}
             results.append(result)
         return {"id": f"rerank-{uuid.uuid4().hex}", "model": self.model_id,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "results": results}
+
+
+def _usage(tokens: int) -> dict[str, Any]:
+    """The usage of an embeddings or score body, with vLLM's null details."""
+    return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+            "prompt_tokens_details": None, "completion_tokens_details": None}
 
 
 def _inputs(data: Any) -> list[Any]:

@@ -96,7 +96,7 @@ def test_rerank_and_score_order_equal_transformers(url):
             assert [x["index"] for x in results] == list(np.argsort(want)[::-1][:3])
             np.testing.assert_allclose([x["relevance_score"] for x in results], sorted(want, reverse=True)[:3],
                                        atol=1e-5)
-            assert results[0]["document"] == {"text": docs[results[0]["index"]]}
+            assert results[0]["document"] == {"text": docs[results[0]["index"]], "multi_modal": None}
         bare = http.post("/rerank", json={"model": RERANK, "query": query, "documents": docs,
                                           "return_documents": False}).json()["results"]
         assert len(bare) == 4 and "document" not in bare[0]
