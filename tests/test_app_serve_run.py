@@ -1,4 +1,5 @@
-"""`serve run configs/tiny.yaml` on a real local Ray cluster, over real HTTP and real handles.
+"""`serve run configs/tiny.yaml` on a real local Ray cluster, over real HTTP and real handles (and a
+YAML serving an embedding model: the pooling routes).
 
 tiny.yaml, as configs/app.yaml, colocates the ingress (`ingress_config.colocate`): the one
 LLMServer deployment answers HTTP itself. The separate ingress runs on a real cluster in
@@ -22,6 +23,58 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 MODEL = "servax-tiny/llama"
 DEPLOYMENT = "LLMServer:servax-tiny--llama"
+
+
+EMBEDDING_YAML = """
+applications:
+- name: servax
+  route_prefix: /
+  import_path: app.builder:build_app
+  args:
+    llm_configs:
+    - model_loading_config: {model_id: tiny-embed, model_source: servax-tiny/qwen3}
+      engine_kwargs: {model_impl: jax, runner: pooling, max_model_len: 256, max_num_seqs: 8,
+                      max_num_batched_tokens: 64, num_kv_blocks: 96, show_progress: false}
+      deployment_config: {num_replicas: 1, ray_actor_options: {num_cpus: 1}}
+    ingress_config: {colocate: true}
+"""
+
+
+def test_pooling_routes_through_the_proxy_and_the_handle(servax_cache, tmp_path):
+    """`serve run` of a YAML serving an embedding model (`runner: pooling`): /v1/embeddings with the
+    official openai client, /rerank over HTTP, and the handle's `embeddings` and `rerank` methods
+    (#43). It runs first in this module: serve_run's own cluster is gone before the module's
+    shared one (`served`) starts."""
+    import numpy as np
+    from ray import serve
+
+    from app.pooling_api import EmbeddingRequest, RerankRequest
+
+    config = tmp_path / "embed.yaml"
+    config.write_text(EMBEDDING_YAML)
+    texts = ["the quick brown fox", "jumps over the lazy dog"]
+    with serve_run(config, tmp_path, models=("tiny-embed",)) as run:
+        client = openai_client(run.base_url)
+        reply = client.embeddings.create(model="tiny-embed", input=texts)  # the client asks for base64
+        vectors = np.array([d.embedding for d in reply.data])
+        assert [d.index for d in reply.data] == [0, 1] and vectors.shape == (2, 64)
+        assert np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5) and reply.usage.prompt_tokens > 0
+
+        r = httpx.post(run.base_url + "/rerank", json={"model": "tiny-embed", "query": texts[0],
+                                                         "documents": [texts[1], texts[0]]}, timeout=60)
+        assert r.status_code == 200
+        results = r.json()["results"]
+        assert results[0]["index"] == 1 and results[0]["document"]["text"] == texts[0]  # itself: cosine 1
+        assert results[0]["relevance_score"] == pytest.approx(1, abs=1e-5)
+        r = httpx.post(run.base_url + "/v1/embeddings", json={"model": "tiny-embed", "input": "x", "dimensions": 8})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
+
+        handle = serve.get_app_handle("servax")  # colocated: the app's ingress is the model's server
+        body = handle.embeddings.remote(EmbeddingRequest(model="tiny-embed", input=texts)).result()
+        assert np.allclose([d["embedding"] for d in body["data"]], vectors, atol=1e-5)
+        ranked = handle.rerank.remote(RerankRequest(model="tiny-embed", query=texts[0],
+                                                    documents=[texts[1], texts[0]])).result()
+        assert [x["index"] for x in ranked["results"]] == [x["index"] for x in results]
 
 
 @pytest.fixture(scope="module")
