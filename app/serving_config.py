@@ -25,14 +25,16 @@ class ServingConfig(BaseModel):
     enable_auto_tool_choice: bool = Field(
         False, description='Let the model decide to call tools (tool_choice "auto"); needs tool_call_parser.')
     tool_call_parser: str | None = Field(
-        None, description="How tool calls are read from replies: hermes (Hermes, Qwen 2/2.5/3) or llama3_json.")
+        None, description="How tool calls are read from replies: hermes (Hermes, Qwen 2/2.5/3), llama3_json or "
+                          "openai (gpt-oss's harmony).")
     enable_tokenizer_info_endpoint: bool = Field(
         False, description="Serve GET /tokenizer_info (the tokenizer's configuration, chat template included).")
     enable_force_include_usage: bool = Field(
         False, description="Every stream reports usage, on each chunk and in a last chunk, as if it asked "
                            "stream_options {include_usage, continuous_usage_stats}.")
     reasoning_parser: str | None = Field(
-        None, description="How a thinking model's reasoning is told from its answer: qwen3 or deepseek_r1 "
+        None, description="How a thinking model's reasoning is told from its answer: qwen3, deepseek_r1 or "
+                          "openai_gptoss (gpt-oss's harmony channels) "
                           "(app.reasoning_parsers); replies then carry it as message.reasoning.")
     return_tokens_as_token_ids: bool = Field(
         False, description='Logprobs name tokens as "token_id:<id>" rather than their text (a request\'s '
