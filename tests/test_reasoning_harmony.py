@@ -69,15 +69,20 @@ def test_harmony_channels_split_whole_and_streamed(text, expected):
         assert reasoning.startswith(r) and (a is None or (answer or "").startswith(a))
 
 
-@pytest.mark.parametrize("text", [THINK + CALL, THINK + CALL.replace(
-    "<|channel|>commentary to=functions.get_weather <|constrain|>json", " to=functions.get_weather<|channel|>commentary json")])
+# The recipient in the channel header, or in the role header (both forms gpt-oss writes).
+ROLE_HEADER_CALL = CALL.replace("<|channel|>commentary to=functions.get_weather <|constrain|>json",
+                                " to=functions.get_weather<|channel|>commentary json")
+
+
+@pytest.mark.parametrize("text", [THINK + CALL, THINK + ROLE_HEADER_CALL])
 def test_calls_in_the_commentary_channel_are_tool_calls(text):
     tools = get_tool_parser("openai")
     parser = get_reasoning_parser("openai_gptoss").for_tool_parser(tools)
     reasoning, answer = parser.split(text)
     assert reasoning == "The user asks about the sky."
     content, calls = final_tool_calls(tools, answer)
-    assert content is None and [c["function"] for c in calls] == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    assert content is None
+    assert [c["function"] for c in calls] == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
     # Streamed: the reasoning stream's answer so far, read by the tool-call stream.
     thinking, stream, deltas = ReasoningStream(parser), ToolCallStream(tools), []
     for i in range(1, len(text) + 1):
@@ -134,7 +139,8 @@ def test_analysis_channel_never_reaches_content_streamed_or_not(harmony):
     deltas = [c.choices[0].delta.model_dump() for c in chunks if c.choices]
     assert all(not d.get("content") for d in deltas)
     assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
-    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == reply.usage.completion_tokens_details.reasoning_tokens
+    assert (chunks[-1].usage.completion_tokens_details.reasoning_tokens
+            == reply.usage.completion_tokens_details.reasoning_tokens)
 
     # The Responses API: a reasoning item, no message text.
     body = {"model": MODEL, "input": "Is the sky blue?", "temperature": 0, "max_output_tokens": 16,
