@@ -26,7 +26,8 @@ adapters key apart). Each candidate's score is its number of leading blocks cach
 over affinity for a replica whose queue (Serve's ongoing requests there) is more than
 `imbalanced_threshold` longer than the shortest, or whose KV cache is fuller than
 `max_kv_usage`: it is not chosen for its cache. Among the replicas with the longest
-match, the least loaded; with no match, the least loaded of all.
+match, the least loaded; with no match (or one under `min_match_ratio` of the prompt, such as
+a shared system prompt), the least loaded of all.
 """
 
 from __future__ import annotations
@@ -163,16 +164,20 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             replica may have and still be chosen for its cached prefix (default 4).
         max_kv_usage: a replica whose KV cache is fuller than this is not chosen for affinity
             (default 0.95).
-        min_match_blocks: fewer matched blocks than this count as no match (default 1).
+        min_match_blocks, min_match_ratio: a match shorter than this many blocks, or than this
+            share of the prompt's full blocks, counts as none (defaults 1 and 0.1: a system prompt
+            that every conversation shares must not pull them all onto the replicas that saw it first).
         pending_ttl_s: how long a routed prompt's blocks count as cached on its replica before
             the replica publishes them (default 10 s; keep it above request_routing_stats_period_s).
     """
 
     def initialize_state(self, imbalanced_threshold: float = 4, max_kv_usage: float = 0.95,
-                         min_match_blocks: int = 1, pending_ttl_s: float = 10.0, **_: Any) -> None:
+                         min_match_blocks: int = 1, min_match_ratio: float = 0.1, pending_ttl_s: float = 10.0,
+                         **_: Any) -> None:
         self._imbalanced_threshold = imbalanced_threshold
         self._max_kv_usage = max_kv_usage
         self._min_match_blocks = max(1, int(min_match_blocks))
+        self._min_match_ratio = min_match_ratio
         self._pending_ttl_s = pending_ttl_s
         self._caches: dict[ReplicaID, ReplicaCache] = {}
         self._hasher = PromptHasher()
@@ -192,28 +197,27 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        fallback = await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
         if pending_request is None or not candidate_replicas:
-            return fallback
+            return await self._by_load(candidate_replicas, pending_request)
         stats = {r.replica_id: self._stats(r) for r in candidate_replicas}
         published = [s for s in stats.values() if s]
         if not published or not self._hasher.ready(published[0].get("tokenizer")):
             self._decided("load: no index yet")
-            return fallback
+            return await self._by_load(candidate_replicas, pending_request)
         adapters: dict[str, int] = {}
         for s in published:
             adapters.update(s.get("adapters") or {})
         hashes = self._hasher.hashes(pending_request, int(published[0]["block_size"]), adapters)
         if not hashes:
             self._decided("load: no full block")
-            return fallback
+            return await self._by_load(candidate_replicas, pending_request)
         self._remember(pending_request, hashes)
         candidates = candidate_replicas
         multiplexed = pending_request.metadata.multiplexed_model_id
         if multiplexed:  # only where the adapter is resident (else Serve's multiplexing decides)
             candidates = [r for r in candidates if multiplexed in r.multiplexed_model_ids]
             if not candidates:
-                return fallback
+                return await self._by_load(candidate_replicas, pending_request)
         queues = await self._queue_lengths(candidates)
         least_queue = min(queues.values(), default=0)
         now = time.monotonic()
@@ -224,12 +228,12 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                     and float(stats.get(r.replica_id, {}).get("kv_cache_usage", 0.0)) <= self._max_kv_usage]
         matched = {r.replica_id: self._caches[r.replica_id].matched_blocks(hashes, now) for r in eligible}
         best = max(matched.values(), default=0)
-        if best >= self._min_match_blocks:
+        if best >= max(self._min_match_blocks, self._min_match_ratio * len(hashes)):
             pool = [r for r in eligible if matched[r.replica_id] == best]
             self._decided("affinity")
         else:
             pool = list(candidates)
-            held = any(self._caches[r.replica_id].matched_blocks(hashes, now) >= self._min_match_blocks
+            held = any(self._caches[r.replica_id].matched_blocks(hashes, now) > best
                        for r in candidates if r not in eligible)
             self._decided("load: holder too loaded" if held else "load: no cached prefix")
         load = {r.replica_id: (queues.get(r.replica_id, 0), float(stats.get(r.replica_id, {}).get(
@@ -238,6 +242,11 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         chosen = [r for r in pool if load[r.replica_id] == least]
         rest = [r for r in candidate_replicas if r not in chosen]
         return [chosen] + ([rest] if rest else [])
+
+    async def _by_load(self, candidate_replicas: list[RunningReplica],
+                       pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
+        """Serve's power-of-two choice (multiplexing and locality included)."""
+        return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
 
     def _decided(self, kind: str) -> None:
         self.decisions[kind] += 1

@@ -90,11 +90,13 @@ async def workload(docs: list[str], turns: int) -> tuple[list, float]:
         return samples, time.perf_counter() - t0
 
 
-def ready() -> bool:
+def ready(replicas: int) -> bool:
+    """A completion is answered and every replica answers its routing stats."""
     import httpx
 
     return httpx.post(f"http://127.0.0.1:{PORT}/v1/completions", timeout=30,
-                      json={"model": "chat", "prompt": "hi", "max_tokens": 1}).status_code == 200
+                      json={"model": "chat", "prompt": "hi", "max_tokens": 1}).status_code == 200 and (
+        len(requests_per_replica()) == replicas)
 
 
 def requests_per_replica() -> list[int]:
@@ -105,7 +107,11 @@ def requests_per_replica() -> list[int]:
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if "SERVE_REPLICA" in entry["name"] and "LLMServer:chat" in entry["name"]:
             actor = ray.get_actor(entry["name"], namespace=entry["namespace"])
-            counts.append(ray.get(actor.record_routing_stats.remote())["servax_kv"]["num_requests_finished"])
+            try:
+                stats = ray.get(actor.record_routing_stats.remote(), timeout=30)
+            except (ray.exceptions.RayError, ValueError):
+                continue  # still starting (or restarting)
+            counts.append(stats["servax_kv"]["num_requests_finished"])
     return sorted(counts, reverse=True)
 
 
@@ -119,8 +125,10 @@ def run_router(name: str, args: argparse.Namespace, folder: Path) -> tuple[list,
             "        request_router_config:\n"
             f"          request_router_class: \"{router}\"\n"
             + ("          request_routing_stats_period_s: 1\n" if name == "kv" else ""))))
-    with serve_app_on_own_cluster(config, ready) as ready_s:
+    replicas = 1 if name == "ideal" else args.replicas
+    with serve_app_on_own_cluster(config, lambda: ready(replicas)) as ready_s:
         asyncio.run(workload(documents(2, seed=99, words=args.doc_words), 2))  # a settling round
+        time.sleep(args.settle_s)  # the KV-aware router reads its tokenizer once the replicas publish
         before = requests_per_replica()
         samples, wall = asyncio.run(workload(documents(args.chats, seed=1, words=args.doc_words), args.turns))
         after = requests_per_replica()
@@ -136,6 +144,7 @@ def main() -> None:
     parser.add_argument("--doc-words", type=int, default=220, help="words of each conversation's document")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--routers", default="pow2,text,kv,ideal")
+    parser.add_argument("--settle-s", type=float, default=15.0, help="idle seconds after the settling round")
     parser.add_argument("--no-record", action="store_true", help="print only (RESULTS.md untouched)")
     args = parser.parse_args()
 
