@@ -17,6 +17,7 @@ import json
 import logging
 import re
 import sys
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote
@@ -249,7 +250,7 @@ class OpenAIRouter:
         headers = {IGNORED_FIELDS_HEADER: ",".join(quote(name, safe="_-.") for name in ignored)} if ignored else {}
         if ignored:
             logger.warning("The following fields were present in the request but ignored: %s", ignored)
-        gen = getattr(handle.options(**STREAM_OPTIONS), method).remote(body, lora)
+        gen = getattr(handle.options(**STREAM_OPTIONS), method).remote(body, lora, sent_at=time.time())
         try:
             first = await gen.__anext__()
         except asyncio.CancelledError:  # the client left before the first token

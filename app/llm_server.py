@@ -261,11 +261,12 @@ class LLMServerImpl:
 
     # ---- used by the OpenAI ingress ------------------------------------------------------
 
-    async def completion(self, request: CompletionRequest, lora: dict[str, Any] | None = None
+    async def completion(self, request: CompletionRequest, lora: dict[str, Any] | None = None,
+                         sent_at: float | None = None
                          ) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
         """OpenAI /v1/completions bodies (see app.openai_api.OpenAIServing.completion); `lora`: the
         adapter the ingress resolved from `model` (or the multiplexed model id's)."""
-        async with aclosing(self._serve(self.serving.completion, request, lora)) as items:
+        async with aclosing(self._serve(self.serving.completion, request, lora, sent_at)) as items:
             async for item in items:
                 yield item
 
@@ -276,17 +277,21 @@ class LLMServerImpl:
             async for item in items:
                 yield item
 
-    async def chat(self, request: ChatCompletionRequest, lora: dict[str, Any] | None = None
+    async def chat(self, request: ChatCompletionRequest, lora: dict[str, Any] | None = None,
+                   sent_at: float | None = None
                    ) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
         """OpenAI /v1/chat/completions bodies (see app.openai_api.OpenAIServing.chat)."""
-        async with aclosing(self._serve(self.serving.chat, request, lora)) as items:
+        async with aclosing(self._serve(self.serving.chat, request, lora, sent_at)) as items:
             async for item in items:
                 yield item
 
-    async def _serve(self, route: Any, request: Any, lora: dict[str, Any] | None
+    async def _serve(self, route: Any, request: Any, lora: dict[str, Any] | None, sent_at: float | None = None
                      ) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
         """One OpenAI route's bodies under the request's adapter (an adapter that cannot be
-        read is the answer's error), then the gauges refreshed."""
+        read is the answer's error), then the gauges refreshed. `sent_at`: when the ingress
+        handed the request to its handle (time.time()), for request_routing_time_seconds."""
+        if sent_at is not None:
+            self.metrics.observe_routing(time.time() - sent_at)
         try:
             lora_request = await self._lora_for(lora)
         except Exception as e:  # noqa: BLE001
@@ -297,19 +302,21 @@ class LLMServerImpl:
                 yield item
         self._update_gauges()
 
-    async def messages(self, request: MessagesRequest, lora: dict[str, Any] | None = None
+    async def messages(self, request: MessagesRequest, lora: dict[str, Any] | None = None,
+                       sent_at: float | None = None
                        ) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
         """Anthropic /v1/messages bodies: the message, or with stream each event (see
         app.anthropic_api.AnthropicServing.messages)."""
-        async with aclosing(self._serve(self.anthropic.messages, request, lora)) as items:
+        async with aclosing(self._serve(self.anthropic.messages, request, lora, sent_at)) as items:
             async for item in items:
                 yield item
 
-    async def responses(self, request: ResponsesRequest, lora: dict[str, Any] | None = None
+    async def responses(self, request: ResponsesRequest, lora: dict[str, Any] | None = None,
+                        sent_at: float | None = None
                         ) -> AsyncIterator[dict[str, Any] | ErrorResponse]:
         """OpenAI /v1/responses bodies: the Response, or with stream each event (see
         app.responses_api.ResponsesServing.create); stored in this replica unless store is false."""
-        async with aclosing(self._serve(self.responses_api.create, request, lora)) as items:
+        async with aclosing(self._serve(self.responses_api.create, request, lora, sent_at)) as items:
             async for item in items:
                 yield item
 

@@ -55,6 +55,22 @@ METRICS = (
                vllm="request_time_per_output_token_seconds"),
     MetricSpec("e2e_request_latency_seconds", "histogram", "Time from arrival to finish, in seconds.",
                buckets=LATENCY_BUCKETS),
+    # Where a request's time goes, in order (#44): Serve's router and handle, the replica before
+    # the engine, the engine's queue, its prefill, its decode.
+    MetricSpec("request_routing_time_seconds", "histogram",
+               "From the ingress handing the request to its Serve handle to the replica starting it (Serve's "
+               "router, the handle, Ray's transport, the replica's own queue), in seconds.", buckets=LATENCY_BUCKETS,
+               vllm=None),
+    MetricSpec("request_frontend_time_seconds", "histogram",
+               "In the replica before the engine: chat template, tokenization, validation, in seconds.",
+               buckets=LATENCY_BUCKETS, vllm=None),
+    MetricSpec("request_queue_time_seconds", "histogram", "In the engine's waiting queue, in seconds.",
+               buckets=LATENCY_BUCKETS),
+    MetricSpec("request_prefill_time_seconds", "histogram",
+               "From first scheduled to the first token (the prompt's chunks, then sampling), in seconds.",
+               buckets=LATENCY_BUCKETS),
+    MetricSpec("request_decode_time_seconds", "histogram", "From the first token to the last, in seconds.",
+               buckets=LATENCY_BUCKETS),
     MetricSpec("prompt_tokens", "counter", "Prompt tokens processed."),
     MetricSpec("generation_tokens", "counter", "Tokens generated."),
     MetricSpec("request_success", "counter", "Finished requests by finish reason (stop, length, abort).",
@@ -187,9 +203,17 @@ class ServerMetrics:
         self.prom.record(spec, value, labels)
         self.ray.record(spec, value, labels)
 
+    def observe_routing(self, seconds: float) -> None:
+        """Record a request's time from the ingress' handle call to this replica."""
+        self._record("request_routing_time_seconds", max(0.0, seconds))
+
     def observe_request(self, *, ttft_s: float | None, e2e_s: float, prompt_tokens: int,
-                        generation_tokens: int, finish_reason: str | None) -> None:
-        """Record one finished (or aborted) request; `ttft_s` is None when it generated nothing."""
+                        generation_tokens: int, finish_reason: str | None,
+                        phases: dict[str, float] | None = None) -> None:
+        """Record one finished (or aborted) request; `ttft_s` is None when it generated nothing.
+        `phases`: seconds of the phases it went through (frontend, queue, prefill, decode)."""
+        for phase, seconds in (phases or {}).items():
+            self._record(f"request_{phase}_time_seconds", max(0.0, seconds))
         if ttft_s is not None:
             self._record("time_to_first_token_seconds", ttft_s)
             self._recent_ttft.append((time.monotonic(), ttft_s))

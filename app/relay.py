@@ -82,13 +82,14 @@ class Relay:
 
     async def _submit(self, prompt: Any, request: GenerationRequest, request_id: str) -> RequestStream:
         gen = self.engine.generate(prompt, request.sampling, request_id, lora_request=request.lora_request)
+        submitted = time.time()
         start = time.perf_counter()
         try:
             first = await gen.__anext__()
         except BaseException:
             await gen.aclose()
             raise
-        return RequestStream(gen, first, start, request_id, self)
+        return RequestStream(gen, first, start, request_id, self, submitted)
 
     def _request_done(self, stream: RequestStream) -> None:
         out = stream.last
@@ -98,10 +99,27 @@ class Relay:
         reason = reasons.pop() if len(reasons) == 1 else "mixed"
         reason = reason if out.finished else "abort"
         self.metrics.observe_request(ttft_s=stream.ttft, e2e_s=e2e, prompt_tokens=len(out.prompt_token_ids or ()),
-                                     generation_tokens=n_gen, finish_reason=reason)
+                                     generation_tokens=n_gen, finish_reason=reason, phases=_phases(stream, out, e2e))
         logger.debug("servax request %s model=%s prompt_tokens=%d generated=%d cached=%s finish=%s "
                      "ttft=%.3fs e2e=%.3fs", stream.request_id, self.model_id, len(out.prompt_token_ids or ()),
                      n_gen, getattr(out, "num_cached_tokens", None), reason, stream.ttft or -1.0, e2e)
+
+
+def _phases(stream: RequestStream, out: Any, e2e_s: float) -> dict[str, float]:
+    """Seconds of each phase the request went through: frontend (submitted -> the engine took
+    it), queue (-> first scheduled), prefill (-> first token), decode (-> finished)."""
+    arrival, scheduled = getattr(out, "arrival_time", None), getattr(out, "first_scheduled_time", None)
+    if arrival is None or stream.submitted is None:
+        return {}
+    phases = {"frontend": arrival - stream.submitted}
+    if scheduled is None:
+        return phases
+    phases["queue"] = scheduled - arrival
+    if stream.ttft is not None:
+        first_token = stream.submitted + stream.ttft
+        phases["prefill"] = first_token - scheduled
+        phases["decode"] = stream.submitted + e2e_s - first_token
+    return phases
 
 
 class RequestStream:
@@ -113,10 +131,12 @@ class RequestStream:
     metrics and debug log line are recorded then, once.
     """
 
-    def __init__(self, gen: AsyncIterator[Any], first: Any, start: float, request_id: str, relay: Relay):
+    def __init__(self, gen: AsyncIterator[Any], first: Any, start: float, request_id: str, relay: Relay,
+                 submitted: float | None = None):
         self._gen, self._pending, self._relay = gen, first, relay
         self.start, self.request_id = start, request_id
         self.last, self.ttft, self._closed = first, None, False
+        self.submitted = submitted  # time.time() when the relay handed it to the engine
 
     def __aiter__(self) -> RequestStream:
         return self

@@ -257,3 +257,22 @@ def test_kv_router_keys_lora_adapters_apart(kv_run):
             _, prompt, cached = _chat(client, follow_up, model=model)
             assert cached >= (len(_hashes(base, chat)) - 1) * 16, (model, i, cached, prompt)
 
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_metrics_split_routing_frontend_queue_prefill_and_decode_time(kv_run):
+    """GET /metrics: each request's time in Serve's router and handle, in the replica before the
+    engine, in the engine's queue, prefill and decode, as histograms beside TTFT."""
+    import re
+
+    import httpx
+
+    run, _ = kv_run
+    for _ in range(2):
+        assert httpx.post(f"{run.base_url}/v1/completions", timeout=60,
+                          json={"model": "kv", "prompt": "where does the time go", "max_tokens": 4}).status_code == 200
+    text = httpx.get(f"{run.base_url}/metrics", timeout=60).text
+    for phase in ("routing", "frontend", "queue", "prefill", "decode"):
+        counts = re.findall(rf'^servax:request_{phase}_time_seconds_count{{model_name="kv"}} (\S+)$', text, re.M)
+        assert counts and sum(float(c) for c in counts) >= 1, phase
+    assert re.search(r'^vllm:request_queue_time_seconds_count\{', text, re.M)

@@ -95,6 +95,8 @@ class RequestState:
             [None] if params.prompt_logprobs is not None else None
         )
         self.num_cached_tokens = 0
+        self.arrival_time: float | None = None
+        self.first_scheduled_time: float | None = None
         self.completions = [
             CompletionState(
                 i,
@@ -119,6 +121,8 @@ class RequestState:
         caller calls `stop_at_match`.
         """
         self.num_cached_tokens = max(self.num_cached_tokens, request.num_cached_tokens)
+        if self.first_scheduled_time is None:
+            self.arrival_time, self.first_scheduled_time = request.arrival_time, request.first_scheduled_time
         comp = self.completions[request.index]
         comp.token_ids.append(token)
         if comp.logprobs is not None and row is not None:
@@ -151,7 +155,8 @@ class RequestState:
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
             outputs=[c.snapshot() for c in self.completions], finished=self.finished,
-            num_cached_tokens=self.num_cached_tokens,
+            num_cached_tokens=self.num_cached_tokens, arrival_time=self.arrival_time,
+            first_scheduled_time=self.first_scheduled_time,
         )
 
 

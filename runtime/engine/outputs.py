@@ -55,6 +55,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # When the engine took the request (after tokenization) and first scheduled it (time.time();
+    # None until then): its queue time, as vLLM's RequestOutput.metrics has it.
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
 
 
 @dataclasses.dataclass

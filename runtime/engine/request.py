@@ -117,6 +117,7 @@ class Request:
         self.block_size = block_size
         self.sample_seed = sample_seed
         self.arrival_time = arrival_time or time.time()
+        self.first_scheduled_time: float | None = None  # when it first ran (time.time(); its queue time ends)
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -148,6 +149,8 @@ class Request:
     def set_status(self, status: RequestStatus) -> None:
         if status not in _TRANSITIONS.get(self.status, set()):
             raise RuntimeError(f"request {self.request_id}: illegal transition {self.status} -> {status}")
+        if status is RequestStatus.RUNNING and self.first_scheduled_time is None:
+            self.first_scheduled_time = time.time()
         self.status = status
 
     @property
