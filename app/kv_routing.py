@@ -277,7 +277,8 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         hashes = self._routed.pop(pending_request.metadata.internal_request_id, None)
         if hashes:
-            self._caches.setdefault(replica_id, ReplicaCache()).add_pending(hashes, time.monotonic() + self._pending_ttl_s)
+            deadline = time.monotonic() + self._pending_ttl_s
+            self._caches.setdefault(replica_id, ReplicaCache()).add_pending(hashes, deadline)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
