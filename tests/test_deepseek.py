@@ -23,10 +23,17 @@ from conftest import (
 DEEPSEEK = ["deepseek_v2", "deepseek_v3"]
 
 
-@pytest.fixture(scope="module", params=quick_loop_keeps(DEEPSEEK, "deepseek_v3"))
+# (model, EngineConfig.mla_prefill): each model as served, and with the expanded form forced on
+# the tokens after each step's decodes (the prefills, chunked and after prefix hits)
+SERVED = [("deepseek_v2", "auto"), ("deepseek_v3", "auto"), ("deepseek_v2", "expanded"), ("deepseek_v3", "expanded")]
+
+
+@pytest.fixture(scope="module", params=quick_loop_keeps([(x,) for x in SERVED], (("deepseek_v3", "auto"),),
+                                                        ids=[f"{n}-{f}" for n, f in SERVED]))
 def deepseek_model(request, tiny_checkpoint):
-    with tiny_llm(request.param) as llm:
-        yield request.param, llm, tiny_checkpoint(request.param)
+    name = request.param[0]
+    with tiny_llm(name, mla_prefill=request.param[1]) as llm:
+        yield name, llm, tiny_checkpoint(name)
 
 
 def full_kv_bytes_per_token(cfg, itemsize: int) -> int:
@@ -44,6 +51,7 @@ def test_deepseek_runs_natively_on_a_latent_cache(deepseek_model):
     assert cache.v.size == 0  # the values are the latent's first kv_lora_rank dims
     assert llm.engine.plan.kv_spec.value_dims == cfg.kv_lora_rank
     assert llm.engine.plan.attention_backend == "cpu"  # the C++ kernel reads the values from the keys
+    assert cache.mla_prefill == llm.engine.plan.mla_prefill  # the prefills' form, as the engine was asked
     # Stepped a few layers per call, a program per stack (dense layers, then MoE), on packed weights
     layered = llm.engine.programs.layered
     assert {key: len(layers) for key, layers in layered.stacks.items()} == {
@@ -51,16 +59,24 @@ def test_deepseek_runs_natively_on_a_latent_cache(deepseek_model):
     assert layered.packed
 
 
-@pytest.mark.parametrize("name", quick_loop_keeps(DEEPSEEK, "deepseek_v2"))
-def test_deepseek_scanned_step_matches_transformers_logits(name, tiny_checkpoint):
+FORMS = [("deepseek_v2", "absorbed"), ("deepseek_v2", "expanded"), ("deepseek_v3", "expanded")]
+
+
+@pytest.mark.parametrize("name, form", quick_loop_keeps(FORMS, ("deepseek_v2", "expanded"),
+                                                       ids=[f"{n}-{f}" for n, f in FORMS]))
+def test_deepseek_scanned_step_matches_transformers_logits(name, form, tiny_checkpoint):
     """The whole step in one program (each stack of layers under a scan, as under `layered:
-    false`) over a shuffled paged cache: every decode step's logits within 1e-4 of
-    transformers' on the full sequence, and the same greedy tokens."""
+    false`) over a shuffled paged cache, on the XLA path: every decode step's logits within 1e-4
+    of transformers' on the full sequence, and the same greedy tokens; the prompt's tokens after
+    the decodes' slots absorbed or expanded."""
+    import dataclasses
+
     import registry
 
     path = tiny_checkpoint(name)
     loaded = registry.load(str(path), model_impl="jax", dtype="float32")
     runner = PagedRunner(loaded, jax.jit(loaded.step_fn, donate_argnames="kv_cache"), pad_tokens=32)
+    runner.cache = dataclasses.replace(runner.cache, mla_prefill=form)
     prompt = PROMPTS[1]
     got, logits = runner.greedy(prompt, 16)
     hf = hf_model(path)
@@ -105,6 +121,71 @@ def test_values_in_keys_attend_as_the_keys_first_dims(backend):
         want.append((p / p.sum(-1, keepdims=True)) @ k[: i + 1, 0, :value_dims])
     np.testing.assert_allclose(np.concatenate(outs), np.stack(want), atol=1e-5)
     assert cache.v.size == 0 and np.abs(np.asarray(cache.k[0])).max() == 0  # layer 0 untouched
+
+
+@pytest.mark.parametrize("backend", quick_loop_keeps(["xla", "cpu"], "cpu"))
+def test_expanded_form_equals_absorbed_and_dense_attention(backend, monkeypatch):
+    """latent_attention on a mixed step (two decodes, a prefill chunk after 7 cached tokens, a
+    fresh prompt, padding), each form against per-head attention over the expanded context
+    (keys [c W_UK_h, k_rope], values c W_UV_h): absorbed, expanded after the decodes' slots, and
+    auto on each side of its threshold; on the XLA path and with the C++ kernel's decodes."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from models_jax import deepseek
+    from runtime.ops.step import KVCacheSpec, allocate_kv_cache, make_step_input
+
+    rng = np.random.default_rng(0)
+    heads, nope, rope, rank, v, block_size, scale = 4, 6, 4, 10, 5, 4, 0.3
+    seqs = {"decode a": (9, 1, [1, 2, 3]), "decode b": (5, 1, [4, 5]), "chunk": (7, 9, [6, 7, 8, 9]),
+            "fresh": (0, 6, [10, 11])}  # cached tokens, new tokens, blocks
+    latent, q_nope, q_rope = ({name: rng.standard_normal((c + n, h, d)).astype(np.float32)
+                               for name, (c, n, _) in seqs.items()}
+                              for h, d in ((1, rank + rope), (heads, nope), (heads, rope)))
+    w_uk = (0.3 * rng.standard_normal((rank, heads, nope))).astype(np.float32)
+    w_uv = rng.standard_normal((rank, heads, v)).astype(np.float32)
+
+    def step(cache, cached: bool):
+        """One step of every sequence's tokens (cached: the new ones; else the cached ones),
+        padded to 24 tokens and 4 sequence slots."""
+        spans = {name: (c, c + n) if cached else (0, c) for name, (c, n, _) in seqs.items()}
+        spans = {name: span for name, span in spans.items() if span[1] > span[0]}
+        pos = np.concatenate([np.arange(*span) for span in spans.values()])
+        slots = np.concatenate([[seqs[name][2][p // block_size] * block_size + p % block_size for p in range(*span)]
+                                for name, span in spans.items()])
+        pad = 24 - len(pos)
+        tables = [seqs[name][2] + [0] * (6 - len(seqs[name][2])) for name in spans] + [[0] * 6] * (4 - len(spans))
+        starts = np.cumsum([0] + [end - start for start, end in spans.values()])
+        batch = make_step_input(
+            input_ids=np.zeros(24), positions=np.pad(pos, (0, pad)), slot_mapping=np.pad(slots, (0, pad), constant_values=-1),
+            block_tables=np.array(tables), seq_lens=np.pad([end for _, end in spans.values()], (0, 4 - len(spans))),
+            query_start_loc=np.pad(starts, (0, 4 - len(spans)), mode="edge"), logits_indices=np.zeros(4),
+            num_seqs=len(spans), num_tokens=len(pos))
+        rows = lambda x: jnp.asarray(np.pad(np.concatenate([x[name][slice(*span)] for name, span in spans.items()]),
+                                            ((0, pad), (0, 0), (0, 0))))
+        fn = jax.jit(lambda c, b, *a: deepseek.latent_attention(*a[:3], c, jnp.int32(1), b, *a[3:], scale=scale))
+        out, cache = fn(cache, batch, rows(q_nope), rows(q_rope), rows(latent), jnp.asarray(w_uk), jnp.asarray(w_uv))
+        return np.asarray(out)[:len(pos)], cache
+
+    def expanded_attention(name: str, p: int) -> np.ndarray:  # [H, v]
+        c = latent[name][:p + 1, 0]
+        k = np.concatenate([np.einsum("cr,rhn->hcn", c[:, :rank], w_uk),
+                            np.broadcast_to(c[None, :, rank:], (heads, p + 1, rope))], -1)
+        s = scale * np.einsum("hd,hcd->hc", np.concatenate([q_nope[name][p], q_rope[name][p]], -1), k)
+        w = np.exp(s - s.max(-1, keepdims=True))
+        return np.einsum("hc,hcv->hv", w / w.sum(-1, keepdims=True), np.einsum("cr,rhv->hcv", c[:, :rank], w_uv))
+
+    want = np.concatenate([np.stack([expanded_attention(name, p) for p in range(c, c + n)])
+                           for name, (c, n, _) in seqs.items()])
+    for form, threshold in (("absorbed", 0), ("expanded", 0), ("auto", 1), ("auto", 100)):
+        monkeypatch.setitem(deepseek.EXPANDED_MIN_TOKENS, backend, threshold)
+        cache = allocate_kv_cache(KVCacheSpec(2, 1, rank + rope, jnp.float32, value_dims=rank), 16, block_size,
+                                  attention_backend=backend, mla_prefill=form)
+        _, cache = step(cache, cached=False)
+        got, cache = step(cache, cached=True)
+        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"{form}, threshold {threshold}")
+    assert np.abs(np.asarray(cache.k[0])).max() == 0  # layer 0 untouched
 
 
 def test_latent_cache_bytes_per_token_against_full_kv(deepseek_model):
@@ -247,7 +328,8 @@ def test_router_matches_transformers(name, tiny_checkpoint):
 @pytest.mark.slow
 def test_deepseek_tensor_and_expert_parallel_match_one_device(servax_cache):
     """Tensor parallel 2 and 4 (heads, kv_b, MLP features and expert features split; the latent
-    cache whole on each device) and expert parallel 2 give one device's greedy tokens. Programs compile
+    cache whole on each device), expert parallel 2, and tensor parallel 2 with the prefills'
+    expanded form forced give one device's greedy tokens. Programs compile
     on first use (enforce_eager): the buckets of five engines would not compile within the
     worker's time on a small machine; the one-device tests count compilations after warmup."""
     from test_spmd import run_worker
@@ -258,11 +340,13 @@ def test_deepseek_tensor_and_expert_parallel_match_one_device(servax_cache):
         dict(model="servax-tiny/deepseek_v3", name="v3", tp=[1, 2, 4], params=params, engine=eager),
         dict(model="servax-tiny/deepseek_v3", name="v3-ep", tp=[2], params=params,
              engine=dict(eager, enable_expert_parallel=True)),
+        dict(model="servax-tiny/deepseek_v3", name="v3-expanded", tp=[2], engine=dict(eager, mla_prefill="expanded")),
     ]), servax_cache)
     runs.update(run_worker(dict(model_impl="jax", runs=[
         dict(model="servax-tiny/deepseek_v2", name="v2", tp=[1, 2, 4], engine=eager),
     ]), servax_cache))
-    for key, ref in [(("v3", 2), "v3"), (("v3", 4), "v3"), (("v3-ep", 2), "v3"), (("v2", 2), "v2"), (("v2", 4), "v2")]:
+    for key, ref in [(("v3", 2), "v3"), (("v3", 4), "v3"), (("v3-ep", 2), "v3"), (("v3-expanded", 2), "v3"),
+                     (("v2", 2), "v2"), (("v2", 4), "v2")]:
         run, ref = runs[key], runs[(ref, 1)]
         for field in ("batched", "alone", "pair"):
             assert run[field] == ref[field], f"{key}: {field}"

@@ -108,6 +108,13 @@ class EngineConfig(BaseModel):
                             "float32 caches), or auto (pallas on TPU, cpu on CPU where the kernel builds, xla "
                             "elsewhere).",
     )
+    mla_prefill: Literal["auto", "absorbed", "expanded"] = Field(
+        "auto", description="Multi-head latent attention (DeepSeek-V2/V3): how the tokens after a step's decodes "
+                            "(prefills) attend. absorbed: queries multiplied into the latent space, as decodes always "
+                            "are; expanded: the latent context expanded into per-head keys and values as it is read "
+                            "(the cache keeps the latent either way); auto: the cheaper for the step, from the number "
+                            "of prefill tokens (models_jax/deepseek.py). Other models ignore it.",
+    )
     layered: bool = Field(
         True, validation_alias=AliasChoices("layered", "layerwise"), description="Step models a few decoder layers per call (one compiled layer program of up to "
                           "6 layers, weights read in place; runtime/ops/layered.py). False: one program per step with a "

@@ -55,6 +55,7 @@ class ExecutionPlan:
             costs nothing for empty ones, so one program per token bucket), or None.
         token_buckets / seq_buckets: padded sizes compiled ahead of time.
         compile_in_background: only the largest bucket compiles before serving.
+        mla_prefill: latent attention's prefill form (EngineConfig.mla_prefill; the KV cache carries it).
     """
 
     kv_spec: KVCacheSpec
@@ -70,6 +71,7 @@ class ExecutionPlan:
     seq_buckets: tuple[int, ...]
     compile_in_background: bool
     int8_activations: bool = False
+    mla_prefill: str = "absorbed"
 
     def step_bucket(self, num_tokens: int, num_rows: int) -> tuple[int, int]:
         """The (tokens, sequences) bucket a step of `num_tokens` tokens in `num_rows` rows runs in."""
@@ -136,7 +138,7 @@ def make_plan(config: EngineConfig, model: LoadedModel, mesh: Mesh, *, max_model
         int8_activations=(packed and config.int8_activations is not False and count_quantized(model.params) > 0
                           and kernel_available("matmul_dot")),
         layer_seqs=seqs[-1] if layered and on_cpu_kernel else None,
-        token_buckets=tuple(tokens), seq_buckets=tuple(seqs),
+        token_buckets=tuple(tokens), seq_buckets=tuple(seqs), mla_prefill=config.mla_prefill,
         compile_in_background=config.compile_in_background and not config.enforce_eager and not multi_process,
     )
     logger.info("execution plan: %s", plan.describe())

@@ -63,7 +63,7 @@ class ModelPrograms:
         self.num_logprobs = max(1, min(max_logprobs, model.vocab_size))
         kv_sharding = NamedSharding(mesh, model.kv_partition_spec)
         self.kv_cache = allocate_kv_cache(plan.kv_spec, plan.num_kv_blocks, plan.block_size, kv_sharding,
-                                          plan.attention_backend)
+                                          plan.attention_backend, plan.mla_prefill)
         kv_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)  # with the cache's static fields
         # Logits come out replicated whichever way the step runs, so the sampler programs
         # compiled ahead of time for that sharding are the ones serving calls.

@@ -16,14 +16,19 @@ import jax
 import jax.numpy as jnp
 
 from runtime.ops.attention_common import (
-    NO_SLIDING_WINDOW, ScaledCache, ValuesInKeys, Window, write_kv, write_kv_quantized,
+    NO_SLIDING_WINDOW, ExpandedLatent, ScaledCache, ValuesInKeys, Window, write_kv, write_kv_quantized,
 )
 from runtime.ops.attention_cpu import cpu_ragged_paged_attention
 from runtime.ops.attention_xla import CACHED_CHUNK_TOKENS, CACHED_TILE, NEW_TOKEN_TILE, xla_paged_attention
 from runtime.ops.cpu_kernels import kernel_status
 from runtime.ops.step import KVCache, StepInput
 
-__all__ = ["NO_SLIDING_WINDOW", "paged_attention", "resolve_attention_backend"]
+__all__ = ["NO_SLIDING_WINDOW", "expanded_latent_attention", "paged_attention", "resolve_attention_backend"]
+
+# Query tile of the expanded form's per-sequence cached read: each tile expands the context it
+# reads once, so the tile is long (the expansion costs about as much as a few hundred queries'
+# attention over the same context).
+EXPANDED_CACHED_TILE = 256
 
 logger = logging.getLogger("servax.engine")
 
@@ -87,6 +92,8 @@ def paged_attention(
     cached_chunk_tokens: int = CACHED_CHUNK_TOKENS,
     sinks: jax.Array | None = None,
     value_dims: int | None = None,
+    write: bool = True,
+    first_token: int = 0,
 ) -> tuple[jax.Array, KVCache | tuple[jax.Array, jax.Array]]:
     """Write this step's K/V into the cache and attend. Returns (out [T, H, D], the cache);
     D is value_dims where that is given.
@@ -111,6 +118,13 @@ def paged_attention(
             keys only (multi-head latent attention: a KVCache allocated for a KVCacheSpec with
             value_dims; v is None). Such layers attend on the XLA path or the CPU kernel
             (which reads the keys as values in place), not the Pallas kernel.
+        write: False: the cache already holds this step's K/V (an earlier call wrote them) and
+            is returned as it is.
+        first_token: the XLA path attends only the tokens from this one on (the rows before it
+            are not meaningful); the kernels attend every token.
+
+    q may hold only the step's first tokens (latent attention's decodes): all of k and v are
+    written, those tokens attend.
 
     Raises:
         ValueError: heads that do not group over the KV heads, a KVCache without `layer`, or
@@ -122,7 +136,7 @@ def paged_attention(
             q, k, v, KVCache(kv_cache[0][None], kv_cache[1][None]), batch, layer=0, scale=scale,
             sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, kv_chunk_blocks=kv_chunk_blocks,
             new_token_tile=new_token_tile, cached_tile=cached_tile, cached_chunk_tokens=cached_chunk_tokens,
-            sinks=sinks, value_dims=value_dims,
+            sinks=sinks, value_dims=value_dims, write=write, first_token=first_token,
         )
         return out, (cache.k[0], cache.v[0])
     if layer is None:
@@ -136,7 +150,8 @@ def paged_attention(
     if kv_cache.k_scale is not None:  # a quantized cache: read back through its scales
         if kv_cache.attention_backend == "pallas":
             raise NotImplementedError("a quantized KV cache (kv_cache_dtype) runs on the xla or cpu attention backend")
-        kv_cache = write_kv_quantized(kv_cache, k, v, batch.slot_mapping, layer)
+        if write:
+            kv_cache = write_kv_quantized(kv_cache, k, v, batch.slot_mapping, layer)
         if kv_cache.attention_backend == "cpu" and sinks is None:  # the kernel scales each block as it reads it
             in_keys = value_dims is not None
             out = cpu_ragged_paged_attention(
@@ -147,9 +162,12 @@ def paged_attention(
             return out, kv_cache
         k_cache, v_cache = ScaledCache(kv_cache.k, kv_cache.k_scale), ScaledCache(kv_cache.v, kv_cache.v_scale)
         written = {}
-    else:
+    elif write:
         k_cache, v_cache = write_kv(kv_cache.k, kv_cache.v, k, v, batch.slot_mapping, layer)
         written = {"k": k_cache, "v": v_cache}
+    else:
+        k_cache, v_cache, written = kv_cache.k, kv_cache.v, {}
+    k, v = k[:q.shape[0]], None if v is None else v[:q.shape[0]]  # the new K/V of the tokens that attend
     if value_dims is not None and kv_cache.attention_backend == "cpu" and sinks is None and kv_cache.k_scale is None:
         out = cpu_ragged_paged_attention(  # values read in place from the keys' leading dims
             jnp.asarray(q), k_cache, k_cache, layer, batch, scale=scale, sliding_window=sliding_window,
@@ -171,6 +189,42 @@ def paged_attention(
     out = xla_paged_attention(
         q, k, v, k_cache, v_cache, layer, batch, scale=scale, sliding_window=sliding_window,
         logit_soft_cap=logit_soft_cap, kv_chunk_blocks=kv_chunk_blocks, new_token_tile=new_token_tile,
-        cached_tile=cached_tile, cached_chunk_tokens=cached_chunk_tokens, sinks=sinks,
+        cached_tile=cached_tile, cached_chunk_tokens=cached_chunk_tokens, sinks=sinks, first_token=first_token,
     )
     return out, dataclasses.replace(kv_cache, **written)
+
+
+def expanded_latent_attention(
+    q: jax.Array,  # [T, H, nope + rope], the queries as the model makes them (rope applied)
+    latent: jax.Array,  # [T, 1, rank + rope], this step's latents, already written to the cache
+    kv_cache: KVCache,
+    batch: StepInput,
+    *,
+    layer: int | jax.Array,
+    scale: float,
+    w_uk: jax.Array,  # [rank, H, nope]
+    w_uv: jax.Array,  # [rank, H, v]
+    first_token: int = 0,
+    cached_tile: int = EXPANDED_CACHED_TILE,
+) -> jax.Array:  # [T, H, v], dtype of q; rows before first_token not meaningful
+    """Multi-head latent attention in the expanded form, over a cache of latents (a KVCache for a
+    KVCacheSpec with value_dims) that already holds this step's: per head, keys [c W_UK_h, k_rope]
+    and values c W_UV_h, made from the step's own latents directly and from the cached context's
+    as the XLA path gathers its blocks (attention_common.ExpandedLatent); the cache keeps only the
+    latent. Tokens from `first_token` on attend, on the XLA path whatever backend the cache was
+    allocated for (the kernels read the latent as it is stored).
+
+    Raises:
+        ValueError: a cache that stores values (not latents).
+    """
+    if kv_cache.v.size:
+        raise ValueError("expanded_latent_attention reads a cache of latents (allocated with value_dims)")
+    batch = jax.tree.map(jnp.asarray, batch)
+    if kv_cache.groups is not None:
+        layer, batch = kv_cache.groups.row_and_batch(layer, batch)
+    cache = kv_cache.k if kv_cache.k_scale is None else ScaledCache(kv_cache.k, kv_cache.k_scale)
+    k_cache, v_cache = ExpandedLatent(cache, w_uk, with_rope=True), ExpandedLatent(cache, w_uv, with_rope=False)
+    new = latent.astype(jnp.float32)
+    k, v = k_cache.expand(new, heads_axis=1), v_cache.expand(new, heads_axis=1)  # [T, H, nope + rope], [T, H, v]
+    return xla_paged_attention(q, k, v, k_cache, v_cache, layer, batch, scale=scale, cached_tile=cached_tile,
+                               first_token=first_token)

@@ -1,5 +1,5 @@
 """What every attention backend shares: the paged KV cache's writes, its quantized form, the values
-read from the keys (latent attention), the sliding-window and soft-cap conventions, and running a
+read from the keys and the per-head keys and values expanded from them (latent attention), the sliding-window and soft-cap conventions, and running a
 backend per shard of the KV heads.
 
 The cache is stacked over layers ([num_layers, num_blocks, kv_heads, block_size, head_dim],
@@ -52,6 +52,38 @@ class ValuesInKeys:
     @property
     def shape(self) -> tuple[int, ...]:
         return (*self.keys.shape[:-1], self.dims)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpandedLatent:
+    """Per-head keys or values made from a cache of latents as its blocks are read (multi-head
+    latent attention's expanded form): keys [c W_UK_h, k_rope], values c W_UV_h, where c is each
+    cached token's first `rank` dims and k_rope the rest (one rotary key shared by every head).
+    The cache keeps the latent; a read gathers the latent blocks and expands them per head."""
+
+    latent: jax.Array | ScaledCache  # [num_layers, num_blocks, 1, block_size, rank + rope]
+    weight: jax.Array  # [rank, heads, dims]: W_UK (keys) or W_UV (values)
+    with_rope: bool  # keys: the rotary part follows each head's dims
+
+    @property
+    def rank(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        layers, blocks, _, block_size, dims = self.latent.shape
+        rope = dims - self.rank if self.with_rope else 0
+        return (layers, blocks, self.weight.shape[1], block_size, self.weight.shape[2] + rope)
+
+    def expand(self, x: jax.Array, heads_axis: int) -> jax.Array:
+        """Latent blocks x (float32, a KV-head axis of size 1 at `heads_axis`, tokens' dims last)
+        -> the same with that axis the heads', each token's dims expanded for its head."""
+        x = jnp.moveaxis(x, heads_axis, -3)[..., 0, :, :]  # [..., block_size, rank + rope]
+        out = jnp.einsum("...cr,rhn->...hcn", x[..., :self.rank], self.weight.astype(jnp.float32))
+        if self.with_rope:
+            rope = x[..., None, :, self.rank:]
+            out = jnp.concatenate([out, jnp.broadcast_to(rope, (*out.shape[:-1], rope.shape[-1]))], axis=-1)
+        return jnp.moveaxis(out, -3, heads_axis)
 
 
 # Largest magnitude each quantized cache dtype holds (a token-head's largest |value| maps to it).

@@ -29,7 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from runtime.ops.attention_common import MASK_VALUE, ScaledCache, ValuesInKeys, Window, soft_cap
+from runtime.ops.attention_common import ExpandedLatent, MASK_VALUE, ScaledCache, ValuesInKeys, Window, soft_cap
 from runtime.ops.step import StepInput
 
 # Query/key tile of the dense new-token part: scores live as tile x tile per head. Smaller
@@ -48,7 +48,10 @@ def _read_blocks(
     blocks: jax.Array,  # [...] int32, block ids of `layer`
 ) -> jax.Array:  # [..., kv_heads, block_size, head_dim], float32
     """One gather of the given blocks of one layer (no copy of the layer's whole cache);
-    a quantized cache is dequantized as it is read, values in the keys are the keys' first dims."""
+    a quantized cache is dequantized as it is read, values in the keys are the keys' first dims,
+    an expanded latent is expanded per head."""
+    if isinstance(cache, ExpandedLatent):  # the same gather for keys and values, then two expansions
+        return cache.expand(_read_blocks(cache.latent, layer, blocks), heads_axis=-3)
     if isinstance(cache, ValuesInKeys):  # the same gather as the keys' (XLA reads the blocks once)
         return _read_blocks(cache.keys, layer, blocks)[..., :cache.dims]
     if isinstance(cache, ScaledCache):
@@ -63,6 +66,8 @@ def _read_blocks_heads_major(
 ) -> jax.Array:  # [kv_heads, chunk, block_size, head_dim], float32
     """`_read_blocks` of one sequence's blocks, gathered with the KV head leading (the batch
     axis of the dots that consume them), so no transpose follows the gather."""
+    if isinstance(cache, ExpandedLatent):
+        return cache.expand(_read_blocks_heads_major(cache.latent, layer, blocks), heads_axis=0)
     if isinstance(cache, ValuesInKeys):
         return _read_blocks_heads_major(cache.keys, layer, blocks)[..., :cache.dims]
     idx = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), blocks.shape), blocks], axis=-1)
@@ -380,8 +385,8 @@ def xla_paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
     k: jax.Array,  # [T, kv_heads, head_dim], this step's keys (already written to the cache)
     v: jax.Array,  # [T, kv_heads, head_dim]
-    k_cache: jax.Array | ScaledCache,  # [num_layers, num_blocks, kv_heads, block_size, head_dim]
-    v_cache: jax.Array | ScaledCache | ValuesInKeys,  # the same, or the keys' first dims (latent attention)
+    k_cache: jax.Array | ScaledCache | ExpandedLatent,  # [num_layers, num_blocks, kv_heads, block_size, head_dim]
+    v_cache: jax.Array | ScaledCache | ValuesInKeys | ExpandedLatent,  # the same, or made from the keys (latent attention)
     layer: int | jax.Array,
     batch: StepInput,
     *,
@@ -393,6 +398,7 @@ def xla_paged_attention(
     cached_tile: int = CACHED_TILE,
     cached_chunk_tokens: int = CACHED_CHUNK_TOKENS,
     sinks: jax.Array | None = None,
+    first_token: int = 0,
 ) -> jax.Array:  # [T, num_heads, v's head_dim], dtype of q
     """`ragged_paged_attention` with the step's own tokens attended densely from k/v; only the
     context cached by earlier steps is read through the block tables (paged_attention's XLA path).
@@ -407,6 +413,9 @@ def xla_paged_attention(
         new_token_tile / cached_tile: query tiles of the dense new-token part and of the
             per-sequence cached part.
         cached_chunk_tokens: context tokens gathered per iteration of the per-sequence part.
+        first_token: tokens before this one read no cached context (their rows of the output
+            are not meaningful): latent attention's expanded form attends only the tokens after
+            the decodes, whose context it would otherwise expand per token.
 
     Raises:
         ValueError: heads that do not group over the KV heads.
@@ -422,19 +431,22 @@ def xla_paged_attention(
     seq_cached_len = batch.seq_lens - query_len  # [S], context written by earlier steps
     cached_len = jnp.where(is_real, seq_cached_len[seq_of_token], 0)  # [T]
     seq_start = batch.query_start_loc[seq_of_token]
-    q_pos = batch.positions
+    q_pos = batch.positions[:num_tokens]  # q may hold only the step's first tokens
     qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, kv_heads, group, head_dim)
     empty = _empty_state(num_tokens, kv_heads, group, v.shape[-1])
     chunk = kv_chunk_blocks or max(1, DECODE_CHUNK_TOKENS // block_size)
 
     # Decodes (and whatever else is among the first S tokens): per token.
-    head = min(batch.block_tables.shape[0], num_tokens)
-    state = _paged_context(
-        qg[:head], k_cache, v_cache, layer, batch.block_tables[seq_of_token[:head]], q_pos[:head],
-        cached_len[:head], jax.tree.map(lambda x: x[:head], empty),
-        chunk=chunk, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-    )
-    state = jax.tree.map(lambda a, e: jnp.concatenate([a, e[head:]]), state, empty)
+    head = max(min(batch.block_tables.shape[0], num_tokens), first_token)
+    state = empty
+    if first_token < head:
+        part = slice(first_token, head)
+        state = _paged_context(
+            qg[part], k_cache, v_cache, layer, batch.block_tables[seq_of_token[part]], q_pos[part],
+            cached_len[part], jax.tree.map(lambda x: x[part], empty),
+            chunk=chunk, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+        )
+        state = jax.tree.map(lambda a, e: jnp.concatenate([e[:first_token], a, e[head:]]), state, empty)
     # Multi-token sequences with cached context beyond them: per sequence and query tile.
     if head < num_tokens:
         state = _paged_context_by_sequence(

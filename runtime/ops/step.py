@@ -66,6 +66,10 @@ class KVCache:
     # How layers map to rows and block tables where the model has several KV cache groups
     # (KVCacheGroups); None: one group, row i is layer i.
     groups: Any = flax.struct.field(pytree_node=False, default=None)
+    # How multi-head latent attention attends the tokens after a step's decodes (a cache of
+    # latents, KVCacheSpec.value_dims): "absorbed", "expanded", or "auto" (the cheaper form,
+    # chosen per step from its shape; see models_jax/deepseek.py). Decodes are always absorbed.
+    mla_prefill: str = flax.struct.field(pytree_node=False, default="absorbed")
 
     @property
     def num_layers(self) -> int:
@@ -332,11 +336,12 @@ class LoadedModel:
 
 def allocate_kv_cache(
     spec: KVCacheSpec, num_blocks: int, block_size: int, sharding: jax.sharding.Sharding | None = None,
-    attention_backend: str = "xla",
+    attention_backend: str = "xla", mla_prefill: str = "absorbed",
 ) -> KVCache:
     """Zero-filled paged KV cache: K and V, each [rows, num_blocks, kv_heads, block_size, head_dim]
     (rows: the layers, or with KV cache groups the layers of one group), for the given attention
-    backend (both backends read this one layout). Where the spec keeps the values in the keys, V
+    backend (both backends read this one layout) and latent attention's prefill form
+    (KVCache.mla_prefill). Where the spec keeps the values in the keys, V
     (and its scales) has no blocks: [rows, 0, kv_heads, block_size, 0]."""
     groups = spec.groups
     shape = (groups.num_rows, num_blocks, spec.num_kv_heads, block_size, spec.head_dim)
@@ -351,7 +356,7 @@ def allocate_kv_cache(
         scale = (lambda s: jnp.ones(s[:-1], jnp.float32)) if spec.quantized else (lambda s: None)  # noqa: E731
         return KVCache(jnp.zeros(shape, stored), jnp.zeros(v_shape, stored), attention_backend=attention_backend,
                        mesh=mesh, partition_spec=partition_spec, k_scale=scale(shape), v_scale=scale(v_shape),
-                       groups=groups)
+                       groups=groups, mla_prefill=mla_prefill)
 
     if sharding is None:
         return jax.jit(zeros)()
