@@ -8,6 +8,9 @@ prefix of its prompt, traded against load.
         request_router_kwargs: {imbalanced_threshold: 4}   # optional, see KVAwareRouter
         request_routing_stats_period_s: 1                  # how fresh the replicas' published caches are
 
+On a P/D app (app/pd.py) the same lines under `prefill_config.deployment_config` route the
+decode replicas' `prefill(kind, body)` calls by the body's prompt.
+
 How the index is fed: every replica answers Serve's `record_routing_stats` (LLMServer, every
 `request_routing_stats_period_s`) with its engine's prefix-cache keys (the block hashes it
 holds, mirrored from the engine's block-hash event feed, `Engine.block_hash_events`), its
@@ -97,10 +100,13 @@ class PromptHasher:
 
 def _prompt_and_adapter(pending_request: PendingRequest, adapter_ids: dict[str, int]) -> tuple[Any, int | None]:
     """(the engine prompt of the request's first prompt, its adapter's lora_int_id): from an
-    OpenAI body (completion / chat; the adapter is the ingress' `lora` argument) or a handle
-    call (generate / stream: prompt, sampling, lora_request); a multiplexed model id names
-    the adapter by the ids replicas publish."""
+    OpenAI body (completion / chat; the adapter is the ingress' `lora` argument), a P/D
+    prefill call (app.pd's `prefill(kind, body)`: the body, no adapter) or a handle call
+    (generate / stream: prompt, sampling, lora_request); a multiplexed model id names the
+    adapter by the ids replicas publish."""
     args, kwargs = list(pending_request.args or ()), dict(pending_request.kwargs or {})
+    if len(args) > 1 and isinstance(args[0], str) and hasattr(args[1], "generation_request"):
+        args = args[1:]  # (kind, body): a generate call's second argument is its sampling, never a body
     if not args:
         return None, None
     first, lora = args[0], None

@@ -207,7 +207,7 @@ class PDPrefillServerImpl(LLMServerImpl):
         return {"kv": [ref], "nbytes": step.transfer.nbytes}
 
     def pd_stats(self) -> dict[str, Any]:
-        """The engine's stats plus its KV transfer counters (tests, benchmarks)."""
+        """The engine's stats plus its KV transfer counters and this replica's id (tests, benchmarks)."""
         return _pd_stats(self)
 
 
@@ -264,12 +264,13 @@ class PDDecodeServerImpl(LLMServerImpl):
             return None
 
     def pd_stats(self) -> dict[str, Any]:
-        """The engine's stats plus its KV transfer counters (tests, benchmarks)."""
+        """The engine's stats plus its KV transfer counters and this replica's id (tests, benchmarks)."""
         return _pd_stats(self)
 
 
 def _pd_stats(server: LLMServerImpl) -> dict[str, Any]:
     s = dataclasses.asdict(server.engine.stats())
+    s["replica"] = serve.get_replica_context().replica_id.unique_id  # which replica answered (several per side)
     mover = server.engine.engine.kv_transfer
     s.update(kv_requests_exported=mover.num_exported, kv_blocks_exported=mover.blocks_exported,
              kv_requests_imported=mover.num_imported, kv_blocks_imported=mover.blocks_imported,

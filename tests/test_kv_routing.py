@@ -50,6 +50,29 @@ def test_block_hash_events_mirror_the_prefix_cache_and_hashes_agree_across_proce
     assert out.strip() == str(prefix_block_hashes(list(range(1, 10)), BS, 7))
 
 
+def test_router_reads_the_prompt_of_bodies_pd_prefill_calls_and_generate_calls():
+    """The call shapes a KVAwareRouter sees: an ingress' (body, lora), P/D's prefill(kind, body)
+    (the body's prompt, not the kind), a handle's generate(prompt, sampling, lora_request)."""
+    from types import SimpleNamespace
+
+    from app.kv_routing import _prompt_and_adapter
+    from app.openai_requests import ChatCompletionRequest, CompletionRequest
+
+    def call(*args, model_id="", **kwargs):
+        return SimpleNamespace(args=args, kwargs=kwargs, metadata=SimpleNamespace(multiplexed_model_id=model_id))
+
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = ChatCompletionRequest(model="m", messages=messages)
+    completion = CompletionRequest(model="m", prompt="once upon a time")
+    prompt, lora = _prompt_and_adapter(call("chat", chat), {})
+    assert [m["content"] for m in prompt.messages] == ["hello there"] and lora is None
+    assert _prompt_and_adapter(call("completion", completion), {}) == ("once upon a time", None)
+    assert _prompt_and_adapter(call(completion, {"lora_int_id": 3}), {}) == ("once upon a time", 3)
+    assert _prompt_and_adapter(call("once", {"max_tokens": 4}, {"lora_int_id": 5}), {}) == ("once", 5)
+    assert _prompt_and_adapter(call("once", {"max_tokens": 4}), {}) == ("once", None)
+    assert _prompt_and_adapter(call(), {}) == (None, None)
+
+
 # ---- on a cluster ----------------------------------------------------------------------------
 
 KV_YAML = """
