@@ -368,7 +368,8 @@ def latent_attention(
         if form == "expanded":
             tail = expanded(kv_cache)
         else:
-            tail = jax.lax.cond(expanded_is_cheaper(batch, decodes, kv_cache.attention_backend), expanded, absorbed, kv_cache)
+            cheaper = expanded_is_cheaper(batch, decodes, kv_cache.attention_backend)
+            tail = jax.lax.cond(cheaper, expanded, absorbed, kv_cache)
     return jnp.concatenate([unabsorb(head), tail.astype(head.dtype)]), kv_cache
 
 

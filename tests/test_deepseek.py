@@ -129,8 +129,6 @@ def test_expanded_form_equals_absorbed_and_dense_attention(backend, monkeypatch)
     fresh prompt, padding), each form against per-head attention over the expanded context
     (keys [c W_UK_h, k_rope], values c W_UV_h): absorbed, expanded after the decodes' slots, and
     auto on each side of its threshold; on the XLA path and with the C++ kernel's decodes."""
-    import dataclasses
-
     import jax.numpy as jnp
 
     from models_jax import deepseek
@@ -158,7 +156,8 @@ def test_expanded_form_equals_absorbed_and_dense_attention(backend, monkeypatch)
         tables = [seqs[name][2] + [0] * (6 - len(seqs[name][2])) for name in spans] + [[0] * 6] * (4 - len(spans))
         starts = np.cumsum([0] + [end - start for start, end in spans.values()])
         batch = make_step_input(
-            input_ids=np.zeros(24), positions=np.pad(pos, (0, pad)), slot_mapping=np.pad(slots, (0, pad), constant_values=-1),
+            input_ids=np.zeros(24), positions=np.pad(pos, (0, pad)),
+            slot_mapping=np.pad(slots, (0, pad), constant_values=-1),
             block_tables=np.array(tables), seq_lens=np.pad([end for _, end in spans.values()], (0, 4 - len(spans))),
             query_start_loc=np.pad(starts, (0, 4 - len(spans)), mode="edge"), logits_indices=np.zeros(4),
             num_seqs=len(spans), num_tokens=len(pos))

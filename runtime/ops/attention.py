@@ -28,7 +28,7 @@ __all__ = ["NO_SLIDING_WINDOW", "expanded_latent_attention", "paged_attention", 
 # Query tile of the expanded form's per-sequence cached read: each tile expands the context it
 # reads once, so the tile is long (the expansion costs about as much as a few hundred queries'
 # attention over the same context).
-EXPANDED_CACHED_TILE = 256
+EXPANDED_CACHED_TILE = 512
 
 logger = logging.getLogger("servax.engine")
 

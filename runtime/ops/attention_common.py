@@ -1,6 +1,6 @@
 """What every attention backend shares: the paged KV cache's writes, its quantized form, the values
-read from the keys and the per-head keys and values expanded from them (latent attention), the sliding-window and soft-cap conventions, and running a
-backend per shard of the KV heads.
+read from the keys and the per-head keys and values expanded from them (latent attention), the
+sliding-window and soft-cap conventions, and running a backend per shard of the KV heads.
 
 The cache is stacked over layers ([num_layers, num_blocks, kv_heads, block_size, head_dim],
 runtime.ops.step.KVCache); a write scatters just the step's new slots of one layer, indexing

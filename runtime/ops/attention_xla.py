@@ -386,7 +386,7 @@ def xla_paged_attention(
     k: jax.Array,  # [T, kv_heads, head_dim], this step's keys (already written to the cache)
     v: jax.Array,  # [T, kv_heads, head_dim]
     k_cache: jax.Array | ScaledCache | ExpandedLatent,  # [num_layers, num_blocks, kv_heads, block_size, head_dim]
-    v_cache: jax.Array | ScaledCache | ValuesInKeys | ExpandedLatent,  # the same, or made from the keys (latent attention)
+    v_cache: jax.Array | ScaledCache | ValuesInKeys | ExpandedLatent,  # the same, or made from the keys (MLA)
     layer: int | jax.Array,
     batch: StepInput,
     *,
