@@ -65,7 +65,7 @@ from models_jax import ModelEntry, layers, llama, llama_moe, moe
 from models_jax.weights import (
     WeightSpec, embedding, is_weight_spec, linear, linear_from_heads, linear_to_heads, stacked, vector, zeros,
 )
-from runtime.ops.attention import expanded_latent_attention, paged_attention
+from runtime.ops.attention import expanded_latent_attention, paged_attention, write_step_kv
 from runtime.ops.matmul import PackedWeight, pack_matrix
 from runtime.ops.step import KVCache, KVCacheSpec, StepInput
 
@@ -344,33 +344,33 @@ def latent_attention(
     def unabsorb(out: jax.Array) -> jax.Array:  # [n, H, r] -> [n, H, v]
         return jnp.einsum("thr,rhv->thv", out, w_uv)
 
-    attend = functools.partial(paged_attention, layer=i, scale=scale, value_dims=r)
     num_tokens = q_nope.shape[0]
     decodes = min(batch.block_tables.shape[0], num_tokens)  # the scheduler puts running decodes first
     form = kv_cache.mla_prefill
     if form == "absorbed" or decodes == num_tokens:
         with jax.named_scope("paged_attention"):
-            out, kv_cache = attend(absorbed_query(slice(None)), key, None, kv_cache, batch)  # [T, H, r]
+            out, kv_cache = paged_attention(absorbed_query(slice(None)), key, None, kv_cache, batch, layer=i,
+                                            scale=scale, value_dims=r)  # [T, H, r]
         return unabsorb(out), kv_cache
     with jax.named_scope("paged_attention"):
-        head, kv_cache = attend(absorbed_query(slice(0, decodes)), key, None, kv_cache, batch)  # writes all T
-        q = jnp.concatenate([q_nope, q_rope], axis=-1)  # [T, H, nope + rope]
+        kv_cache = write_step_kv(kv_cache, key, None, batch, layer=i)
 
-        def expanded(kv_cache: KVCache) -> jax.Array:  # [T - decodes, H, v]
-            return expanded_latent_attention(q, key, kv_cache, batch, layer=i, scale=scale, w_uk=w_uk, w_uv=w_uv,
+        def absorbed_attention(tokens: slice, kv_cache: KVCache) -> jax.Array:  # [n, H, v], the first n tokens
+            out, _ = paged_attention(absorbed_query(tokens), key, None, kv_cache, batch, layer=i, scale=scale,
+                                     value_dims=r, write=False)
+            return unabsorb(out)
+
+        def split(kv_cache: KVCache) -> jax.Array:  # [T, H, v]: the decodes' slots absorbed, the rest expanded
+            q = jnp.concatenate([q_nope, q_rope], axis=-1)  # [T, H, nope + rope]
+            tail = expanded_latent_attention(q, key, kv_cache, batch, layer=i, scale=scale, w_uk=w_uk, w_uv=w_uv,
                                              first_token=decodes)[decodes:]
-
-        def absorbed(kv_cache: KVCache) -> jax.Array:
-            out, _ = attend(absorbed_query(slice(None)), key, None, kv_cache, batch, write=False,
-                            first_token=decodes)
-            return unabsorb(out[decodes:])
+            head = absorbed_attention(slice(0, decodes), kv_cache)
+            return jnp.concatenate([head, tail.astype(head.dtype)])
 
         if form == "expanded":
-            tail = expanded(kv_cache)
-        else:
-            cheaper = expanded_is_cheaper(batch, decodes, kv_cache.attention_backend)
-            tail = jax.lax.cond(cheaper, expanded, absorbed, kv_cache)
-    return jnp.concatenate([unabsorb(head), tail.astype(head.dtype)]), kv_cache
+            return split(kv_cache), kv_cache
+        cheaper = expanded_is_cheaper(batch, decodes, kv_cache.attention_backend)
+        return jax.lax.cond(cheaper, split, functools.partial(absorbed_attention, slice(None)), kv_cache), kv_cache
 
 
 def attention_block(

@@ -23,7 +23,8 @@ from runtime.ops.attention_xla import CACHED_CHUNK_TOKENS, CACHED_TILE, NEW_TOKE
 from runtime.ops.cpu_kernels import kernel_status
 from runtime.ops.step import KVCache, StepInput
 
-__all__ = ["NO_SLIDING_WINDOW", "expanded_latent_attention", "paged_attention", "resolve_attention_backend"]
+__all__ = ["NO_SLIDING_WINDOW", "expanded_latent_attention", "paged_attention", "resolve_attention_backend",
+           "write_step_kv"]
 
 # Query tile of the expanded form's per-sequence cached read: each tile expands the context it
 # reads once, so the tile is long (the expansion costs about as much as a few hundred queries'
@@ -93,7 +94,6 @@ def paged_attention(
     sinks: jax.Array | None = None,
     value_dims: int | None = None,
     write: bool = True,
-    first_token: int = 0,
 ) -> tuple[jax.Array, KVCache | tuple[jax.Array, jax.Array]]:
     """Write this step's K/V into the cache and attend. Returns (out [T, H, D], the cache);
     D is value_dims where that is given.
@@ -118,10 +118,8 @@ def paged_attention(
             keys only (multi-head latent attention: a KVCache allocated for a KVCacheSpec with
             value_dims; v is None). Such layers attend on the XLA path or the CPU kernel
             (which reads the keys as values in place), not the Pallas kernel.
-        write: False: the cache already holds this step's K/V (an earlier call wrote them) and
+        write: False: the cache already holds this step's K/V (`write_step_kv` wrote them) and
             is returned as it is.
-        first_token: the XLA path attends only the tokens from this one on (the rows before it
-            are not meaningful); the kernels attend every token.
 
     q may hold only the step's first tokens (latent attention's decodes): all of k and v are
     written, those tokens attend.
@@ -136,7 +134,7 @@ def paged_attention(
             q, k, v, KVCache(kv_cache[0][None], kv_cache[1][None]), batch, layer=0, scale=scale,
             sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, kv_chunk_blocks=kv_chunk_blocks,
             new_token_tile=new_token_tile, cached_tile=cached_tile, cached_chunk_tokens=cached_chunk_tokens,
-            sinks=sinks, value_dims=value_dims, write=write, first_token=first_token,
+            sinks=sinks, value_dims=value_dims, write=write,
         )
         return out, (cache.k[0], cache.v[0])
     if layer is None:
@@ -189,9 +187,23 @@ def paged_attention(
     out = xla_paged_attention(
         q, k, v, k_cache, v_cache, layer, batch, scale=scale, sliding_window=sliding_window,
         logit_soft_cap=logit_soft_cap, kv_chunk_blocks=kv_chunk_blocks, new_token_tile=new_token_tile,
-        cached_tile=cached_tile, cached_chunk_tokens=cached_chunk_tokens, sinks=sinks, first_token=first_token,
+        cached_tile=cached_tile, cached_chunk_tokens=cached_chunk_tokens, sinks=sinks,
     )
     return out, dataclasses.replace(kv_cache, **written)
+
+
+def write_step_kv(kv_cache: KVCache, k: jax.Array, v: jax.Array | None, batch: StepInput, *,
+                  layer: int | jax.Array) -> KVCache:
+    """This step's K/V (v None: a cache that keeps the values in the keys) written into layer
+    `layer` of the cache, as `paged_attention` writes them, for calls that then attend with
+    write=False."""
+    batch = jax.tree.map(jnp.asarray, batch)
+    if kv_cache.groups is not None:
+        layer, batch = kv_cache.groups.row_and_batch(layer, batch)
+    if kv_cache.k_scale is not None:
+        return write_kv_quantized(kv_cache, k, v, batch.slot_mapping, layer)
+    k_cache, v_cache = write_kv(kv_cache.k, kv_cache.v, k, v, batch.slot_mapping, layer)
+    return dataclasses.replace(kv_cache, k=k_cache, v=v_cache)
 
 
 def expanded_latent_attention(
