@@ -331,9 +331,10 @@ def latent_attention(
     scale: float,
 ) -> tuple[jax.Array, KVCache]:  # [T, H, v], the cache with the step's latents written
     """Multi-head latent attention of a step, in the form kv_cache.mla_prefill asks for (see the
-    module docstring): the decodes' slots (the first S tokens) absorbed; the tokens after them
-    absorbed, expanded, or (auto) expanded where `expanded_is_cheaper`, chosen in the program by
-    lax.cond so that one compiled program serves both."""
+    module docstring): every token absorbed, or the decodes' slots (the first S tokens) absorbed
+    and the tokens after them expanded; auto picks between the two where `expanded_is_cheaper`,
+    by lax.cond after the step's latents are written, so one compiled program serves both and
+    each token attends once."""
     r = w_uk.shape[0]
 
     def absorbed_query(tokens: slice) -> jax.Array:  # [n, H, r + rope]: queries in the latent space
