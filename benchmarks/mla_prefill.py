@@ -1,7 +1,7 @@
 """Multi-head latent attention's prefill forms, absorbed against expanded, per attention backend
 (#41): one layer's attention (query absorption, paged attention, W_UV) of a prefill chunk of P
 tokens after C cached context tokens, at DeepSeek-V2-Lite's dims (16 heads, kv_lora_rank 512,
-rope 64, nope 128, v 128), through models_jax.deepseek.latent_attention with the cache's
+rope 64, nope 128, v 128), through models_jax.mla.latent_attention with the cache's
 mla_prefill forced either way. Times are the best of a few repetitions; on a shared machine
 compare the two forms within one run.
 
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models_jax.deepseek import latent_attention
+from models_jax.mla import latent_attention
 from runtime.ops.step import KVCacheSpec, allocate_kv_cache, make_step_input
 
 HEADS, RANK, ROPE, NOPE, V = 16, 512, 64, 128, 128

@@ -131,7 +131,7 @@ def test_expanded_form_equals_absorbed_and_dense_attention(backend, monkeypatch)
     auto on each side of its threshold; on the XLA path and with the C++ kernel's decodes."""
     import jax.numpy as jnp
 
-    from models_jax import deepseek
+    from models_jax import mla
     from runtime.ops.step import KVCacheSpec, allocate_kv_cache, make_step_input
 
     rng = np.random.default_rng(0)
@@ -163,7 +163,7 @@ def test_expanded_form_equals_absorbed_and_dense_attention(backend, monkeypatch)
             num_seqs=len(spans), num_tokens=len(pos))
         rows = lambda x: jnp.asarray(np.pad(np.concatenate([x[name][slice(*span)] for name, span in spans.items()]),
                                             ((0, pad), (0, 0), (0, 0))))
-        fn = jax.jit(lambda c, b, *a: deepseek.latent_attention(*a[:3], c, jnp.int32(1), b, *a[3:], scale=scale))
+        fn = jax.jit(lambda c, b, *a: mla.latent_attention(*a[:3], c, jnp.int32(1), b, *a[3:], scale=scale))
         out, cache = fn(cache, batch, rows(q_nope), rows(q_rope), rows(latent), jnp.asarray(w_uk), jnp.asarray(w_uv))
         return np.asarray(out)[:len(pos)], cache
 
@@ -178,7 +178,7 @@ def test_expanded_form_equals_absorbed_and_dense_attention(backend, monkeypatch)
     want = np.concatenate([np.stack([expanded_attention(name, p) for p in range(c, c + n)])
                            for name, (c, n, _) in seqs.items()])
     for form, threshold in (("absorbed", 0), ("expanded", 0), ("auto", 1), ("auto", 100)):
-        monkeypatch.setitem(deepseek.EXPANDED_MIN_TOKENS, backend, threshold)
+        monkeypatch.setitem(mla.EXPANDED_MIN_TOKENS, backend, threshold)
         cache = allocate_kv_cache(KVCacheSpec(2, 1, rank + rope, jnp.float32, value_dims=rank), 16, block_size,
                                   attention_backend=backend, mla_prefill=form)
         _, cache = step(cache, cached=False)

@@ -48,7 +48,8 @@ def test_gemma4_configs_exercise_every_part(tiny_checkpoint):
     import jax.numpy as jnp
 
     import registry
-    from models_jax.gemma4 import Gemma4Args, kv_spec, layer_stacks
+    from models_jax.gemma4 import kv_spec
+    from models_jax.gemma4_config import Gemma4Args, layer_stacks
 
     dense = Gemma4Args.from_hf(registry.resolve(str(tiny_checkpoint("gemma4"))).hf_config)
     assert (dense.head_dim, dense.global_head_dim, dense.num_kv_heads, dense.global_kv_heads) == (16, 32, 2, 1)
