@@ -24,7 +24,7 @@ _EXPORTS = {
     "CompletionOutput": "runtime.engine.outputs",
     "Logprob": "runtime.engine.outputs",
     "Engine": "runtime.engine.core",
-    "EngineStats": "runtime.engine.core",
+    "EngineStats": "runtime.engine.introspection",
     "InputProcessor": "runtime.engine.input_processor",
     "AsyncLLMEngine": "runtime.engine.async_engine",
 }

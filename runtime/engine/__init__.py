@@ -8,7 +8,8 @@ plan once at startup (KV blocks, attention backend, buckets, layered or whole st
 the inputs, `programs.py` compiles and holds the programs) and returns a
 `interfaces.RunnerOutput`; the `output_processor.py` detokenizes, applies stop strings and the
 stop decision (`stop.py`) and makes `outputs.RequestOutput`s. `core.Engine` ties them together
-(schedule, run, collect, update); `async_engine.AsyncLLMEngine` drives it from its own thread.
+(schedule, run, collect, update), and reports on itself through `introspection.py` (stats, health);
+`async_engine.AsyncLLMEngine` drives it from its own thread.
 
 This layer imports `runtime.ops`; nothing in `runtime.ops`, `registry/` or `models_jax/`
 imports it.

@@ -22,10 +22,11 @@ from typing import Any, AsyncIterator, Callable
 
 from runtime.engine.block_pool import BlockHashEvents
 from runtime.engine.config import EngineConfig
-from runtime.engine.core import Engine, EngineStats, ProcessedRequest
+from runtime.engine.core import Engine, ProcessedRequest
 from runtime.engine.errors import EngineDeadError, InvalidRequestError
 from runtime.engine.outputs import RequestOutput
 from runtime.engine.input_processor import PromptType
+from runtime.engine.introspection import EngineStats
 from runtime.engine.sampling_params import SamplingParams
 from runtime.ops.step import LoadedModel
 

@@ -3,7 +3,8 @@
 - `step.py`: the step contract (`StepInput`, `KVCache`, `KVCacheSpec`, `LoadedModel`).
 - `mesh.py`: the device mesh and the one logical-axis rules table.
 - `attention.py`: the one dispatch point for ragged paged attention; one module per backend
-  (`attention_xla.py`, `attention_cpu.py`, `attention_pallas.py`) over `attention_common.py`.
+  (`attention_xla.py`, with its block reads in `attention_blocks.py`; `attention_cpu.py`,
+  `attention_pallas.py`) over `attention_common.py`.
 - `cpu_kernels.py`: building, caching and loading servax's C++ kernels, with a status per kernel;
   `matmul.py`: products on packed weights by one of them.
 - `quantization.py`, `lora.py` (adapter slots in the params), `layered.py` (stepping a few

@@ -3,7 +3,7 @@
 One call serves a batch that mixes whole prefills, chunks of prefills that start
 mid-sequence, and single-token decodes, over one layer of the paged cache
 (runtime/ops/attention_common.py), each sequence reaching its blocks through its row of
-`block_tables`. A read gathers just the blocks it needs, indexing (layer, block) at once.
+`block_tables`. A read gathers just the blocks it needs (attention_blocks.py).
 
 `xla_paged_attention` (paged_attention's XLA path) splits each token's context in two and
 merges the halves with an online softmax (flash-attention style):
@@ -29,6 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from runtime.ops.attention_blocks import chunked_tables, first_visible_chunk, read_blocks, read_blocks_heads_major
 from runtime.ops.attention_common import ExpandedLatent, MASK_VALUE, ScaledCache, ValuesInKeys, Window, soft_cap
 from runtime.ops.step import StepInput
 
@@ -40,45 +41,6 @@ CACHED_TILE, CACHED_CHUNK_TOKENS = 64, 128  # query tile, context tokens of the 
 DECODE_CHUNK_TOKENS = 32  # context tokens a step of the per-token (decode) read: XLA:CPU favours short
 
 _State = tuple[jax.Array, jax.Array, jax.Array]  # (running max, denominator, numerator) per query token and head
-
-
-def _read_blocks(
-    cache: jax.Array | ScaledCache,  # [num_layers, num_blocks, kv_heads, block_size, head_dim]
-    layer: int | jax.Array,
-    blocks: jax.Array,  # [...] int32, block ids of `layer`
-) -> jax.Array:  # [..., kv_heads, block_size, head_dim], float32
-    """One gather of the given blocks of one layer (no copy of the layer's whole cache);
-    a quantized cache is dequantized as it is read, values in the keys are the keys' first dims,
-    an expanded latent is expanded per head."""
-    if isinstance(cache, ExpandedLatent):  # the same gather for keys and values, then two expansions
-        return cache.expand(_read_blocks(cache.latent, layer, blocks), heads_axis=-3)
-    if isinstance(cache, ValuesInKeys):  # the same gather as the keys' (XLA reads the blocks once)
-        return _read_blocks(cache.keys, layer, blocks)[..., :cache.dims]
-    if isinstance(cache, ScaledCache):
-        return cache.values[layer, blocks].astype(jnp.float32) * cache.scales[layer, blocks][..., None]
-    return cache[layer, blocks].astype(jnp.float32)
-
-
-def _read_blocks_heads_major(
-    cache: jax.Array | ScaledCache,  # [num_layers, num_blocks, kv_heads, block_size, head_dim]
-    layer: int | jax.Array,
-    blocks: jax.Array,  # [chunk] int32, block ids of `layer`
-) -> jax.Array:  # [kv_heads, chunk, block_size, head_dim], float32
-    """`_read_blocks` of one sequence's blocks, gathered with the KV head leading (the batch
-    axis of the dots that consume them), so no transpose follows the gather."""
-    if isinstance(cache, ExpandedLatent):
-        return cache.expand(_read_blocks_heads_major(cache.latent, layer, blocks), heads_axis=0)
-    if isinstance(cache, ValuesInKeys):
-        return _read_blocks_heads_major(cache.keys, layer, blocks)[..., :cache.dims]
-    idx = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), blocks.shape), blocks], axis=-1)
-    dims = jax.lax.GatherDimensionNumbers(offset_dims=(0, 2, 3), collapsed_slice_dims=(0, 1), start_index_map=(0, 1))
-
-    def gather(x: jax.Array) -> jax.Array:
-        return jax.lax.gather(x, idx, dims, slice_sizes=(1, 1, *x.shape[2:]), mode="clip")
-
-    if isinstance(cache, ScaledCache):
-        return gather(cache.values).astype(jnp.float32) * gather(cache.scales[..., None])
-    return gather(cache).astype(jnp.float32)
 
 
 def _empty_state(num_tokens: int, kv_heads: int, group: int, head_dim: int) -> _State:
@@ -112,24 +74,6 @@ def _finish(state: _State, num_heads: int, dtype, sinks: jax.Array | None = None
         l = l + jnp.exp(sinks.astype(jnp.float32).reshape(l.shape[1:])[None] - m)
     out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # tokens with no context -> zeros
     return out.reshape(out.shape[0], num_heads, out.shape[-1]).astype(dtype)
-
-
-def _chunked_tables(tables: jax.Array, chunk: int, block_size: int) -> tuple[jax.Array, int, int]:
-    """Tables padded to whole chunks of blocks (padded entries are masked by the context
-    length); returns (tables, blocks per chunk, tokens per chunk)."""
-    max_blocks = tables.shape[1]
-    chunk = min(chunk, max_blocks)
-    padded = -(-max_blocks // chunk) * chunk
-    return jnp.pad(tables, ((0, 0), (0, padded - max_blocks))), chunk, chunk * block_size
-
-
-def _first_chunk(q_pos: jax.Array, active: jax.Array, sliding_window: Window,
-                 chunk_tokens: int, last: jax.Array) -> jax.Array:
-    """The first context chunk any active query can see through its sliding window."""
-    if sliding_window is None:
-        return jnp.int32(0)
-    lowest = jnp.where(active, q_pos - sliding_window + 1, jnp.iinfo(jnp.int32).max)
-    return jnp.minimum(jnp.maximum(jnp.min(lowest), 0) // chunk_tokens, last)
 
 
 def _pad_to_tile(x: jax.Array, tile: int, value=0) -> jax.Array:
@@ -176,15 +120,15 @@ def _paged_context(
     """Fold each token's context from the paged cache into its softmax state."""
     num_tokens, kv_heads, group, head_dim = qg.shape
     block_size = k_cache.shape[3]
-    tables, chunk, chunk_tokens = _chunked_tables(tables, chunk, block_size)
+    tables, chunk, chunk_tokens = chunked_tables(tables, chunk, block_size)
     # Only visit the chunks some token needs.
     last_chunk = (jnp.max(ctx_len) + chunk_tokens - 1) // chunk_tokens
-    first_chunk = _first_chunk(q_pos, ctx_len > 0, sliding_window, chunk_tokens, last_chunk)
+    first_chunk = first_visible_chunk(q_pos, ctx_len > 0, sliding_window, chunk_tokens, last_chunk)
 
     def body(j, state):
         blocks = jax.lax.dynamic_slice_in_dim(tables, j * chunk, chunk, axis=1)  # [T, chunk]
-        k = _read_blocks(k_cache, layer, blocks)  # [T, chunk, kvh, block_size, d]
-        v = _read_blocks(v_cache, layer, blocks)
+        k = read_blocks(k_cache, layer, blocks)  # [T, chunk, kvh, block_size, d]
+        v = read_blocks(v_cache, layer, blocks)
         s = jnp.einsum("tkgd,tbkcd->tkgbc", qg, k).reshape(num_tokens, kv_heads, group, chunk_tokens)
         s = soft_cap(s, logit_soft_cap)
         k_pos = j * chunk_tokens + jnp.arange(chunk_tokens)  # [C]
@@ -227,7 +171,7 @@ def _paged_context_by_sequence(
     """
     num_tokens, kv_heads, group, head_dim = qg.shape
     block_size = k_cache.shape[3]
-    tables, chunk, chunk_tokens = _chunked_tables(block_tables, chunk, block_size)
+    tables, chunk, chunk_tokens = chunked_tables(block_tables, chunk, block_size)
     wanted = (jnp.arange(num_tokens) >= first_token) & (ctx_len > 0)
     t_seq = jnp.where(wanted, seq_of_token, -1)
     num_tiles = -(-num_tokens // tile)
@@ -242,12 +186,12 @@ def _paged_context_by_sequence(
 
         def per_sequence(s, st):
             last = (seq_ctx_len[s] + chunk_tokens - 1) // chunk_tokens
-            first = _first_chunk(pos, seqs == s, sliding_window, chunk_tokens, last)
+            first = first_visible_chunk(pos, seqs == s, sliding_window, chunk_tokens, last)
 
             def per_chunk(j, st):
                 blocks = jax.lax.dynamic_slice_in_dim(tables[s], j * chunk, chunk)
-                k = _read_blocks_heads_major(k_cache, layer, blocks)  # [kvh, chunk, block_size, d]
-                v = _read_blocks_heads_major(v_cache, layer, blocks)
+                k = read_blocks_heads_major(k_cache, layer, blocks)  # [kvh, chunk, block_size, d]
+                v = read_blocks_heads_major(v_cache, layer, blocks)
                 sc = jnp.einsum("ktgd,kbcd->ktgbc", q, k).reshape(*q.shape[:3], chunk_tokens)
                 sc = soft_cap(sc, logit_soft_cap)
                 k_pos = j * chunk_tokens + jnp.arange(chunk_tokens)
