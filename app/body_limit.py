@@ -8,7 +8,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.anthropic_api import anthropic_error_body
+from app.anthropic_reply import anthropic_error_body
 from app.openai_responses import ErrorResponse
 
 # Largest request body accepted: 16 MiB holds a max-length prompt of any model many times

@@ -33,7 +33,8 @@ from ray.serve.handle import DeploymentHandle
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.anthropic_api import CountTokensRequest, MessagesRequest, anthropic_error_body, anthropic_sse
+from app.anthropic_reply import anthropic_error_body, anthropic_sse
+from app.anthropic_request import CountTokensRequest, MessagesRequest
 from app.body_limit import BodySizeLimit
 from app.metrics import render_families
 from app.openai_requests import (
@@ -42,7 +43,8 @@ from app.openai_requests import (
 )
 from app.openai_responses import ErrorResponse, ModelCard, ModelList, error_response
 from app.pooling_api import add_pooling_routes
-from app.responses_api import ResponsesRequest, responses_error_event
+from app.responses_output import responses_error_event
+from app.responses_request import ResponsesRequest
 from runtime.engine.lora_request import stable_lora_id
 
 logger = logging.getLogger("ray.serve")

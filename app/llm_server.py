@@ -31,7 +31,8 @@ from typing import Any
 from ray import serve
 
 from app.kv_routing import STATS_KEY
-from app.anthropic_api import AnthropicServing, CountTokensRequest, MessagesRequest
+from app.anthropic_api import AnthropicServing
+from app.anthropic_request import CountTokensRequest, MessagesRequest
 from app.llm_config import LLMConfig
 from app.metrics import ServerMetrics
 from app.openai_api import OpenAIServing
@@ -39,7 +40,8 @@ from app.openai_requests import ChatCompletionRequest, CompletionRequest, Detoke
 from app.openai_responses import ErrorResponse, error_response
 from app.pooling_api import EmbeddingRequest, PoolingServing, RerankRequest, ScoreRequest
 from app.relay import GenerationRequest, Relay
-from app.responses_api import ResponsesRequest, ResponsesServing
+from app.responses_api import ResponsesServing
+from app.responses_request import ResponsesRequest
 from runtime.engine.errors import InvalidRequestError
 from runtime.engine.lora_request import LoRARequest, stable_lora_id
 

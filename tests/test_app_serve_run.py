@@ -169,7 +169,7 @@ def test_anthropic_messages_through_the_proxy_and_the_handle(base_url, handle):
     `messages` method (#43)."""
     import anthropic
 
-    from app.anthropic_api import MessagesRequest
+    from app.anthropic_request import MessagesRequest
 
     client = anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0)
     body = dict(model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "Hi"}])
@@ -188,7 +188,7 @@ def test_responses_api_through_the_proxy_and_the_handle(base_url, handle):
     not, retrieve from the replica's store), and as the handle's `responses` method (#43)."""
     import openai
 
-    from app.responses_api import ResponsesRequest
+    from app.responses_request import ResponsesRequest
 
     client = openai_client(base_url)
     body = dict(model=MODEL, input="Hi", max_output_tokens=6, temperature=0)

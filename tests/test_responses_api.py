@@ -32,7 +32,7 @@ def test_items_become_one_chat_conversation():
     """The request's items turn into the chat messages vLLM renders (no server needed)."""
     from pydantic import ValidationError
 
-    from app.responses_api import ResponsesRequest
+    from app.responses_request import ResponsesRequest
     from runtime.engine.errors import InvalidRequestError
 
     request = ResponsesRequest.model_validate({"model": PLAIN, "instructions": "Be terse.", "input": [
