@@ -4,7 +4,7 @@
 that builds it at replica start from the handles the builder binds. The app does no
 tokenization: it validates the body, picks the model, forwards the request to the model's
 LLMServer as one streaming handle call and relays what comes back (a JSON body, SSE
-chunks, or an OpenAI error with its status).
+chunks, or an OpenAI error with its status: app.ingress_errors).
 """
 
 from __future__ import annotations
@@ -15,47 +15,35 @@ import importlib.metadata
 import inspect
 import json
 import logging
-import re
-import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import BackPressureError, RequestCancelledError
+from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.anthropic_reply import anthropic_error_body, anthropic_sse
 from app.anthropic_request import CountTokensRequest, MessagesRequest
 from app.body_limit import BodySizeLimit
+from app.ingress_errors import ANTHROPIC_PREFIX, APIError, add_error_handlers, json_error, server_error, unwrap
 from app.metrics import render_families
 from app.openai_requests import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
-from app.openai_responses import ErrorResponse, ModelCard, ModelList, error_response
+from app.openai_responses import ErrorResponse, ModelCard, ModelList
 from app.pooling_api import add_pooling_routes
 from app.responses_output import responses_error_event
 from app.responses_request import ResponsesRequest
 from runtime.engine.lora_request import stable_lora_id
 
 logger = logging.getLogger("ray.serve")
-
-
-class APIError(Exception):
-    """Raised inside a route to answer with an OpenAI error body."""
-
-    def __init__(self, response: ErrorResponse):
-        super().__init__(response.error.message)
-        self.response = response
 
 
 SERVAX_VERSION = importlib.metadata.version("servax")
@@ -68,27 +56,6 @@ STREAM_OPTIONS = ({"stream": True, "_by_reference": False}
 # Lists the request fields servax did not know and ignored (vLLM only logs them), each
 # percent-encoded: a field's name is the client's, and a header holds only latin-1 text.
 IGNORED_FIELDS_HEADER = "x-servax-ignored-fields"
-
-
-def _json_error(err: ErrorResponse, anthropic: bool = False) -> JSONResponse:
-    """The error's JSON response, in OpenAI's shape or (for the Messages API) Anthropic's."""
-    # 429 and 503 are worth retrying: say when (clients such as openai's honour Retry-After).
-    headers = {"Retry-After": "1"} if err.status_code in (429, 503) else None
-    body = anthropic_error_body(err) if anthropic else err.model_dump()
-    return JSONResponse(body, status_code=err.status_code, headers=headers)
-
-
-def _is_anthropic(request: Request) -> bool:
-    """The request is to Anthropic's Messages API: its errors take Anthropic's shape."""
-    return request.url.path.startswith(ANTHROPIC_PREFIX)
-
-
-ANTHROPIC_PREFIX = "/v1/messages"
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    """The original exception behind a Ray task error (RayTaskError keeps it as `.cause`)."""
-    return getattr(exc, "cause", None) or exc
 
 
 class OpenAIRouter:
@@ -182,9 +149,9 @@ class OpenAIRouter:
         try:
             result = await self.handles[base].load_lora_adapter.remote(lora)
         except Exception as e:
-            raise APIError(_server_error(e)) from e
+            raise APIError(server_error(e)) from e
         if isinstance(result, ErrorResponse):
-            return _json_error(result)
+            return json_error(result)
         self.adapters[body.lora_name] = {"base": base, "path": body.lora_path}
         return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
@@ -208,7 +175,7 @@ class OpenAIRouter:
     async def health(self) -> dict[str, str]:
         results = await asyncio.gather(*(h.check_health.remote() for h in self.handles.values()),
                                        return_exceptions=True)
-        return {m: ("ok" if not isinstance(r, BaseException) else f"{type(_unwrap(r)).__name__}: {_unwrap(r)}")
+        return {m: ("ok" if not isinstance(r, BaseException) else f"{type(unwrap(r)).__name__}: {unwrap(r)}")
                 for m, r in zip(self.handles, results)}
 
     async def call(self, method: str, body: Any, anthropic: bool = False) -> JSONResponse:
@@ -217,8 +184,8 @@ class OpenAIRouter:
         try:
             result = await getattr(handle, method).remote(body)
         except Exception as e:
-            raise APIError(_server_error(e)) from e
-        return _json_error(result, anthropic) if isinstance(result, ErrorResponse) else JSONResponse(result)
+            raise APIError(server_error(e)) from e
+        return json_error(result, anthropic) if isinstance(result, ErrorResponse) else JSONResponse(result)
 
     async def tokenizer_info(self, model: str | None) -> JSONResponse:
         """vLLM's GET /tokenizer_info of `model` (the only model when None)."""
@@ -226,8 +193,8 @@ class OpenAIRouter:
         try:
             result = await handle.tokenizer_info.remote()
         except Exception as e:
-            raise APIError(_server_error(e)) from e
-        return _json_error(result) if isinstance(result, ErrorResponse) else JSONResponse(result)
+            raise APIError(server_error(e)) from e
+        return json_error(result) if isinstance(result, ErrorResponse) else JSONResponse(result)
 
     async def invocations(self, body: Any) -> Any:
         """SageMaker's POST /invocations, as vLLM routes it: the body of the first route whose
@@ -261,10 +228,10 @@ class OpenAIRouter:
         except StopAsyncIteration:
             raise APIError(ErrorResponse.make(500, "the model server returned nothing", type="server_error"))
         except Exception as e:
-            raise APIError(_server_error(e)) from e
+            raise APIError(server_error(e)) from e
         if isinstance(first, ErrorResponse):
             gen.cancel()
-            return _json_error(first, anthropic)
+            return json_error(first, anthropic)
         if not body.stream:
             return JSONResponse(first, headers=headers)
         if anthropic:
@@ -284,27 +251,11 @@ class OpenAIRouter:
         found = [r for r in results if not isinstance(r, (ErrorResponse, BaseException)) or
                  isinstance(r, ErrorResponse) and r.status_code != 404]
         if found:
-            return _json_error(found[0]) if isinstance(found[0], ErrorResponse) else JSONResponse(found[0])
+            return json_error(found[0]) if isinstance(found[0], ErrorResponse) else JSONResponse(found[0])
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
-            raise APIError(_server_error(failed[0]))
-        return _json_error(results[0])
-
-
-def _server_error(exc: BaseException) -> ErrorResponse:
-    cause = _unwrap(exc)
-    err = error_response(cause)
-    if err is not None:
-        return err
-    if isinstance(cause, BackPressureError):  # Serve's queue for the model (max_queued_requests) is full
-        return ErrorResponse.make(429, f"the model's request queue is full: {cause.message} Retry later.",
-                                  type="rate_limit_error", code="rate_limit_exceeded")
-    if isinstance(cause, (RayActorError, ActorUnavailableError)):  # the replica died under the request
-        logger.warning("servax: a model replica died under a request: %s", cause)
-        return ErrorResponse.make(503, "the model replica serving this request died; retry (Serve is "
-                                  "replacing it)", type="server_error", code="replica_unavailable")
-    logger.exception("servax: request failed", exc_info=exc)
-    return ErrorResponse.make(500, f"internal error: {type(cause).__name__}: {cause}", type="server_error")
+            raise APIError(server_error(failed[0]))
+        return json_error(results[0])
 
 
 async def _sse(first: dict[str, Any], gen: Any) -> AsyncIterator[str]:
@@ -322,7 +273,7 @@ async def _sse(first: dict[str, Any], gen: Any) -> AsyncIterator[str]:
     except RequestCancelledError:
         return
     except Exception as e:  # mid-stream failure: tell the client in OpenAI's shape
-        yield f"data: {_server_error(e).model_dump_json()}\n\n"
+        yield f"data: {server_error(e).model_dump_json()}\n\n"
     finally:
         if not finished:
             gen.cancel()
@@ -342,35 +293,10 @@ async def _named_events(first: dict[str, Any], gen: Any, error_event: Any) -> As
     except RequestCancelledError:
         return
     except Exception as e:
-        yield anthropic_sse(error_event(_server_error(e), last))
+        yield anthropic_sse(error_event(server_error(e), last))
     finally:
         if not finished:
             gen.cancel()
-
-
-# pydantic names union members and validators in an error's location (`prompt.str`,
-# `prompt.list[int]`, `function-after[...]`); the client's parameter is the rest.
-_NOT_A_FIELD = re.compile(r"^(str|int|float|bool|none|dict|list|function-\w+)(\[.*\])?$")
-
-
-def _param_of(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p != "body" and not _NOT_A_FIELD.match(str(p))]
-    return ".".join(parts) or None
-
-
-def _error_text(error: dict[str, Any]) -> str:
-    """One validation error as `param: what is wrong (got value)`; the value only when it is a
-    scalar, and cut short (the bound is in pydantic's message: "less than or equal to ...")."""
-    param = getattr((error.get("ctx") or {}).get("error"), "param", None) or _param_of(tuple(error.get("loc", ())))
-    text = f"{param or 'body'}: {error.get('msg', '').removeprefix('Value error, ')}"
-    value = error.get("input")
-    if isinstance(value, (int, float, str)) and not isinstance(value, bool) and error.get("type") != "missing":
-        try:
-            shown = repr(value)
-        except ValueError:  # an int past Python's digit limit for str()
-            shown = f"an integer of more than {sys.get_int_max_str_digits()} digits"
-        text += f" (got {shown[:80] + '...' if len(shown) > 80 else shown})"
-    return text
 
 
 def build_openai_api(router: OpenAIRouter) -> FastAPI:
@@ -380,29 +306,7 @@ def build_openai_api(router: OpenAIRouter) -> FastAPI:
     /tokenizer_info, /invocations, /ping, /version, /metrics)."""
     api = FastAPI(title="servax", description="OpenAI-compatible LLM serving on JAX")
     api.add_middleware(BodySizeLimit)
-
-    @api.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _json_error(exc.response, _is_anthropic(request))
-
-    @api.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-        anthropic = _is_anthropic(request)
-        if first.get("type") == "json_invalid":
-            return _json_error(ErrorResponse.make(400, f"request body is not valid JSON: {first.get('msg')}"),
-                               anthropic)
-        cause = (first.get("ctx") or {}).get("error")  # a validator's InvalidRequestError names its field
-        param = getattr(cause, "param", None) or _param_of(tuple(first.get("loc", ())))
-        if param is None and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
-            return _json_error(ErrorResponse.make(400, "request body must be a JSON object"), anthropic)
-        return _json_error(ErrorResponse.make(400, "; ".join(_error_text(e) for e in errors), param=param), anthropic)
-
-    @api.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return _json_error(ErrorResponse.make(exc.status_code, str(exc.detail), type=kind), _is_anthropic(request))
+    add_error_handlers(api)
 
     @api.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:

@@ -11,7 +11,8 @@ the typed methods through a handle:
 The ingress uses `completion` / `chat` (OpenAI bodies, see app.openai_api), `messages` /
 `count_tokens` (Anthropic's, see app.anthropic_api), `responses` / `retrieve_response` /
 `cancel_response` (OpenAI's Responses API, see app.responses_api), `model_info`
-and `stats`. Every generating method, handle or OpenAI, runs through the replica's one
+and `stats` (the stats Serve, its routers and the ingress read are in app.replica_stats).
+Every generating method, handle or OpenAI, runs through the replica's one
 Relay (app.relay). Serve calls `check_health` periodically and replaces a replica whose
 engine loop has died.
 """
@@ -25,12 +26,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from ray import serve
 
-from app.kv_routing import STATS_KEY
 from app.anthropic_api import AnthropicServing
 from app.anthropic_request import CountTokensRequest, MessagesRequest
 from app.llm_config import LLMConfig
@@ -40,6 +40,7 @@ from app.openai_requests import ChatCompletionRequest, CompletionRequest, Detoke
 from app.openai_responses import ErrorResponse, error_response
 from app.pooling_api import EmbeddingRequest, PoolingServing, RerankRequest, ScoreRequest
 from app.relay import GenerationRequest, Relay
+from app.replica_stats import ReplicaStats
 from app.responses_api import ResponsesServing
 from app.responses_request import ResponsesRequest
 from runtime.engine.errors import InvalidRequestError
@@ -104,7 +105,7 @@ class StreamDelta:
     finish_reason: str | None = None
 
 
-class LLMServerImpl:
+class LLMServerImpl(ReplicaStats):
     """A replica serving one model: engine start-up in `__init__`, then requests (the class
     behind the `LLMServer` deployment, and the base of app.colocated's ingress replica)."""
 
@@ -358,11 +359,6 @@ class LLMServerImpl:
         """vLLM's /tokenizer_info body (enable_tokenizer_info_endpoint)."""
         return self.serving.tokenizer_info()
 
-    def metric_families(self) -> list[Any]:
-        """This replica's Prometheus metric families (for the ingress' GET /metrics)."""
-        self._update_gauges()
-        return self.metrics.prom.families()
-
     def lora_adapters(self) -> list[dict[str, Any]]:
         """The adapters this replica's engine has read (name, id, path) and its slot counters."""
         return [dict(lora_name=r.lora_name, lora_int_id=r.lora_int_id, lora_path=r.lora_path)
@@ -374,58 +370,6 @@ class LLMServerImpl:
         return dict(id=self.model_id, root=self.llm_config.model_loading_config.source,
                     impl=mc.get("impl"), dtype=mc.get("dtype"), max_model_len=mc.get("max_model_len"),
                     tensor_parallel_size=self.llm_config.engine_config().tensor_parallel_size)
-
-    def stats(self) -> dict[str, Any]:
-        """The engine's EngineStats as a dict (running/waiting, KV blocks, ...) as of the end of
-        its last step: never waits for the step under way (the engine loop would hand its lock
-        over only between steps, and this runs on the replica's event loop)."""
-        s = self.engine.latest_stats()
-        return asdict(s) if hasattr(s, "__dataclass_fields__") else dict(vars(s))
-
-    def record_routing_stats(self) -> dict[str, Any]:
-        """What Serve hands this deployment's routers every `request_routing_stats_period_s`
-        (app.kv_routing.KVAwareRouter reads it): the engine's cached block hashes, mirrored from
-        its block-hash event feed (only what changed since the last call is read), its queue
-        and KV usage, its block size, its tokenizer's folder and its adapters' ids."""
-        events = self.engine.block_hash_events(self._kv_cursor)
-        if events.reset:
-            self._kv_hashes = set()
-        self._kv_hashes.difference_update(events.removed)
-        self._kv_hashes.update(events.stored)
-        self._kv_cursor = events.cursor
-        stats = self.engine.latest_stats()
-        tokenizer = self.engine.tokenizer
-        return {STATS_KEY: dict(
-            version=events.cursor, block_hashes=list(self._kv_hashes),
-            block_size=int(self.engine.model_config["block_size"]),
-            tokenizer=getattr(tokenizer, "name_or_path", None) if tokenizer is not None else None,
-            num_waiting=stats.num_waiting, num_running=stats.num_running, kv_cache_usage=stats.kv_cache_usage,
-            num_requests_finished=stats.num_requests_finished, adapters=self._adapter_ids(),
-        )}
-
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        """The engine's signals for app.autoscaling.LLMSignalPolicy (Serve asks every
-        `metrics_interval_s` of an autoscaling deployment): requests waiting, KV-cache usage, and
-        the mean time to first token of the last 30 s (0 when none finished)."""
-        stats = self.engine.latest_stats()
-        return dict(num_waiting=float(stats.num_waiting), kv_cache_usage=float(stats.kv_cache_usage),
-                    ttft_s=self.metrics.recent_ttft_s() or 0.0)
-
-    def _adapter_ids(self) -> dict[str, int]:
-        """The adapters the engine has read, name -> lora_int_id, read without its lock (advisory:
-        a list changing under the read is read again at the next call)."""
-        try:
-            return {r.lora_name: r.lora_int_id for r in list(self.engine.engine.list_loras())}
-        except RuntimeError:
-            return {}
-
-    def _update_gauges(self) -> None:
-        # As of the last step: runs on the replica's event loop after every request, where waiting
-        # for the step under way would stall every other stream (and a stuck step, health checks).
-        try:
-            self.metrics.update_engine_gauges(self.engine.latest_stats())
-        except Exception:  # stats are advisory; never fail a request or a health check over them
-            pass
 
     @staticmethod
     def _exit_replica(error: BaseException) -> None:
