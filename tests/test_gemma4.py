@@ -231,22 +231,24 @@ def test_gemma4_refusals_name_the_feature(tmp_path, tiny_checkpoint):
 @pytest.mark.slow
 def test_gemma4_tensor_parallel_matches_one_device(servax_cache):
     """Tensor parallel 2 and 4 give one device's greedy tokens (the cache's 2 KV heads stored
-    twice at tp 4; the experts split by their features); nothing compiles while serving."""
+    twice at tp 4; the experts split by their features); nothing compiles while serving. The
+    dense model at tp 2 and 4, the MoE one at tp 2 (CI's time: each engine compiles its buckets)."""
     from test_spmd import run_worker
 
+    tps = {"gemma4": (2, 4), "gemma4_moe": (2,)}
     params = {"q": "sliding.q", "embed": "embed", "gate": "sliding.experts.gate"}
     runs = run_worker(dict(model_impl="jax", runs=[
-        dict(model=f"servax-tiny/{name}", name=name, tp=[1, 2, 4],
+        dict(model=f"servax-tiny/{name}", name=name, tp=[1, *tps[name]],
              params={k: v for k, v in params.items() if k != "gate" or name == "gemma4_moe"})
         for name in GEMMA4
     ]), servax_cache)
     for name in GEMMA4:
         ref = runs[(name, 1)]
-        for tp in (2, 4):
+        for tp in tps[name]:
             run = runs[(name, tp)]
             for field in ("batched", "alone", "pair"):
                 assert run[field] == ref[field], f"{name} tp {tp}: {field}"
             assert run["compilations_since_warmup"] == 0
-        assert runs[(name, 4)]["params"]["q"]["shard_shape"] == [64, 1, 16]  # a sliding layer's q, by head
-        assert runs[(name, 4)]["params"]["embed"]["shard_shape"] == [128, 64]
-    assert runs[("gemma4_moe", 4)]["params"]["gate"]["shard_shape"] == [4, 64, 8]
+    assert runs[("gemma4", 4)]["params"]["q"]["shard_shape"] == [64, 1, 16]  # a sliding layer's q, by head
+    assert runs[("gemma4", 4)]["params"]["embed"]["shard_shape"] == [128, 64]
+    assert runs[("gemma4_moe", 2)]["params"]["gate"]["shard_shape"] == [4, 64, 16]  # every expert, half its features
