@@ -342,10 +342,10 @@ def test_deepseek_tensor_and_expert_parallel_match_one_device(servax_cache):
         dict(model="servax-tiny/deepseek_v3", name="v3-expanded", tp=[2], engine=dict(eager, mla_prefill="expanded")),
     ]), servax_cache)
     runs.update(run_worker(dict(model_impl="jax", runs=[
-        dict(model="servax-tiny/deepseek_v2", name="v2", tp=[1, 2, 4], engine=eager),
+        dict(model="servax-tiny/deepseek_v2", name="v2", tp=[1, 2], engine=eager),  # tp 4: V3's run
     ]), servax_cache))
     for key, ref in [(("v3", 2), "v3"), (("v3", 4), "v3"), (("v3-ep", 2), "v3"), (("v3-expanded", 2), "v3"),
-                     (("v2", 2), "v2"), (("v2", 4), "v2")]:
+                     (("v2", 2), "v2")]:
         run, ref = runs[key], runs[(ref, 1)]
         for field in ("batched", "alone", "pair"):
             assert run[field] == ref[field], f"{key}: {field}"
