@@ -229,15 +229,15 @@ def running_replicas(deployment_prefix: str = "LLMServer") -> int:
 
 
 @contextlib.contextmanager
-def serve_app(config: Path, ready: Callable[[], bool], timeout_s: float = 900.0,
-              poll_s: float = 1.0) -> Iterator[float]:
-    """`serve run <config>` from the repository (its own local cluster), until `ready()` holds
-    (asked every `poll_s`); yields the seconds that took, then stops the app and the cluster."""
+def _served(cmd: list[str], config: Path, ready: Callable[[], bool], timeout_s: float, poll_s: float
+            ) -> Iterator[float]:
+    """Run `cmd` (a `serve run` of `config`) from the repository in its own process group until
+    `ready()` holds (asked every `poll_s`); yields the seconds that took, then stops it."""
     import httpx
 
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, RAY_SERVE_LOG_TO_STDERR="0", PYTHONPATH=str(root))
-    proc = subprocess.Popen(["serve", "run", str(config)], cwd=root, env=env, start_new_session=True,
+    proc = subprocess.Popen(cmd, cwd=root, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         t0 = time.perf_counter()
@@ -259,6 +259,17 @@ def serve_app(config: Path, ready: Callable[[], bool], timeout_s: float = 900.0,
             proc.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def serve_app(config: Path, ready: Callable[[], bool], timeout_s: float = 900.0,
+              poll_s: float = 1.0) -> Iterator[float]:
+    """`serve run <config>` from the repository (its own local cluster), until `ready()` holds
+    (asked every `poll_s`); yields the seconds that took, then stops the app and the cluster."""
+    try:
+        with _served(["serve", "run", str(config)], config, ready, timeout_s, poll_s) as seconds:
+            yield seconds
+    finally:
         subprocess.run(["ray", "stop", "--force"], capture_output=True)
 
 
@@ -268,36 +279,16 @@ def serve_app_on_own_cluster(config: Path, ready: Callable[[], bool], timeout_s:
     """As `serve_app`, on a Ray cluster this process starts (ray.init) and stops (ray.shutdown),
     so that nothing else on the machine is touched (serve_app ends with `ray stop --force`).
     Yields the seconds until `ready()`; the driver stays connected (ray actors can be asked)."""
-    import httpx
     import ray
     from ray import serve
 
-    root = Path(__file__).resolve().parents[1]
     ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=300 * 1024**2, log_to_driver=False)
-    env = dict(os.environ, RAY_SERVE_LOG_TO_STDERR="0", PYTHONPATH=str(root))
-    proc = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", "--address",
-                             ray.get_runtime_context().gcs_address, str(config)], cwd=root, env=env,
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [sys.executable, "-m", "ray.serve.scripts", "run", "--address", ray.get_runtime_context().gcs_address,
+           str(config)]
     try:
-        t0 = time.perf_counter()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"serve run exited with {proc.returncode}")
-            if time.perf_counter() - t0 > timeout_s:
-                raise TimeoutError(f"{config.name}: not ready in {timeout_s:.0f} s")
-            try:
-                if ready():
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        yield time.perf_counter() - t0
+        with _served(cmd, config, ready, timeout_s, 1.0) as seconds:
+            yield seconds
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
         if ray.is_initialized():
             serve.shutdown()
             ray.shutdown()
