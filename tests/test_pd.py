@@ -50,11 +50,17 @@ LONG = " ".join(random.Random(1).choice(WORDS) for _ in range(30))  # ~150 token
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
+    yield from serve_beside_colocated(tmp_path_factory, "pd", PD_YAML)
+
+
+def serve_beside_colocated(tmp_path_factory, name: str, yaml_text: str):
+    """`serve run` of a YAML with a P/D app beside a colocated one (at /colocated), yielded once
+    the colocated app answers (a module fixture's body)."""
     from conftest import serve_run
 
-    folder = tmp_path_factory.mktemp("pd")
-    config = folder / "pd.yaml"
-    config.write_text(PD_YAML)
+    folder = tmp_path_factory.mktemp(name)
+    config = folder / f"{name}.yaml"
+    config.write_text(yaml_text)
     with serve_run(config, folder) as served:
         deadline = time.time() + 120
         while httpx.post(served.base_url + "/colocated/v1/completions", json={"prompt": "hi", "max_tokens": 1},

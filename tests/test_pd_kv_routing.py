@@ -47,18 +47,9 @@ applications:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from conftest import serve_run
+    from test_pd import serve_beside_colocated
 
-    folder = tmp_path_factory.mktemp("pd_kv")
-    config = folder / "pd_kv.yaml"
-    config.write_text(PD_KV_YAML)
-    with serve_run(config, folder) as served:
-        deadline = time.time() + 120
-        while httpx.post(served.base_url + "/colocated/v1/completions", json={"prompt": "hi", "max_tokens": 1},
-                         timeout=30).status_code != 200:
-            assert time.time() < deadline, "the colocated app did not come up"
-            time.sleep(0.5)
-        yield served
+    yield from serve_beside_colocated(tmp_path_factory, "pd_kv", PD_KV_YAML)
 
 
 def prefill_replicas() -> dict[str, dict]:
