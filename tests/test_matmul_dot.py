@@ -38,12 +38,15 @@ def quantized_rows(x: np.ndarray, block: int) -> np.ndarray:
 def _weights(fmt: str, d_in: int, d_out: int, groups: int, rng) -> tuple[PackedWeight, np.ndarray, np.ndarray | None]:
     """(packed weight, its scaled values without offsets [in, out] float64, offsets per input or None)."""
     scales = rng.uniform(0.001, 0.02, (groups, d_out)).astype(np.float32)
+    if groups > 1:  # blocks of 32 inputs, as a GGUF file stores them: half-precision scales
+        scales = scales.astype(np.float16).astype(np.float32)
     per_input = lambda a: np.repeat(a, d_in // groups, axis=0).astype(np.float64)  # noqa: E731
     if fmt == "int8":
         q = rng.integers(-128, 128, (d_in, d_out))
         return PackedWeight.pack_int8(jnp.asarray(q, jnp.int8), jnp.asarray(scales)), q * per_input(scales), None
     q = rng.integers(0, 16, (d_in, d_out))
-    offsets = rng.uniform(-0.2, 0.0, (groups, d_out)).astype(np.float32)
+    offsets = rng.uniform(-0.2, 0.0, (groups, d_out)).astype(np.float16 if groups > 1 else np.float32)
+    offsets = offsets.astype(np.float32)
     packed = PackedWeight.pack_uint4(jnp.asarray(q, jnp.uint8), jnp.asarray(scales), jnp.asarray(offsets))
     return packed, q * per_input(scales), per_input(offsets)
 
@@ -62,6 +65,9 @@ def test_int8_activation_products_match_the_quantized_oracle(fmt, d_in, d_out, g
     dot = packed.for_int8_activations()
     assert dot.dot and dot.format == fmt and dot.shape == (d_in, d_out)
     assert dot.panels.shape == (-(-d_out // 16), d_in // 4, 32 if fmt == "uint4" else 64)
+    # blocks of 32 keep their scales (and offsets) in half precision, per-channel scales in float32
+    half = jnp.float16 if groups > 1 else jnp.float32
+    assert dot.scales.dtype == half and (dot.offsets is None or dot.offsets.dtype == half)
     x = rng.standard_normal((rows, d_in)).astype(np.float32)
     valid = max(rows - 1, 1)
     got = np.asarray(jax.jit(lambda x, w: w.matmul(x, valid))(jnp.asarray(x), dot))
@@ -73,6 +79,20 @@ def test_int8_activation_products_match_the_quantized_oracle(fmt, d_in, d_out, g
     assert np.abs(got[:valid] - exact[:valid]).max() < 0.02 * np.abs(exact).max()  # ~1% of the scale
     # a tied head's embedding rows, gathered from the quads
     np.testing.assert_allclose(np.asarray(dot.columns(jnp.arange(d_out))), np.asarray(packed.columns(jnp.arange(d_out))))
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_4bit_sums_at_their_largest_do_not_saturate(sign):
+    """Every weight 15 and every input at the block's maximum: the int16 sums of a 4-bit block
+    reach their bound (8 quads x 2 x 15 x 127) and must still be exact."""
+    d_in, d_out, groups = 256, 32, 8
+    q = np.full((d_in, d_out), 15)
+    scales = np.full((groups, d_out), 0.5, np.float32)
+    offsets = np.full((groups, d_out), -0.25, np.float32)
+    packed = PackedWeight.pack_uint4(jnp.asarray(q, jnp.uint8), jnp.asarray(scales), jnp.asarray(offsets))
+    x = np.full((5, d_in), 3.0 * sign, np.float32)
+    got = np.asarray(jax.jit(lambda x, w: w.matmul(x))(jnp.asarray(x), packed.for_int8_activations()))
+    np.testing.assert_allclose(got, np.full((5, d_out), sign * 3.0 * d_in * (15 * 0.5 - 0.25)), rtol=1e-6)
 
 
 def test_weights_the_kernel_cannot_take_keep_their_layout():

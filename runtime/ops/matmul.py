@@ -83,19 +83,28 @@ class PackedWeight:
     def for_int8_activations(self) -> "PackedWeight":
         """The same weights laid out for products with int8-quantized activations (`dot`), where
         they are int8 or 4-bit values whose groups are whole blocks of 32 inputs (or per-channel
-        scales on inputs in quads); else self."""
+        scales on inputs in quads); else self.
+
+        Scales and offsets of blocks of 32 inputs (GGUF's Q8_0, Q4_0, Q4_1 and Q4_K) are kept in
+        float16, as the file stores them (Q4_K's, products of a half scale and a 6-bit code, are
+        rounded to the nearest half: below the int8 activations' own rounding); per-channel
+        scales stay float32."""
         d_in = self.shape[0]
         group = d_in // self.scales.shape[1] if self.scales is not None else 0
         if self.dot or self.scales is None or d_in % 4 or (group % 32 and self.scales.shape[1] != 1):
             return self
+        half_scales = self.scales.shape[1] > 1  # groups of whole 32-input blocks
+        scaled = {"scales": self.scales.astype(jnp.float16)} if half_scales else {}
+        if self.offsets is not None and half_scales:
+            scaled["offsets"] = self.offsets.astype(jnp.float16)
         values = self.panels if self.offsets is None else _nibbles(self.panels)  # [P, in, 16]
         quads = values.reshape(values.shape[0], d_in // 4, 4, PANEL).transpose(0, 1, 3, 2)  # [P, in/4, 16, 4]
         if self.offsets is None:
-            return self.replace(panels=quads.reshape(quads.shape[0], d_in // 4, 4 * PANEL), dot=True)
+            return self.replace(panels=quads.reshape(quads.shape[0], d_in // 4, 4 * PANEL), dot=True, **scaled)
         half = PANEL // 2
         low, high = (quads[:, :, :half].reshape(quads.shape[0], d_in // 4, 4 * half),
                      quads[:, :, half:].reshape(quads.shape[0], d_in // 4, 4 * half))
-        return self.replace(panels=low | (high << 4), dot=True)
+        return self.replace(panels=low | (high << 4), dot=True, **scaled)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -149,8 +158,10 @@ class PackedWeight:
         else:
             q = jnp.where((j >= PANEL // 2)[:, None], byte >> 4, byte & 15).astype(jnp.float32)
         group = self.shape[0] // self.scales.shape[1]
-        scale = jnp.repeat(self.scales[p, :, j], group, axis=1)
-        return q * scale if self.offsets is None else q * scale + jnp.repeat(self.offsets[p, :, j], group, axis=1)
+        scale = jnp.repeat(self.scales[p, :, j].astype(jnp.float32), group, axis=1)
+        if self.offsets is None:
+            return q * scale
+        return q * scale + jnp.repeat(self.offsets[p, :, j].astype(jnp.float32), group, axis=1)
 
 
 def _nibbles(packed: jax.Array) -> jax.Array:

@@ -16,9 +16,12 @@
 //   element b of columns 8-15 in its high one, with scales and offsets [N/16, G, 16]:
 //   w = q * scale + offset, so a block adds scale * d * sum(q xq) + offset * sum(x).
 //
-// Per block of inputs the int32 partials become float: y += d * scale * partial (+ offset *
-// sum(x)). Weight groups must be whole blocks. No int16 sum can saturate: |q| <= 128 (int8) or
-// 15 (4-bit) against |xq| <= 127, two products a lane.
+// Scales and offsets are float32, or float16 where the blocks came so from a GGUF file (Q8_0,
+// Q4_0, Q4_1: the half scales as stored). Per block of inputs the integer partials become
+// float: y += d * scale * partial (+ offset * sum(x)). Weight groups must be whole blocks. No
+// int16 sum can saturate: int8 weights (|q| <= 128 against |xq| <= 127) widen each quad's
+// pairs to int32 at once; 4-bit ones (q <= 15) sum 8 quads' pairs in int16 first, so a 4-bit
+// block costs one vpmaddwd a row and half of the quad's columns, not eight.
 //
 // Integer products win most where few rows share each weight (decode: unpacking the weights is
 // most of matmul_formats.cc's work); with many rows (a prefill) they about match its widened
@@ -34,7 +37,7 @@
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define SERVAX_DOT_AVX2 1
 #endif
@@ -74,6 +77,10 @@ struct I8 {
   using T = int8_t;
   static constexpr int64_t kQuad = 64;  // bytes per quad
   static constexpr bool kOffset = false;
+  // Quads per run: pairs of |q| <= 128 times |xq| <= 127 fill an int16 lane, so every quad's
+  // are widened to int32 (a run is the whole block).
+  static constexpr bool kInt16 = false;
+  static constexpr int64_t kSpan = int64_t{1} << 40;
   static int Value(const T* quad, int e) { return quad[e]; }  // element e = 4 j + i
 #ifdef SERVAX_DOT_AVX2
   // The quad's two halves (columns 0-7, 8-15), and what each row's inputs are multiplied with.
@@ -91,6 +98,9 @@ struct U4 {
   using T = uint8_t;
   static constexpr int64_t kQuad = 32;
   static constexpr bool kOffset = true;
+  // Pairs of q <= 15 times |xq| <= 127 are at most 3810: 8 quads' sum in int16 (<= 30480).
+  static constexpr bool kInt16 = true;
+  static constexpr int64_t kSpan = 8;
   static int Value(const T* quad, int e) { return e < 32 ? quad[e] & 15 : quad[e - 32] >> 4; }
 #ifdef SERVAX_DOT_AVX2
   static void Load(const T* quad, __m256i& w0, __m256i& w1) {
@@ -102,48 +112,97 @@ struct U4 {
 #endif
 };
 
-// c[r, 0:16] = x[r] . W[:, panel] for MR rows from row r0: per block of inputs, integer dot
-// products over its quads, then scaled into float.
-template <class W, int MR>
-void DotRows(const QuantizedRows& x, int64_t r0, const typename W::T* panel, const float* scale, const float* offset,
-             int64_t group, float* c, int64_t ldc) {
-  const int64_t K = x.K, block = x.block;
+// Scales and offsets as stored: float32, or float16 (GGUF's blocks keep their half-precision
+// scales: a quarter fewer bytes to read per 4-bit block than with float32 ones).
+struct F32Scales {
+  using T = float;
+  static float At(const T* p, int j) { return p[j]; }
+#ifdef SERVAX_DOT_AVX2
+  static __m256 Load8(const T* p) { return _mm256_loadu_ps(p); }
+#endif
+};
+
+struct F16Scales {
+  using T = uint16_t;
+  static float At(const T* p, int j) {  // IEEE half -> float (the portable loops only)
+    const uint32_t h = p[j], sign = (h & 0x8000u) << 16, exp = (h >> 10) & 31, man = h & 1023;
+    float f;
+    if (exp == 31) {
+      const uint32_t bits = sign | 0x7f800000u | (man << 13);
+      std::memcpy(&f, &bits, 4);
+    } else if (exp == 0) {
+      f = std::ldexp(static_cast<float>(man), -24);
+      if (sign) f = -f;
+    } else {
+      const uint32_t bits = sign | ((exp + 112) << 23) | (man << 13);
+      std::memcpy(&f, &bits, 4);
+    }
+    return f;
+  }
+#ifdef SERVAX_DOT_AVX2
+  static __m256 Load8(const T* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+};
+
+// c[r, 0:16] = x[r] . W[:, panel] for MR rows from row r0: integer dot products over the
+// quads of each run of W::kSpan quads (a 4-bit run sums its vpmaddubsw pairs in int16, one
+// vpmaddwd per run; int8 weights widen every quad's pairs to int32), each run then scaled
+// into float (d * scale; per block of inputs, + offset * sum(x)).
+template <class W, class S, int MR>
+void DotRows(const QuantizedRows& x, int64_t r0, const typename W::T* panel, const typename S::T* scale,
+             const typename S::T* offset, int64_t group, float* c, int64_t ldc) {
+  const int64_t K = x.K, block = x.block, block_quads = x.block / 4;
   for (int r = 0; r < MR; ++r) std::fill(c + r * ldc, c + r * ldc + kPanel, 0.0f);
   for (int64_t b = 0; b < x.blocks; ++b) {
     const int64_t g = b * block / group;
-    const float* s = scale + g * kPanel;
-    const float* o = W::kOffset ? offset + g * kPanel : nullptr;
+    const typename S::T* s = scale + g * kPanel;
+    const typename S::T* o = W::kOffset ? offset + g * kPanel : nullptr;
     const typename W::T* quads = panel + (b * block / 4) * W::kQuad;
 #ifdef SERVAX_DOT_AVX2
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i acc[MR][2];
+    const __m256 s_lo = S::Load8(s), s_hi = S::Load8(s + 8);
+    for (int64_t q0 = 0; q0 < block_quads; q0 += W::kSpan) {
+      const int64_t q1 = std::min(block_quads, q0 + W::kSpan);
+      __m256i acc[MR][2];
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-    for (int64_t q = 0; q < block / 4; ++q) {
-      __m256i w0, w1;
-      W::Load(quads + q * W::kQuad, w0, w1);
+      for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+      for (int64_t q = q0; q < q1; ++q) {
+        __m256i w0, w1;
+        W::Load(quads + q * W::kQuad, w0, w1);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          int32_t four;
+          std::memcpy(&four, x.q.data() + (r0 + r) * K + b * block + 4 * q, 4);
+          const __m256i xb = _mm256_set1_epi32(four);
+          if constexpr (W::kInt16) {
+            acc[r][0] = _mm256_add_epi16(acc[r][0], W::Products(w0, xb));
+            acc[r][1] = _mm256_add_epi16(acc[r][1], W::Products(w1, xb));
+          } else {
+            acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(W::Products(w0, xb), ones));
+            acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(W::Products(w1, xb), ones));
+          }
+        }
+      }
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
-        int32_t four;
-        std::memcpy(&four, x.q.data() + (r0 + r) * K + b * block + 4 * q, 4);
-        const __m256i xb = _mm256_set1_epi32(four);
-        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(W::Products(w0, xb), ones));
-        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(W::Products(w1, xb), ones));
+        __m256i lo = acc[r][0], hi = acc[r][1];
+        if constexpr (W::kInt16) lo = _mm256_madd_epi16(lo, ones), hi = _mm256_madd_epi16(hi, ones);
+        const __m256 d = _mm256_set1_ps(x.d[(r0 + r) * x.blocks + b]);
+        float* out = c + r * ldc;
+        _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s_lo, d), _mm256_loadu_ps(out)));
+        _mm256_storeu_ps(out + 8,
+                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(s_hi, d), _mm256_loadu_ps(out + 8)));
       }
     }
-    const __m256 s_lo = _mm256_loadu_ps(s), s_hi = _mm256_loadu_ps(s + 8);
+    if constexpr (W::kOffset) {
+      const __m256 o_lo = S::Load8(o), o_hi = S::Load8(o + 8);
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) {
-      const int64_t at = (r0 + r) * x.blocks + b;
-      const __m256 d = _mm256_set1_ps(x.d[at]);
-      float* out = c + r * ldc;
-      __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][0]), _mm256_mul_ps(s_lo, d), _mm256_loadu_ps(out));
-      __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][1]), _mm256_mul_ps(s_hi, d), _mm256_loadu_ps(out + 8));
-      if (W::kOffset) {
-        const __m256 sum = _mm256_set1_ps(x.sum[at]);
-        lo = _mm256_fmadd_ps(_mm256_loadu_ps(o), sum, lo), hi = _mm256_fmadd_ps(_mm256_loadu_ps(o + 8), sum, hi);
+      for (int r = 0; r < MR; ++r) {
+        const __m256 sum = _mm256_set1_ps(x.sum[(r0 + r) * x.blocks + b]);
+        float* out = c + r * ldc;
+        _mm256_storeu_ps(out, _mm256_fmadd_ps(o_lo, sum, _mm256_loadu_ps(out)));
+        _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(o_hi, sum, _mm256_loadu_ps(out + 8)));
       }
-      _mm256_storeu_ps(out, lo), _mm256_storeu_ps(out + 8, hi);
     }
 #else
     // Portable loops (runtime/ops/matmul.py uses the kernel only where AVX2 and FMA are there).
@@ -153,22 +212,23 @@ void DotRows(const QuantizedRows& x, int64_t r0, const typename W::T* panel, con
       for (int j = 0; j < kPanel; ++j) {
         int32_t dot = 0;
         for (int64_t i = 0; i < block; ++i) dot += W::Value(quads + (i / 4) * W::kQuad, 4 * j + i % 4) * xq[i];
-        c[r * ldc + j] += x.d[at] * s[j] * dot + (W::kOffset ? o[j] * x.sum[at] : 0.0f);
+        c[r * ldc + j] += x.d[at] * S::At(s, j) * dot + (W::kOffset ? S::At(o, j) * x.sum[at] : 0.0f);
       }
     }
 #endif
   }
 }
 
-template <class W>
-using DotRowsFn = void (*)(const QuantizedRows&, int64_t, const typename W::T*, const float*, const float*, int64_t,
-                           float*, int64_t);
+template <class W, class S>
+using DotRowsFn = void (*)(const QuantizedRows&, int64_t, const typename W::T*, const typename S::T*,
+                           const typename S::T*, int64_t, float*, int64_t);
 
-template <class W>
+template <class W, class S>
 ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t valid, int64_t K,
-                    const typename W::T* packed, int64_t panels, const float* scales, const float* offsets,
-                    int64_t groups, float* c) {
-  static const DotRowsFn<W> fns[kRows + 1] = {nullptr, DotRows<W, 1>, DotRows<W, 2>, DotRows<W, 3>, DotRows<W, 4>};
+                    const typename W::T* packed, int64_t panels, const typename S::T* scales,
+                    const typename S::T* offsets, int64_t groups, float* c) {
+  static const DotRowsFn<W, S> fns[kRows + 1] = {nullptr, DotRows<W, S, 1>, DotRows<W, S, 2>, DotRows<W, S, 3>,
+                                                 DotRows<W, S, 4>};
   const int64_t N = panels * kPanel;
   const int64_t M = std::clamp<int64_t>(valid, 0, rows);
   std::fill(c + M * N, c + rows * N, 0.0f);  // rows past valid_rows: zeros
@@ -185,8 +245,8 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
   servax::ParallelFor(pool, tasks, threads - 1, [&](int64_t t) {
     for (int64_t p = t * per_task; p < std::min(panels, (t + 1) * per_task); ++p) {
       const typename W::T* panel = packed + p * (K / 4) * W::kQuad;
-      const float* s = scales + p * groups * kPanel;
-      const float* o = W::kOffset ? offsets + p * groups * kPanel : nullptr;
+      const typename S::T* s = scales + p * groups * kPanel;
+      const typename S::T* o = W::kOffset ? offsets + p * groups * kPanel : nullptr;
       for (int64_t blk = 0, r0 = 0; blk < row_blocks; ++blk) {
         const int64_t n = M / row_blocks + (blk < M % row_blocks);
         fns[n](shared, r0, panel, s, o, group, c + r0 * N + p * kPanel, N);
@@ -197,6 +257,25 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
   return ffi::Error::Success();
 }
 
+// Scales (and offsets) of either stored dtype: the products of Multiply<W, S> for the matching S.
+template <class W>
+ffi::Error MultiplyScaled(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t valid, int64_t K,
+                          const typename W::T* packed, int64_t panels, ffi::AnyBuffer scales,
+                          const ffi::AnyBuffer* offsets, int64_t groups, float* c) {
+  if (offsets != nullptr && offsets->element_type() != scales.element_type())
+    return ffi::Error::InvalidArgument("int8-activation matmul: scales and offsets of different dtypes");
+  switch (scales.element_type()) {
+    case ffi::DataType::F32:
+      return Multiply<W, F32Scales>(pool, x, rows, valid, K, packed, panels, scales.reinterpret_data<float>(),
+                                    offsets ? offsets->reinterpret_data<float>() : nullptr, groups, c);
+    case ffi::DataType::F16:
+      return Multiply<W, F16Scales>(pool, x, rows, valid, K, packed, panels, scales.reinterpret_data<uint16_t>(),
+                                    offsets ? offsets->reinterpret_data<uint16_t>() : nullptr, groups, c);
+    default:
+      return ffi::Error::InvalidArgument("int8-activation matmul: scales must be float32 or float16");
+  }
+}
+
 // Shapes: x [M, K]; quads [N/16, K/4, bytes]; scales (offsets) [N/16, G, 16], G dividing K; out [M, N].
 bool Shaped(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> pd, int64_t bytes, ffi::Span<const int64_t> sd,
             ffi::Span<const int64_t> od) {
@@ -205,25 +284,24 @@ bool Shaped(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> pd, int64_t by
          od[1] == pd[0] * kPanel;
 }
 
-ffi::Error Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed,
-                   ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> valid_rows, ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed, ffi::AnyBuffer scales,
+                   ffi::Buffer<ffi::S32> valid_rows, ffi::ResultBuffer<ffi::F32> out) {
   auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions();
   if (!Shaped(xd, pd, I8::kQuad, sd, out->dimensions()))
     return ffi::Error::InvalidArgument(
         "int8-activation int8 matmul: x [M, K], quads [N/16, K/4, 64], scales [N/16, G, 16], out [M, N]");
-  return Multiply<I8>(pool, x.typed_data(), xd[0], valid_rows.typed_data()[0], xd[1], packed.typed_data(), pd[0],
-                      scales.typed_data(), nullptr, sd[1], out->typed_data());
+  return MultiplyScaled<I8>(pool, x.typed_data(), xd[0], valid_rows.typed_data()[0], xd[1], packed.typed_data(), pd[0],
+                            scales, nullptr, sd[1], out->typed_data());
 }
 
-ffi::Error UInt4Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
-                    ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> offsets, ffi::Buffer<ffi::S32> valid_rows,
-                    ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error UInt4Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer scales,
+                    ffi::AnyBuffer offsets, ffi::Buffer<ffi::S32> valid_rows, ffi::ResultBuffer<ffi::F32> out) {
   auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions(), od = offsets.dimensions();
   if (!Shaped(xd, pd, U4::kQuad, sd, out->dimensions()) || !std::equal(sd.begin(), sd.end(), od.begin(), od.end()))
     return ffi::Error::InvalidArgument("int8-activation 4-bit matmul: x [M, K], quads [N/16, K/4, 32], scales and "
                                        "offsets [N/16, G, 16], out [M, N]");
-  return Multiply<U4>(pool, x.typed_data(), xd[0], valid_rows.typed_data()[0], xd[1], packed.typed_data(), pd[0],
-                      scales.typed_data(), offsets.typed_data(), sd[1], out->typed_data());
+  return MultiplyScaled<U4>(pool, x.typed_data(), xd[0], valid_rows.typed_data()[0], xd[1], packed.typed_data(), pd[0],
+                            scales, &offsets, sd[1], out->typed_data());
 }
 
 }  // namespace
@@ -233,7 +311,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxInt8DotMatmul, Int8Dot,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::S8>>()  // quads [N / 16, K / 4, 64]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N / 16, G, 16]
+                                  .Arg<ffi::AnyBuffer>()  // scales [N / 16, G, 16], float32 or float16
                                   .Arg<ffi::Buffer<ffi::S32>>()  // valid rows [1]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
@@ -242,7 +320,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxUInt4DotMatmul, UInt4Dot,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::U8>>()  // quads [N / 16, K / 4, 32]: two columns a byte
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N / 16, G, 16]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // offsets [N / 16, G, 16]
+                                  .Arg<ffi::AnyBuffer>()  // scales [N / 16, G, 16], float32 or float16
+                                  .Arg<ffi::AnyBuffer>()  // offsets [N / 16, G, 16], as the scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // valid rows [1]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
