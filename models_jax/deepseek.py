@@ -45,7 +45,7 @@ from models_jax.mla import latent_attention
 from models_jax.weights import (
     WeightSpec, embedding, is_weight_spec, linear, linear_from_heads, linear_to_heads, stacked, vector, zeros,
 )
-from runtime.ops.matmul import PackedWeight, pack_matrix
+from runtime.ops.matmul import PackedExperts, PackedWeight, pack_matrix
 from runtime.ops.step import KVCache, KVCacheSpec, StepInput
 
 # The RMSNorms inside attention (q_a_layernorm, kv_a_layernorm) keep transformers' default eps,
@@ -312,8 +312,9 @@ def attention_block(
         k_rope = rope(kv[:, None, r:], cos, sin, a.rope_interleave)  # [T, 1, rope]
         key = jnp.concatenate([latent[:, None, :], k_rope], axis=-1)  # [T, 1, r + rope]: what the cache keeps
     w_uk, w_uv = p["kv_b"][..., :nope], p["kv_b"][..., nope:]  # [r, H, nope], [r, H, v]
+    heads_first = (p["uk_heads"], p["uv_heads"]) if "uk_heads" in p else None  # (pack_layer's)
     out, kv_cache = latent_attention(q[..., :nope], q_rope, key, kv_cache, i, batch, w_uk, w_uv,
-                                     scale=a.softmax_scale)
+                                     scale=a.softmax_scale, heads_first=heads_first)
     with jax.named_scope("o"):
         return layers.project_from_heads(out, p["o"], p.get("o_bias"), batch.num_tokens), kv_cache
 
@@ -375,8 +376,15 @@ def fuse_layer(p: dict) -> dict:
 def pack_layer(p: dict) -> dict:
     """One layer's projections as runtime.ops.matmul.PackedWeight where the kernels take them:
     q (or q_a, q_b) and kv_a, o, the MLP (dense, or the experts and shared expert). kv_b stays
-    an array: the absorbed form multiplies it per head, not as one matrix."""
+    an array (the expanded form's); its W_UK and W_UV are also packed head-major ("uk_heads"
+    [H, nope, r], "uv_heads" [H, r, v]) for the grouped kernel, the heads as its groups, since
+    the absorbed form multiplies them per head: read from kv_b, XLA:CPU would transpose them
+    every step (most of a decode step's time)."""
     out = dict(p)
+    if "uk_heads" not in p:
+        nope = p["kv_b"].shape[-1] - p["o"].shape[1]  # kv_b [r, H, nope + v], o [H, v, D]
+        out["uk_heads"] = PackedExperts.pack(p["kv_b"][..., :nope].transpose(1, 2, 0))
+        out["uv_heads"] = PackedExperts.pack(p["kv_b"][..., nope:].transpose(1, 0, 2))
     for name in ("q", "q_b"):  # [in, H, nope + rope] -> [in, H * (nope + rope)]
         if name in p and isinstance(p[name], jax.Array):
             out[name] = pack_matrix(p[name].reshape(p[name].shape[0], -1))

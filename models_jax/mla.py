@@ -34,11 +34,13 @@ context, cached and new, in its own form, and only the outputs ([T, H, v]) are j
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from runtime.ops.attention import expanded_latent_attention, paged_attention, write_step_kv
+from runtime.ops.matmul import PackedExperts
 from runtime.ops.step import KVCache, StepInput
 
 # mla_prefill "auto": the tokens after a step's decodes attend expanded from this many on, per
@@ -55,6 +57,16 @@ def expanded_is_cheaper(batch: StepInput, decodes: int, backend: str) -> jax.Arr
     return batch.num_tokens - decodes >= EXPANDED_MIN_TOKENS.get(backend, EXPANDED_MIN_TOKENS["xla"])
 
 
+def per_head(x: jax.Array, w: jax.Array | PackedExperts) -> jax.Array:
+    """x [T, H, in] times head h's matrix w[h] [in, out] for each head -> [T, H, out]; on packed
+    weights (PackedExperts [H, in, out]) by the grouped kernel, the heads' rows as its groups."""
+    if not isinstance(w, PackedExperts):
+        return jnp.einsum("thn,hnr->thr", x, w)
+    t, h, d = x.shape
+    y = w.grouped_matmul(x.transpose(1, 0, 2).reshape(h * t, d), jnp.full((h,), t, jnp.int32))
+    return y.reshape(h, t, -1).transpose(1, 0, 2).astype(x.dtype)
+
+
 def latent_attention(
     q_nope: jax.Array,  # [T, H, nope]
     q_rope: jax.Array,  # [T, H, rope], rotated
@@ -66,20 +78,32 @@ def latent_attention(
     w_uv: jax.Array,  # [r, H, v]
     *,
     scale: float,
+    heads_first: tuple[Any, Any] | None = None,  # W_UK [H, nope, r], W_UV [H, r, v]: arrays or PackedExperts
 ) -> tuple[jax.Array, KVCache]:  # [T, H, v], the cache with the step's latents written
     """Multi-head latent attention of a step, in the form kv_cache.mla_prefill asks for (see the
     module docstring): every token absorbed, or the decodes' slots (the first S tokens) absorbed
     and the tokens after them expanded; auto picks between the two where `expanded_is_cheaper`,
     by lax.cond after the step's latents are written, so one compiled program serves both and
-    each token attends once."""
+    each token attends once.
+
+    `heads_first`: the same W_UK and W_UV laid out head-major (what the absorbed products
+    batch over), where the model keeps them so (packed for the grouped kernel by
+    models_jax/deepseek.py's pack_layer); else they are read from w_uk and w_uv, which XLA:CPU
+    then transposes every step."""
     r = w_uk.shape[0]
+    uk, uv = heads_first if heads_first is not None else (None, None)
 
     def absorbed_query(tokens: slice) -> jax.Array:  # [n, H, r + rope]: queries in the latent space
         with jax.named_scope("absorb"):
-            q_latent = jnp.einsum("thn,rhn->thr", q_nope[tokens], w_uk)
+            if uk is not None:
+                q_latent = per_head(q_nope[tokens], uk)
+            else:
+                q_latent = jnp.einsum("thn,rhn->thr", q_nope[tokens], w_uk)
             return jnp.concatenate([q_latent, q_rope[tokens]], axis=-1)
 
     def unabsorb(out: jax.Array) -> jax.Array:  # [n, H, r] -> [n, H, v]
+        if uv is not None:
+            return per_head(out, uv)
         return jnp.einsum("thr,rhv->thv", out, w_uv)
 
     num_tokens = q_nope.shape[0]
