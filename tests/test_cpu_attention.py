@@ -23,12 +23,16 @@ from runtime.ops.cpu_kernels import kernel_status
 from test_attention import MIXED, TOL, build_batch, check_per_shard_against_xla, oracle
 
 # (heads, kv_heads, block_size, head_dim, window, soft cap): the first three take the
-# kernel's compiled-in shapes (block 16 with head_dim 64 / 128, block 32), the rest the generic loops.
+# kernel's compiled-in shapes (block 16 with head_dim 64 / 128, block 32), the soft cap the
+# generic loops, the rest (other head dims) the tiled products (RunItemTiled: tiles of 4 rows,
+# and single rows past them; values in tiles of 16 dims and one of 8).
 CASES = [
     (9, 3, 16, 64, None, None), (8, 2, 16, 128, 20, None), (4, 4, 32, 64, None, None),
     (4, 4, 4, 8, None, None), (6, 3, 4, 8, 10, None), (4, 1, 4, 16, None, 5.0),
+    (8, 1, 16, 72, None, None), (6, 1, 16, 40, 12, None),
 ]
-CASE_IDS = ["gqa-16x64", "window-16x128", "mha-32x64", "mha-generic", "sliding-generic", "softcap-generic"]
+CASE_IDS = ["gqa-16x64", "window-16x128", "mha-32x64", "mha-generic", "sliding-generic", "softcap-generic",
+            "mqa-tiled-16x72", "mqa-window-tiled-16x40"]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -347,6 +347,161 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
       }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Scores of MR rows against two keys: s[r * BS + j] = q_r . k_j for j = j0, j0 + 1, over D
+// (a multiple of 8) in registers: per 8 dims two key loads and MR query loads feed 2 MR FMAs.
+template <int MR>
+inline void ScoresTile(const float* __restrict q, const float* __restrict k0, const float* __restrict k1,
+                       float* __restrict s, int64_t BS, int64_t D) {
+  __m256 a[MR][2];
+  for (int r = 0; r < MR; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 qv = _mm256_loadu_ps(q + r * D + d);
+      a[r][0] = _mm256_fmadd_ps(qv, x0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(qv, x1, a[r][1]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    const __m256 h = _mm256_hadd_ps(a[r][0], a[r][1]);  // [s0 s0 s1 s1 | s0 s0 s1 s1] partials
+    const __m128 x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s[r * BS] = _mm_cvtss_f32(_mm_hadd_ps(x, x));
+    s[r * BS + 1] = _mm_cvtss_f32(_mm_shuffle_ps(_mm_hadd_ps(x, x), _mm_hadd_ps(x, x), 1));
+  }
+}
+
+// acc[r] = acc[r] * correction[r] + sum_j p[r, j] v_j for MR rows, over dims [d0, d0 + 8 W)
+// of the values (v_j: row j of `stride` floats): the accumulator tile stays in registers over
+// the block's keys, each value load serving MR rows.
+template <int MR, int W>
+inline void AccumulateTile(float* __restrict acc, int64_t DV, const float* __restrict correction,
+                           const float* __restrict pr, int64_t BS, const float* __restrict v, int64_t stride,
+                           int64_t d0) {
+  __m256 a[MR][W];
+  for (int r = 0; r < MR; ++r) {
+    const __m256 c = _mm256_set1_ps(correction[r]);
+    for (int w = 0; w < W; ++w) a[r][w] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * DV + d0 + 8 * w), c);
+  }
+  for (int64_t j = 0; j < BS; ++j) {
+    __m256 x[W];
+    for (int w = 0; w < W; ++w) x[w] = _mm256_loadu_ps(v + j * stride + d0 + 8 * w);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 pj = _mm256_set1_ps(pr[r * BS + j]);
+      for (int w = 0; w < W; ++w) a[r][w] = _mm256_fmadd_ps(pj, x[w], a[r][w]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(acc + r * DV + d0 + 8 * w, a[r][w]);
+}
+
+template <int MR>
+void AccumulateRows(float* acc, int64_t DV, const float* correction, const float* pr, int64_t BS, const float* v,
+                    int64_t stride) {
+  int64_t d0 = 0;
+  for (; d0 + 16 <= DV; d0 += 16) AccumulateTile<MR, 2>(acc, DV, correction, pr, BS, v, stride, d0);
+  if (d0 < DV) AccumulateTile<MR, 1>(acc, DV, correction, pr, BS, v, stride, d0);
+}
+
+// RunItem for head dims without a compile-time form (a latent cache's 576, values in its first
+// 512; multi-query or wide heads), where many rows read each KV head: its scores and value
+// updates go as small matrix products over tiles of 4 rows (registers reused across the rows
+// of a tile and the keys of a block), not row by row. Needs AVX2, D and DV multiples of 8, an
+// even block size and no soft cap; same results as RunItem up to float rounding.
+template <int kBS>
+void RunItemTiled(const Problem& p, const Item& it, std::vector<float>& scratch) {
+  const int64_t D = p.head_dim, BS = kBS > 0 ? kBS : p.block_size, DV = p.value_dims;
+  const int64_t g0 = it.g0, G = (it.g1 < 0 ? p.group : it.g1) - g0;
+  const int64_t ntok = it.t1 - it.t0, heads = it.h1 - it.h0;
+  const int64_t RH = ntok * G, R = heads * RH;
+  const bool quantized = p.stored != Stored::kF32;
+  scratch.resize(R * (D + DV) + R * BS + R * 3 + (quantized ? 2 * BS * D : 0));
+  float* __restrict q = scratch.data();  // [R, D], scaled
+  float* __restrict acc = q + R * D;     // [R, DV]
+  float* __restrict s = acc + R * DV;    // [R, BS]
+  float* __restrict m = s + R * BS;      // [R]
+  float* __restrict l = m + R;           // [R]
+  float* __restrict corr = l + R;        // [R]: this block's rescaling of each row
+  float* __restrict kf = corr + R;       // a quantized cache's block [BS, D], as float32
+  float* __restrict vf = kf + BS * D;
+  const auto head = [&](int64_t hh, int64_t g) { return (it.h0 + hh) * p.group + g0 + g; };
+  for (int64_t hh = 0; hh < heads; ++hh)
+    for (int64_t i = 0; i < ntok; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* __restrict src = p.q + ((it.t0 + i) * p.num_heads + head(hh, g)) * D;
+        float* __restrict dst = q + (hh * RH + i * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * p.scale;
+      }
+  std::fill(acc, acc + R * DV, 0.0f);
+  std::fill(m, m + R, kMaskValue);
+  std::fill(l, l + R, 0.0f);
+
+  const ItemContext context(p, it, BS, D);
+  const int64_t ctx = context.ctx;
+  for (int64_t b = context.lo / BS; b * BS < context.hi; ++b) {
+    const int64_t offset = context.Offset(b);
+    context.PrefetchNext(b, heads);
+    const int64_t k0 = b * BS;
+    const bool whole = context.Whole(k0, BS);
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      const int64_t at = offset + hh * BS * D;
+      const float* __restrict kb = kf;
+      const float* __restrict vb = vf;
+      if (!quantized) {
+        kb = p.k_cache + at, vb = p.v_cache + at;
+      } else {
+        Dequantize(p.stored, p.k_bytes + at, p.k_scale + at / D, BS, D, D, kf);
+        if (p.v_bytes == p.k_bytes) {
+          vb = kf;
+        } else {
+          Dequantize(p.stored, p.v_bytes + at, p.v_scale + at / D, BS, DV, D, vf);
+        }
+      }
+      float* __restrict qh = q + hh * RH * D;
+      float* __restrict sh = s + hh * RH * BS;
+      int64_t r0 = 0;
+      for (; r0 + 4 <= RH; r0 += 4)
+        for (int64_t j = 0; j < BS; j += 2) ScoresTile<4>(qh + r0 * D, kb + j * D, kb + (j + 1) * D, sh + r0 * BS + j, BS, D);
+      for (; r0 < RH; ++r0)
+        for (int64_t j = 0; j < BS; j += 2) ScoresTile<1>(qh + r0 * D, kb + j * D, kb + (j + 1) * D, sh + r0 * BS + j, BS, D);
+      if (!whole) {
+        for (int64_t r = 0; r < RH; ++r) {
+          const int64_t pos = p.positions[it.t0 + r / G];
+          for (int64_t j = 0; j < BS; ++j) {
+            const int64_t kp = k0 + j;
+            const bool visible = kp <= pos && kp < ctx && (p.window <= 0 || pos - kp < p.window);
+            if (!visible) sh[r * BS + j] = kMaskValue;
+          }
+        }
+      }
+      for (int64_t r = hh * RH; r < (hh + 1) * RH; ++r) {
+        float* __restrict sr = s + r * BS;
+        float mx = m[r];
+        for (int64_t j = 0; j < BS; ++j) mx = std::max(mx, sr[j]);
+        corr[r] = std::exp(m[r] - mx);
+        const float sum = ExpShifted<kBS>(sr, mx, BS);
+        m[r] = mx;
+        l[r] = l[r] * corr[r] + sum;
+      }
+      float* __restrict ah = acc + hh * RH * DV;
+      const float* ch = corr + hh * RH;
+      r0 = 0;
+      for (; r0 + 4 <= RH; r0 += 4) AccumulateRows<4>(ah + r0 * DV, DV, ch + r0, sh + r0 * BS, BS, vb, D);
+      for (; r0 < RH; ++r0) AccumulateRows<1>(ah + r0 * DV, DV, ch + r0, sh + r0 * BS, BS, vb, D);
+    }
+  }
+
+  for (int64_t hh = 0; hh < heads; ++hh)
+    for (int64_t i = 0; i < ntok; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = hh * RH + i * G + g;
+        const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
+        float* __restrict dst = p.out + ((it.t0 + i) * p.num_heads + head(hh, g)) * DV;
+        for (int64_t d = 0; d < DV; ++d) dst[d] = acc[r * DV + d] * inv;
+      }
+}
+#endif
+
 #ifdef __AVX512F__
 // exp(x) for x <= 0, 16 lanes: Exp's polynomial and constants.
 inline __m512 Exp16(__m512 x) {
@@ -555,8 +710,14 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     return ffi::Error::InvalidArgument("paged_attention: a quantized cache needs a scale per token and head");
   const ItemFn lanes_run = p.soft_cap > 0 || !own_values || !plain ? nullptr
                                                                   : PickLanesItemFn(p.block_size, p.head_dim);
-  const ItemFn run = lanes_run != nullptr ? lanes_run : own_values ? PickItemFn(p.block_size, p.head_dim)
-                                                                  : RunItem<0, 0>;
+  ItemFn run = lanes_run != nullptr ? lanes_run : own_values ? PickItemFn(p.block_size, p.head_dim)
+                                                            : RunItem<0, 0>;
+#if defined(__AVX2__) && defined(__FMA__)
+  // Head dims without a compile-time form take the tiled products (RunItemTiled's conditions).
+  if (run == RunItem<0, 0> && p.soft_cap <= 0 && p.head_dim % 8 == 0 && p.value_dims % 8 == 0 &&
+      p.block_size % 2 == 0)
+    run = p.block_size == 16 ? RunItemTiled<16> : RunItemTiled<0>;
+#endif
   const int64_t T = qd[0], S = td[0];
   const int64_t real = std::min<int64_t>(std::max<int32_t>(num_tokens.typed_data()[0], 0), T);
   // The rows-in-lanes form takes tiles of about 48 rows (three vectors of 16: 16 tokens of a
