@@ -2,7 +2,8 @@
 (#41): one layer's attention (query absorption, paged attention, W_UV) of a prefill chunk of P
 tokens after C cached context tokens, at DeepSeek-V2-Lite's dims (16 heads, kv_lora_rank 512,
 rope 64, nope 128, v 128), through models_jax.mla.latent_attention with the cache's
-mla_prefill forced either way. Times are the best of a few repetitions; on a shared machine
+mla_prefill forced either way (on the cpu backend with W_UK and W_UV packed head-major, as the
+model's packed layers keep them). Times are the best of a few repetitions; on a shared machine
 compare the two forms within one run.
 
     python benchmarks/mla_prefill.py [--backends cpu xla] [--chunks 128 256 512] [--contexts 512 1024 4096]
@@ -12,14 +13,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models_jax.mla import latent_attention
-from runtime.ops.step import KVCacheSpec, allocate_kv_cache, make_step_input
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models_jax.mla import latent_attention  # noqa: E402
+from runtime.ops.matmul import PackedExperts, packed_matmul_available  # noqa: E402
+from runtime.ops.step import KVCacheSpec, allocate_kv_cache, make_step_input  # noqa: E402
 
 HEADS, RANK, ROPE, NOPE, V = 16, 512, 64, 128, 128
 BLOCK = 16
@@ -50,11 +56,15 @@ def time_forms(backend: str, chunk: int, context: int, reps: int) -> dict[str, f
     key = jnp.asarray(rng.standard_normal((chunk, 1, RANK + ROPE), np.float32))
     w_uk = jnp.asarray(rng.standard_normal((RANK, HEADS, NOPE), np.float32) * 0.05)
     w_uv = jnp.asarray(rng.standard_normal((RANK, HEADS, V), np.float32) * 0.05)
+    # W_UK / W_UV head-major for the grouped kernel, as models_jax/deepseek.py's packed layers keep them
+    heads_first = ((PackedExperts.pack(w_uk.transpose(1, 2, 0)), PackedExperts.pack(w_uv.transpose(1, 0, 2)))
+                   if backend == "cpu" and packed_matmul_available() else None)
     times, outs = {}, {}
     for form in ("absorbed", "expanded"):
         c = dataclasses.replace(cache, mla_prefill=form)
-        fn = jax.jit(lambda c, b, *x: latent_attention(*x[:3], c, jnp.int32(0), b, *x[3:], scale=0.07)[0])
-        inputs = (c, batch, q_nope, q_rope, key, w_uk, w_uv)
+        fn = jax.jit(lambda c, b, heads_first, *x: latent_attention(*x[:3], c, jnp.int32(0), b, *x[3:], scale=0.07,
+                                                                     heads_first=heads_first)[0])
+        inputs = (c, batch, heads_first, q_nope, q_rope, key, w_uk, w_uv)
         outs[form] = np.asarray(fn(*inputs))
         best = float("inf")
         for _ in range(reps):

@@ -45,7 +45,7 @@ from runtime.ops.step import KVCache, StepInput
 
 # mla_prefill "auto": the tokens after a step's decodes attend expanded from this many on, per
 # attention backend (benchmarks/mla_prefill.py measures the two forms; figures in RESULTS.md).
-EXPANDED_MIN_TOKENS = {"cpu": 96, "xla": 192}
+EXPANDED_MIN_TOKENS = {"cpu": 256, "xla": 192}
 
 
 def expanded_is_cheaper(batch: StepInput, decodes: int, backend: str) -> jax.Array:
