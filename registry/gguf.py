@@ -13,7 +13,10 @@ paths (native JAX or torchax) and never parses the GGUF again.
 Quantized tensors become float32 (dequantization is exact in float32: each weight is a
 float16 scale times a small integer, plus an offset); F16 and BF16 tensors keep their
 dtype. Q8_0 tensors are also written as stored, int8 values and a float16 scale per block of
-32, under `q8_0/` (registry.weights.open_q8_0), which `quantization="gguf"` serves as int8.
+32, under `q8_0/` (registry.weights.open_q8_0), which `quantization="gguf"` serves as int8;
+Q5_0, Q5_1, Q5_K and Q6_K tensors are written there too, requantized to int8 blocks of 32
+(registry.gguf_tensors.requantized_q8_0_parts: not as stored, each weight within 1/254 of its
+block's largest), and Q4_0, Q4_1 and Q4_K as stored under `q4/`.
 
     python -m registry.gguf model.Q4_K_M.gguf            # convert now, print the folder
 """
@@ -32,13 +35,15 @@ from typing import Any
 
 from registry.errors import ModelLoadError
 from registry.gguf_tensors import (
-    ARCHITECTURES, FOUR_BIT_TYPES, GGUFArchitecture, architecture, check_tensor_types, four_bit_parts, hf_names,
-    hf_shape_dtype, hf_tensor, q8_0_parts, write_safetensors,
+    ARCHITECTURES, FOUR_BIT_TYPES, REQUANTIZED_TYPES, GGUFArchitecture, architecture, check_tensor_types,
+    four_bit_parts, hf_names, hf_shape_dtype, hf_tensor, q8_0_parts, requantized_q8_0_parts, write_safetensors,
 )
 
 GGUF_SUFFIX = ".gguf"
 MARKER = "servax_gguf.json"  # written last: a folder without it is incomplete
-FORMAT = 3  # the folder's layout; a folder of another format is converted again (2: q8_0/ added, 3: q4/)
+# the folder's layout; a folder of another format is converted again (2: q8_0/ added, 3: q4/, 4: Q5/Q6
+# tensors requantized into q8_0/)
+FORMAT = 4
 _MAGIC = b"GGUF"
 
 
@@ -148,7 +153,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, source: dict | None = None) 
         for hf_name, tensor in names.items()
     ])
     q8_0 = [(hf_name, tensor) for hf_name, tensor in names.items()
-            if tensor.tensor_type.name == "Q8_0" and len(tensor.shape) >= 2]
+            if tensor.tensor_type.name in ("Q8_0", *REQUANTIZED_TYPES) and len(tensor.shape) >= 2]
     if q8_0:
         from registry.weights import Q8_0_FOLDER
 
@@ -156,7 +161,8 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, source: dict | None = None) 
         entries = []
         for hf_name, tensor in q8_0:
             shape, _ = hf_shape_dtype(tensor)
-            part = functools.partial(q8_0_parts, tensor, config, arch)
+            parts = q8_0_parts if tensor.tensor_type.name == "Q8_0" else requantized_q8_0_parts
+            part = functools.lru_cache(1)(functools.partial(parts, tensor, config, arch))
             entries.append((hf_name, shape, "I8", lambda part=part: part()[0]))
             entries.append((hf_name + ".scale", (*shape[:-1], shape[-1] // 32), "F16", lambda part=part: part()[1]))
         write_safetensors(out_dir / Q8_0_FOLDER / "model.safetensors", entries)
@@ -179,7 +185,8 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, source: dict | None = None) 
     types = sorted({t.tensor_type.name for t in reader.tensors})
     (out_dir / MARKER).write_text(json.dumps(
         {"format": FORMAT, "source": source or {"file": str(gguf_file)}, "architecture": arch_name,
-         "tensor_types": types, "q8_0_tensors": len(q8_0), "four_bit_tensors": len(four_bit)}, indent=2,
+         "tensor_types": types, "q8_0_tensors": len(q8_0), "four_bit_tensors": len(four_bit),
+         "requantized_tensors": sum(t.tensor_type.name in REQUANTIZED_TYPES for _, t in q8_0)}, indent=2,
     ) + "\n")
     return out_dir
 

@@ -230,6 +230,23 @@ def q8_0_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.ndarray, np.n
 
 
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # kept as stored by quantization="gguf" (4-bit values, scale, offset)
+# Written as int8 blocks of 32 beside the Q8_0 tensors (requantized, not as stored): quantization="gguf" then
+# serves them as int8, ~1.06 bytes a weight instead of the dequantized float32's 4.
+REQUANTIZED_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
+
+
+def requantized_q8_0_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.ndarray, np.ndarray]:
+    """A Q5_0, Q5_1, Q5_K or Q6_K tensor requantized as Q8_0 stores its blocks, in Hugging Face
+    layout: int8 values [.., in] and a float16 scale per 32 inputs [.., in / 32] (the block's
+    largest |weight| / 127, rounded to float16; values rounded against that scale). Each weight
+    moves by at most half a step, 1/254 of its block's largest: a fraction of the 5- or 6-bit
+    source's own step (1/31 or 1/63 of its block's range)."""
+    w = hf_tensor(tensor, config, arch).astype(np.float32)  # dequantized, rows in HF order
+    blocks = w.reshape(*w.shape[:-1], w.shape[-1] // 32, 32)
+    scale = (np.abs(blocks).max(axis=-1) / 127).astype(np.float16)
+    step = scale.astype(np.float32)[..., None]
+    values = np.clip(np.rint(np.divide(blocks, step, out=np.zeros_like(blocks), where=step > 0)), -127, 127)
+    return values.astype(np.int8).reshape(w.shape), scale
 
 
 def four_bit_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

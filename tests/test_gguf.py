@@ -245,6 +245,71 @@ def test_q4_k_blocks_decode_as_llama_cpp_dequantizes_them():
     np.testing.assert_array_equal(dense.reshape(2, 1024), dequantize(raw, GGMLQuantizationType.Q4_K).reshape(2, 1024))
 
 
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K"])
+def test_q5_and_q6_blocks_are_requantized_to_int8_within_half_a_step(kind):
+    """Q5_K / Q6_K super-blocks requantized as Q8_0 stores its blocks: a float16 scale per 32
+    values (their largest |value| / 127) and int8 values, each within half a step of what
+    gguf's dequantize gives (and the step well below the source's own)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from registry.gguf_tensors import requantized_q8_0_parts
+
+    rng = np.random.default_rng(1)
+    size = {"Q6_K": 210, "Q5_K": 176}[kind]  # bytes per 256-value super-block
+    raw = rng.integers(0, 256, (8, size), dtype=np.uint8)  # 2 rows of 1024 values
+    d = np.frombuffer(rng.uniform(1e-3, 1e-2, 16).astype(np.float16).tobytes(), np.uint8).reshape(8, 4)
+    if kind == "Q6_K":  # d is the block's last 2 bytes
+        raw[:, -2:] = d[:, :2]
+    else:  # d and dmin lead the block
+        raw[:, :4] = d
+    tensor = types.SimpleNamespace(tensor_type=GGMLQuantizationType[kind], data=raw, name="blk.0.ffn_down.weight",
+                                   shape=np.array([1024, 2]))
+    q, scale = requantized_q8_0_parts(tensor, None, types.SimpleNamespace(permuted_qk=False))
+    assert q.dtype == np.int8 and q.shape == (2, 1024) and scale.dtype == np.float16 and scale.shape == (2, 32)
+    want = dequantize(raw, GGMLQuantizationType[kind]).reshape(2, 32, 32)
+    step = scale.astype(np.float32)[..., None]
+    got = q.reshape(2, 32, 32).astype(np.float32) * step
+    assert np.all(np.abs(got - want) <= 0.5 * step * (1 + 1e-3) + 1e-9)
+    assert np.abs(q).max() == 127  # each block's largest value lands on the grid's end (up to float16 rounding)
+
+
+def test_quantization_gguf_serves_q5_tensors_requantized_as_int8(tiny_checkpoint, gguf_dir):
+    """A Q5_0 file: conversion writes its matrices into q8_0/ requantized (recorded in the marker),
+    and quantization="gguf" serves them as int8 blocks of 32 (not as stored: teacher-forced
+    logprobs move by the requantization, a fraction of what the 5-bit quantization itself moved
+    them from the float checkpoint it was made from)."""
+    from app import LLM, SamplingParams
+    from registry.weights import open_q8_0
+    from runtime.ops.matmul import PackedWeight
+
+    checkpoint = tiny_checkpoint("llama")
+    gguf_file = write_gguf(checkpoint, gguf_dir / "tiny-Q5_0.gguf", weight_type="Q5_0")
+    path, converted = _converted(gguf_file)
+    stored = open_q8_0(path)
+    assert set(stored) == {name for name, array in converted.items() if array.ndim == 2}
+    marker = json.loads((path / "servax_gguf.json").read_text())
+    assert marker["requantized_tensors"] == marker["q8_0_tensors"] == len(stored)
+    for name, (q, scale) in stored.items():
+        step = scale.astype(np.float32)[..., None]
+        got = q.reshape(q.shape[0], -1, 32).astype(np.float32) * step
+        assert np.all(np.abs(got - converted[name].reshape(got.shape)) <= 0.5 * step * (1 + 1e-3) + 1e-9), name
+    prompt = [(7 * i + 3) % 500 + 4 for i in range(60)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    runs = {}
+    for name, model, quantization in (("source", checkpoint, None), ("dequantized", gguf_file, None),
+                                      ("requantized", gguf_file, "gguf")):
+        llm = LLM(model=str(model), quantization=quantization, max_model_len=128, max_num_seqs=4,
+                  max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="", int8_activations=False)
+        (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        runs[name] = (llm, np.array([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]))
+    layer = runs["requantized"][0].engine.model.params["layers"][0]
+    assert isinstance(layer["mlp"]["gate_up"], PackedWeight) and layer["mlp"]["gate_up"].format == "int8"
+    five_bit = np.abs(runs["dequantized"][1] - runs["source"][1]).mean()
+    requantization = np.abs(runs["requantized"][1] - runs["dequantized"][1]).mean()
+    assert 0 < requantization < five_bit / 3, (requantization, five_bit)
+
+
 @pytest.mark.parametrize("weight_type", quick_loop_keeps(["Q4_0", "Q4_1"], "Q4_1"))
 def test_quantization_gguf_serves_four_bit_weights_as_stored(tiny_checkpoint, gguf_dir, weight_type):
     """quantization="gguf" on a 4-bit file: the layers' matrices packed as 4-bit values for the
