@@ -255,96 +255,130 @@ struct ItemContext {
   int64_t lo, hi;
 };
 
+// What RunItem and RunItemTiled keep for an item's rows (KV head h0 + hh, token t0 + i, query
+// head g0 + g of its group; row hh * RH + i * G + g): the scaled queries [R, D], the output
+// accumulators [R, DV], a block's scores [R, BS], each row's running max, denominator and
+// rescaling, and a quantized cache's block of one head as float32 (K and V [BS, D]).
+struct ItemRows {
+  ItemRows(const Problem& p, const Item& it, int64_t D, int64_t DV, int64_t BS, std::vector<float>& scratch)
+      : p(p), it(it), D(D), DV(DV), BS(BS), g0(it.g0), G((it.g1 < 0 ? p.group : it.g1) - it.g0),
+        ntok(it.t1 - it.t0), heads(it.h1 - it.h0), RH(ntok * G), R(heads * RH), quantized(p.stored != Stored::kF32) {
+    scratch.resize(R * (D + DV) + R * BS + R * 3 + (quantized ? 2 * BS * D : 0));
+    q = scratch.data(), acc = q + R * D, s = acc + R * DV, m = s + R * BS, l = m + R, corr = l + R;
+    kf = corr + R, vf = kf + BS * D;
+    for (int64_t hh = 0; hh < heads; ++hh)
+      for (int64_t i = 0; i < ntok; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const float* __restrict src = p.q + ((it.t0 + i) * p.num_heads + Head(hh, g)) * D;
+          float* __restrict dst = q + (hh * RH + i * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * p.scale;
+        }
+    std::fill(acc, acc + R * DV, 0.0f);
+    std::fill(m, m + R, kMaskValue);
+    std::fill(l, l + R, 0.0f);
+  }
+
+  int64_t Head(int64_t hh, int64_t g) const { return (it.h0 + hh) * p.group + g0 + g; }
+
+  // Keys and values of the block at cache offset `at` (one KV head, [BS, D] each): read in
+  // place, or a quantized cache's scaled into float32 once per block and head.
+  void Block(int64_t at, const float*& kb, const float*& vb) const {
+    if (!quantized) {
+      kb = p.k_cache + at, vb = p.v_cache + at;
+      return;
+    }
+    Dequantize(p.stored, p.k_bytes + at, p.k_scale + at / D, BS, D, D, kf);
+    kb = kf, vb = vf;
+    if (p.v_bytes == p.k_bytes) {
+      vb = kf;  // values in the keys
+    } else {
+      Dequantize(p.stored, p.v_bytes + at, p.v_scale + at / D, BS, DV, D, vf);
+    }
+  }
+
+  // The block's keys from k0 that a row may not see (causal, past the context, out of the window):
+  // their scores in sh (KV head hh's rows [RH, BS]) masked.
+  void Mask(float* __restrict sh, int64_t k0, int64_t ctx) const {
+    for (int64_t r = 0; r < RH; ++r) {
+      const int64_t pos = p.positions[it.t0 + r / G];
+      for (int64_t j = 0; j < BS; ++j) {
+        const int64_t kp = k0 + j;
+        const bool visible = kp <= pos && kp < ctx && (p.window <= 0 || pos - kp < p.window);
+        if (!visible) sh[r * BS + j] = kMaskValue;
+      }
+    }
+  }
+
+  // Row r's scores of the block as softmax weights against its running max; keeps the max, the
+  // denominator and the rescaling of what the row had (corr[r]).
+  template <int kBS>
+  void Softmax(int64_t r) const {
+    float* __restrict sr = s + r * BS;
+    float mx = m[r];
+    for (int64_t j = 0; j < BS; ++j) mx = std::max(mx, sr[j]);
+    corr[r] = std::exp(m[r] - mx);
+    const float sum = ExpShifted<kBS>(sr, mx, BS);
+    m[r] = mx;
+    l[r] = l[r] * corr[r] + sum;
+  }
+
+  void Store() const {
+    for (int64_t hh = 0; hh < heads; ++hh)
+      for (int64_t i = 0; i < ntok; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = hh * RH + i * G + g;
+          const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;  // no visible key: zeros
+          float* __restrict dst = p.out + ((it.t0 + i) * p.num_heads + Head(hh, g)) * DV;
+          for (int64_t d = 0; d < DV; ++d) dst[d] = acc[r * DV + d] * inv;
+        }
+  }
+
+  const Problem& p;
+  const Item& it;
+  const int64_t D, DV, BS, g0, G, ntok, heads, RH, R;
+  const bool quantized;
+  float *q, *acc, *s, *m, *l, *corr, *kf, *vf;
+};
+
+// fn(hh, kb, vb, k0, whole) for each block of the item's context (its first key k0; `whole`:
+// every row sees all of its keys) and each of the item's KV heads, with that head's keys and
+// values of the block (Block), the next block prefetched.
+template <class Fn>
+void ForEachBlock(const ItemContext& context, const ItemRows& rows, Fn&& fn) {
+  for (int64_t b = context.lo / rows.BS; b * rows.BS < context.hi; ++b) {
+    const int64_t offset = context.Offset(b);
+    context.PrefetchNext(b, rows.heads);
+    const int64_t k0 = b * rows.BS;
+    const bool whole = context.Whole(k0, rows.BS);
+    for (int64_t hh = 0; hh < rows.heads; ++hh) {
+      const float *kb, *vb;
+      rows.Block(offset + hh * rows.BS * rows.D, kb, vb);  // block b, head h0 + hh: [BS, D]
+      fn(hh, kb, vb, k0, whole);
+    }
+  }
+}
+
 // Block size and head dim as compile-time constants (kBS, kD > 0) for the common shapes,
 // so the per-key dot products and the value updates vectorize fully; 0: read from `p`.
 template <int kBS, int kD>
 void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   const int64_t D = kD > 0 ? kD : p.head_dim, BS = kBS > 0 ? kBS : p.block_size;
-  const int64_t g0 = it.g0, G = (it.g1 < 0 ? p.group : it.g1) - g0;  // this item's query heads of a group
   const int64_t DV = kD > 0 ? kD : p.value_dims;  // the compile-time shapes have values of their own
-  const int64_t ntok = it.t1 - it.t0, heads = it.h1 - it.h0;
-  const int64_t RH = ntok * G, R = heads * RH;  // rows per KV head: (token, query head of its group)
-  const bool quantized = p.stored != Stored::kF32;
-  scratch.resize(R * (D + DV) + R * BS + R * 2 + (quantized ? 2 * BS * D : 0));
-  float* __restrict q = scratch.data();  // [R, D], scaled
-  float* __restrict acc = q + R * D;     // [R, DV]
-  float* __restrict s = acc + R * DV;    // [R, BS]
-  float* __restrict m = s + R * BS;      // [R]
-  float* __restrict l = m + R;           // [R]
-  float* __restrict kf = l + R;          // a quantized cache's block [BS, D] of one head, as float32
-  float* __restrict vf = kf + BS * D;    // [BS, D]
-  // Row of (KV head h0 + hh, token t0 + i, query head g of the group) and the query head it is.
-  const auto row = [&](int64_t hh, int64_t i, int64_t g) { return hh * RH + i * G + g; };
-  const auto head = [&](int64_t hh, int64_t g) { return (it.h0 + hh) * p.group + g0 + g; };
-
-  for (int64_t hh = 0; hh < heads; ++hh)
-    for (int64_t i = 0; i < ntok; ++i)
-      for (int64_t g = 0; g < G; ++g) {
-        const float* __restrict src = p.q + ((it.t0 + i) * p.num_heads + head(hh, g)) * D;
-        float* __restrict dst = q + row(hh, i, g) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * p.scale;
-      }
-  std::fill(acc, acc + R * DV, 0.0f);
-  std::fill(m, m + R, kMaskValue);
-  std::fill(l, l + R, 0.0f);
-
+  ItemRows rows(p, it, D, DV, BS, scratch);
+  const int64_t RH = rows.RH;
   const ItemContext context(p, it, BS, D);
-  const int64_t ctx = context.ctx;
-  for (int64_t b = context.lo / BS; b * BS < context.hi; ++b) {
-    const int64_t offset = context.Offset(b);
-    context.PrefetchNext(b, heads);
-    const int64_t k0 = b * BS;
-    const bool whole = context.Whole(k0, BS);
-
-    for (int64_t hh = 0; hh < heads; ++hh) {
-      const int64_t at = offset + hh * BS * D;  // block b, head h0 + hh: [BS, D]
-      const float* __restrict kb = kf;
-      const float* __restrict vb = vf;
-      if (!quantized) {
-        kb = p.k_cache + at, vb = p.v_cache + at;
-      } else {  // scaled into float32 once per block and head, then read as a float32 cache's
-        Dequantize(p.stored, p.k_bytes + at, p.k_scale + at / D, BS, D, D, kf);
-        if (p.v_bytes == p.k_bytes) {
-          vb = kf;  // values in the keys
-        } else {
-          Dequantize(p.stored, p.v_bytes + at, p.v_scale + at / D, BS, DV, D, vf);
-        }
-      }
-      float* __restrict sh = s + hh * RH * BS;
-      for (int64_t r = 0; r < RH; ++r) Scores<kBS, kD>(q + (hh * RH + r) * D, kb, sh + r * BS, BS, D);
-      if (p.soft_cap > 0)
-        for (int64_t i = 0; i < RH * BS; ++i) sh[i] = p.soft_cap * std::tanh(sh[i] / p.soft_cap);
-      if (!whole) {
-        for (int64_t r = 0; r < RH; ++r) {
-          const int64_t pos = p.positions[it.t0 + r / G];
-          for (int64_t j = 0; j < BS; ++j) {
-            const int64_t kp = k0 + j;
-            const bool visible = kp <= pos && kp < ctx && (p.window <= 0 || pos - kp < p.window);
-            if (!visible) sh[r * BS + j] = kMaskValue;
-          }
-        }
-      }
-      for (int64_t r = hh * RH; r < (hh + 1) * RH; ++r) {
-        float* __restrict sr = s + r * BS;
-        float mx = m[r];
-        for (int64_t j = 0; j < BS; ++j) mx = std::max(mx, sr[j]);
-        const float correction = std::exp(m[r] - mx);
-        const float sum = ExpShifted<kBS>(sr, mx, BS);
-        m[r] = mx;
-        l[r] = l[r] * correction + sum;
-        Accumulate<kBS, kD>(acc + r * DV, correction, sr, vb, BS, DV, D);
-      }
+  ForEachBlock(context, rows, [&](int64_t hh, const float* kb, const float* vb, int64_t k0, bool whole) {
+    float* __restrict sh = rows.s + hh * RH * BS;
+    for (int64_t r = 0; r < RH; ++r) Scores<kBS, kD>(rows.q + (hh * RH + r) * D, kb, sh + r * BS, BS, D);
+    if (p.soft_cap > 0)
+      for (int64_t i = 0; i < RH * BS; ++i) sh[i] = p.soft_cap * std::tanh(sh[i] / p.soft_cap);
+    if (!whole) rows.Mask(sh, k0, context.ctx);
+    for (int64_t r = hh * RH; r < (hh + 1) * RH; ++r) {
+      rows.template Softmax<kBS>(r);
+      Accumulate<kBS, kD>(rows.acc + r * DV, rows.corr[r], rows.s + r * BS, vb, BS, DV, D);
     }
-  }
-
-  for (int64_t hh = 0; hh < heads; ++hh)
-    for (int64_t i = 0; i < ntok; ++i)
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = row(hh, i, g);
-        const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;  // no visible key: zeros
-        float* __restrict dst = p.out + ((it.t0 + i) * p.num_heads + head(hh, g)) * DV;
-        for (int64_t d = 0; d < DV; ++d) dst[d] = acc[r * DV + d] * inv;
-      }
+  });
+  rows.Store();
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -411,94 +445,25 @@ void AccumulateRows(float* acc, int64_t DV, const float* correction, const float
 template <int kBS>
 void RunItemTiled(const Problem& p, const Item& it, std::vector<float>& scratch) {
   const int64_t D = p.head_dim, BS = kBS > 0 ? kBS : p.block_size, DV = p.value_dims;
-  const int64_t g0 = it.g0, G = (it.g1 < 0 ? p.group : it.g1) - g0;
-  const int64_t ntok = it.t1 - it.t0, heads = it.h1 - it.h0;
-  const int64_t RH = ntok * G, R = heads * RH;
-  const bool quantized = p.stored != Stored::kF32;
-  scratch.resize(R * (D + DV) + R * BS + R * 3 + (quantized ? 2 * BS * D : 0));
-  float* __restrict q = scratch.data();  // [R, D], scaled
-  float* __restrict acc = q + R * D;     // [R, DV]
-  float* __restrict s = acc + R * DV;    // [R, BS]
-  float* __restrict m = s + R * BS;      // [R]
-  float* __restrict l = m + R;           // [R]
-  float* __restrict corr = l + R;        // [R]: this block's rescaling of each row
-  float* __restrict kf = corr + R;       // a quantized cache's block [BS, D], as float32
-  float* __restrict vf = kf + BS * D;
-  const auto head = [&](int64_t hh, int64_t g) { return (it.h0 + hh) * p.group + g0 + g; };
-  for (int64_t hh = 0; hh < heads; ++hh)
-    for (int64_t i = 0; i < ntok; ++i)
-      for (int64_t g = 0; g < G; ++g) {
-        const float* __restrict src = p.q + ((it.t0 + i) * p.num_heads + head(hh, g)) * D;
-        float* __restrict dst = q + (hh * RH + i * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * p.scale;
-      }
-  std::fill(acc, acc + R * DV, 0.0f);
-  std::fill(m, m + R, kMaskValue);
-  std::fill(l, l + R, 0.0f);
-
+  ItemRows rows(p, it, D, DV, BS, scratch);
+  const int64_t RH = rows.RH;
   const ItemContext context(p, it, BS, D);
-  const int64_t ctx = context.ctx;
-  for (int64_t b = context.lo / BS; b * BS < context.hi; ++b) {
-    const int64_t offset = context.Offset(b);
-    context.PrefetchNext(b, heads);
-    const int64_t k0 = b * BS;
-    const bool whole = context.Whole(k0, BS);
-    for (int64_t hh = 0; hh < heads; ++hh) {
-      const int64_t at = offset + hh * BS * D;
-      const float* __restrict kb = kf;
-      const float* __restrict vb = vf;
-      if (!quantized) {
-        kb = p.k_cache + at, vb = p.v_cache + at;
-      } else {
-        Dequantize(p.stored, p.k_bytes + at, p.k_scale + at / D, BS, D, D, kf);
-        if (p.v_bytes == p.k_bytes) {
-          vb = kf;
-        } else {
-          Dequantize(p.stored, p.v_bytes + at, p.v_scale + at / D, BS, DV, D, vf);
-        }
-      }
-      float* __restrict qh = q + hh * RH * D;
-      float* __restrict sh = s + hh * RH * BS;
-      int64_t r0 = 0;
-      for (; r0 + 4 <= RH; r0 += 4)
-        for (int64_t j = 0; j < BS; j += 2) ScoresTile<4>(qh + r0 * D, kb + j * D, kb + (j + 1) * D, sh + r0 * BS + j, BS, D);
-      for (; r0 < RH; ++r0)
-        for (int64_t j = 0; j < BS; j += 2) ScoresTile<1>(qh + r0 * D, kb + j * D, kb + (j + 1) * D, sh + r0 * BS + j, BS, D);
-      if (!whole) {
-        for (int64_t r = 0; r < RH; ++r) {
-          const int64_t pos = p.positions[it.t0 + r / G];
-          for (int64_t j = 0; j < BS; ++j) {
-            const int64_t kp = k0 + j;
-            const bool visible = kp <= pos && kp < ctx && (p.window <= 0 || pos - kp < p.window);
-            if (!visible) sh[r * BS + j] = kMaskValue;
-          }
-        }
-      }
-      for (int64_t r = hh * RH; r < (hh + 1) * RH; ++r) {
-        float* __restrict sr = s + r * BS;
-        float mx = m[r];
-        for (int64_t j = 0; j < BS; ++j) mx = std::max(mx, sr[j]);
-        corr[r] = std::exp(m[r] - mx);
-        const float sum = ExpShifted<kBS>(sr, mx, BS);
-        m[r] = mx;
-        l[r] = l[r] * corr[r] + sum;
-      }
-      float* __restrict ah = acc + hh * RH * DV;
-      const float* ch = corr + hh * RH;
-      r0 = 0;
-      for (; r0 + 4 <= RH; r0 += 4) AccumulateRows<4>(ah + r0 * DV, DV, ch + r0, sh + r0 * BS, BS, vb, D);
-      for (; r0 < RH; ++r0) AccumulateRows<1>(ah + r0 * DV, DV, ch + r0, sh + r0 * BS, BS, vb, D);
-    }
-  }
-
-  for (int64_t hh = 0; hh < heads; ++hh)
-    for (int64_t i = 0; i < ntok; ++i)
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = hh * RH + i * G + g;
-        const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
-        float* __restrict dst = p.out + ((it.t0 + i) * p.num_heads + head(hh, g)) * DV;
-        for (int64_t d = 0; d < DV; ++d) dst[d] = acc[r * DV + d] * inv;
-      }
+  ForEachBlock(context, rows, [&](int64_t hh, const float* kb, const float* vb, int64_t k0, bool whole) {
+    const float* qh = rows.q + hh * RH * D;
+    float* __restrict sh = rows.s + hh * RH * BS;
+    int64_t r0 = 0;
+    for (; r0 + 4 <= RH; r0 += 4)
+      for (int64_t j = 0; j < BS; j += 2) ScoresTile<4>(qh + r0 * D, kb + j * D, kb + (j + 1) * D, sh + r0 * BS + j, BS, D);
+    for (; r0 < RH; ++r0)
+      for (int64_t j = 0; j < BS; j += 2) ScoresTile<1>(qh + r0 * D, kb + j * D, kb + (j + 1) * D, sh + r0 * BS + j, BS, D);
+    if (!whole) rows.Mask(sh, k0, context.ctx);
+    for (int64_t r = hh * RH; r < (hh + 1) * RH; ++r) rows.template Softmax<kBS>(r);
+    float* ah = rows.acc + hh * RH * DV;
+    const float* ch = rows.corr + hh * RH;
+    for (r0 = 0; r0 + 4 <= RH; r0 += 4) AccumulateRows<4>(ah + r0 * DV, DV, ch + r0, sh + r0 * BS, BS, vb, D);
+    for (; r0 < RH; ++r0) AccumulateRows<1>(ah + r0 * DV, DV, ch + r0, sh + r0 * BS, BS, vb, D);
+  });
+  rows.Store();
 }
 #endif
 
