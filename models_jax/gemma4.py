@@ -28,7 +28,9 @@ The KV cache. The paged cache has one block shape for every layer ([kv_heads, bl
 head_dim], runtime.ops.step.KVCacheSpec), but Gemma 4's sliding layers have more, smaller KV
 heads than its global ones (31B: 16 of 256 against 4 of 512). Every layer's K/V is stored in one
 shape: the larger head size, the smaller heads zero-padded (a zero-padded query against a
-zero-padded key gives the same logit; the padded output columns are dropped), and
+zero-padded key gives the same logit; the padded output columns are dropped; the C++ kernel of
+the cpu backend instead reads only each row's first head-size dims, so the smaller heads attend
+over their own bytes), and
 lcm(sliding KV heads, global KV heads) heads, each layer's heads repeated in place to fill them
 (query head h still reads a copy of its own KV head h // (H / KV), as with models_jax's
 kv_repeat; the registry multiplies them once more to split over the mesh). Why this and not a
@@ -203,7 +205,8 @@ def attention_block(x: jax.Array, p: dict, carry: dict, kv_cache: KVCache, i: ja
             local = sliding_of[i]
             k, v = jnp.where(local, sk, gk), jnp.where(local, sv, gv)
             layer = _layer_table([a.kv_source(j) for j in range(a.num_layers)])[i]
-        q = jnp.pad(q, ((0, 0), (0, 0), (0, a.cache_head_dim - hd)))
+        if kv_cache.attention_backend != "cpu":  # the C++ kernel reads the first hd dims of wider rows
+            q = jnp.pad(q, ((0, 0), (0, 0), (0, a.cache_head_dim - hd)))
     windows = _layer_table([w or NO_SLIDING_WINDOW for w in a.sliding_windows])
     window = a.sliding_window if all(a.sliding) else (None if not any(a.sliding) else windows[i])
     with jax.named_scope("paged_attention"):

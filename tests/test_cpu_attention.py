@@ -70,6 +70,22 @@ def test_kernel_matches_numpy_oracle(heads, kv_heads, block_size, head_dim, wind
     assert np.all(got[n:] == 0), "padding tokens must produce zeros"
 
 
+@pytest.mark.parametrize("head_dim,row,window", [(64, 128, None), (32, 64, 20), (8, 16, None)])
+def test_rows_wider_than_the_heads_read_their_first_dims(head_dim, row, window):
+    """A cache whose rows are wider than the layer's heads (Gemma 4's sliding layers in a cache
+    shaped for its global ones): the kernel reads each row's first head_dim dims and ignores the
+    rest (noise here), against the oracle on the narrow rows."""
+    rng = np.random.default_rng(row + head_dim)
+    batch, seqs, n, q, k, v = _case(rng, MIXED, heads=6, kv_heads=2, block_size=16, head_dim=row)
+    q = q[..., :head_dim]
+    attend = jax.jit(lambda q, k, v, b: cpu_ragged_paged_attention(q, k, v, 0, b, scale=0.35, sliding_window=window))
+    got = np.asarray(attend(q, k[None], v[None], batch))
+    assert got.shape == q.shape
+    want = oracle(q, k[..., :head_dim], v[..., :head_dim], seqs, scale=0.35, sliding_window=window)
+    np.testing.assert_allclose(got[:n], want[:n], atol=TOL, rtol=0)
+    assert np.all(got[n:] == 0)
+
+
 @pytest.mark.parametrize("specs", [[(40, 1)], [(70, 1), (5, 1)]], ids=["one-decode", "two-decodes"])
 @pytest.mark.parametrize("heads,kv_heads,block_size,head_dim,window,soft_cap",
                          CASES[:3] + [(8, 1, 16, 64, None, None)], ids=CASE_IDS[:3] + ["mqa-16x64"])

@@ -5,8 +5,11 @@
 // Same contract as runtime.ops.attention_xla.ragged_paged_attention: token t of sequence s attends to
 // the cached positions p with p <= positions[t], p < seq_lens[s] and, with a window W,
 // positions[t] - p < W; the cache already holds this step's keys and values. The cache is
-// [num_layers, num_blocks, kv_heads, block_size, head_dim] and is read in place, a block at
-// a time, through the sequence's row of the block table: no gathered copy of the context.
+// [num_layers, num_blocks, kv_heads, block_size, row] and is read in place, a block at a time,
+// through the sequence's row of the block table: no gathered copy of the context. A row holds
+// head_dim (q's last dim) floats, or more where the cache's rows are wider than this layer's
+// heads (Gemma 4's sliding layers in a cache shaped for its global ones): their first head_dim
+// are read.
 //
 // Work is split into (sequence, kv head, query tile) items shared by the caller and XLA's
 // intra-op thread pool. One item keeps its queries (tile tokens x the heads that read the kv
@@ -55,6 +58,8 @@ struct Problem {
   const int32_t* positions;     // [T]
   float* out;                   // [T, H, DV]
   int64_t layer, num_blocks, kv_heads, block_size, head_dim, max_blocks, num_heads, group;
+  int64_t row;  // floats a cached key (value) row holds: head_dim, or more where the cache's rows are
+                // wider than this layer's heads (their first head_dim are read)
   int64_t value_dims;  // DV: D, or the leading dims of each key where the values are in the keys (v_cache = k_cache)
   int64_t window;  // <= 0: none
   float scale, soft_cap;  // soft_cap <= 0: none
@@ -68,7 +73,7 @@ struct Item {
 // Dot products of one query row with a block's keys, sr[j] = q . k_j (k: [BS, D]).
 template <int kBS, int kD>
 inline void Scores(const float* __restrict q, const float* __restrict k, float* __restrict sr, int64_t BS,
-                   int64_t D) {
+                   int64_t D, int64_t row) {
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (kBS > 0 && kD > 0 && kBS % 8 == 0 && kD % 8 == 0) {
     // Eight keys at a time: eight accumulators over D, then one transposing reduction.
@@ -92,7 +97,7 @@ inline void Scores(const float* __restrict q, const float* __restrict k, float* 
   }
 #endif
   for (int64_t j = 0; j < BS; ++j) {
-    const float* __restrict kj = k + j * D;
+    const float* __restrict kj = k + j * row;
     float dot = 0.0f;
     for (int64_t d = 0; d < D; ++d) dot += q[d] * kj[d];
     sr[j] = dot;
@@ -263,9 +268,9 @@ struct ItemRows {
   ItemRows(const Problem& p, const Item& it, int64_t D, int64_t DV, int64_t BS, std::vector<float>& scratch)
       : p(p), it(it), D(D), DV(DV), BS(BS), g0(it.g0), G((it.g1 < 0 ? p.group : it.g1) - it.g0),
         ntok(it.t1 - it.t0), heads(it.h1 - it.h0), RH(ntok * G), R(heads * RH), quantized(p.stored != Stored::kF32) {
-    scratch.resize(R * (D + DV) + R * BS + R * 3 + (quantized ? 2 * BS * D : 0));
+    scratch.resize(R * (D + DV) + R * BS + R * 3 + (quantized ? 2 * BS * p.row : 0));
     q = scratch.data(), acc = q + R * D, s = acc + R * DV, m = s + R * BS, l = m + R, corr = l + R;
-    kf = corr + R, vf = kf + BS * D;
+    kf = corr + R, vf = kf + BS * p.row;
     for (int64_t hh = 0; hh < heads; ++hh)
       for (int64_t i = 0; i < ntok; ++i)
         for (int64_t g = 0; g < G; ++g) {
@@ -287,12 +292,12 @@ struct ItemRows {
       kb = p.k_cache + at, vb = p.v_cache + at;
       return;
     }
-    Dequantize(p.stored, p.k_bytes + at, p.k_scale + at / D, BS, D, D, kf);
+    Dequantize(p.stored, p.k_bytes + at, p.k_scale + at / p.row, BS, D, p.row, kf);
     kb = kf, vb = vf;
     if (p.v_bytes == p.k_bytes) {
       vb = kf;  // values in the keys
     } else {
-      Dequantize(p.stored, p.v_bytes + at, p.v_scale + at / D, BS, DV, D, vf);
+      Dequantize(p.stored, p.v_bytes + at, p.v_scale + at / p.row, BS, DV, p.row, vf);
     }
   }
 
@@ -352,7 +357,7 @@ void ForEachBlock(const ItemContext& context, const ItemRows& rows, Fn&& fn) {
     const bool whole = context.Whole(k0, rows.BS);
     for (int64_t hh = 0; hh < rows.heads; ++hh) {
       const float *kb, *vb;
-      rows.Block(offset + hh * rows.BS * rows.D, kb, vb);  // block b, head h0 + hh: [BS, D]
+      rows.Block(offset + hh * rows.BS * rows.p.row, kb, vb);  // block b, head h0 + hh: [BS, row]
       fn(hh, kb, vb, k0, whole);
     }
   }
@@ -366,16 +371,16 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   const int64_t DV = kD > 0 ? kD : p.value_dims;  // the compile-time shapes have values of their own
   ItemRows rows(p, it, D, DV, BS, scratch);
   const int64_t RH = rows.RH;
-  const ItemContext context(p, it, BS, D);
+  const ItemContext context(p, it, BS, p.row);
   ForEachBlock(context, rows, [&](int64_t hh, const float* kb, const float* vb, int64_t k0, bool whole) {
     float* __restrict sh = rows.s + hh * RH * BS;
-    for (int64_t r = 0; r < RH; ++r) Scores<kBS, kD>(rows.q + (hh * RH + r) * D, kb, sh + r * BS, BS, D);
+    for (int64_t r = 0; r < RH; ++r) Scores<kBS, kD>(rows.q + (hh * RH + r) * D, kb, sh + r * BS, BS, D, p.row);
     if (p.soft_cap > 0)
       for (int64_t i = 0; i < RH * BS; ++i) sh[i] = p.soft_cap * std::tanh(sh[i] / p.soft_cap);
     if (!whole) rows.Mask(sh, k0, context.ctx);
     for (int64_t r = hh * RH; r < (hh + 1) * RH; ++r) {
       rows.template Softmax<kBS>(r);
-      Accumulate<kBS, kD>(rows.acc + r * DV, rows.corr[r], rows.s + r * BS, vb, BS, DV, D);
+      Accumulate<kBS, kD>(rows.acc + r * DV, rows.corr[r], rows.s + r * BS, vb, BS, DV, p.row);
     }
   });
   rows.Store();
@@ -447,21 +452,22 @@ void RunItemTiled(const Problem& p, const Item& it, std::vector<float>& scratch)
   const int64_t D = p.head_dim, BS = kBS > 0 ? kBS : p.block_size, DV = p.value_dims;
   ItemRows rows(p, it, D, DV, BS, scratch);
   const int64_t RH = rows.RH;
-  const ItemContext context(p, it, BS, D);
+  const int64_t S = p.row;
+  const ItemContext context(p, it, BS, S);
   ForEachBlock(context, rows, [&](int64_t hh, const float* kb, const float* vb, int64_t k0, bool whole) {
     const float* qh = rows.q + hh * RH * D;
     float* __restrict sh = rows.s + hh * RH * BS;
     int64_t r0 = 0;
     for (; r0 + 4 <= RH; r0 += 4)
-      for (int64_t j = 0; j < BS; j += 2) ScoresTile<4>(qh + r0 * D, kb + j * D, kb + (j + 1) * D, sh + r0 * BS + j, BS, D);
+      for (int64_t j = 0; j < BS; j += 2) ScoresTile<4>(qh + r0 * D, kb + j * S, kb + (j + 1) * S, sh + r0 * BS + j, BS, D);
     for (; r0 < RH; ++r0)
-      for (int64_t j = 0; j < BS; j += 2) ScoresTile<1>(qh + r0 * D, kb + j * D, kb + (j + 1) * D, sh + r0 * BS + j, BS, D);
+      for (int64_t j = 0; j < BS; j += 2) ScoresTile<1>(qh + r0 * D, kb + j * S, kb + (j + 1) * S, sh + r0 * BS + j, BS, D);
     if (!whole) rows.Mask(sh, k0, context.ctx);
     for (int64_t r = hh * RH; r < (hh + 1) * RH; ++r) rows.template Softmax<kBS>(r);
     float* ah = rows.acc + hh * RH * DV;
     const float* ch = rows.corr + hh * RH;
-    for (r0 = 0; r0 + 4 <= RH; r0 += 4) AccumulateRows<4>(ah + r0 * DV, DV, ch + r0, sh + r0 * BS, BS, vb, D);
-    for (; r0 < RH; ++r0) AccumulateRows<1>(ah + r0 * DV, DV, ch + r0, sh + r0 * BS, BS, vb, D);
+    for (r0 = 0; r0 + 4 <= RH; r0 += 4) AccumulateRows<4>(ah + r0 * DV, DV, ch + r0, sh + r0 * BS, BS, vb, S);
+    for (; r0 < RH; ++r0) AccumulateRows<1>(ah + r0 * DV, DV, ch + r0, sh + r0 * BS, BS, vb, S);
   });
   rows.Store();
 }
@@ -625,7 +631,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                           float soft_cap, int64_t value_dims, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), kd = k_cache.dimensions(), td = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || td.size() != 2)
-    return ffi::Error::InvalidArgument("paged_attention: q [T,H,D], cache [L,NB,KVH,BS,D], tables [S,MB]");
+    return ffi::Error::InvalidArgument("paged_attention: q [T,H,D], cache [L,NB,KVH,BS,row >= D], tables [S,MB]");
   Problem p;
   std::vector<Item> items;
   p.q = q.typed_data();
@@ -653,7 +659,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   p.num_blocks = kd[1];
   p.kv_heads = kd[2];
   p.block_size = kd[3];
-  p.head_dim = kd[4];
+  p.head_dim = qd[2];
+  p.row = kd[4];
   p.max_blocks = td[1];
   p.num_heads = qd[1];
   p.group = qd[1] / kd[2];
@@ -661,7 +668,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   p.scale = scale;
   p.soft_cap = soft_cap;
   p.value_dims = value_dims > 0 ? value_dims : p.head_dim;
-  if (qd[2] != kd[4] || qd[1] % kd[2] || p.layer < 0 || p.layer >= kd[0] || p.value_dims > p.head_dim)
+  if (qd[2] > kd[4] || qd[1] % kd[2] || p.layer < 0 || p.layer >= kd[0] || p.value_dims > p.head_dim)
     return ffi::Error::InvalidArgument("paged_attention: mismatched heads, head_dim, value dims or layer");
   auto od = out->dimensions();
   if (od.size() != 3 || od[0] != qd[0] || od[1] != qd[1] || od[2] != p.value_dims)
@@ -670,13 +677,15 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   // The rows-in-lanes form where it exists, except with a soft cap (RunItem applies it); values
   // read from the keys (fewer dims than a key) take the general form.
   const bool own_values = p.value_dims == p.head_dim, plain = p.stored == Stored::kF32;
-  if (!plain && (k_scale.element_count() * p.head_dim != k_cache.element_count() ||
-                 (p.v_bytes != p.k_bytes && v_scale.element_count() * p.head_dim != v_cache.element_count())))
+  if (!plain && (k_scale.element_count() * p.row != k_cache.element_count() ||
+                 (p.v_bytes != p.k_bytes && v_scale.element_count() * p.row != v_cache.element_count())))
     return ffi::Error::InvalidArgument("paged_attention: a quantized cache needs a scale per token and head");
-  const ItemFn lanes_run = p.soft_cap > 0 || !own_values || !plain ? nullptr
-                                                                  : PickLanesItemFn(p.block_size, p.head_dim);
-  ItemFn run = lanes_run != nullptr ? lanes_run : own_values ? PickItemFn(p.block_size, p.head_dim)
-                                                            : RunItem<0, 0>;
+  // Rows wider than the heads (their first head_dim read) take the general forms only.
+  const bool narrow = p.row == p.head_dim;
+  const ItemFn lanes_run = p.soft_cap > 0 || !own_values || !plain || !narrow
+                               ? nullptr : PickLanesItemFn(p.block_size, p.head_dim);
+  ItemFn run = lanes_run != nullptr ? lanes_run : own_values && narrow ? PickItemFn(p.block_size, p.head_dim)
+                                                                      : RunItem<0, 0>;
 #if defined(__AVX2__) && defined(__FMA__)
   // Head dims without a compile-time form take the tiled products (RunItemTiled's conditions).
   if (run == RunItem<0, 0> && p.soft_cap <= 0 && p.head_dim % 8 == 0 && p.value_dims % 8 == 0 &&
