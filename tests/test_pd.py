@@ -20,6 +20,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 MODEL = "servax-tiny/llama"
 ENGINE = """{dtype: float32, max_model_len: 512, max_num_seqs: 16, max_num_batched_tokens: 64,
                              num_kv_blocks: 256, block_size: 16, show_progress: false}"""
+# The colocated app both P/D modules serve beside theirs (at /colocated): what P/D must answer as.
+COLOCATED_APP = f"""- name: colocated
+  route_prefix: /colocated
+  import_path: app.builder:build_app
+  args:
+    llm_configs:
+    - model_loading_config: {{model_id: {MODEL}}}
+      engine_kwargs: {ENGINE}
+      deployment_config: {{num_replicas: 1, ray_actor_options: {{num_cpus: 0.25}}}}
+    ingress_config: {{colocate: true}}
+"""
 PD_YAML = f"""
 applications:
 - name: pd
@@ -34,16 +45,7 @@ applications:
       model_loading_config: {{model_id: {MODEL}}}
       engine_kwargs: {ENGINE}
       deployment_config: {{num_replicas: 1, ray_actor_options: {{num_cpus: 0.25}}}}
-- name: colocated
-  route_prefix: /colocated
-  import_path: app.builder:build_app
-  args:
-    llm_configs:
-    - model_loading_config: {{model_id: {MODEL}}}
-      engine_kwargs: {ENGINE}
-      deployment_config: {{num_replicas: 1, ray_actor_options: {{num_cpus: 0.25}}}}
-    ingress_config: {{colocate: true}}
-"""
+""" + COLOCATED_APP
 WORDS = "alpha beta gamma delta river stone cloud forest paper window garden silver".split()
 LONG = " ".join(random.Random(1).choice(WORDS) for _ in range(30))  # ~150 tokens > max_num_batched_tokens: chunked
 

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from test_pd import ENGINE, MODEL, WORDS
+from test_pd import COLOCATED_APP, ENGINE, MODEL, WORDS
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -33,16 +33,7 @@ applications:
       model_loading_config: {{model_id: {MODEL}}}
       engine_kwargs: {ENGINE}
       deployment_config: {{num_replicas: 1, ray_actor_options: {{num_cpus: 0.25}}}}
-- name: colocated
-  route_prefix: /colocated
-  import_path: app.builder:build_app
-  args:
-    llm_configs:
-    - model_loading_config: {{model_id: {MODEL}}}
-      engine_kwargs: {ENGINE}
-      deployment_config: {{num_replicas: 1, ray_actor_options: {{num_cpus: 0.25}}}}
-    ingress_config: {{colocate: true}}
-"""
+""" + COLOCATED_APP
 
 
 @pytest.fixture(scope="module")
