@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from app.openai_requests import ChatCompletionRequest, TokenizeRequest
+from app.openai_requests import ChatCompletionRequest, TokenizeRequest, chat_request_from
 from runtime.engine.errors import InvalidRequestError
 
 
@@ -216,19 +216,6 @@ def _tool_result_text(block: ToolResultBlock, param: str) -> str:
     return "\n".join(part.text for part in block.content)
 
 
-def _as_chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
-    """The ChatCompletionRequest of converted fields; a field the chat route refuses is an
-    InvalidRequestError in the Messages API's own terms."""
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as e:
-        first = e.errors()[0]
-        cause = (first.get("ctx") or {}).get("error")
-        param = getattr(cause, "param", None) or ".".join(str(p) for p in first.get("loc", ()))
-        message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-        raise InvalidRequestError(f"{param}: {message}", param=param) from None
-
-
 class MessagesRequest(_MessagesBody):
     """POST /v1/messages."""
 
@@ -265,7 +252,7 @@ class MessagesRequest(_MessagesBody):
             fields["stop"] = self.stop_sequences
         if self.stream:  # the prompt's size for message_start, the usage for message_delta
             fields["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-        return _as_chat_request(fields)
+        return chat_request_from(fields)
 
 
 class CountTokensRequest(_MessagesBody):
@@ -278,6 +265,6 @@ class CountTokensRequest(_MessagesBody):
 
     def tokenize_request(self) -> TokenizeRequest:
         """The /tokenize request that renders this conversation as generation would."""
-        chat = _as_chat_request(self._chat_fields())
+        chat = chat_request_from(self._chat_fields())
         return TokenizeRequest(model=self.model, messages=chat.messages, tools=chat.tools,
                                chat_template_kwargs=chat.template_kwargs())

@@ -9,9 +9,10 @@ a 400 that says so, never a silent no-op.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from app.openai_messages import ChatCompletionTool, ChatMessage, NamedToolChoice
 from app.relay import GenerationRequest
@@ -20,7 +21,27 @@ from runtime.engine.errors import InvalidRequestError
 from runtime.engine.input_processor import ChatPrompt
 
 
-class _Request(BaseModel):
+class SamplingFields(BaseModel):
+    """The sampling fields (vLLM's names) of every route that samples: completions, chat
+    completions and the Responses API (app/responses_request.py)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # vLLM's bounds: an int64
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class _Request(SamplingFields):
     """Fields shared by completions and chat completions.
 
     Types are checked here; value ranges are not: runtime.SamplingParams and the engine's
@@ -33,19 +54,7 @@ class _Request(BaseModel):
     model: str | None = None
     n: int = 1
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # vLLM's bounds: an int64
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
     min_tokens: int = 0
-    logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # vLLM's: the top-N logprobs of each prompt token (-1: all)
     return_token_ids: bool | None = None  # vLLM's: prompt and generated token ids beside the text
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:<id>"
@@ -56,8 +65,6 @@ class _Request(BaseModel):
     length_penalty: float = 1.0  # vLLM's; only beam search reads it
     stream: bool = False
     stream_options: StreamOptions | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
     # Accepted and ignored: they do not change what is generated.
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -426,3 +433,18 @@ TokenizeRequest.model_rebuild()
 _Request.model_rebuild()
 CompletionRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()
+
+
+def chat_request_from(fields: dict[str, Any], rename: Callable[[str], str] = lambda param: param
+                      ) -> ChatCompletionRequest:
+    """The ChatCompletionRequest of fields another API converted (Responses, Anthropic Messages);
+    a field the chat route refuses is an InvalidRequestError whose param `rename` gives in that
+    API's own terms."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        cause = (first.get("ctx") or {}).get("error")
+        param = rename(getattr(cause, "param", None) or ".".join(str(p) for p in first.get("loc", ())))
+        message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        raise InvalidRequestError(f"{param}: {message}", param=param) from None

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from app.openai_requests import ChatCompletionRequest
+from app.openai_requests import ChatCompletionRequest, SamplingFields, chat_request_from
 from runtime.engine.errors import InvalidRequestError
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -143,28 +143,14 @@ class ReasoningConfig(BaseModel):
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class ResponsesRequest(BaseModel):
-    """POST /v1/responses."""
+class ResponsesRequest(SamplingFields):
+    """POST /v1/responses (with the sampling fields of the chat route it converts to)."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    logit_bias: dict[str, float] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
     tools: list[FunctionTool] = Field(default_factory=list)
     tool_choice: Literal["none", "auto", "required"] | NamedFunction = "auto"
     parallel_tool_calls: bool = True
@@ -277,15 +263,7 @@ class ResponsesRequest(BaseModel):
             fields.update(logprobs=True, top_logprobs=self.top_logprobs)
         if self.stream:  # the prompt's size before the first event, the usage for response.completed
             fields["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-        try:
-            return ChatCompletionRequest.model_validate(fields)
-        except ValidationError as e:
-            first = e.errors()[0]
-            cause = (first.get("ctx") or {}).get("error")
-            param = getattr(cause, "param", None) or ".".join(str(p) for p in first.get("loc", ()))
-            param = responses_param(param)
-            message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-            raise InvalidRequestError(f"{param}: {message}", param=param) from None
+        return chat_request_from(fields, responses_param)
 
 
 def responses_param(param: str | None) -> str | None:
