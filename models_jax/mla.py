@@ -34,7 +34,6 @@ context, cached and new, in its own form, and only the outputs ([T, H, v]) are j
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -57,11 +56,9 @@ def expanded_is_cheaper(batch: StepInput, decodes: int, backend: str) -> jax.Arr
     return batch.num_tokens - decodes >= EXPANDED_MIN_TOKENS.get(backend, EXPANDED_MIN_TOKENS["xla"])
 
 
-def per_head(x: jax.Array, w: jax.Array | PackedExperts) -> jax.Array:
-    """x [T, H, in] times head h's matrix w[h] [in, out] for each head -> [T, H, out]; on packed
-    weights (PackedExperts [H, in, out]) by the grouped kernel, the heads' rows as its groups."""
-    if not isinstance(w, PackedExperts):
-        return jnp.einsum("thn,hnr->thr", x, w)
+def per_head(x: jax.Array, w: PackedExperts) -> jax.Array:
+    """x [T, H, in] times head h's matrix w[h] [in, out] for each head -> [T, H, out], by the
+    grouped kernel (PackedExperts [H, in, out]), the heads' rows as its groups."""
     t, h, d = x.shape
     y = w.grouped_matmul(x.transpose(1, 0, 2).reshape(h * t, d), jnp.full((h,), t, jnp.int32))
     return y.reshape(h, t, -1).transpose(1, 0, 2).astype(x.dtype)
@@ -78,7 +75,7 @@ def latent_attention(
     w_uv: jax.Array,  # [r, H, v]
     *,
     scale: float,
-    heads_first: tuple[Any, Any] | None = None,  # W_UK [H, nope, r], W_UV [H, r, v]: arrays or PackedExperts
+    heads_first: tuple[PackedExperts, PackedExperts] | None = None,  # W_UK [H, nope, r], W_UV [H, r, v]
 ) -> tuple[jax.Array, KVCache]:  # [T, H, v], the cache with the step's latents written
     """Multi-head latent attention of a step, in the form kv_cache.mla_prefill asks for (see the
     module docstring): every token absorbed, or the decodes' slots (the first S tokens) absorbed
@@ -86,10 +83,9 @@ def latent_attention(
     by lax.cond after the step's latents are written, so one compiled program serves both and
     each token attends once.
 
-    `heads_first`: the same W_UK and W_UV laid out head-major (what the absorbed products
-    batch over), where the model keeps them so (packed for the grouped kernel by
-    models_jax/deepseek.py's pack_layer); else they are read from w_uk and w_uv, which XLA:CPU
-    then transposes every step."""
+    `heads_first`: the same W_UK and W_UV packed head-major for the grouped kernel, where the
+    model keeps them so (models_jax/deepseek.py's pack_layer); else the absorbed products read
+    w_uk and w_uv, which XLA:CPU then transposes every step."""
     r = w_uk.shape[0]
     uk, uv = heads_first if heads_first is not None else (None, None)
 
