@@ -55,9 +55,13 @@ constexpr int64_t kPrefetchRows = 16;  // how far ahead (in k) the first row blo
 
 // c[r, 0:16] = sum_k a[r, k] * panel[k, 0:16] for MR rows of a. With kPrefetch the block
 // prefetches its own panel as it goes (it comes from memory); else, given `next`, it fetches
-// that panel (the one after it) into L2 for the next pass, one row per k.
+// rows of the panel after it into L2 for the next pass: `next` points at the first row this
+// block fetches, and it fetches every `every`-th row from there, one every `every` k, so the
+// blocks of a pass share the fetch and spread it over the whole pass (one row per k in one
+// block asks more of memory than it gives while that block runs, and leaves the others idle).
 template <int MR, bool kPrefetch>
-void RowBlock(const float* a, int64_t lda, const float* panel, int64_t K, float* c, int64_t ldc, const float* next) {
+void RowBlock(const float* a, int64_t lda, const float* panel, int64_t K, float* c, int64_t ldc, const float* next,
+              int64_t every) {
 #ifndef SERVAX_MATMUL_AVX2
   // Portable loops (runtime/ops/matmul.py uses the kernel only where AVX2 and FMA are there).
   float acc[MR][kPanel] = {};
@@ -74,11 +78,13 @@ void RowBlock(const float* a, int64_t lda, const float* panel, int64_t K, float*
     lo[r] = _mm256_setzero_ps();
     hi[r] = _mm256_setzero_ps();
   }
+  int64_t due = 0;  // the next k at which this block fetches a row of `next`
   for (int64_t k = 0; k < K; ++k) {
     if (kPrefetch) {
       _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchRows) * kPanel), _MM_HINT_T0);
-    } else if (next != nullptr) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
+    } else if (next != nullptr && k == due) {
+      _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
+      next += every * kPanel, due += every;
     }
     const __m256 b0 = _mm256_loadu_ps(panel + k * kPanel), b1 = _mm256_loadu_ps(panel + k * kPanel + 8);
 #pragma GCC unroll 8
@@ -101,15 +107,17 @@ void RowBlock(const float* a, int64_t lda, const float* panel, int64_t K, float*
 // row of a, one FMA with its element broadcast from memory.
 template <int MR, bool kPrefetch>
 void RowBlockZmm(const float* a, int64_t lda, const float* panel, int64_t K, float* c, int64_t ldc,
-                 const float* next) {
+                 const float* next, int64_t every) {
   __m512 acc[MR];
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t due = 0;  // the next k at which this block fetches a row of `next`
   for (int64_t k = 0; k < K; ++k) {
     if (kPrefetch) {
       _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchRowsZmm) * kPanel), _MM_HINT_T0);
-    } else if (next != nullptr) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
+    } else if (next != nullptr && k == due) {
+      _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
+      next += every * kPanel, due += every;
     }
     const __m512 b = _mm512_loadu_ps(panel + k * kPanel);
 #pragma GCC unroll 16
@@ -124,18 +132,20 @@ void RowBlockZmm(const float* a, int64_t lda, const float* panel, int64_t K, flo
 // `panel` and `panel + K * kPanel` are the pair; `next` the pair after it.
 template <int MR, bool kPrefetch>
 void RowBlockZmm2(const float* a, int64_t lda, const float* panel, int64_t K, float* c, int64_t ldc,
-                  const float* next) {
+                  const float* next, int64_t every) {
   const float* panel2 = panel + K * kPanel;
   __m512 acc0[MR], acc1[MR];
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  int64_t due = 0;  // the next k at which this block fetches a row of `next`
   for (int64_t k = 0; k < K; ++k) {
     if (kPrefetch) {
       _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchRowsZmm) * kPanel), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(panel2 + (k + kPrefetchRowsZmm) * kPanel), _MM_HINT_T0);
-    } else if (next != nullptr) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(next + (K + k) * kPanel), _MM_HINT_T1);
+    } else if (next != nullptr && k == due) {
+      _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + K * kPanel), _MM_HINT_T1);
+      next += every * kPanel, due += every;
     }
     const __m512 b0 = _mm512_loadu_ps(panel + k * kPanel), b1 = _mm512_loadu_ps(panel2 + k * kPanel);
 #pragma GCC unroll 16
@@ -153,7 +163,7 @@ void RowBlockZmm2(const float* a, int64_t lda, const float* panel, int64_t K, fl
 }
 #endif
 
-using RowBlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, const float*);
+using RowBlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, const float*, int64_t);
 
 // The row-block functions of one form: fns[kPrefetch][rows], rows 1..max_rows.
 struct RowBlocks {
@@ -228,12 +238,13 @@ void MultiplyPanels(const RowBlocks& form, const float* a, int64_t M, int64_t K,
     for (int64_t blk = 0, r0 = 0; blk < blocks; ++blk) {
       const int64_t rows = M / blocks + (blk < M % blocks);
       // Rows in several blocks: each panel is fetched into L2 while the previous one is
-      // multiplied, during its first block (its second where the first fetches its own):
-      // faster at 16-32 rows than each fetching its own, and with PanelsPerTask faster at
-      // every row count than the former split (measured in benchmarks/RESULTS.md, stop 39).
+      // multiplied, by all its blocks but one that fetches its own, each a share of the rows
+      // spread over its pass (stop 45; one block fetching it all: stop 39, both in
+      // benchmarks/RESULTS.md).
       const bool fetch_own = blocks == 1 || p == first;
-      const float* next = (blk == (fetch_own ? 1 : 0) && p + width < last) ? panel + width * K * kPanel : nullptr;
-      fns[blk == 0 && fetch_own][rows](a + r0 * K, K, panel, K, c + r0 * N + p * kPanel, N, next);
+      const int64_t fetchers = blocks - fetch_own, j = blk - fetch_own;  // blocks that fetch the next panel
+      const float* next = j >= 0 && p + width < last ? panel + (width * K + j) * kPanel : nullptr;
+      fns[blk == 0 && fetch_own][rows](a + r0 * K, K, panel, K, c + r0 * N + p * kPanel, N, next, fetchers);
       r0 += rows;
     }
   }
