@@ -41,6 +41,7 @@ import dataclasses
 import functools
 from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,6 +153,50 @@ def widen_seqs(batch: StepInput, num_seqs: int) -> StepInput:
                                logits_indices=rows(batch.logits_indices), **groups)
 
 
+@flax.struct.dataclass
+class HostBatch:
+    """A host StepInput's int32 arrays in one buffer: each program call then converts one
+    host argument, not one per field (each host array adds to a call's host time, which a
+    step pays once per program; measured in benchmarks/RESULTS.md, stop 45)."""
+
+    data: np.ndarray  # [sum of the fields' sizes] int32
+    layout: tuple = flax.struct.field(pytree_node=False)  # ((field, shape), ...) in data's order
+
+    @classmethod
+    def pack(cls, batch: StepInput) -> "HostBatch":
+        fields = [(f.name, np.asarray(getattr(batch, f.name))) for f in dataclasses.fields(batch)
+                  if getattr(batch, f.name) is not None]
+        data = np.concatenate([a.reshape(-1) for _, a in fields]).astype(np.int32, copy=False)
+        return cls(data, tuple((name, a.shape) for name, a in fields))
+
+    @property
+    def padded_num_tokens(self) -> int:
+        return dict(self.layout)["input_ids"][0]
+
+    @property
+    def padded_num_seqs(self) -> int:
+        return dict(self.layout)["seq_lens"][0]
+
+    def unpack(self) -> StepInput:
+        """The StepInput again, its arrays slices of `data` (inside a program: free)."""
+        arrays, offset = {}, 0
+        for name, shape in self.layout:
+            size = int(np.prod(shape))
+            arrays[name] = self.data[offset:offset + size].reshape(shape)
+            offset += size
+        return StepInput(**arrays)
+
+
+def _unpacking(stage: Any, batch_arg: int) -> Any:
+    """`stage` taking a HostBatch as its argument `batch_arg`, unpacked for it."""
+    def unpacked(*args):
+        args = list(args)
+        args[batch_arg] = args[batch_arg].unpack()
+        return stage(*args)
+
+    return unpacked
+
+
 def _float32_carry(prologue: Any) -> Any:
     """The prologue with its carry's half-precision arrays widened to float32: the layers then
     compute in float32 whatever dtype the weights are stored in."""
@@ -249,7 +294,8 @@ class LayeredStep:
         outer_shardings = jax.tree.map(lambda a: a.sharding, self.outer)
         # A KVCache of shardings carries the cache's static metadata (attention backend, mesh).
         kv = kv_sharding if isinstance(kv_sharding, KVCache) else KVCache(kv_sharding, kv_sharding)
-        self._prologue = jax.jit(stages.prologue, in_shardings=(outer_shardings, rep), out_shardings=rep)
+        self._prologue = jax.jit(_unpacking(stages.prologue, 1), in_shardings=(outer_shardings, rep),
+                                 out_shardings=rep)
         programs: dict[tuple[str, int], Any] = {}  # (stack, layers per call) -> its program
         self.calls: list[_Call] = []
         taken, first_layer = dict.fromkeys(sizes, 0), 0
@@ -257,7 +303,7 @@ class LayeredStep:
             k = layers_per_call(n)
             if (key, k) not in programs:
                 layer_shardings = jax.tree.map(lambda a: a.sharding, self.stacks[key][0])
-                programs[key, k] = jax.jit(_layers_in_order(stages.layer),
+                programs[key, k] = jax.jit(_unpacking(_layers_in_order(stages.layer), 4),
                                            in_shardings=([layer_shardings] * k, rep, kv, rep, rep),
                                            out_shardings=(rep, kv), donate_argnums=(2,))
             self.calls += [_Call(programs[key, k], key, taken[key] + i, k,
@@ -266,7 +312,8 @@ class LayeredStep:
             first_layer += n
         # The first call of each program: what lowering a bucket compiles.
         self._distinct = list({id(c.program): c for c in self.calls}.values())
-        self._epilogue = jax.jit(stages.epilogue, in_shardings=(outer_shardings, rep, rep), out_shardings=rep)
+        self._epilogue = jax.jit(_unpacking(stages.epilogue, 2), in_shardings=(outer_shardings, rep, rep),
+                                 out_shardings=rep)
         self.wide_seqs = wide_seqs  # see the module docstring
 
     @property
@@ -279,12 +326,12 @@ class LayeredStep:
         """Layers per call of the first layer program (of the only one, for most models)."""
         return self.calls[0].per_call
 
-    def _inputs(self, batch: StepInput) -> tuple[StepInput, StepInput]:
-        """(batch for the prologue and layers, batch for the epilogue), as host arrays: each
-        program takes them in its own call, through jit's C++ argument path (a step's 18
-        small arrays in ~2 us; a `jax.device_put` of them cost ~380 us of the step's host time)."""
+    def _inputs(self, batch: StepInput) -> tuple[HostBatch, HostBatch]:
+        """(batch for the prologue and layers, batch for the epilogue), each one host buffer
+        (HostBatch): each program takes it in its own call, through jit's C++ argument path
+        (a `jax.device_put` of a step's arrays costs more of the host's time than the calls)."""
         wide = batch if self.wide_seqs is None else widen_seqs(batch, self.wide_seqs)
-        return wide, batch
+        return HostBatch.pack(wide), HostBatch.pack(batch)
 
     def __call__(self, kv_cache: KVCache, batch: StepInput) -> tuple[jax.Array, KVCache]:
         """One step: (logits, kv_cache), dispatched without waiting (kv_cache is donated)."""
