@@ -48,7 +48,8 @@ class EngineConfig(BaseModel):
     dtype: DType = Field("float32", description="Weight and activation dtype; auto takes the checkpoint's.")
     trust_remote_code: bool = False
     max_model_len: int | None = Field(None, gt=0, description="Context limit; default the model's.")
-    max_num_seqs: int = Field(32, gt=0, description="Most sequences in one step.")
+    max_num_seqs: int = Field(64, gt=0, description="Most sequences in one step (each power of two from 8 up to it "
+                              "is a compiled sequence bucket).")
     max_num_batched_tokens: int = Field(512, gt=0, description="Token budget of one step.")
     block_size: int = Field(16, gt=0, description="Tokens per KV-cache block.")
     enable_prefix_caching: bool = True
