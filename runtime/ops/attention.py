@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from runtime.ops.attention_common import (
-    NO_SLIDING_WINDOW, ExpandedLatent, ScaledCache, ValuesInKeys, Window, write_kv, write_kv_quantized,
+    NO_SLIDING_WINDOW, ExpandedLatent, ScaledCache, ValuesInKeys, Window, as_stored, write_kv, write_kv_quantized,
 )
 from runtime.ops.attention_cpu import cpu_ragged_paged_attention
 from runtime.ops.attention_xla import CACHED_CHUNK_TOKENS, CACHED_TILE, NEW_TOKEN_TILE, xla_paged_attention
@@ -166,6 +166,8 @@ def paged_attention(
     else:
         k_cache, v_cache, written = kv_cache.k, kv_cache.v, {}
     k, v = k[:q.shape[0]], None if v is None else v[:q.shape[0]]  # the new K/V of the tokens that attend
+    if kv_cache.k_scale is not None:  # as the quantized cache holds them (attention_common.as_stored)
+        k, v = as_stored(k, kv_cache.k.dtype), None if v is None else as_stored(v, kv_cache.v.dtype)
     if value_dims is not None and kv_cache.attention_backend == "cpu" and sinks is None and kv_cache.k_scale is None:
         out = cpu_ragged_paged_attention(  # values read in place from the keys' leading dims
             jnp.asarray(q), k_cache, k_cache, layer, batch, scale=scale, sliding_window=sliding_window,
@@ -236,7 +238,7 @@ def expanded_latent_attention(
         layer, batch = kv_cache.groups.row_and_batch(layer, batch)
     cache = kv_cache.k if kv_cache.k_scale is None else ScaledCache(kv_cache.k, kv_cache.k_scale)
     k_cache, v_cache = ExpandedLatent(cache, w_uk, with_rope=True), ExpandedLatent(cache, w_uv, with_rope=False)
-    new = latent.astype(jnp.float32)
+    new = latent.astype(jnp.float32) if kv_cache.k_scale is None else as_stored(latent, kv_cache.k.dtype)
     k, v = k_cache.expand(new, heads_axis=1), v_cache.expand(new, heads_axis=1)  # [T, H, nope + rope], [T, H, v]
     return xla_paged_attention(q, k, v, k_cache, v_cache, layer, batch, scale=scale, cached_tile=cached_tile,
                                first_token=first_token)

@@ -103,6 +103,16 @@ def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return scaled.astype(dtype), scale
 
 
+def as_stored(x: jax.Array, dtype) -> jax.Array:
+    """x [T, kv_heads, head_dim] as a cache of quantized `dtype` gives it back (quantized, then
+    scaled; float32): what a step's own tokens attend with, so that a token's attention is the
+    same whether its context was written by this step or an earlier one (chunked prefill,
+    prefix-cache hits) and on every backend (the C++ kernel reads the step's tokens back from
+    the cache)."""
+    values, scale = quantize_kv(x, dtype)
+    return values.astype(jnp.float32) * scale[..., None]
+
+
 def write_kv_quantized(cache: KVCache, k: jax.Array, v: jax.Array | None, slot_mapping: jax.Array,
                        layer: int | jax.Array) -> KVCache:
     """write_kv for a quantized cache: values and their per-token-head scales, in place (v None:
