@@ -215,15 +215,15 @@ def test_unknown_quantization_is_refused():
 
 # ---- quantized KV cache (kv_cache_dtype) ------------------------------------------------------
 
-@pytest.mark.parametrize("backend", ["xla", "cpu"])
-@pytest.mark.parametrize("kv_dtype, tol", [("int8", 0.03), ("float8_e4m3fn", 0.15)])
-def test_quantized_cache_attention_is_close_to_the_float_oracle(kv_dtype, tol, backend):
-    """paged_attention on an int8 / fp8 cache (values and per-token-head scales written by the
-    step) against the float oracle: mixed prefills, chunks and decodes, GQA, a window; on the
-    XLA path and in the C++ kernel (which scales each block as it reads it)."""
+def _attend_over_a_quantized_cache(kv_dtype: str, backend: str):
+    """paged_attention of a mixed batch (prefills, chunks and decodes, GQA, a window) over an int8 /
+    fp8 cache whose every slot earlier steps wrote, quantized, this step rewriting its own tokens'
+    slots: (the first n rows of its output, the cache after it, the float oracle over the K/V
+    as computed, the float oracle over what the cache holds), n the real tokens."""
     import jax
 
     from runtime.ops.attention import paged_attention
+    from runtime.ops.attention_common import quantize_kv, write_kv_quantized
     from runtime.ops.step import KVCache
     from test_attention import MIXED, build_batch, oracle
 
@@ -235,14 +235,17 @@ def test_quantized_cache_attention_is_close_to_the_float_oracle(kv_dtype, tol, b
     v_full = rng.standard_normal(k_full.shape).astype(np.float32)
     q = rng.standard_normal((128, 8, head_dim)).astype(np.float32)
     dtype = getattr(jnp, kv_dtype)
-    # Earlier steps wrote every slot (quantized); this step rewrites its own tokens' slots.
     flat = lambda c: c.swapaxes(1, 2).reshape(-1, kv_heads, head_dim)  # noqa: E731
+
+    def held(c):  # what the cache gives back for every slot
+        values, scales = quantize_kv(jnp.asarray(flat(c)), dtype)
+        held = np.asarray(values.astype(jnp.float32) * scales[..., None])
+        return held.reshape(num_blocks, block_size, kv_heads, head_dim).swapaxes(1, 2)
+
     cache = KVCache(jnp.zeros((1, *k_full.shape), dtype), jnp.zeros((1, *k_full.shape), dtype),
                     k_scale=jnp.ones((1, *k_full.shape[:-1]), jnp.float32),
                     v_scale=jnp.ones((1, *k_full.shape[:-1]), jnp.float32), attention_backend=backend)
     all_slots = np.arange(num_blocks * block_size, dtype=np.int32)
-    from runtime.ops.attention_common import write_kv_quantized
-
     cache = jax.jit(write_kv_quantized)(cache, flat(k_full), flat(v_full), all_slots, 0)
     slots = np.asarray(batch.slot_mapping)[:n]
     k_new = np.zeros((128, kv_heads, head_dim), np.float32)
@@ -250,55 +253,33 @@ def test_quantized_cache_attention_is_close_to_the_float_oracle(kv_dtype, tol, b
     k_new[:n], v_new[:n] = flat(k_full)[slots], flat(v_full)[slots]
     step = jax.jit(lambda q, k, v, c, b: paged_attention(q, k, v, c, b, layer=0, scale=0.35, sliding_window=12))
     out, cache = step(q, k_new, v_new, cache, batch)
-    assert cache.k.dtype == dtype and cache.k_scale.dtype == jnp.float32
     want = oracle(q, k_full, v_full, seqs, scale=0.35, sliding_window=12)
-    err = np.abs(np.asarray(out)[:n] - want[:n])
+    want_held = oracle(q, held(k_full), held(v_full), seqs, scale=0.35, sliding_window=12)
+    return np.asarray(out)[:n], cache, want[:n], want_held[:n]
+
+
+@pytest.mark.parametrize("backend", ["xla", "cpu"])
+@pytest.mark.parametrize("kv_dtype, tol", [("int8", 0.03), ("float8_e4m3fn", 0.15)])
+def test_quantized_cache_attention_is_close_to_the_float_oracle(kv_dtype, tol, backend):
+    """paged_attention on an int8 / fp8 cache (values and per-token-head scales written by the
+    step) against the float oracle: mixed prefills, chunks and decodes, GQA, a window; on the
+    XLA path and in the C++ kernel (which scales each block as it reads it)."""
+    out, cache, want, _ = _attend_over_a_quantized_cache(kv_dtype, backend)
+    assert cache.k.dtype == getattr(jnp, kv_dtype) and cache.k_scale.dtype == jnp.float32
+    err = np.abs(out - want)
     assert err.max() < tol, err.max()
     assert err.max() > 0  # it really read quantized values
 
 
+@pytest.mark.parametrize("backend", ["xla", "cpu"])
 @pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
-def test_quantized_cache_attention_equals_attention_over_what_the_cache_holds(kv_dtype):
+def test_quantized_cache_attention_equals_attention_over_what_the_cache_holds(kv_dtype, backend):
     """Every token, the step's own included, attends with K/V as the quantized cache holds them:
-    both backends equal the float oracle over the dequantized cache (not merely close to it), so
+    each backend equals the float oracle over the dequantized cache (not merely close to it), so
     a result does not depend on which step wrote a token's context, nor on the backend."""
-    import jax
-
-    from runtime.ops.attention import paged_attention
-    from runtime.ops.attention_common import quantize_kv, write_kv_quantized
-    from runtime.ops.step import KVCache
-    from test_attention import MIXED, build_batch, oracle
-
-    rng = np.random.default_rng(5)
-    kv_heads, block_size, head_dim, num_blocks = 2, 4, 8, 96
-    batch, seqs, n = build_batch(rng, MIXED, block_size=block_size, num_blocks=num_blocks, max_blocks=24,
-                                 pad_tokens=128, pad_seqs=8)
-    k_full = rng.standard_normal((num_blocks, kv_heads, block_size, head_dim)).astype(np.float32)
-    v_full = rng.standard_normal(k_full.shape).astype(np.float32)
-    q = rng.standard_normal((128, 8, head_dim)).astype(np.float32)
-    dtype = getattr(jnp, kv_dtype)
-    flat = lambda c: c.swapaxes(1, 2).reshape(-1, kv_heads, head_dim)  # noqa: E731
-    unflat = lambda f: f.reshape(num_blocks, block_size, kv_heads, head_dim).swapaxes(1, 2)  # noqa: E731
-
-    def held(c):  # what the cache gives back for every slot
-        values, scales = quantize_kv(jnp.asarray(flat(c)), dtype)
-        return unflat(np.asarray(values.astype(jnp.float32) * scales[..., None]))
-
-    all_slots = np.arange(num_blocks * block_size, dtype=np.int32)
-    slots = np.asarray(batch.slot_mapping)[:n]
-    k_new = np.zeros((128, kv_heads, head_dim), np.float32)
-    v_new = np.zeros_like(k_new)
-    k_new[:n], v_new[:n] = flat(k_full)[slots], flat(v_full)[slots]
-    want = oracle(q, held(k_full), held(v_full), seqs, scale=0.35, sliding_window=12)
-    for backend in ("xla", "cpu"):
-        cache = KVCache(jnp.zeros((1, *k_full.shape), dtype), jnp.zeros((1, *k_full.shape), dtype),
-                        k_scale=jnp.ones((1, *k_full.shape[:-1]), jnp.float32),
-                        v_scale=jnp.ones((1, *k_full.shape[:-1]), jnp.float32), attention_backend=backend)
-        cache = jax.jit(write_kv_quantized)(cache, flat(k_full), flat(v_full), all_slots, 0)
-        step = jax.jit(lambda q, k, v, c, b: paged_attention(q, k, v, c, b, layer=0, scale=0.35, sliding_window=12))
-        out, _ = step(q, k_new, v_new, cache, batch)
-        err = np.abs(np.asarray(out)[:n] - want[:n]).max()
-        assert err < 2e-5, (backend, err)
+    out, _, _, want_held = _attend_over_a_quantized_cache(kv_dtype, backend)
+    err = np.abs(out - want_held).max()
+    assert err < 2e-5, err
 
 
 def test_int8_kv_cache_holds_more_tokens_and_keeps_logprobs_close():
