@@ -3,8 +3,8 @@
 Multiplies x [rows, in] by enough distinct packed matrices of each shape (the demo model's and
 the 1B Llama's layer shapes) that they do not fit the caches, chained in one program, as a
 decode or prefill step meets them; best of N runs. Formats: float32 (runtime/ops/kernels/
-matmul.cc), and int8 or 4-bit weights with int8 activations (matmul_dot.cc, GGUF's Q8_0 and
-Q4_1 as servax serves them). Beside each rate, the machine's float32 peak: NumPy's BLAS on a
+matmul.cc), bfloat16 (matmul_formats.cc), and int8 or 4-bit weights with int8 activations
+(matmul_dot.cc, GGUF's Q8_0 and Q4_1 as servax serves them). Beside each rate, the machine's float32 peak: NumPy's BLAS on a
 large square product (benchmarks/common.py matmul_flops_per_s).
 
     python benchmarks/matmul.py                      # float32 at 1, 8 and 32 rows
@@ -35,8 +35,9 @@ def packed(fmt: str, d_in: int, d_out: int, rng):
 
     from runtime.ops.matmul import PackedWeight
 
-    if fmt == "float32":
-        return PackedWeight.pack(jnp.asarray(rng.standard_normal((d_in, d_out), dtype=np.float32)))
+    if fmt in ("float32", "bfloat16"):
+        w = jnp.asarray(rng.standard_normal((d_in, d_out), dtype=np.float32))
+        return PackedWeight.pack(w.astype(fmt))
     scales = jnp.asarray(rng.random((d_in // 32, d_out), dtype=np.float32) * 0.01)
     if fmt == "q8_0":
         q = jnp.asarray(rng.integers(-127, 128, (d_in, d_out)), jnp.int8)
@@ -47,7 +48,7 @@ def packed(fmt: str, d_in: int, d_out: int, rng):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--formats", default="float32", help="comma-separated: float32, q8_0, q4_1")
+    parser.add_argument("--formats", default="float32", help="comma-separated: float32, bfloat16, q8_0, q4_1")
     parser.add_argument("--rows", default="1,8,32", help="comma-separated rows of x (sequences of a decode step)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
