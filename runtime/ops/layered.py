@@ -331,7 +331,8 @@ class LayeredStep:
         (HostBatch): each program takes it in its own call, through jit's C++ argument path
         (a `jax.device_put` of a step's arrays costs more of the host's time than the calls)."""
         wide = batch if self.wide_seqs is None else widen_seqs(batch, self.wide_seqs)
-        return HostBatch.pack(wide), HostBatch.pack(batch)
+        narrow = HostBatch.pack(batch)
+        return narrow if wide is batch else HostBatch.pack(wide), narrow
 
     def __call__(self, kv_cache: KVCache, batch: StepInput) -> tuple[jax.Array, KVCache]:
         """One step: (logits, kv_cache), dispatched without waiting (kv_cache is donated)."""
