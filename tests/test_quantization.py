@@ -223,7 +223,7 @@ def _attend_over_a_quantized_cache(kv_dtype: str, backend: str):
     import jax
 
     from runtime.ops.attention import paged_attention
-    from runtime.ops.attention_common import quantize_kv, write_kv_quantized
+    from runtime.ops.attention_common import as_stored, write_kv_quantized
     from runtime.ops.step import KVCache
     from test_attention import MIXED, build_batch, oracle
 
@@ -238,8 +238,7 @@ def _attend_over_a_quantized_cache(kv_dtype: str, backend: str):
     flat = lambda c: c.swapaxes(1, 2).reshape(-1, kv_heads, head_dim)  # noqa: E731
 
     def held(c):  # what the cache gives back for every slot
-        values, scales = quantize_kv(jnp.asarray(flat(c)), dtype)
-        held = np.asarray(values.astype(jnp.float32) * scales[..., None])
+        held = np.asarray(as_stored(jnp.asarray(flat(c)), dtype))
         return held.reshape(num_blocks, block_size, kv_heads, head_dim).swapaxes(1, 2)
 
     cache = KVCache(jnp.zeros((1, *k_full.shape), dtype), jnp.zeros((1, *k_full.shape), dtype),
