@@ -43,9 +43,9 @@ def main() -> None:
     buckets: list[tuple[int, int]] = []
     dispatch = runner.dispatch
 
-    def recording_dispatch(sched, block_ids):
+    def recording_dispatch(sched, block_ids, prev=None):
         buckets.append(engine.plan.step_bucket(sched.num_scheduled_tokens, sched.num_slots))
-        return dispatch(sched, block_ids)
+        return dispatch(sched, block_ids, prev)
 
     runner.dispatch = recording_dispatch
     if args.model:

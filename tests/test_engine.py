@@ -198,7 +198,9 @@ def test_async_request_joins_the_step_after_the_one_in_flight(async_engine):
     """A request that arrives while a step runs is scheduled in the very next step (the loop
     adds it between collecting that step and scheduling the next), not one step later: a
     whole step less of time to first token under load. Here the step in flight is held in
-    `collect` until the request has been posted."""
+    `collect` until the request has been posted. (With async scheduling the next step is
+    dispatched before the one in flight is collected, so the request joins the step after
+    that: the engine steps synchronously here.)"""
     import asyncio
     import threading
 
@@ -213,9 +215,9 @@ def test_async_request_joins_the_step_after_the_one_in_flight(async_engine):
             assert posted.wait(10)
         return collect_(step)
 
-    def recording_dispatch(sched, block_ids):
+    def recording_dispatch(sched, block_ids, prev=None):
         dispatched.append({e.request.request_id for e in sched.scheduled})
-        return dispatch_(sched, block_ids)
+        return dispatch_(sched, block_ids, prev)
 
     long = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -230,10 +232,12 @@ def test_async_request_joins_the_step_after_the_one_in_flight(async_engine):
         return await first, await second
 
     runner.collect, runner.dispatch = holding_collect, recording_dispatch
+    engine.async_scheduling = False
     try:
         first, second = asyncio.run(main())
     finally:
         runner.collect, runner.dispatch = collect_, dispatch_
+        engine.async_scheduling = True
     assert first[-1].finished and second[-1].finished
     assert "second" in dispatched[1], dispatched[:3]  # the step right after the one in flight
     wait_idle(async_engine)

@@ -54,6 +54,11 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, gt=0, description="Tokens per KV-cache block.")
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    async_scheduling: bool | None = Field(
+        None, description="Schedule and dispatch the next step while the current one runs, its input ids "
+                          "taken on the device (vLLM's --async-scheduling). None: where the engine supports it "
+                          "(one process, a layered step); steps with speculation, grammars, penalties or "
+                          "pooling run synchronously.")
     kv_cache_memory_bytes: int | None = Field(None, gt=0, description="KV-cache budget in bytes.")
     kv_cache_memory_fraction: float = Field(
         0.5, gt=0, le=1, description="Share of free device memory for the KV cache when no byte budget is given "

@@ -131,6 +131,14 @@ class Engine(EngineIntrospection):
                 tensor_parallel_size=config.tensor_parallel_size, data_parallel_size=config.data_parallel_size,
                 plan=self.plan, **sizes))
         self.runner = ModelRunner(self.programs)
+        can_run_ahead = (self.peers is None and self.programs.feeds_input_ids
+                         and config.speculative_config is None)
+        if config.async_scheduling and not can_run_ahead:
+            raise ValueError("async_scheduling needs a one-process engine stepping its model layer by layer, "
+                             "without speculative decoding or pooling; leave it unset (None) to use it where "
+                             "it works")
+        # Async scheduling (see step()); None: wherever it works.
+        self.async_scheduling = can_run_ahead if config.async_scheduling is None else config.async_scheduling
         self.lora: LoRAManager | None = None
         if config.enable_lora:
             load = functools.partial(model.read_lora_adapter, max_rank=config.max_lora_rank)
@@ -372,33 +380,50 @@ class Engine(EngineIntrospection):
         strings, snapshots), so that host
         work overlaps device work. A request that a stop string ends was already part of
         the next step; that step's token for it is dropped.
+
+        With async scheduling (vLLM's), the next step is scheduled and enqueued before this
+        one's tokens are on the host: the scheduler counts them as pending (Scheduler.advance),
+        the next step reads them on the device as its input ids, and they get their values
+        when they arrive (Scheduler.settle). The device then never waits for the host between
+        steps. A token an EOS or stop token ends a request with was computed for nothing
+        (dropped, like a stop string's). Steps whose next tokens the host must know first
+        (drafts, grammars, penalties) run as above.
         """
         if self._inflight is None:
             self._inflight = self._dispatch_next()
             if self._inflight is None:
                 return []
         inflight, self._inflight = self._inflight, None
+        ahead = self.async_scheduling and self.kv_transfer is None and self.scheduler.can_run_ahead(inflight.sched)
+        if ahead:
+            self.scheduler.advance(inflight.sched)
+            if self.before_schedule is not None:
+                self.before_schedule()
+            self._inflight = self._dispatch_next(prev=inflight)
         with self.compile_counter.track():
             result = self.runner.collect(inflight)
         self.outputs.add_prompt_logprobs(result, self.scheduler.requests)
         pooled = self.outputs.process_pooled(result.pooled, self.scheduler.requests) if result.pooled else []
-        advanced = self.scheduler.update_from_output(inflight.sched, result.sampled)
-        if self.before_schedule is not None:
-            self.before_schedule()
-        self._inflight = self._dispatch_next()
+        if ahead:
+            advanced = self.scheduler.settle(inflight.sched, result.sampled)
+        else:
+            advanced = self.scheduler.update_from_output(inflight.sched, result.sampled)
+            if self.before_schedule is not None:
+                self.before_schedule()
+            self._inflight = self._dispatch_next()
         outs, stopped = self.outputs.process(advanced, result)
         for request, decision in stopped:  # by a stop string
             self.scheduler.finish_request(request.request_id, decision.status, decision.reason)
         return outs + pooled if pooled else outs
 
-    def _dispatch_next(self) -> InFlightStep | None:
+    def _dispatch_next(self, prev: InFlightStep | None = None) -> InFlightStep | None:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return None
         self._iteration_tokens[sched.num_scheduled_tokens] += 1
         block_ids = {e.request.request_id: self.kv.block_tables(e.request.request_id) for e in sched.scheduled}
         with self.compile_counter.track():
-            return self.runner.dispatch(sched, block_ids)
+            return self.runner.dispatch(sched, block_ids, prev)
 
     # -- prefill/decode disaggregation -----------------------------------------------------
     def enable_kv_transfer(self) -> KVMover:

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from runtime.engine.compilation import BucketPrograms, lower_thread_priority
 from runtime.engine.plan import ExecutionPlan
 from runtime.engine.runner_inputs import InputBuilder
-from runtime.engine.sampler import SamplingBatch, sample
+from runtime.engine.sampler import SamplerOutput, SamplingBatch, sample
 from runtime.ops.cpu_kernels import kernel_available
 from runtime.ops.layered import LayeredStep, layered_forward
 from runtime.ops.lora import LoRASlots
@@ -73,7 +73,8 @@ class ModelPrograms:
             model.stages = dataclasses.replace(model.stages, epilogue=pooled_epilogue)
         try:
             self.layered = (LayeredStep(model, mesh, kv_shardings, plan.layer_seqs, pack=plan.packed_weights,
-                                        compute_float32=plan.compute_float32, int8_activations=plan.int8_activations)
+                                        compute_float32=plan.compute_float32, int8_activations=plan.int8_activations,
+                                        feed_rows=plan.largest_bucket[1])
                             if plan.layered else None)
         finally:  # the LoadedModel keeps its own epilogue for any later engine (the layered step has jitted ours)
             if self.pools:
@@ -87,17 +88,27 @@ class ModelPrograms:
         self.inputs = InputBuilder(max_model_len=max_model_len, block_size=plan.block_size,
                                    vocab_size=model.vocab_size, lora=self.lora is not None,
                                    num_kv_groups=plan.kv_spec.groups.num_groups)
-        self._sample = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties", "cpu_kernel"))
+        self._sample = jax.jit(functools.partial(_sample_feeding, feed_rows=plan.largest_bucket[1]),
+                               static_argnames=("num_logprobs", "use_penalties", "cpu_kernel"),
+                               out_shardings=self.replicated)
         self.sample_kernel = _sample_kernel_usable(mesh)  # top-k / top-p cut by the C++ kernel
         self.compiled = BucketPrograms(self._lower)
 
     # -- running -------------------------------------------------------------------------
-    def run_step(self, batch) -> jax.Array:
-        """Enqueue the model's step on `batch`; the logits (the KV cache is updated)."""
+    @property
+    def feeds_input_ids(self) -> bool:
+        """Whether a step can take input ids still on the device, the previous step's samples
+        (`run_step`'s prev / input_from): what async scheduling needs (a layered step)."""
+        return self.layered is not None and not self.pools
+
+    def run_step(self, batch, prev: jax.Array | None = None, input_from: np.ndarray | None = None) -> jax.Array:
+        """Enqueue the model's step on `batch`; the logits (the KV cache is updated). With
+        `input_from` (where feeds_input_ids), the tokens it marks (>= 0) take their ids from
+        `prev`, a previous step's SamplerOutput.next_ids, at that row."""
         if self.pools:
             return self.run_pooling_step(batch)[0]
         if self.layered is not None:
-            logits, self.kv_cache = self.layered(self.kv_cache, batch)
+            logits, self.kv_cache = self.layered(self.kv_cache, batch, prev, input_from)
         else:
             logits, self.kv_cache = self._step(self.model.params, self.kv_cache, batch)
         return logits
@@ -243,6 +254,13 @@ class ModelPrograms:
             jax.device_get(out.sampled)
             times.append(time.perf_counter() - t0)
         return float(np.median(times))
+
+
+def _sample_feeding(logits: jax.Array, sb: SamplingBatch, *, feed_rows: int, **kwargs) -> SamplerOutput:
+    """`sample`, with the sampled ids also padded to `feed_rows` rows (SamplerOutput.next_ids:
+    one shape for the next step's prologue whatever this step's bucket)."""
+    out = sample(logits, sb, **kwargs)
+    return out.replace(next_ids=jnp.zeros(feed_rows, jnp.int32).at[:out.sampled.shape[0]].set(out.sampled))
 
 
 def as_arrays(sb: SamplingBatch) -> dict[str, np.ndarray]:

@@ -36,6 +36,9 @@ class RequestStatus(enum.Enum):
         return _FINISH_REASON.get(self)
 
 
+# The id standing for a sampled token not yet on the host (Request.append_pending_token).
+PENDING_TOKEN = -1
+
 _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED}
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -46,7 +49,8 @@ _FINISH_REASON = {
 _TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
     RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
     RequestStatus.RUNNING: {RequestStatus.PREEMPTED} | _FINISHED,
-    RequestStatus.PREEMPTED: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
+    # Preempted with a token still on the device (async scheduling): that token may end it.
+    RequestStatus.PREEMPTED: {RequestStatus.RUNNING} | _FINISHED,
 }
 
 
@@ -183,6 +187,27 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.token_constraints is not None:
+            self.token_constraints.accept(token_id)
+        self._update_block_hashes()
+
+    # -- a token still on the device (async scheduling, runtime/engine/core.py) -----------
+    @property
+    def has_pending_token(self) -> bool:
+        """Whether its newest output token is still on the device (PENDING_TOKEN stands in)."""
+        return bool(self.output_token_ids) and self.output_token_ids[-1] == PENDING_TOKEN
+
+    def append_pending_token(self) -> None:
+        """Count the token a dispatched step will sample for it, before its value is known: the
+        next step can then be scheduled (its input id is taken on the device). No block whose
+        tokens include it is hashed until `settle_pending_token`."""
+        self.output_token_ids.append(PENDING_TOKEN)
+        self.all_token_ids.append(PENDING_TOKEN)
+
+    def settle_pending_token(self, token_id: int) -> None:
+        """The pending token's value, now on the host."""
+        assert self.has_pending_token, f"request {self.request_id}: no pending token"
+        self.output_token_ids[-1] = self.all_token_ids[-1] = token_id
         if self.token_constraints is not None:
             self.token_constraints.accept(token_id)
         self._update_block_hashes()

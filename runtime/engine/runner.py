@@ -44,18 +44,25 @@ class ModelRunner:
         self.plan = programs.plan
         self.busy_since: float | None = None  # time.monotonic() of the dispatched step not collected yet
 
-    def dispatch(self, sched: SchedulerOutput, block_ids: dict[str, list[list[int]]]) -> InFlightStep:
+    def dispatch(self, sched: SchedulerOutput, block_ids: dict[str, list[list[int]]],
+                 prev: InFlightStep | None = None) -> InFlightStep:
         """Build the inputs and enqueue step + sampler on the device without waiting.
 
-        block_ids: per scheduled request, its block table in each KV cache group."""
+        block_ids: per scheduled request, its block table in each KV cache group.
+        prev: the step in flight whose samples are this step's pending input ids (async
+            scheduling: Scheduler.advance; the programs must feed_input_ids)."""
         self.busy_since = time.monotonic()
         programs = self.programs
         use_penalties = any(e.request.sampling_params.uses_penalties for e in sched.scheduled)
         t_pad, s_pad = self.plan.step_bucket(sched.num_scheduled_tokens, sched.num_slots)
         t_pad, s_pad = programs.runnable_bucket(t_pad, s_pad, use_penalties)
-        inputs = programs.inputs.build(sched, block_ids, t_pad, s_pad, use_penalties)
+        prev_rows = None if prev is None else {
+            e.request.request_id: rows[-1] for e, rows in zip(prev.sched.scheduled, prev.inputs.sample_rows)}
+        inputs = programs.inputs.build(sched, block_ids, t_pad, s_pad, use_penalties, prev_rows)
         if programs.pools:
             logits, pooled = programs.run_pooling_step(inputs.batch)
+        elif inputs.input_from is not None:
+            logits, pooled = programs.run_step(inputs.batch, prev.out.next_ids, inputs.input_from), None
         else:  # (a multi-process engine mirrors run_step on its workers)
             logits, pooled = programs.run_step(inputs.batch), None
         # Filled while the device runs the step (llguidance releases the GIL).
@@ -65,7 +72,10 @@ class ModelRunner:
 
     def collect(self, step: InFlightStep) -> RunnerOutput:
         """Wait for a dispatched step and bring its results to the host."""
-        out = jax.device_get(step.out)
+        out = step.out
+        if getattr(out, "next_ids", None) is not None:
+            out = out.replace(next_ids=None)  # the next step's, left on the device
+        out = jax.device_get(out)
         self.busy_since = None
 
         def result(r: int, ids: list[int] | None = None) -> RowResult:

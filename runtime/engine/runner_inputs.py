@@ -41,6 +41,9 @@ class StepInputs:
     # Pooling requests: (request id, row, first prompt token of the chunk, tokens in it); their
     # rows are pooled (runtime/ops/pooling.py), never sampled.
     pool_rows: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
+    # Async scheduling: [t_pad] int32, for each token whose id is still on the device (a
+    # pending token) the row of the previous step's samples holding it, else -1; None: none.
+    input_from: np.ndarray | None = None
 
 
 class InputBuilder:
@@ -106,9 +109,10 @@ class InputBuilder:
         )
 
     def build(self, sched: SchedulerOutput, block_ids: dict[str, list[list[int]]], t_pad: int, s_pad: int,
-              use_penalties: bool) -> StepInputs:
+              use_penalties: bool, prev_rows: dict[str, int] | None = None) -> StepInputs:
         """The inputs of a scheduled step, padded to bucket (t_pad, s_pad); `block_ids` holds each
-        scheduled request's block table per KV cache group."""
+        scheduled request's block table per KV cache group. `prev_rows`: for the requests whose
+        newest token is pending, its row in the previous step's samples (async scheduling)."""
         bs = self.block_size
         input_ids = np.zeros(t_pad, np.int32)
         positions = np.zeros(t_pad, np.int32)
@@ -122,6 +126,7 @@ class InputBuilder:
         group_tables, group_slots = groups.get("group_block_tables"), groups.get("group_slot_mapping")
         sb = self._empty_sampling(s_pad, use_penalties)
         masked_rows, sample_rows, prompt_rows, pool_rows = [], [], [], []
+        input_from = None
         t = row = 0
         for entry in sched.scheduled:
             req = entry.request
@@ -131,6 +136,11 @@ class InputBuilder:
             pos = np.arange(c, c + n, dtype=np.int32)
             drafts = entry.draft_token_ids
             input_ids[t:t + n] = req.all_token_ids[c:c + n] + drafts
+            if req.has_pending_token and c <= req.num_tokens - 1 < c + n:  # (no drafts then)
+                if input_from is None:
+                    input_from = np.full(t_pad, -1, np.int32)
+                at = t + req.num_tokens - 1 - c
+                input_from[at], input_ids[at] = prev_rows[req.request_id], 0
             positions[t:t + n] = pos
             slot_mapping[t:t + n] = table[pos // bs] * bs + pos % bs
             if group_tables is not None:
@@ -177,7 +187,8 @@ class InputBuilder:
             seq_lens=seq_lens, query_start_loc=query_start_loc, logits_indices=logits_indices,
             num_seqs=row, num_tokens=t, lora_slots=lora_slots, **groups,
         )
-        return StepInputs(batch, SamplingBatch(**sb), use_penalties, masked_rows, sample_rows, prompt_rows, pool_rows)
+        return StepInputs(batch, SamplingBatch(**sb), use_penalties, masked_rows, sample_rows, prompt_rows, pool_rows,
+                          input_from)
 
     def _fill_sampling_row(self, sb: dict[str, np.ndarray], r: int, req: StepRequest, drafts: list[int] = ()) -> None:
         """Row r samples the request's next token after its tokens and then `drafts` (the

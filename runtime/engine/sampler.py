@@ -60,6 +60,9 @@ class SamplerOutput:
     top_ids: jax.Array  # [S, K] int32
     top_logprobs: jax.Array  # [S, K] float32
     id_logprobs: jax.Array  # [S, MAX_LOGPROB_TOKEN_IDS] float32, logprobs of batch.logprob_ids (-inf unused)
+    # `sampled` padded to a fixed row count, for the next step to read its input ids from
+    # (async scheduling: runtime/engine/programs.py); None where the caller did not ask.
+    next_ids: jax.Array | None = None
 
 
 def empty_sampling_batch(num_rows: int, history_len: int, mask_words: int = 1,

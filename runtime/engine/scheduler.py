@@ -110,6 +110,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and slots_left > 0:
             request = self.running[i]
+            if request.has_pending_token and request.num_output_tokens >= request.max_tokens:
+                i += 1  # its last token is still on the device: it ends when that arrives
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             per_token = request.needs_prompt_logprobs
             if per_token:
@@ -196,6 +199,47 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    # -- async scheduling: a step counted before its tokens are on the host ----------------
+    @staticmethod
+    def can_run_ahead(output: SchedulerOutput) -> bool:
+        """Whether the step after `output` can be scheduled before its tokens are on the host:
+        none of its requests needs them there first (a grammar's mask, penalties, drafts,
+        pooling, a P/D export)."""
+        return not any(e.draft_token_ids or e.request.token_constraints is not None
+                       or e.request.pooling_params is not None or e.request.sampling_params.uses_penalties
+                       or e.request.kv_export for e in output.scheduled)
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """Count a dispatched step's computed tokens and, for each request it samples a token
+        for, a pending one (Request.append_pending_token), so that the next step can be
+        scheduled while this one runs; `settle` then gives the tokens their values. The step
+        holds no drafts and no pooling requests (the engine steps those synchronously)."""
+        for entry in output.scheduled:
+            request = entry.request
+            if request.is_finished:
+                continue
+            assert not entry.draft_token_ids and request.pooling_params is None
+            request.num_computed_tokens += entry.num_new_tokens
+            if request.num_computed_tokens >= request.num_tokens:
+                request.append_pending_token()
+
+    def settle(self, output: SchedulerOutput, sampled: list[list[int]]) -> list[tuple[Request, int]]:
+        """The sampled tokens of a step `advance` counted: each pending token gets its value and
+        the stop checks run on it (a request preempted since keeps its token for later).
+        Returns (request, 1) for each request that got its token, as update_from_output does."""
+        advanced = []
+        for entry, tokens in zip(output.scheduled, sampled):
+            request = entry.request
+            if request.is_finished or not request.has_pending_token:
+                continue  # aborted meanwhile, or a prefill chunk (no token)
+            token = int(tokens[-1])
+            request.settle_pending_token(token)
+            decision = check_stop(request, token)
+            if decision is not None:
+                self.finish_request(request.request_id, decision.status, decision.reason)
+            advanced.append((request, 1))
+        return advanced
 
     def update_from_output(self, output: SchedulerOutput, sampled: list[list[int]]) -> list[tuple[Request, int]]:
         """Advance each scheduled request by its computed tokens and append sampled tokens.

@@ -197,6 +197,17 @@ def _unpacking(stage: Any, batch_arg: int) -> Any:
     return unpacked
 
 
+def _fed(prologue: Any) -> Any:
+    """The prologue taking two more arguments, for async scheduling (runtime/engine/core.py):
+    `prev` [R] int32, the previous step's sampled ids on the device, and `input_from` [T]
+    int32, for each token whose id is one of them its row there (-1: the batch's own id)."""
+    def fed(outer: dict, batch: StepInput, prev: jax.Array, input_from: jax.Array) -> Any:
+        ids = jnp.where(input_from >= 0, prev[jnp.maximum(input_from, 0)], batch.input_ids)
+        return prologue(outer, dataclasses.replace(batch, input_ids=ids))
+
+    return fed
+
+
 def _float32_carry(prologue: Any) -> Any:
     """The prologue with its carry's half-precision arrays widened to float32: the layers then
     compute in float32 whatever dtype the weights are stored in."""
@@ -249,7 +260,7 @@ class LayeredStep:
 
     def __init__(self, model: LoadedModel, mesh: Mesh, kv_sharding: NamedSharding | KVCache,
                  wide_seqs: int | None = None, pack: bool = False, compute_float32: bool = False,
-                 int8_activations: bool = False):
+                 int8_activations: bool = False, feed_rows: int = 1):
         stages = model.stages
         assert stages is not None
         if compute_float32 and not getattr(stages.prologue, "computes_float32", False):
@@ -294,8 +305,12 @@ class LayeredStep:
         outer_shardings = jax.tree.map(lambda a: a.sharding, self.outer)
         # A KVCache of shardings carries the cache's static metadata (attention backend, mesh).
         kv = kv_sharding if isinstance(kv_sharding, KVCache) else KVCache(kv_sharding, kv_sharding)
-        self._prologue = jax.jit(_unpacking(stages.prologue, 1), in_shardings=(outer_shardings, rep),
+        self._prologue = jax.jit(_unpacking(_fed(stages.prologue), 1), in_shardings=(outer_shardings, rep, rep, rep),
                                  out_shardings=rep)
+        # What the prologue takes when no input id is on the device: `feed_rows` zeros (the
+        # previous step's samples are padded to that many rows) and -1 for every token.
+        self._no_feed = jax.device_put(np.zeros(feed_rows, np.int32), rep)
+        self._own_ids: dict[int, np.ndarray] = {}
         programs: dict[tuple[str, int], Any] = {}  # (stack, layers per call) -> its program
         self.calls: list[_Call] = []
         taken, first_layer = dict.fromkeys(sizes, 0), 0
@@ -334,10 +349,22 @@ class LayeredStep:
         narrow = HostBatch.pack(batch)
         return narrow if wide is batch else HostBatch.pack(wide), narrow
 
-    def __call__(self, kv_cache: KVCache, batch: StepInput) -> tuple[jax.Array, KVCache]:
-        """One step: (logits, kv_cache), dispatched without waiting (kv_cache is donated)."""
+    def _feed(self, num_tokens: int, prev: jax.Array | None, input_from: np.ndarray | None) -> tuple:
+        """The prologue's (prev, input_from): the given ones, or those of a batch whose input ids
+        are all its own."""
+        if input_from is not None:
+            return prev, input_from
+        if num_tokens not in self._own_ids:
+            self._own_ids[num_tokens] = np.full(num_tokens, -1, np.int32)
+        return self._no_feed, self._own_ids[num_tokens]
+
+    def __call__(self, kv_cache: KVCache, batch: StepInput, prev: jax.Array | None = None,
+                 input_from: np.ndarray | None = None) -> tuple[jax.Array, KVCache]:
+        """One step: (logits, kv_cache), dispatched without waiting (kv_cache is donated). With
+        `input_from` (async scheduling), the tokens it marks take their ids from `prev`, the
+        previous step's samples still on the device (see _fed)."""
         wide, narrow = self._inputs(batch)
-        carry = self._prologue(self.outer, wide)
+        carry = self._prologue(self.outer, wide, *self._feed(wide.padded_num_tokens, prev, input_from))
         for c in self.calls:
             layers = self.stacks[c.key][c.start:c.start + c.per_call]
             carry, kv_cache = c.program(layers, carry, kv_cache, c.first, wide)
@@ -348,12 +375,13 @@ class LayeredStep:
         epilogue; with `seen`, the prologue and layers only if their shapes are not in it
         (then added): buckets that share them share those programs."""
         wide, narrow = self._inputs(batch)
+        feed = self._feed(wide.padded_num_tokens, None, None)
         carry = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.replicated),
-                             jax.eval_shape(self._prologue, self.outer, wide))
+                             jax.eval_shape(self._prologue, self.outer, wide, *feed))
         shared = (wide.padded_num_tokens, wide.padded_num_seqs)
         programs = []
         if seen is None or shared not in seen:
-            programs.append(self._prologue.lower(self.outer, wide))
+            programs.append(self._prologue.lower(self.outer, wide, *feed))
             programs += [c.program.lower(self.stacks[c.key][c.start:c.start + c.per_call], carry, kv_cache, c.first,
                                          wide) for c in self._distinct]
             if seen is not None:
