@@ -82,6 +82,7 @@ class LLM:
         engine_kwargs, self.serving_config = split_engine_kwargs(engine_kwargs)
         self.config = EngineConfig(model=model, **engine_kwargs)
         self.engine = Engine(self.config, loaded_model if loaded_model is not None else load_model(self.config))
+        self.engine.ahead.max_step_s = float("inf")  # offline: no request arrives while steps run ahead
         self._ids = itertools.count()
 
     def shutdown(self) -> None:

@@ -29,6 +29,7 @@ def main() -> None:
                         "a model ID runs peers.py's realistic workload on it")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--no-async-scheduling", action="store_true", help="step synchronously")
     args = parser.parse_args()
 
     from app import LLM, SamplingParams
@@ -37,7 +38,7 @@ def main() -> None:
         model=args.model or str(bench_checkpoint()), model_impl=args.impl, dtype="float32",
         max_model_len=1024 if args.model else 512,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        show_progress=False,
+        show_progress=False, async_scheduling=False if args.no_async_scheduling else None,
     )
     engine, runner = llm.engine, llm.engine.runner
     buckets: list[tuple[int, int]] = []

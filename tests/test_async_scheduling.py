@@ -22,17 +22,18 @@ def llm() -> LLM:
     return LLM(MODEL, num_kv_blocks=40, **SMALL)
 
 
-def run(llm: LLM, prompts, params, *, ahead: bool) -> tuple[list, int]:
-    """(outputs, steps scheduled before the one in flight was collected)."""
+def run(llm: LLM, prompts, params, *, ahead: bool | None) -> tuple[list, int]:
+    """(outputs, steps scheduled before the one in flight was collected) with
+    EngineConfig.async_scheduling `ahead`."""
     engine = llm.engine
     advance, ahead_steps = engine.scheduler.advance, []
     engine.scheduler.advance = lambda output: (ahead_steps.append(1), advance(output))[1]
-    engine.async_scheduling = ahead
+    engine.ahead.setting = ahead
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:
         engine.scheduler.advance = advance
-        engine.async_scheduling = True
+        engine.ahead.setting = None
     return outs, len(ahead_steps)
 
 
@@ -46,8 +47,26 @@ def assert_all_blocks_free(llm: LLM) -> None:
     assert not llm.engine.kv.req_to_blocks
 
 
-def test_async_scheduling_is_on_by_default_where_it_works(llm):
-    assert llm.engine.async_scheduling
+def test_by_default_steps_run_ahead_while_they_are_short(llm):
+    """The default (async_scheduling None) runs ahead while steps take at most max_step_s
+    (offline: always; serving: AHEAD_MAX_STEP_S), not when they take longer; True / False force
+    it; an engine that cannot run ahead refuses True."""
+    from runtime.engine.runner import AHEAD_MAX_STEP_S, AheadPolicy
+
+    ahead = llm.engine.ahead
+    assert ahead.setting is None and ahead.supported and ahead.max_step_s == float("inf")
+    prompts, params = [[5, 6, 7] * 4] * 3, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert run(llm, prompts, params, ahead=None)[1] > 0
+    ahead.max_step_s = 0.0  # every step is longer
+    try:
+        assert run(llm, prompts, params, ahead=None)[1] == 0 and run(llm, prompts, params, ahead=True)[1] > 0
+    finally:
+        ahead.max_step_s = float("inf")
+    assert AheadPolicy(None, supported=True).max_step_s == AHEAD_MAX_STEP_S
+    slow = AheadPolicy(None, supported=True)
+    slow.step_seconds = 1.0
+    assert not slow.wanted and AheadPolicy(True, supported=True).wanted
+    assert not AheadPolicy(True, supported=False).wanted and not AheadPolicy(False, supported=True).wanted
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(MODEL, loaded_model=llm.engine.model, async_scheduling=True, num_kv_blocks=64,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, **SMALL)

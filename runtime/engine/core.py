@@ -39,7 +39,7 @@ from runtime.engine.plan import make_plan
 from runtime.engine.pooling import Pooler, PoolerConfig, PoolingParams, resolve_pooler, runner_of
 from runtime.engine.programs import ModelPrograms
 from runtime.engine.request import Request, RequestStatus
-from runtime.engine.runner import InFlightStep, ModelRunner
+from runtime.engine.runner import AheadPolicy, InFlightStep, ModelRunner
 from runtime.engine.sampling_params import SamplingParams
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.speculative import DraftPolicy, SpeculativeConfig, candidate_draft_lengths
@@ -136,9 +136,8 @@ class Engine(EngineIntrospection):
         if config.async_scheduling and not can_run_ahead:
             raise ValueError("async_scheduling needs a one-process engine stepping its model layer by layer, "
                              "without speculative decoding or pooling; leave it unset (None) to use it where "
-                             "it works")
-        # Async scheduling (see step()); None: wherever it works.
-        self.async_scheduling = can_run_ahead if config.async_scheduling is None else config.async_scheduling
+                             "it pays")
+        self.ahead = AheadPolicy(config.async_scheduling, can_run_ahead)  # async scheduling (see step())
         self.lora: LoRAManager | None = None
         if config.enable_lora:
             load = functools.partial(model.read_lora_adapter, max_rank=config.max_lora_rank)
@@ -387,14 +386,15 @@ class Engine(EngineIntrospection):
         when they arrive (Scheduler.settle). The device then never waits for the host between
         steps. A token an EOS or stop token ends a request with was computed for nothing
         (dropped, like a stop string's). Steps whose next tokens the host must know first
-        (drafts, grammars, penalties) run as above.
+        (drafts, grammars, penalties) run as above, and by default so do long ones (AheadPolicy).
         """
-        if self._inflight is None:
+        chained = self._inflight is not None  # dispatched by the last call: the engine was not idle
+        if not chained:
             self._inflight = self._dispatch_next()
             if self._inflight is None:
                 return []
         inflight, self._inflight = self._inflight, None
-        ahead = self.async_scheduling and self.kv_transfer is None and self.scheduler.can_run_ahead(inflight.sched)
+        ahead = self.ahead.wanted and self.kv_transfer is None and self.scheduler.can_run_ahead(inflight.sched)
         if ahead:
             self.scheduler.advance(inflight.sched)
             if self.before_schedule is not None:
@@ -402,6 +402,7 @@ class Engine(EngineIntrospection):
             self._inflight = self._dispatch_next(prev=inflight)
         with self.compile_counter.track():
             result = self.runner.collect(inflight)
+        self.ahead.observe(chained)
         self.outputs.add_prompt_logprobs(result, self.scheduler.requests)
         pooled = self.outputs.process_pooled(result.pooled, self.scheduler.requests) if result.pooled else []
         if ahead:

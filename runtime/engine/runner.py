@@ -32,6 +32,47 @@ class InFlightStep:
     pooled: Any = None  # [S, D] device array of pooled rows when the step has pooling requests
 
 
+# Async scheduling where EngineConfig.async_scheduling is None, when serving: run ahead while
+# steps take at most this long. Running ahead hides the host's work between steps (~1 ms here)
+# from every running request; a request that arrives meanwhile waits up to one step more for
+# its first token. Below this, a reply of ~60 tokens or more gains more than that (measured:
+# benchmarks/RESULTS.md, stop 46).
+AHEAD_MAX_STEP_S = 0.05
+
+
+class AheadPolicy:
+    """Whether the engine schedules the next step before the tokens of the one in flight are
+    on the host (async scheduling, Engine.step).
+
+    Args:
+        setting: EngineConfig.async_scheduling: True / False always / never (where it works);
+            None while steps take at most `max_step_s`. A request that arrives while a step runs
+            joins the step after the one dispatched ahead: one step later than without.
+        supported: whether the engine can (one process, a layered step, no speculation).
+        max_step_s: AHEAD_MAX_STEP_S, or no limit offline (app.LLM: no request arrives later).
+    """
+
+    def __init__(self, setting: bool | None, supported: bool, max_step_s: float = AHEAD_MAX_STEP_S):
+        self.setting, self.supported, self.max_step_s = setting, supported, max_step_s
+        self.step_seconds = 0.0  # moving average of the time between two steps' results, under load
+        self._last: float | None = None
+
+    def observe(self, chained: bool) -> None:
+        """A step's results are on the host; `chained`: it was dispatched before the previous
+        step's results were processed (no idle engine in between)."""
+        now = time.perf_counter()
+        if chained and self._last is not None:
+            period = now - self._last
+            self.step_seconds = 0.8 * self.step_seconds + 0.2 * period if self.step_seconds else period
+        self._last = now
+
+    @property
+    def wanted(self) -> bool:
+        if not self.supported or self.setting is False:
+            return False
+        return self.setting is True or self.step_seconds <= self.max_step_s
+
+
 class ModelRunner:
     """Runs scheduled steps on an engine's programs.
 
