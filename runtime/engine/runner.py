@@ -114,9 +114,13 @@ class ModelRunner:
     def collect(self, step: InFlightStep) -> RunnerOutput:
         """Wait for a dispatched step and bring its results to the host."""
         out = step.out
-        if getattr(out, "next_ids", None) is not None:
-            out = out.replace(next_ids=None)  # the next step's, left on the device
-        out = jax.device_get(out)
+        reads_logprobs = bool(step.inputs.prompt_rows) or any(
+            e.request.sampling_params.logprobs is not None for e in step.sched.scheduled)
+        if reads_logprobs:
+            if getattr(out, "next_ids", None) is not None:
+                out = out.replace(next_ids=None)  # the next step's, left on the device
+            out = jax.device_get(out)
+        sampled_ids = np.asarray(out.sampled).tolist()  # (alone where no row reads logprobs: one transfer)
         self.busy_since = None
 
         def result(r: int, ids: list[int] | None = None) -> RowResult:
@@ -126,7 +130,7 @@ class ModelRunner:
             return RowResult(float(out.chosen_logprob[r]), int(out.chosen_rank[r]), out.top_ids[r], out.top_logprobs[r])
 
         sample_rows = step.inputs.sample_rows
-        sampled = [[int(out.sampled[r]) for r in rows] for rows in sample_rows]
+        sampled = [[sampled_ids[r] for r in rows] for rows in sample_rows]
         sample_logprobs = {
             e.request.request_id: [result(r, e.request.sampling_params.logprob_token_ids) for r in rows]
             for e, rows in zip(step.sched.scheduled, sample_rows)

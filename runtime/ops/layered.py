@@ -52,6 +52,11 @@ from runtime.ops.step import KVCache, LayerStages, LoadedModel, StepInput
 
 # Decoder layers one program runs (unrolled), at most: the largest divisor of the depth up to this.
 MAX_LAYERS_PER_CALL = 6
+# Steps of at most this many tokens (a lone decode) run as one program: prologue, every layer
+# and epilogue. Each call costs the host ~0.1-0.2 ms, which a one-token step, short and run
+# ahead (async scheduling), pays on the same cores; one more program to compile at start-up
+# (benchmarks/RESULTS.md, stop 46).
+WHOLE_STEP_MAX_TOKENS = 1
 
 
 def layers_per_call(num_layers: int, most: int = MAX_LAYERS_PER_CALL) -> int:
@@ -235,6 +240,22 @@ def _layers_in_order(layer: Any) -> Any:
     return run
 
 
+def _whole_step(stages: LayerStages) -> Any:
+    """(outer, every layer's weights in order, kv_cache, batch, epilogue batch, prev, input_from)
+    -> (logits, kv_cache): a step as one program (the layer traced once, as in _layers_in_order)."""
+    prologue, layer = _unpacking(_fed(stages.prologue), 1), jax.jit(stages.layer)
+
+    def run(outer: dict, layers: list, kv_cache: KVCache, batch: HostBatch, narrow: HostBatch, prev: jax.Array,
+            input_from: jax.Array):
+        carry = prologue(outer, batch, prev, input_from)
+        unpacked = batch.unpack()
+        for i, params in enumerate(layers):
+            carry, kv_cache = layer(params, carry, kv_cache, jnp.int32(i), unpacked)
+        return stages.epilogue(outer, carry, narrow.unpack()), kv_cache
+
+    return run
+
+
 @dataclasses.dataclass
 class _Call:
     """One call of a layer program: `per_call` layers of stack `key` from its layer `start`,
@@ -329,6 +350,10 @@ class LayeredStep:
         self._distinct = list({id(c.program): c for c in self.calls}.values())
         self._epilogue = jax.jit(_unpacking(stages.epilogue, 2), in_shardings=(outer_shardings, rep, rep),
                                  out_shardings=rep)
+        self._all_layers = self.layers
+        self._whole = jax.jit(_whole_step(stages), in_shardings=(
+            outer_shardings, jax.tree.map(lambda a: a.sharding, self._all_layers), kv, rep, rep, rep, rep),
+            out_shardings=(rep, kv), donate_argnums=(2,))
         self.wide_seqs = wide_seqs  # see the module docstring
 
     @property
@@ -364,7 +389,10 @@ class LayeredStep:
         `input_from` (async scheduling), the tokens it marks take their ids from `prev`, the
         previous step's samples still on the device (see _fed)."""
         wide, narrow = self._inputs(batch)
-        carry = self._prologue(self.outer, wide, *self._feed(wide.padded_num_tokens, prev, input_from))
+        feed = self._feed(wide.padded_num_tokens, prev, input_from)
+        if wide.padded_num_tokens <= WHOLE_STEP_MAX_TOKENS:
+            return self._whole(self.outer, self._all_layers, kv_cache, wide, narrow, *feed)
+        carry = self._prologue(self.outer, wide, *feed)
         for c in self.calls:
             layers = self.stacks[c.key][c.start:c.start + c.per_call]
             carry, kv_cache = c.program(layers, carry, kv_cache, c.first, wide)
@@ -376,6 +404,8 @@ class LayeredStep:
         (then added): buckets that share them share those programs."""
         wide, narrow = self._inputs(batch)
         feed = self._feed(wide.padded_num_tokens, None, None)
+        if wide.padded_num_tokens <= WHOLE_STEP_MAX_TOKENS:
+            return [self._whole.lower(self.outer, self._all_layers, kv_cache, wide, narrow, *feed)]
         carry = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.replicated),
                              jax.eval_shape(self._prologue, self.outer, wide, *feed))
         shared = (wide.padded_num_tokens, wide.padded_num_seqs)
