@@ -30,6 +30,12 @@ With `compute_float32` (a half-precision model on CPU) the prologue's carry is w
 float32, so the layers compute in float32 while the weights stay as stored (the packed
 kernels widen them in registers; under tensor parallelism XLA's dots convert them).
 
+With async scheduling (runtime/engine/core.py) some input ids are still on the device: the
+prologue also takes the previous step's samples (`prev`, padded to `feed_rows`) and, per token,
+the row whose sample is its id (`input_from`, -1: its own id); a step whose ids are all on the
+host passes zeros and -1s, so one prologue program serves both. A step of at most
+WHOLE_STEP_MAX_TOKENS tokens (a lone decode) runs prologue, layers and epilogue as one program.
+
 Shardings are pinned: the carry and the batch are replicated on the mesh, the weights and
 the KV cache keep their own, so every call of a bucket hits the same compiled program
 (and ahead-of-time compilation from shapes alone matches what serving later calls).
