@@ -28,12 +28,12 @@ def run(llm: LLM, prompts, params, *, ahead: bool | None) -> tuple[list, int]:
     engine = llm.engine
     advance, ahead_steps = engine.scheduler.advance, []
     engine.scheduler.advance = lambda output: (ahead_steps.append(1), advance(output))[1]
-    engine.ahead.setting = ahead
+    setting, engine.ahead.setting = engine.ahead.setting, ahead
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:
         engine.scheduler.advance = advance
-        engine.ahead.setting = None
+        engine.ahead.setting = setting
     return outs, len(ahead_steps)
 
 

@@ -232,12 +232,12 @@ def test_async_request_joins_the_step_after_the_one_in_flight(async_engine):
         return await first, await second
 
     runner.collect, runner.dispatch = holding_collect, recording_dispatch
-    engine.ahead.setting = False
+    setting, engine.ahead.setting = engine.ahead.setting, False
     try:
         first, second = asyncio.run(main())
     finally:
         runner.collect, runner.dispatch = collect_, dispatch_
-        engine.ahead.setting = None
+        engine.ahead.setting = setting
     assert first[-1].finished and second[-1].finished
     assert "second" in dispatched[1], dispatched[:3]  # the step right after the one in flight
     wait_idle(async_engine)

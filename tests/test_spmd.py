@@ -64,7 +64,8 @@ def run_worker(spec: dict, servax_cache: Path) -> dict[tuple[str, int], dict]:
     there without LLVM's optimizations (a quarter less of CI's time: every engine compiles its
     buckets): the runs compare shardings against one device in the same process, not speed."""
     env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0", JAX_PLATFORMS="cpu",
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
+        JAX_PLATFORMS="cpu",
         SERVAX_CACHE=str(servax_cache), PYTHONPATH=str(ROOT),
     )
     spec = dict(spec, prompts=PROMPTS, max_tokens=MAX_TOKENS, engine=ENGINE)
