@@ -117,14 +117,11 @@ def write_kv_quantized(cache: KVCache, k: jax.Array, v: jax.Array | None, slot_m
                        layer: int | jax.Array) -> KVCache:
     """write_kv for a quantized cache: values and their per-token-head scales, in place (v None:
     the keys alone, for a cache that keeps the values in them)."""
-    num_blocks, block_size = cache.k.shape[1], cache.k.shape[3]
-    blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
-    offsets = slot_mapping % block_size
     out = {}
     for name, new in (("k", k), ("v", v)) if v is not None else (("k", k),):
         values, scales = quantize_kv(new, getattr(cache, name).dtype)
-        out[name] = getattr(cache, name).at[layer, blocks, :, offsets].set(values, mode="drop")
-        out[name + "_scale"] = getattr(cache, name + "_scale").at[layer, blocks, :, offsets].set(scales, mode="drop")
+        out[name] = _put(getattr(cache, name), values, layer, slot_mapping)
+        out[name + "_scale"] = _put(getattr(cache, name + "_scale"), scales, layer, slot_mapping)
     return dataclasses.replace(cache, **out)
 
 
@@ -144,17 +141,32 @@ def write_kv(
     if layer is None:
         k_cache, v_cache = write_kv(k_cache[None], v_cache[None], k, v, slot_mapping, 0)
         return k_cache[0], v_cache[0]
-    num_blocks, block_size = k_cache.shape[1], k_cache.shape[3]
+    return _put(k_cache, k, layer, slot_mapping), v_cache if v is None else _put(v_cache, v, layer, slot_mapping)
+
+
+def _put(cache: jax.Array, new: jax.Array, layer: int | jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """A stacked cache [num_layers, num_blocks, kv_heads, block_size, ...] with `new` [T, kv_heads,
+    ...] at each token's slot of `layer`; padding tokens (negative slots) write nowhere."""
+    num_blocks, block_size = cache.shape[1], cache.shape[3]
+    new = new.astype(cache.dtype)
+    if new.shape[0] == 1:
+        # One token (a lone decode): a dynamic-update-slice at scalar indices. A scatter's index
+        # rows would differ per layer, and XLA:CPU computes and bounds-checks each layer's in
+        # small programs of their own at the step's start (~0.2 ms a step on the demo model).
+        slot = slot_mapping[0]
+        real = (slot >= 0) & (slot < num_blocks * block_size)
+        at = jnp.where(real, slot, 0)
+        start = (jnp.asarray(layer, jnp.int32), at // block_size, jnp.int32(0), at % block_size,
+                 *(jnp.int32(0),) * (cache.ndim - 4))
+        update = new.reshape(1, 1, new.shape[1], 1, *new.shape[2:])
+        old = jax.lax.dynamic_slice(cache, start, update.shape)
+        return jax.lax.dynamic_update_slice(cache, jnp.where(real, update, old), start)
     # Out-of-range indices are dropped by the scatter; negative ones would wrap around.
     blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)  # [T]
     offsets = slot_mapping % block_size  # [T]
-
-    def scatter(cache: jax.Array, new: jax.Array) -> jax.Array:
-        # (layer, block, :, offset) indexes [T, kv_heads, head_dim]: the advanced indices,
-        # split by the heads' slice, put the token axis first, as `new` has it.
-        return cache.at[layer, blocks, :, offsets].set(new.astype(cache.dtype), mode="drop")
-
-    return scatter(k_cache, k), v_cache if v is None else scatter(v_cache, v)
+    # (layer, block, :, offset) indexes [T, kv_heads, ...]: the advanced indices, split by the
+    # heads' slice, put the token axis first, as `new` has it.
+    return cache.at[layer, blocks, :, offsets].set(new, mode="drop")
 
 
 def soft_cap(s: jax.Array, cap: float | None) -> jax.Array:
