@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from runtime.engine.errors import InvalidRequestError
-from runtime.engine.sampler import BIAS_WIDTH, SamplingBatch, _truncate, empty_sampling_batch, sample
+from runtime.engine.sampler import BIAS_WIDTH, SamplingBatch, _argmax, _truncate, empty_sampling_batch, sample
 from runtime.engine.sampling_params import SamplingParams
 
 ROWS = 2048
@@ -149,6 +149,36 @@ def test_cpu_kernel_draws_the_tokens_the_bisection_draws():
     cuts = [np.asarray(jax.jit(functools.partial(_truncate, cpu_kernel=k))(logits, SamplingBatch(**b)))
             for k in (False, True)]
     np.testing.assert_array_equal(cuts[0], cuts[1])
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 50, 49152])
+def test_cpu_kernel_argmax_is_the_xla_argmax(vocab):
+    """The C++ argmax: the first index of each row's maximum, ties, -inf and +inf rows included,
+    and the vocabulary size for a row holding a NaN, as the XLA form gives; one row or many."""
+    require_cpu_kernels()
+    rng = np.random.default_rng(vocab)
+    logits = rng.normal(size=(12, vocab)).astype(np.float32)
+    logits[1] = np.round(logits[1])  # ties: the first wins
+    logits[2] = -np.inf
+    logits[3, vocab // 2:] = np.inf
+    logits[4, vocab - 1] = np.nan
+    logits[5, :] = 0.0
+    logits[6, vocab - 1] = 100.0  # the last index
+    argmax = {k: jax.jit(functools.partial(_argmax, cpu_kernel=k)) for k in (False, True)}
+    for rows in (logits, logits[6:7]):
+        xla, kernel = (np.asarray(argmax[k](rows)) for k in (False, True))
+        np.testing.assert_array_equal(kernel, xla)
+    expected = np.argmax(np.where(np.isnan(logits), -np.inf, logits), axis=-1)
+    expected[4] = vocab
+    np.testing.assert_array_equal(np.asarray(argmax[True](logits)), expected)
+
+    # Through the sampler: greedy rows and logit_bias give the same tokens with the kernel.
+    b = empty_sampling_batch(12, 1)
+    b["bias_ids"][0, 0], b["bias_values"][0, 0] = 0, 1e4
+    draws = [np.asarray(jax.jit(sample, static_argnames=("num_logprobs", "cpu_kernel"))(
+        logits, SamplingBatch(**b), num_logprobs=1, cpu_kernel=k).sampled) for k in (False, True)]
+    np.testing.assert_array_equal(draws[0], draws[1])
+    assert draws[1][0] == 0
 
 
 def test_top_p_keeps_the_smallest_set_reaching_the_mass():

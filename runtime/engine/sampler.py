@@ -93,10 +93,16 @@ def empty_sampling_batch(num_rows: int, history_len: int, mask_words: int = 1,
 
 
 def _apply_bias(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+    """logit_bias added where some row has one; otherwise the logits untouched (a scatter into
+    the program's logits argument would copy them first, every step)."""
     num_rows, vocab = logits.shape
-    rows = jnp.arange(num_rows)[:, None]
-    bias_ids = jnp.where(b.bias_ids >= 0, b.bias_ids, vocab)  # out of range -> dropped
-    return logits.at[rows, bias_ids].add(b.bias_values, mode="drop")
+
+    def add(logits: jax.Array) -> jax.Array:
+        rows = jnp.arange(num_rows)[:, None]
+        bias_ids = jnp.where(b.bias_ids >= 0, b.bias_ids, vocab)  # out of range -> dropped
+        return logits.at[rows, bias_ids].add(b.bias_values, mode="drop")
+
+    return jax.lax.cond(jnp.any(b.bias_ids >= 0), add, lambda x: x, logits)
 
 
 def _apply_penalties(logits: jax.Array, b: SamplingBatch) -> jax.Array:
@@ -222,10 +228,18 @@ def _truncate_by_bisection(logits: jax.Array, keys: jax.Array, b: SamplingBatch)
     return jax.lax.cond(jnp.any(b.top_p < 1.0), top_p, lambda x: x, logits)
 
 
-def _argmax(x: jax.Array) -> jax.Array:
-    """jnp.argmax over the last axis (the first index of the maximum), as a max then a min
-    over indices: XLA:CPU runs argmax's (value, index) reduction several times slower when
-    the values are computed in the same fusion (as the Gumbel draw's are)."""
+def _argmax(x: jax.Array, cpu_kernel: bool = False) -> jax.Array:
+    """jnp.argmax over the last axis (the first index of the maximum; the vocabulary size where a
+    row holds a NaN), as a max then a min over indices: XLA:CPU runs argmax's (value, index)
+    reduction several times slower when the values are computed in the same fusion (as the
+    Gumbel draw's are). With `cpu_kernel`, by the C++ kernel (runtime/ops/kernels/sampling.cc):
+    XLA:CPU's two passes cost a lone decode ~0.1 ms, a visible part of its step."""
+    if cpu_kernel:
+        from runtime.ops.cpu_kernels import ARGMAX_TARGET
+
+        rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+        ids = jax.ffi.ffi_call(ARGMAX_TARGET, jax.ShapeDtypeStruct(rows.shape[:1], jnp.int32))(rows)
+        return ids.reshape(x.shape[:-1])
     top = x.max(axis=-1, keepdims=True)
     return jnp.min(jnp.where(x == top, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
 
@@ -268,8 +282,8 @@ def sample(
         When every row is greedy (temperature <= 0, as padding rows are) the program skips
         truncation and the random draw at run time, so one program per bucket serves greedy
         and sampled batches alike at the greedy program's cost.
-        cpu_kernel: cut top-k / top-p with the C++ kernel (static; XLA:CPU on one device,
-            once runtime.ops.cpu_kernels says the truncation kernel is available).
+        cpu_kernel: cut top-k / top-p and take the argmax with the C++ kernels (static; XLA:CPU
+            on one device, once runtime.ops.cpu_kernels says the truncation kernel is available).
 
     `token_mask` applies when some row's mask is not all ones (see _apply_token_masks_if_any).
     """
@@ -278,7 +292,7 @@ def sample(
     if use_penalties:
         processed = _apply_penalties(processed, batch)
     processed = _apply_token_masks_if_any(processed, batch.token_mask)
-    greedy = _argmax(processed)
+    greedy = _argmax(processed, cpu_kernel)
 
     is_greedy = batch.temperature <= 0.0
 
@@ -286,7 +300,7 @@ def sample(
         temp = jnp.where(is_greedy, 1.0, batch.temperature)
         scaled = _truncate(processed / temp[:, None], batch, cpu_kernel)
         gumbel = _gumbel_noise(batch.seeds, batch.steps, logits.shape[-1])
-        return jnp.where(is_greedy, greedy, _argmax(scaled + gumbel))
+        return jnp.where(is_greedy, greedy, _argmax(scaled + gumbel, cpu_kernel))
 
     sampled = jax.lax.cond(jnp.all(is_greedy), lambda _: greedy, draw, processed)
     return _report(logits, sampled, batch, num_logprobs)

@@ -5,7 +5,7 @@ splitter parallel.h, which runs on the thread pool XLA hands each call, so nothi
 between the libraries at run time, and the matmuls' panel header panels.h):
 
 - "paged_attention" (paged_attention.cc): ragged paged attention, runtime/ops/attention_cpu.py;
-- "truncation" (sampling.cc): the sampler's top-k / top-p cut, runtime/engine/sampler.py;
+- "truncation" (sampling.cc): the sampler's top-k / top-p cut and argmax, runtime/engine/sampler.py;
 - "matmul" (matmul.cc): products on packed weights, and experts' grouped products, runtime/ops/matmul.py;
 - "matmul_formats" (matmul_formats.cc): products on packed bfloat16, int8 and 4-bit weights
   (as quantized or as a GGUF file stores them), runtime/ops/matmul.py;
@@ -42,6 +42,7 @@ logger = logging.getLogger("servax.engine")
 
 PAGED_ATTENTION_TARGET = "servax_paged_attention"  # runtime/ops/attention_cpu.py
 TRUNCATION_TARGET = "servax_truncation_cut"  # runtime/engine/sampler.py's top-k/top-p cut
+ARGMAX_TARGET = "servax_argmax"  # ... and its argmax
 MATMUL_TARGET = "servax_packed_matmul"  # runtime/ops/matmul.py
 GROUPED_MATMUL_TARGET = "servax_grouped_matmul"  # runtime/ops/matmul.py's experts (models_jax/moe.py)
 BF16_MATMUL_TARGET = "servax_bf16_matmul"  # runtime/ops/matmul.py, weights stored as bfloat16
@@ -65,7 +66,8 @@ class Kernel:
 
 KERNELS = {k.name: k for k in (
     Kernel("paged_attention", "paged_attention.cc", "ServaxPagedAttention", PAGED_ATTENTION_TARGET),
-    Kernel("truncation", "sampling.cc", "ServaxTruncationCut", TRUNCATION_TARGET),
+    Kernel("truncation", "sampling.cc", "ServaxTruncationCut", TRUNCATION_TARGET,
+           more=(("ServaxArgmax", ARGMAX_TARGET),)),
     Kernel("matmul", "matmul.cc", "ServaxPackedMatmul", MATMUL_TARGET,
            more=(("ServaxGroupedMatmul", GROUPED_MATMUL_TARGET),)),
     Kernel("matmul_formats", "matmul_formats.cc", "ServaxBf16Matmul", BF16_MATMUL_TARGET,

@@ -1,4 +1,5 @@
-// The sampler's top-k / top-p cut for XLA:CPU (runtime/engine/sampler.py, `_truncate`).
+// The sampler's top-k / top-p cut for XLA:CPU (runtime/engine/sampler.py, `_truncate`), and its
+// argmax (`_argmax`).
 //
 // For each row of temperature-scaled logits [S, V] it finds the smallest sortable key
 // (runtime/engine/sampler.py `_sortable`: float32 bits mapped so that unsigned order is float order)
@@ -152,7 +153,48 @@ ffi::Error TruncationCut(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi
   return ffi::Error::Success();
 }
 
+// The first index of the row's maximum; V where the row holds a NaN (as the XLA form's max
+// then min over the indices equal to it). Two passes (a max, then the first match), each one
+// the compiler vectorizes; NaNs are found from the bits (-ffast-math assumes there are none).
+int32_t RowArgmax(const float* x, int64_t V) {
+  uint32_t nan = 0;
+  float top = x[0];
+  for (int64_t i = 0; i < V; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, 4);
+    nan |= (bits & 0x7fffffffu) > 0x7f800000u;
+    top = std::max(top, x[i]);
+  }
+  if (nan) return static_cast<int32_t>(V);
+  for (int64_t i = 0; i < V; ++i)
+    if (x[i] == top) return static_cast<int32_t>(i);
+  return 0;
+}
+
+ffi::Error Argmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::ResultBuffer<ffi::S32> out) {
+  const auto dims = logits.dimensions();
+  if (dims.size() != 2 || out->element_count() != dims[0])
+    return ffi::Error::InvalidArgument("argmax: logits [S, V], out [S]");
+  const int64_t rows = dims[0], V = dims[1];
+  const float* x = logits.typed_data();
+  int32_t* ids = out->typed_data();
+  if (V == 0) {
+    std::fill(ids, ids + rows, 0);
+    return ffi::Error::Success();
+  }
+  // A row is a few microseconds: one row stays on this thread.
+  servax::ParallelFor(pool, rows, rows > 1 ? pool.num_threads() - 1 : 0,
+                      [&](int64_t r) { ids[r] = RowArgmax(x + r * V, V); });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxArgmax, Argmax,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // logits [S, V]
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // first index of each row's maximum [S]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxTruncationCut, TruncationCut,
                               ffi::Ffi::Bind()
