@@ -93,16 +93,10 @@ def empty_sampling_batch(num_rows: int, history_len: int, mask_words: int = 1,
 
 
 def _apply_bias(logits: jax.Array, b: SamplingBatch) -> jax.Array:
-    """logit_bias added where some row has one; otherwise the logits untouched (a scatter into
-    the program's logits argument would copy them first, every step)."""
     num_rows, vocab = logits.shape
-
-    def add(logits: jax.Array) -> jax.Array:
-        rows = jnp.arange(num_rows)[:, None]
-        bias_ids = jnp.where(b.bias_ids >= 0, b.bias_ids, vocab)  # out of range -> dropped
-        return logits.at[rows, bias_ids].add(b.bias_values, mode="drop")
-
-    return jax.lax.cond(jnp.any(b.bias_ids >= 0), add, lambda x: x, logits)
+    rows = jnp.arange(num_rows)[:, None]
+    bias_ids = jnp.where(b.bias_ids >= 0, b.bias_ids, vocab)  # out of range -> dropped
+    return logits.at[rows, bias_ids].add(b.bias_values, mode="drop")
 
 
 def _apply_penalties(logits: jax.Array, b: SamplingBatch) -> jax.Array:
@@ -286,23 +280,33 @@ def sample(
             on one device, once runtime.ops.cpu_kernels says the truncation kernel is available).
 
     `token_mask` applies when some row's mask is not all ones (see _apply_token_masks_if_any).
+    A batch of plain greedy rows (no bias, mask or penalty) takes the argmax of the logits as
+    they came: a branch that changes them would copy the program's argument first, a step's
+    largest cost after the argmax on XLA:CPU.
     """
     logits = logits.astype(jnp.float32)
-    processed = _apply_bias(logits, batch)
-    if use_penalties:
-        processed = _apply_penalties(processed, batch)
-    processed = _apply_token_masks_if_any(processed, batch.token_mask)
-    greedy = _argmax(processed, cpu_kernel)
-
     is_greedy = batch.temperature <= 0.0
 
-    def draw(processed: jax.Array) -> jax.Array:
-        temp = jnp.where(is_greedy, 1.0, batch.temperature)
-        scaled = _truncate(processed / temp[:, None], batch, cpu_kernel)
-        gumbel = _gumbel_noise(batch.seeds, batch.steps, logits.shape[-1])
-        return jnp.where(is_greedy, greedy, _argmax(scaled + gumbel, cpu_kernel))
+    def processed_sample(logits: jax.Array) -> jax.Array:
+        processed = _apply_bias(logits, batch)
+        if use_penalties:
+            processed = _apply_penalties(processed, batch)
+        processed = _apply_token_masks_if_any(processed, batch.token_mask)
+        greedy = _argmax(processed, cpu_kernel)
 
-    sampled = jax.lax.cond(jnp.all(is_greedy), lambda _: greedy, draw, processed)
+        def draw(processed: jax.Array) -> jax.Array:
+            temp = jnp.where(is_greedy, 1.0, batch.temperature)
+            scaled = _truncate(processed / temp[:, None], batch, cpu_kernel)
+            gumbel = _gumbel_noise(batch.seeds, batch.steps, logits.shape[-1])
+            return jnp.where(is_greedy, greedy, _argmax(scaled + gumbel, cpu_kernel))
+
+        return jax.lax.cond(jnp.all(is_greedy), lambda _: greedy, draw, processed)
+
+    if use_penalties:
+        sampled = processed_sample(logits)
+    else:
+        plain = jnp.all(is_greedy) & ~jnp.any(batch.bias_ids >= 0) & jnp.all(batch.token_mask == -1)
+        sampled = jax.lax.cond(plain, lambda x: _argmax(x, cpu_kernel), processed_sample, logits)
     return _report(logits, sampled, batch, num_logprobs)
 
 

@@ -25,6 +25,10 @@
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -154,19 +158,43 @@ ffi::Error TruncationCut(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi
 }
 
 // The first index of the row's maximum; V where the row holds a NaN (as the XLA form's max
-// then min over the indices equal to it). Two passes (a max, then the first match), each one
-// the compiler vectorizes; NaNs are found from the bits (-ffast-math assumes there are none).
+// then min over the indices equal to it): a pass for the maximum (NaNs found from the bits:
+// -ffast-math assumes there are none), then one to its first occurrence.
 int32_t RowArgmax(const float* x, int64_t V) {
-  uint32_t nan = 0;
   float top = x[0];
-  for (int64_t i = 0; i < V; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, x + i, 4);
-    nan |= (bits & 0x7fffffffu) > 0x7f800000u;
-    top = std::max(top, x[i]);
+  int64_t i = 0;
+#if defined(__AVX2__)
+  if (V >= 32) {
+    __m256 m[4] = {_mm256_loadu_ps(x), _mm256_loadu_ps(x), _mm256_loadu_ps(x), _mm256_loadu_ps(x)};
+    __m256i bad = _mm256_setzero_si256();
+    const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    for (; i + 32 <= V; i += 32)
+      for (int j = 0; j < 4; ++j) {
+        const __m256 v = _mm256_loadu_ps(x + i + 8 * j);
+        m[j] = _mm256_max_ps(m[j], v);
+        bad = _mm256_or_si256(bad, _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), inf));
+      }
+    if (!_mm256_testz_si256(bad, bad)) return static_cast<int32_t>(V);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
+    for (float v : lanes) top = std::max(top, v);
   }
-  if (nan) return static_cast<int32_t>(V);
-  for (int64_t i = 0; i < V; ++i)
+#endif
+  for (int64_t j = i; j < V; ++j) {
+    uint32_t bits;
+    std::memcpy(&bits, x + j, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<int32_t>(V);
+    top = std::max(top, x[j]);
+  }
+  i = 0;
+#if defined(__AVX2__)
+  const __m256 t = _mm256_set1_ps(top);
+  for (; i + 8 <= V; i += 8) {
+    const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), t, _CMP_EQ_OQ));
+    if (hits) return static_cast<int32_t>(i + __builtin_ctz(hits));
+  }
+#endif
+  for (; i < V; ++i)
     if (x[i] == top) return static_cast<int32_t>(i);
   return 0;
 }
