@@ -356,13 +356,10 @@ class LayeredStep:
         self._distinct = list({id(c.program): c for c in self.calls}.values())
         self._epilogue = jax.jit(_unpacking(stages.epilogue, 2), in_shardings=(outer_shardings, rep, rep),
                                  out_shardings=rep)
-        # The one-program step takes the weights as one flat list of arrays: jit then walks no
-        # pytree of ~100 PackedWeights a call (~15% of a lone decode's dispatch on the host).
-        self._weights, weights_tree = jax.tree.flatten((self.outer, self.layers))
-        whole = _whole_step(stages)
-        self._whole = jax.jit(lambda weights, *rest: whole(*jax.tree.unflatten(weights_tree, weights), *rest),
-                              in_shardings=([a.sharding for a in self._weights], kv, rep, rep, rep, rep),
-                              out_shardings=(rep, kv), donate_argnums=(1,))
+        self._all_layers = self.layers
+        self._whole = jax.jit(_whole_step(stages), in_shardings=(
+            outer_shardings, jax.tree.map(lambda a: a.sharding, self._all_layers), kv, rep, rep, rep, rep),
+            out_shardings=(rep, kv), donate_argnums=(2,))
         self.wide_seqs = wide_seqs  # see the module docstring
 
     @property
@@ -400,7 +397,7 @@ class LayeredStep:
         wide, narrow = self._inputs(batch)
         feed = self._feed(wide.padded_num_tokens, prev, input_from)
         if wide.padded_num_tokens <= WHOLE_STEP_MAX_TOKENS:
-            return self._whole(self._weights, kv_cache, wide, narrow, *feed)
+            return self._whole(self.outer, self._all_layers, kv_cache, wide, narrow, *feed)
         carry = self._prologue(self.outer, wide, *feed)
         for c in self.calls:
             layers = self.stacks[c.key][c.start:c.start + c.per_call]
@@ -414,7 +411,7 @@ class LayeredStep:
         wide, narrow = self._inputs(batch)
         feed = self._feed(wide.padded_num_tokens, None, None)
         if wide.padded_num_tokens <= WHOLE_STEP_MAX_TOKENS:
-            return [self._whole.lower(self._weights, kv_cache, wide, narrow, *feed)]
+            return [self._whole.lower(self.outer, self._all_layers, kv_cache, wide, narrow, *feed)]
         carry = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.replicated),
                              jax.eval_shape(self._prologue, self.outer, wide, *feed))
         shared = (wide.padded_num_tokens, wide.padded_num_seqs)
