@@ -18,6 +18,7 @@ import runtime.ops.cpu_kernels as cpu_kernels
 from app import LLM, SamplingParams
 from conftest import quick_loop_keeps, run_in_fresh_kernel_build
 from runtime.ops.attention import resolve_attention_backend
+from runtime.ops.attention_common import write_kv
 from runtime.ops.attention_cpu import cpu_ragged_paged_attention
 from runtime.ops.cpu_kernels import kernel_status
 from test_attention import MIXED, TOL, build_batch, check_per_shard_against_xla, oracle
@@ -70,6 +71,64 @@ def test_kernel_matches_numpy_oracle(heads, kv_heads, block_size, head_dim, wind
     assert np.all(got[n:] == 0), "padding tokens must produce zeros"
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("heads,kv_heads,block_size,head_dim,window,soft_cap",
+                         [CASES[0], CASES[1], CASES[3], CASES[5], CASES[6]],
+                         ids=[CASE_IDS[0], CASE_IDS[1], CASE_IDS[3], CASE_IDS[5], CASE_IDS[6]])
+def test_half_precision_caches_read_as_stored(dtype, heads, kv_heads, block_size, head_dim, window, soft_cap):
+    """A bfloat16 or float16 cache (no scales) is widened block by block as the kernel reads it:
+    the oracle's attention over the same values in float32, in every form (compiled-in shapes,
+    generic loops with a soft cap, tiled products), prefills and decodes together."""
+    rng = np.random.default_rng(heads + block_size + head_dim + (dtype == jnp.float16))
+    for specs in (MIXED, [(40, 1)]):
+        batch, seqs, n, q, k, v = _case(rng, specs, heads=heads, kv_heads=kv_heads, block_size=block_size,
+                                        head_dim=head_dim)
+        k16, v16 = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+        # Two layers; the kernel reads layer 1 (layer 0 is noise it must not touch).
+        noise = jnp.asarray(rng.standard_normal(k.shape), dtype)
+        attend = jax.jit(lambda q, k, v, b: cpu_ragged_paged_attention(
+            q, k, v, jnp.int32(1), b, scale=0.35, sliding_window=window, logit_soft_cap=soft_cap))
+        got = np.asarray(attend(q, jnp.stack([noise, k16]), jnp.stack([noise, v16]), batch))
+        widened = lambda x: np.asarray(x.astype(jnp.float32))  # noqa: E731
+        want = oracle(q, widened(k16), widened(v16), seqs, scale=0.35, sliding_window=window, soft_cap=soft_cap)
+        np.testing.assert_allclose(got[:n], want[:n], atol=TOL, rtol=0)
+        assert np.all(got[n:] == 0), "padding tokens must produce zeros"
+    # The values kept in the keys (a latent cache: v_cache is the key cache, value_dims leading dims).
+    batch, seqs, n, q, k, _ = _case(rng, MIXED, heads=heads, kv_heads=1, block_size=block_size, head_dim=head_dim)
+    k16 = jnp.asarray(k, dtype)
+    got = np.asarray(jax.jit(lambda q, k, b: cpu_ragged_paged_attention(
+        q, k, k, 0, b, scale=0.35, value_dims=head_dim // 2))(q, k16[None], batch))
+    kf = np.asarray(k16.astype(jnp.float32))
+    values = np.where(np.arange(head_dim) < head_dim // 2, kf, 0.0)  # the oracle's values: the keys' leading dims
+    want = oracle(q, kf, values, seqs, scale=0.35)[..., :head_dim // 2]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got[:n], want[:n], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_kernel_writes_kv_in_place_as_the_scatter_does(dtype, tokens):
+    """The C++ KV write (16-bit caches on CPU) puts each token's rows where XLA's update does:
+    one token (a lone decode) and several, the layer traced, padding (negative) slots and slots
+    past the cache writing nowhere; and it updates the donated cache in place."""
+    rng = np.random.default_rng(tokens)
+    cache = jnp.asarray(rng.standard_normal((3, 10, 2, 4, 8)), dtype)
+    new = jnp.asarray(rng.standard_normal((tokens, 2, 8)), dtype)
+    slots = np.array([13, -1, 39, 0, 40, 7, 22][:tokens] if tokens > 1 else [17], np.int32)
+    for layer in (0, 2):
+        write = jax.jit(lambda c, n, s, layer, kernel: write_kv(c, c, n, n, s, layer, kernel=kernel)[0],
+                        static_argnums=4)
+        want = write(cache, new, slots, jnp.int32(layer), False)
+        got = write(cache, new, slots, jnp.int32(layer), True)
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+        assert not np.array_equal(np.asarray(want.astype(jnp.float32)), np.asarray(cache.astype(jnp.float32)))
+    donated = jax.jit(lambda c, n, s: write_kv(c, c, n, None, s, 1, kernel=True)[0], donate_argnums=0)
+    before = jnp.array(cache)
+    pointer = before.unsafe_buffer_pointer()
+    after = donated(before, new, slots)
+    assert after.unsafe_buffer_pointer() == pointer, "the write must update the donated cache in place"
+
+
 @pytest.mark.parametrize("head_dim,row,window", [(64, 128, None), (32, 64, 20), (8, 16, None)])
 def test_rows_wider_than_the_heads_read_their_first_dims(head_dim, row, window):
     """A cache whose rows are wider than the layer's heads (Gemma 4's sliding layers in a cache
@@ -109,6 +168,7 @@ _FORM_CHECK = """
 import sys
 sys.path.insert(0, "tests")
 import jax, jax.numpy as jnp, numpy as np
+from runtime.ops.attention_common import write_kv
 from runtime.ops.attention_cpu import cpu_ragged_paged_attention
 from runtime.ops.cpu_kernels import kernel_status
 from test_attention import MIXED, TOL, build_batch, oracle
@@ -184,23 +244,38 @@ def test_backend_resolution_and_a_machine_without_a_compiler(monkeypatch, caplog
     assert kernel_status("paged_attention") == "ok"
 
 
-def test_engine_rejects_the_kernel_for_caches_it_cannot_read():
-    """A bfloat16 KV cache with attention_backend="cpu" is refused with the way out; with "auto"
-    the engine takes xla for it. A bfloat16 model on packed weights (the layered default)
-    computes in float32 and caches K/V in float32: the kernel reads that, as it reads an int8
-    cache with its scales (on one device; tests/test_quantization.py)."""
-    llm = LLM(model="servax-tiny/llama", kv_cache_dtype="int8", attention_backend="cpu", max_model_len=64,
-              show_progress=False, enforce_eager=True)
-    assert llm.engine.programs.kv_cache.attention_backend == "cpu" and llm.engine.programs.kv_cache.k_scale is not None
-    with pytest.raises(ValueError, match="float32 KV cache"):
-        LLM(model="servax-tiny/llama", dtype="bfloat16", attention_backend="cpu", layered=False, max_model_len=64,
-            show_progress=False, enforce_eager=True)
-    llm = LLM(model="servax-tiny/llama", dtype="bfloat16", layered=False, max_model_len=64, show_progress=False,
-              enforce_eager=True)
-    assert llm.engine.programs.kv_cache.attention_backend == "xla"
-    llm = LLM(model="servax-tiny/llama", dtype="bfloat16", attention_backend="cpu", max_model_len=64,
-              show_progress=False, enforce_eager=True)
-    assert llm.engine.plan.compute_float32 and llm.engine.programs.kv_cache.attention_backend == "cpu"
+def test_cache_dtypes_the_engine_gives_the_kernel():
+    """What cache each setting gets: a bfloat16 model on packed weights (the layered default)
+    computes in float32 and keeps its K/V in bfloat16 for the kernel (kv_cache_dtype="float32"
+    gives it the float32 cache), as does one stepped in one program (layered=False); the XLA
+    backend gets a float32 cache for a model computing in float32; kv_cache_dtype names the
+    cache's dtype whatever the model's; an int8 cache comes with its scales. Greedy tokens: those
+    of the same weights with a float32 cache (the tiny model's margins are wide), and nothing leaks."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for settings, dtype, backend in [
+        (dict(), jnp.float32, "cpu"),
+        (dict(kv_cache_dtype="float16"), jnp.float16, "cpu"),
+        (dict(kv_cache_dtype="bfloat16", attention_backend="xla"), jnp.bfloat16, "xla"),
+        (dict(dtype="bfloat16", kv_cache_dtype="float32"), jnp.float32, "cpu"),
+        (dict(dtype="bfloat16"), jnp.bfloat16, "cpu"),
+        (dict(dtype="bfloat16", layered=False), jnp.bfloat16, "cpu"),
+        (dict(dtype="bfloat16", attention_backend="xla"), jnp.float32, "xla"),
+        (dict(kv_cache_dtype="int8", attention_backend="cpu"), jnp.int8, "cpu"),
+    ]:
+        llm = LLM(model="servax-tiny/llama", max_model_len=128, show_progress=False, enforce_eager=True, **settings)
+        cache = llm.engine.programs.kv_cache
+        assert (cache.k.dtype, cache.attention_backend) == (jnp.dtype(dtype), backend), settings
+        assert (cache.k_scale is not None) == (dtype == jnp.int8)
+        assert llm.engine.plan.compute_float32 == (settings.get("dtype") == "bfloat16"
+                                                   and settings.get("layered", True)), settings
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
+        tokens[str(settings)] = [o.outputs[0].token_ids for o in outs]
+        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_usable_blocks  # nothing leaked
+        weights = settings.get("dtype", "float32")
+        reference = str(dict() if weights == "float32" else dict(dtype=weights, kv_cache_dtype="float32"))
+        if settings.get("kv_cache_dtype") != "int8":
+            assert tokens[str(settings)] == tokens[reference], settings
 
 
 # A prompt longer than the tiny Mistral's 24-token window, one chunked over two steps

@@ -137,8 +137,9 @@ class EngineConfig(BaseModel):
     max_lora_rank: int = Field(16, gt=0, description="Highest adapter rank accepted (the slots' rank).")
     max_cpu_loras: int | None = Field(None, gt=0, description="Adapters kept read in host memory (>= max_loras).")
     kv_cache_dtype: str = Field(
-        "auto", description="auto: the model's dtype; int8 or fp8 (e4m3): stored quantized with a float32 scale "
-                            "per token and head (xla attention backend), ~4x the tokens of float32 per byte.")
+        "auto", description="auto: the model's dtype; float32, bfloat16 or float16: K/V stored in that dtype "
+                            "whatever the model's; int8 or fp8 (e4m3): stored quantized with a float32 scale per "
+                            "token and head, ~4x the tokens of float32 per byte.")
     quantization: str | None = Field(
         None, description="None (weights in `dtype`; quantized GGUF tensors dequantized), int8: symmetric "
                           "per-output-channel int8 weights, or gguf: a GGUF file's Q8_0 tensors kept as int8 "
@@ -234,10 +235,10 @@ class EngineConfig(BaseModel):
     @field_validator("kv_cache_dtype")
     @classmethod
     def _kv_cache_dtype_known(cls, v: str) -> str:
-        if v not in ("auto", "int8", "fp8", "fp8_e4m3"):
+        if v not in ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3"):
             raise ValueError(
-                f"kv_cache_dtype={v!r} is not supported; use auto (the model's dtype), int8 or fp8 (fp8_e4m3): "
-                "quantized with a scale per token and head"
+                f"kv_cache_dtype={v!r} is not supported; use auto (the model's dtype), float32, bfloat16, float16, "
+                "or int8 or fp8 (fp8_e4m3): quantized with a scale per token and head"
             )
         return v
 

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from runtime.engine.config import EngineConfig
 from runtime.ops.attention import resolve_attention_backend
+from runtime.ops.attention_cpu import READS as CPU_KERNEL_READS
 from runtime.ops.cpu_kernels import kernel_available
 from runtime.ops.matmul import packed_matmul_available
 from runtime.ops.mesh import num_shards
@@ -49,8 +50,9 @@ class ExecutionPlan:
             decode sizes (EngineConfig.int8_activations; runtime/ops/matmul.py PackedWeight.dot).
         compute_float32: a bfloat16 / float16 model stepped layer by layer on CPU computes in
             float32 (XLA:CPU has no fast half-precision arithmetic; the packed kernels widen
-            the stored weights in registers, XLA's dots convert them) and caches K/V in
-            float32 for the C++ attention.
+            the stored weights in registers, XLA's dots convert them). Its K/V stay in its
+            dtype where the C++ attention reads them (widening each block as it reads it), in
+            float32 on the XLA path.
         layer_seqs: every layer program runs at this many sequence slots (the C++ attention
             costs nothing for empty ones, so one program per token bucket), or None.
         token_buckets / seq_buckets: padded sizes compiled ahead of time.
@@ -116,18 +118,29 @@ def make_plan(config: EngineConfig, model: LoadedModel, mesh: Mesh, *, max_model
             sequence, a backend that cannot read this cache).
     """
     kv_spec = model.kv_spec
-    if config.kv_cache_dtype != "auto":
+    if config.kv_cache_dtype in ("int8", "fp8", "fp8_e4m3"):
         stored = np.int8 if config.kv_cache_dtype == "int8" else jax.numpy.float8_e4m3fn
         kv_spec = dataclasses.replace(model.kv_spec, cache_dtype=stored)
+    elif config.kv_cache_dtype != "auto":  # float32, bfloat16, float16: the cache's dtype whatever the model's
+        kv_spec = dataclasses.replace(model.kv_spec, dtype=jax.numpy.dtype(config.kv_cache_dtype))
     platform = mesh.devices.flat[0].platform
     layered = config.layered and model.stages is not None
     packed = layered and platform == "cpu" and _packs(model)
-    half = np.dtype(kv_spec.dtype) in (np.dtype(jax.numpy.bfloat16), np.float16)
+    half = np.dtype(model.kv_spec.dtype) in (np.dtype(jax.numpy.bfloat16), np.float16)
     compute_float32 = layered and platform == "cpu" and half
-    if compute_float32:
+    backend = _attention_backend(config, kv_spec, platform, mesh.size)
+    explicit = config.kv_cache_dtype in ("float32", "bfloat16", "float16")
+    half_cache = not kv_spec.quantized and np.dtype(kv_spec.dtype) in (np.dtype(jax.numpy.bfloat16), np.float16)
+    if platform == "cpu" and half_cache and mesh.size > 1 and explicit:
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype} on CPU runs on one device (XLA:CPU would widen "
+                         "the whole cache at every write; the C++ kernel that writes it in place runs unsharded)")
+    if compute_float32 and not explicit and (kv_spec.quantized or backend != "cpu" or mesh.size > 1):
+        # The C++ kernels read and write the model's half-precision cache as it lies, on one
+        # device; elsewhere it gets a float32 cache (XLA:CPU would widen the whole cache at
+        # each write, and the XLA path every block it gathers), as a quantized cache's scaled
+        # values are float32.
         kv_spec = dataclasses.replace(kv_spec, dtype=jax.numpy.float32)
     num_blocks, budget = _num_kv_blocks(config, model, kv_spec, mesh, max_model_len)
-    backend = _attention_backend(config, kv_spec, platform, mesh.size)
     on_cpu_kernel = backend == "cpu"
     tokens, seqs = token_buckets(config.max_num_batched_tokens), seq_buckets(config.max_num_seqs)
     if packed:
@@ -243,10 +256,10 @@ def _attention_backend(config: EngineConfig, kv_spec: KVCacheSpec, platform: str
                              "attention_backend='xla' or 'cpu' (the pallas kernel reads separate values)")
         logger.info("latent KV cache (values in the keys): attention backend xla")
         return "xla"
-    if backend == "cpu" and np.dtype(kv_spec.dtype) != np.float32:
+    if backend == "cpu" and not kv_spec.quantized and np.dtype(kv_spec.dtype) not in CPU_KERNEL_READS:
         if requested == "cpu":
-            raise ValueError(f"attention_backend='cpu' reads a float32 KV cache; this model's is "
-                             f"{np.dtype(kv_spec.dtype)} (use dtype='float32' or attention_backend='xla')")
+            raise ValueError(f"attention_backend='cpu' reads a float32, bfloat16 or float16 KV cache; this one is "
+                             f"{np.dtype(kv_spec.dtype)} (use kv_cache_dtype='float32' or attention_backend='xla')")
         logger.info("%s KV cache: attention backend xla", np.dtype(kv_spec.dtype))
         return "xla"
     return backend

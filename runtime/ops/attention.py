@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from runtime.ops.attention_common import (
-    NO_SLIDING_WINDOW, ExpandedLatent, ScaledCache, ValuesInKeys, Window, as_stored, write_kv, write_kv_quantized,
+    HALF, NO_SLIDING_WINDOW, ExpandedLatent, ScaledCache, ValuesInKeys, Window, as_stored, kernel_writes, write_kv,
+    write_kv_quantized,
 )
 from runtime.ops.attention_cpu import cpu_ragged_paged_attention
 from runtime.ops.attention_xla import CACHED_CHUNK_TOKENS, CACHED_TILE, NEW_TOKEN_TILE, xla_paged_attention
@@ -161,13 +162,16 @@ def paged_attention(
         k_cache, v_cache = ScaledCache(kv_cache.k, kv_cache.k_scale), ScaledCache(kv_cache.v, kv_cache.v_scale)
         written = {}
     elif write:
-        k_cache, v_cache = write_kv(kv_cache.k, kv_cache.v, k, v, batch.slot_mapping, layer)
+        k_cache, v_cache = write_kv(kv_cache.k, kv_cache.v, k, v, batch.slot_mapping, layer,
+                                    kernel=kernel_writes(kv_cache))
         written = {"k": k_cache, "v": v_cache}
     else:
         k_cache, v_cache, written = kv_cache.k, kv_cache.v, {}
     k, v = k[:q.shape[0]], None if v is None else v[:q.shape[0]]  # the new K/V of the tokens that attend
     if kv_cache.k_scale is not None:  # as the quantized cache holds them (attention_common.as_stored)
         k, v = as_stored(k, kv_cache.k.dtype), None if v is None else as_stored(v, kv_cache.v.dtype)
+    elif kv_cache.k.dtype in HALF and k.dtype not in HALF:  # a 16-bit cache of a model computing in float32
+        k, v = _rounded(k, kv_cache.k.dtype), None if v is None else _rounded(v, kv_cache.v.dtype)
     if value_dims is not None and kv_cache.attention_backend == "cpu" and sinks is None and kv_cache.k_scale is None:
         out = cpu_ragged_paged_attention(  # values read in place from the keys' leading dims
             jnp.asarray(q), k_cache, k_cache, layer, batch, scale=scale, sliding_window=sliding_window,
@@ -204,8 +208,14 @@ def write_step_kv(kv_cache: KVCache, k: jax.Array, v: jax.Array | None, batch: S
         layer, batch = kv_cache.groups.row_and_batch(layer, batch)
     if kv_cache.k_scale is not None:
         return write_kv_quantized(kv_cache, k, v, batch.slot_mapping, layer)
-    k_cache, v_cache = write_kv(kv_cache.k, kv_cache.v, k, v, batch.slot_mapping, layer)
+    k_cache, v_cache = write_kv(kv_cache.k, kv_cache.v, k, v, batch.slot_mapping, layer, kernel=kernel_writes(kv_cache))
     return dataclasses.replace(kv_cache, k=k_cache, v=v_cache)
+
+
+def _rounded(x: jax.Array, dtype) -> jax.Array:
+    """x as a cache of `dtype` gives it back, in x's dtype: what the step's own tokens attend with,
+    as their context written by earlier steps is (and as the C++ kernel reads them)."""
+    return x.astype(dtype).astype(x.dtype)
 
 
 def expanded_latent_attention(

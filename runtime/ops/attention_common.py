@@ -16,6 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from runtime.ops.cpu_kernels import KV_WRITE_TARGET, kernel_status
 from runtime.ops.step import KVCache, StepInput
 
 # A finite stand-in for -inf keeps exp() and max() free of NaNs on fully masked rows.
@@ -24,6 +25,9 @@ MASK_VALUE = -1e30
 # A traced sliding window this wide masks nothing (any context fits): "no window" for a
 # layer scanned together with sliding-window layers. Small enough that q_pos - W cannot overflow.
 NO_SLIDING_WINDOW = 1 << 30
+
+# Caches of 16-bit floats (kv_cache_dtype bfloat16 / float16, or a half-precision model's).
+HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 # A sliding window: a static int, a traced int32 scalar, or None.
 Window = int | jax.Array | None
@@ -132,16 +136,35 @@ def write_kv(
     v: jax.Array | None,  # [T, kv_heads, head_dim]; None: the values are in the keys (v_cache is left as it is)
     slot_mapping: jax.Array,  # [T] int32, negative for padding tokens
     layer: int | jax.Array | None = None,  # which layer of a stacked cache (None: one layer's cache)
+    *,
+    kernel: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter the new K/V of each token into its cache slot; padding tokens write nowhere.
 
     A stacked cache is updated in place at `layer` (a scatter of T rows, under jit with
-    the cache donated or carried through a scan).
+    the cache donated or carried through a scan). kernel: write a 16-bit cache on one CPU
+    device with the C++ kernel (see kernel_writes).
     """
     if layer is None:
-        k_cache, v_cache = write_kv(k_cache[None], v_cache[None], k, v, slot_mapping, 0)
+        k_cache, v_cache = write_kv(k_cache[None], v_cache[None], k, v, slot_mapping, 0, kernel=kernel)
         return k_cache[0], v_cache[0]
-    return _put(k_cache, k, layer, slot_mapping), v_cache if v is None else _put(v_cache, v, layer, slot_mapping)
+    put = _put_by_kernel if kernel else _put
+    return put(k_cache, k, layer, slot_mapping), v_cache if v is None else put(v_cache, v, layer, slot_mapping)
+
+
+def kernel_writes(cache: KVCache) -> bool:
+    """Whether the C++ kernel writes this cache (write_kv's `kernel`): 16-bit floats on one CPU
+    device. XLA:CPU updates a bfloat16 / float16 array by widening all of it to float32 and back
+    (its float normalization): a copy of the whole cache per layer and step."""
+    return (cache.k.dtype in HALF and cache.mesh is None and jax.default_backend() == "cpu"
+            and kernel_status("paged_attention") == "ok")
+
+
+def _put_by_kernel(cache: jax.Array, new: jax.Array, layer: int | jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """_put by the C++ kernel, in place (its result aliases the cache)."""
+    call = jax.ffi.ffi_call(KV_WRITE_TARGET, jax.ShapeDtypeStruct(cache.shape, cache.dtype), input_output_aliases={0: 0})
+    return call(cache, new.astype(cache.dtype), jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
+                slot_mapping.astype(jnp.int32))
 
 
 def _put(cache: jax.Array, new: jax.Array, layer: int | jax.Array, slot_mapping: jax.Array) -> jax.Array:

@@ -8,9 +8,10 @@ and that copy, not the arithmetic, is most of a decode step's attention there. T
 runtime/ops/cpu_kernels.py builds and loads it on first use; where that fails,
 `kernel_status("paged_attention")` says why and attention_backend "auto" keeps the XLA path.
 
-Float32 caches, or int8 / float8 e4m3 ones with their scales (each block scaled to float32 as it
-is read, on one device; a bfloat16 cache keeps the XLA path); a bfloat16 model's queries are
-read as float32 and its output cast back. A latent cache (values in the keys'
+Float32 caches, bfloat16 / float16 ones (each block widened to float32 as it is read: half the
+bytes a step reads of its context), or int8 / float8 e4m3 ones with their scales (each block
+scaled to float32 as it is read, on one device); a bfloat16 model's queries are read as float32
+and its output cast back. A latent cache (values in the keys'
 leading dims, DeepSeek's multi-head latent attention) is read as keys and values in place.
 """
 
@@ -28,11 +29,13 @@ from runtime.ops.cpu_kernels import PAGED_ATTENTION_TARGET, kernel_status
 from runtime.ops.step import StepInput
 
 NO_WINDOW = 0  # the kernel's "no sliding window"
+# The cache dtypes the kernel reads without scales (runtime/engine/plan.py keeps a half model's cache so).
+READS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def cpu_ragged_paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
-    k_cache: jax.Array,  # [num_layers, num_blocks, kv_heads, block_size, head_dim], float32
+    k_cache: jax.Array,  # [num_layers, num_blocks, kv_heads, block_size, head_dim], float32 / bfloat16 / float16
     v_cache: jax.Array,
     layer: int | jax.Array,
     batch: StepInput,
@@ -64,9 +67,9 @@ def cpu_ragged_paged_attention(
     status = kernel_status("paged_attention")
     if status != "ok":
         raise RuntimeError(f"the CPU attention kernel is not available: {status}")
-    if k_scale is None and k_cache.dtype != jnp.float32:
-        raise NotImplementedError(f"the CPU attention kernel reads a float32 cache (or a quantized one with its "
-                                  f"scales), not {k_cache.dtype}")
+    if k_scale is None and k_cache.dtype not in READS:
+        raise NotImplementedError(f"the CPU attention kernel reads a float32, bfloat16 or float16 cache (or a "
+                                  f"quantized one with its scales), not {k_cache.dtype}")
     batch = jax.tree.map(jnp.asarray, batch)
     window = NO_WINDOW if sliding_window is None else sliding_window
     if k_scale is not None:

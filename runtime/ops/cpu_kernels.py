@@ -41,6 +41,7 @@ import jax
 logger = logging.getLogger("servax.engine")
 
 PAGED_ATTENTION_TARGET = "servax_paged_attention"  # runtime/ops/attention_cpu.py
+KV_WRITE_TARGET = "servax_kv_write"  # runtime/ops/attention_common.py's writes into a 16-bit cache
 TRUNCATION_TARGET = "servax_truncation_cut"  # runtime/engine/sampler.py's top-k/top-p cut
 ARGMAX_TARGET = "servax_argmax"  # ... and its argmax
 MATMUL_TARGET = "servax_packed_matmul"  # runtime/ops/matmul.py
@@ -65,7 +66,8 @@ class Kernel:
 
 
 KERNELS = {k.name: k for k in (
-    Kernel("paged_attention", "paged_attention.cc", "ServaxPagedAttention", PAGED_ATTENTION_TARGET),
+    Kernel("paged_attention", "paged_attention.cc", "ServaxPagedAttention", PAGED_ATTENTION_TARGET,
+           more=(("ServaxKVWrite", KV_WRITE_TARGET),)),
     Kernel("truncation", "sampling.cc", "ServaxTruncationCut", TRUNCATION_TARGET,
            more=(("ServaxArgmax", ARGMAX_TARGET),)),
     Kernel("matmul", "matmul.cc", "ServaxPackedMatmul", MATMUL_TARGET,
@@ -77,7 +79,7 @@ KERNELS = {k.name: k for k in (
 )}
 
 SOURCE_DIR = Path(__file__).with_name("kernels")
-_HEADERS = ("parallel.h", "panels.h")  # included by every kernel: part of each build key, not compiled alone
+_HEADERS = ("parallel.h", "panels.h", "half.h")  # included by every kernel: part of each build key, not compiled alone
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC")
 # Linked apart from compiling, without -ffast-math: GCC 12 links crtfastmath.o into a shared
 # library built with it, which sets flush-to-zero and denormals-are-zero in the thread that

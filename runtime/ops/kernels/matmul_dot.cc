@@ -33,6 +33,7 @@
 #include <cstring>
 #include <vector>
 
+#include "half.h"
 #include "panels.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -128,23 +129,9 @@ struct F32Scales {
 
 struct F16Scales {
   using T = uint16_t;
-  static float At(const T* p, int j) {  // IEEE half -> float (the portable loops only)
-    const uint32_t h = p[j], sign = (h & 0x8000u) << 16, exp = (h >> 10) & 31, man = h & 1023;
-    float f;
-    if (exp == 31) {
-      const uint32_t bits = sign | 0x7f800000u | (man << 13);
-      std::memcpy(&f, &bits, 4);
-    } else if (exp == 0) {
-      f = std::ldexp(static_cast<float>(man), -24);
-      if (sign) f = -f;
-    } else {
-      const uint32_t bits = sign | ((exp + 112) << 23) | (man << 13);
-      std::memcpy(&f, &bits, 4);
-    }
-    return f;
-  }
+  static float At(const T* p, int j) { return servax::HalfToFloat(p[j]); }  // the portable loops only
 #ifdef SERVAX_DOT_AVX2
-  static __m256 Load8(const T* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static __m256 Load8(const T* p) { return servax::Load8Half(p); }
 #endif
 };
 

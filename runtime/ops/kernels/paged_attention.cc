@@ -22,12 +22,14 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
+#include "half.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -39,18 +41,20 @@ constexpr float kMaskValue = -1e30f;  // finite: exp() and max() stay free of Na
 constexpr int64_t kRowsPerItem = 32;  // query rows (tokens x heads of a group) per work item
 constexpr int64_t kRowsPerLanesItem = 48;  // the same in the rows-in-lanes form (three vectors of 16)
 
-// How the cache stores its values: float32, or int8 / float8 e4m3 with a float32 scale per
-// token and head (value = stored * scale; runtime/ops/step.py KVCache.k_scale).
-enum class Stored { kF32, kS8, kF8E4M3 };
+// How the cache stores its values: float32; int8 / float8 e4m3 with a float32 scale per token
+// and head (value = stored * scale; runtime/ops/step.py KVCache.k_scale); or bfloat16 / float16
+// as they are (no scales).
+enum class Stored { kF32, kS8, kF8E4M3, kBF16, kF16 };
 
 struct Problem {
   const float* q;        // [T, H, D]
   const float* k_cache;  // [L, NB, KVH, BS, D] (float32 caches)
   const float* v_cache;
   Stored stored = Stored::kF32;
-  const uint8_t* k_bytes = nullptr;  // a quantized cache's values, [L, NB, KVH, BS, D] one byte each
+  const uint8_t* k_bytes = nullptr;  // any other cache's values, [L, NB, KVH, BS, D] of `bytes` each
   const uint8_t* v_bytes = nullptr;
-  const float* k_scale = nullptr;  // [L, NB, KVH, BS]
+  int64_t bytes = 4;                 // bytes a stored value: 1 (int8, float8) or 2 (bfloat16, float16)
+  const float* k_scale = nullptr;  // [L, NB, KVH, BS] (int8 and float8 caches)
   const float* v_scale = nullptr;
   const int32_t* block_tables;  // [S, MB]
   const int32_t* seq_lens;      // [S]
@@ -190,7 +194,8 @@ inline float F8E4M3(uint8_t b) {
   return b & 128 ? -magnitude : magnitude;
 }
 
-// `rows` rows of `dims` stored values (a stride of D apart) and their scales, as float32 into out [rows, D].
+// `rows` rows of `dims` stored values (a stride of D apart; their scales, for int8 and float8) as
+// float32 into out [rows, D].
 inline void Dequantize(Stored stored, const uint8_t* values, const float* scale, int64_t rows, int64_t dims,
                        int64_t D, float* __restrict out) {
   static const std::array<float, 256> f8 = [] {
@@ -198,6 +203,21 @@ inline void Dequantize(Stored stored, const uint8_t* values, const float* scale,
     for (int b = 0; b < 256; ++b) table[b] = F8E4M3(static_cast<uint8_t>(b));
     return table;
   }();
+  if (stored == Stored::kBF16 || stored == Stored::kF16) {
+    for (int64_t j = 0; j < rows; ++j) {
+      const uint16_t* row = reinterpret_cast<const uint16_t*>(values) + j * D;
+      float* __restrict dst = out + j * D;
+      int64_t d = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+      if (stored == Stored::kBF16)
+        for (; d + 8 <= dims; d += 8) _mm256_storeu_ps(dst + d, servax::Load8BFloat16(row + d));
+      else
+        for (; d + 8 <= dims; d += 8) _mm256_storeu_ps(dst + d, servax::Load8Half(row + d));
+#endif
+      for (; d < dims; ++d) dst[d] = stored == Stored::kBF16 ? servax::BFloat16ToFloat(row[d]) : servax::HalfToFloat(row[d]);
+    }
+    return;
+  }
   for (int64_t j = 0; j < rows; ++j) {
     const uint8_t* row = values + j * D;
     const float sc = scale[j];
@@ -235,10 +255,10 @@ struct ItemContext {
   void PrefetchNext(int64_t b, int64_t heads) const {
     if ((b + 1) * BS >= hi) return;
     const int64_t next = Offset(b + 1);
-    if (p.stored != Stored::kF32) {  // a byte a value
-      for (int64_t i = 0; i < heads * BS * D; i += 64) {
-        __builtin_prefetch(p.k_bytes + next + i, 0, 1);
-        __builtin_prefetch(p.v_bytes + next + i, 0, 1);
+    if (p.stored != Stored::kF32) {  // one or two bytes a value
+      for (int64_t i = 0; i < heads * BS * D * p.bytes; i += 64) {
+        __builtin_prefetch(p.k_bytes + next * p.bytes + i, 0, 1);
+        __builtin_prefetch(p.v_bytes + next * p.bytes + i, 0, 1);
       }
       return;
     }
@@ -263,12 +283,12 @@ struct ItemContext {
 // What RunItem and RunItemTiled keep for an item's rows (KV head h0 + hh, token t0 + i, query
 // head g0 + g of its group; row hh * RH + i * G + g): the scaled queries [R, D], the output
 // accumulators [R, DV], a block's scores [R, BS], each row's running max, denominator and
-// rescaling, and a quantized cache's block of one head as float32 (K and V [BS, D]).
+// rescaling, and a block of one head as float32 where the cache is not float32 (K and V [BS, D]).
 struct ItemRows {
   ItemRows(const Problem& p, const Item& it, int64_t D, int64_t DV, int64_t BS, std::vector<float>& scratch)
       : p(p), it(it), D(D), DV(DV), BS(BS), g0(it.g0), G((it.g1 < 0 ? p.group : it.g1) - it.g0),
-        ntok(it.t1 - it.t0), heads(it.h1 - it.h0), RH(ntok * G), R(heads * RH), quantized(p.stored != Stored::kF32) {
-    scratch.resize(R * (D + DV) + R * BS + R * 3 + (quantized ? 2 * BS * p.row : 0));
+        ntok(it.t1 - it.t0), heads(it.h1 - it.h0), RH(ntok * G), R(heads * RH), widened(p.stored != Stored::kF32) {
+    scratch.resize(R * (D + DV) + R * BS + R * 3 + (widened ? 2 * BS * p.row : 0));
     q = scratch.data(), acc = q + R * D, s = acc + R * DV, m = s + R * BS, l = m + R, corr = l + R;
     kf = corr + R, vf = kf + BS * p.row;
     for (int64_t hh = 0; hh < heads; ++hh)
@@ -286,18 +306,19 @@ struct ItemRows {
   int64_t Head(int64_t hh, int64_t g) const { return (it.h0 + hh) * p.group + g0 + g; }
 
   // Keys and values of the block at cache offset `at` (one KV head, [BS, D] each): read in
-  // place, or a quantized cache's scaled into float32 once per block and head.
+  // place, or any other cache's widened (and scaled) into float32 once per block and head.
   void Block(int64_t at, const float*& kb, const float*& vb) const {
-    if (!quantized) {
+    if (!widened) {
       kb = p.k_cache + at, vb = p.v_cache + at;
       return;
     }
-    Dequantize(p.stored, p.k_bytes + at, p.k_scale + at / p.row, BS, D, p.row, kf);
+    const bool scaled = p.k_scale != nullptr;
+    Dequantize(p.stored, p.k_bytes + at * p.bytes, scaled ? p.k_scale + at / p.row : nullptr, BS, D, p.row, kf);
     kb = kf, vb = vf;
     if (p.v_bytes == p.k_bytes) {
       vb = kf;  // values in the keys
     } else {
-      Dequantize(p.stored, p.v_bytes + at, p.v_scale + at / p.row, BS, DV, p.row, vf);
+      Dequantize(p.stored, p.v_bytes + at * p.bytes, scaled ? p.v_scale + at / p.row : nullptr, BS, DV, p.row, vf);
     }
   }
 
@@ -341,7 +362,7 @@ struct ItemRows {
   const Problem& p;
   const Item& it;
   const int64_t D, DV, BS, g0, G, ntok, heads, RH, R;
-  const bool quantized;
+  const bool widened;  // blocks are widened into kf, vf (any cache but a float32 one)
   float *q, *acc, *s, *m, *l, *corr, *kf, *vf;
 };
 
@@ -645,10 +666,16 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     p.stored = type == ffi::DataType::S8 ? Stored::kS8 : Stored::kF8E4M3;
     p.k_bytes = reinterpret_cast<const uint8_t*>(k_cache.untyped_data());
     p.v_bytes = reinterpret_cast<const uint8_t*>(v_cache.untyped_data());
+    p.bytes = 1;
     p.k_scale = k_scale.typed_data();
     p.v_scale = v_scale.typed_data();
+  } else if (type == ffi::DataType::BF16 || type == ffi::DataType::F16) {
+    p.stored = type == ffi::DataType::BF16 ? Stored::kBF16 : Stored::kF16;
+    p.k_bytes = reinterpret_cast<const uint8_t*>(k_cache.untyped_data());
+    p.v_bytes = reinterpret_cast<const uint8_t*>(v_cache.untyped_data());
+    p.bytes = 2;
   } else {
-    return ffi::Error::InvalidArgument("paged_attention: a float32, int8 or float8_e4m3fn cache");
+    return ffi::Error::InvalidArgument("paged_attention: a float32, bfloat16, float16, int8 or float8_e4m3fn cache");
   }
   p.block_tables = block_tables.typed_data();
   p.seq_lens = seq_lens.typed_data();
@@ -677,7 +704,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   // The rows-in-lanes form where it exists, except with a soft cap (RunItem applies it); values
   // read from the keys (fewer dims than a key) take the general form.
   const bool own_values = p.value_dims == p.head_dim, plain = p.stored == Stored::kF32;
-  if (!plain && (k_scale.element_count() * p.row != k_cache.element_count() ||
+  if (p.k_scale != nullptr && (k_scale.element_count() * p.row != k_cache.element_count() ||
                  (p.v_bytes != p.k_bytes && v_scale.element_count() * p.row != v_cache.element_count())))
     return ffi::Error::InvalidArgument("paged_attention: a quantized cache needs a scale per token and head");
   // Rows wider than the heads (their first head_dim read) take the general forms only.
@@ -741,13 +768,51 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   return ffi::Error::Success();
 }
 
+// The step's new K (or V) rows into their slots of one layer of a stacked cache, in place (the
+// result aliases the cache; where XLA gave it a buffer of its own, the cache is copied there
+// first): cache [L, NB, KVH, BS, D] and rows [T, KVH, D] of one dtype of 2 or 4 bytes, slots
+// [T] (block * BS + offset; negative or past the cache: the token writes nowhere). For the
+// 16-bit caches on XLA:CPU, whose own update widens the whole array to float32 and back.
+ffi::Error KVWrite(ffi::AnyBuffer cache, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> layer,
+                   ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::AnyBuffer> out) {
+  auto cd = cache.dimensions(), rd = rows.dimensions();
+  const size_t bytes = ffi::ByteWidth(cache.element_type());
+  if (cd.size() != 5 || rd.size() != 3 || rd[1] != cd[2] || rd[2] != cd[4] ||
+      rows.element_type() != cache.element_type() || slots.element_count() != static_cast<size_t>(rd[0]) ||
+      out->element_type() != cache.element_type() || out->size_bytes() != cache.size_bytes())
+    return ffi::Error::InvalidArgument("kv_write: cache [L, NB, KVH, BS, D], rows [T, KVH, D] of its dtype, slots [T]");
+  const int64_t L = cd[0], NB = cd[1], KVH = cd[2], BS = cd[3], D = cd[4], T = rd[0];
+  const int64_t l = layer.typed_data()[0];
+  char* dst = static_cast<char*>(out->untyped_data());
+  if (dst != cache.untyped_data()) std::memcpy(dst, cache.untyped_data(), cache.size_bytes());
+  if (l < 0 || l >= L) return ffi::Error::Success();
+  const char* src = static_cast<const char*>(rows.untyped_data());
+  const int32_t* slot = slots.typed_data();
+  for (int64_t t = 0; t < T; ++t) {
+    if (slot[t] < 0 || slot[t] >= NB * BS) continue;
+    const int64_t block = slot[t] / BS, offset = slot[t] % BS;
+    for (int64_t h = 0; h < KVH; ++h)
+      std::memcpy(dst + ((((l * NB + block) * KVH + h) * BS + offset) * D) * bytes, src + ((t * KVH + h) * D) * bytes,
+                  D * bytes);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxKVWrite, KVWrite,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // cache [L, NB, KVH, BS, D]
+                                  .Arg<ffi::AnyBuffer>()  // rows [T, KVH, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slots [T]
+                                  .Ret<ffi::AnyBuffer>());  // the cache, aliased
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxPagedAttention, PagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k_cache: float32, int8 or float8_e4m3fn
+                                  .Arg<ffi::AnyBuffer>()  // k_cache: float32, bfloat16, float16, int8 or float8_e4m3fn
                                   .Arg<ffi::AnyBuffer>()  // v_cache (the same buffer: values in the keys)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k_scale [L, NB, KVH, BS] (quantized caches)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_scale
