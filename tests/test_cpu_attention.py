@@ -145,14 +145,16 @@ def test_rows_wider_than_the_heads_read_their_first_dims(head_dim, row, window):
     assert np.all(got[n:] == 0)
 
 
-@pytest.mark.parametrize("specs", [[(40, 1)], [(70, 1), (5, 1)]], ids=["one-decode", "two-decodes"])
+@pytest.mark.parametrize("specs", [[(40, 1)], [(70, 1), (5, 1)], [(300, 1)], [(250, 1), (130, 1), (9, 1)]],
+                         ids=["one-decode", "two-decodes", "one-long-decode", "three-long-decodes"])
 @pytest.mark.parametrize("heads,kv_heads,block_size,head_dim,window,soft_cap",
                          CASES[:3] + [(8, 1, 16, 64, None, None)], ids=CASE_IDS[:3] + ["mqa-16x64"])
 def test_few_decodes_split_by_kv_heads_match_the_oracle(specs, heads, kv_heads, block_size, head_dim, window,
                                                          soft_cap):
-    """One or two decoding sequences alone: the kernel shares each one's KV heads among the
+    """One or a few decoding sequences alone: the kernel shares each one's KV heads among the
     threads (each share reading its heads' part of every block), or with one KV head (multi-query,
-    or a latent cache) its query heads."""
+    or a latent cache) its query heads; a long context is also split into parts whose results
+    are merged (split-KV; the sliding window's too)."""
     rng = np.random.default_rng(len(specs) * 100 + kv_heads)
     batch, seqs, n, q, k, v = _case(rng, specs, heads=heads, kv_heads=kv_heads, block_size=block_size,
                                     head_dim=head_dim, pad_tokens=8, pad_seqs=4)

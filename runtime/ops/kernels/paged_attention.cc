@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -40,6 +41,8 @@ namespace {
 constexpr float kMaskValue = -1e30f;  // finite: exp() and max() stay free of NaNs
 constexpr int64_t kRowsPerItem = 32;  // query rows (tokens x heads of a group) per work item
 constexpr int64_t kRowsPerLanesItem = 48;  // the same in the rows-in-lanes form (three vectors of 16)
+constexpr int64_t kItemsPerThread = 4;  // work items a thread, for few decodes (split-KV)
+constexpr int64_t kMinPartBlocks = 4;   // the fewest blocks of context a split decode's part reads
 
 // How the cache stores its values: float32; int8 / float8 e4m3 with a float32 scale per token
 // and head (value = stored * scale; runtime/ops/step.py KVCache.k_scale); or bfloat16 / float16
@@ -61,6 +64,7 @@ struct Problem {
   const int32_t* query_start;   // [S + 1]
   const int32_t* positions;     // [T]
   float* out;                   // [T, H, DV]
+  float* partials = nullptr;    // [parts, H, DV + 2]: a split decode's per-part max, denominator and sums
   int64_t layer, num_blocks, kv_heads, block_size, head_dim, max_blocks, num_heads, group;
   int64_t row;  // floats a cached key (value) row holds: head_dim, or more where the cache's rows are
                 // wider than this layer's heads (their first head_dim are read)
@@ -72,6 +76,9 @@ struct Problem {
 struct Item {
   int32_t seq, h0, h1, t0, t1;  // tokens [t0, t1) of sequence seq, KV heads [h0, h1)
   int32_t g0 = 0, g1 = -1;      // the query heads [g0, g1) of each KV head's group (g1 < 0: all of them)
+  // A decode's context split among items (split-KV): this item's keys [k0, k1) (block-aligned),
+  // its rows' unnormalized results kept in partial slot `part` for MergeParts. part < 0: whole.
+  int32_t k0 = 0, k1 = INT32_MAX, part = -1;
 };
 
 // Dot products of one query row with a block's keys, sr[j] = q . k_j (k: [BS, D]).
@@ -239,8 +246,8 @@ struct ItemContext {
       pmin = std::min(pmin, p.positions[t]);
       pmax = std::max(pmax, p.positions[t]);
     }
-    hi = std::min<int64_t>({pmax + 1, ctx, p.max_blocks * BS});
-    lo = p.window > 0 ? std::max<int64_t>(0, pmin - p.window + 1) : 0;
+    hi = std::min<int64_t>({pmax + 1, ctx, p.max_blocks * BS, it.k1});
+    lo = std::max<int64_t>(p.window > 0 ? std::max<int64_t>(0, pmin - p.window + 1) : 0, it.k0);
   }
 
   // Where (block b, KV head h0) starts; the item's heads follow it contiguously. Out-of-range
@@ -349,6 +356,16 @@ struct ItemRows {
   }
 
   void Store() const {
+    if (it.part >= 0) {  // a part of a split decode: its max, denominator and sums, merged later
+      for (int64_t hh = 0; hh < heads; ++hh)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = hh * RH + g;
+          float* __restrict dst = p.partials + (it.part * p.num_heads + Head(hh, g)) * (DV + 2);
+          dst[0] = m[r], dst[1] = l[r];
+          std::copy(acc + r * DV, acc + (r + 1) * DV, dst + 2);
+        }
+      return;
+    }
     for (int64_t hh = 0; hh < heads; ++hh)
       for (int64_t i = 0; i < ntok; ++i)
         for (int64_t g = 0; g < G; ++g) {
@@ -623,6 +640,29 @@ void RunItemAvx512(const Problem& p, const Item& it, std::vector<float>& scratch
 
 using ItemFn = void (*)(const Problem&, const Item&, std::vector<float>&);
 
+// A split decode's output (token t, every head) from its parts' slots [first, first + parts):
+// each part's sums rescaled to the largest running max, over the sum of their denominators
+// (zeros where no part saw a key, as RunItem's rows).
+void MergeParts(const Problem& p, int64_t t, int64_t first, int64_t parts) {
+  const int64_t DV = p.value_dims, stride = DV + 2;
+  for (int64_t h = 0; h < p.num_heads; ++h) {
+    const float* part = p.partials + (first * p.num_heads + h) * stride;
+    float mx = kMaskValue;
+    for (int64_t i = 0; i < parts; ++i) mx = std::max(mx, part[i * p.num_heads * stride]);
+    float* __restrict dst = p.out + (t * p.num_heads + h) * DV;
+    std::fill(dst, dst + DV, 0.0f);
+    float l = 0.0f;
+    for (int64_t i = 0; i < parts; ++i) {
+      const float* x = part + i * p.num_heads * stride;
+      const float w = std::exp(x[0] - mx);
+      l += w * x[1];
+      for (int64_t d = 0; d < DV; ++d) dst[d] += w * x[2 + d];
+    }
+    const float inv = l > 0 ? 1.0f / l : 0.0f;
+    for (int64_t d = 0; d < DV; ++d) dst[d] *= inv;
+  }
+}
+
 // The item function with the rows-in-lanes form for these shapes; nullptr where there is none
 // (no AVX-512, other shapes, or built with -DSERVAX_ATTENTION_NO_LANES).
 ItemFn PickLanesItemFn(int64_t block_size, int64_t head_dim) {
@@ -726,26 +766,52 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   const int64_t tile = std::max<int64_t>(1, (lanes_run != nullptr ? kRowsPerLanesItem : kRowsPerItem) / p.group);
   std::fill(p.out + real * p.num_heads * p.value_dims, p.out + T * p.num_heads * p.value_dims, 0.0f);
   // A decode is one item over all KV heads (its blocks then read as one contiguous run per
-  // block), or over a share of them when there are fewer decodes than two per thread (batch
-  // 1 would leave all but one thread idle); longer queries go per KV head in tiles of `tile`
-  // tokens, each tile reading the context once for all its rows.
+  // block); with fewer decodes than two per thread (batch 1 would leave all but one thread
+  // idle) its context is split into parts, or where it is short, its KV heads shared out.
+  // Longer queries go per KV head in tiles of `tile` tokens, each tile reading the context
+  // once for all its rows.
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   int64_t decodes = 0;
   for (int64_t s = 0; s < S; ++s)
     decodes += std::min<int64_t>(p.query_start[s + 1], real) - p.query_start[s] == 1;
   const int64_t wanted = decodes == 0 ? 1 : (2 * threads + decodes - 1) / decodes;
-  const int64_t shares = std::clamp<int64_t>(wanted, 1, p.kv_heads);
-  // One KV head read by every query head (a latent cache, or multi-query attention) in the
-  // general form: a decode's query heads are shared out instead.
-  const int64_t head_shares = p.kv_heads == 1 && lanes_run == nullptr ? std::clamp<int64_t>(wanted, 1, p.group) : 1;
+  // Few decodes also split their context (split-KV, as flash-decoding does): parts of at least
+  // kMinPartBlocks blocks, about kItemsPerThread items a thread in all, merged after.
+  std::vector<std::pair<int32_t, int32_t>> splits;  // (token, first part slot) of each split decode
+  int64_t slots = 0;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t a = p.query_start[s], b = std::min<int64_t>(p.query_start[s + 1], real);
     if (b - a == 1) {
-      for (int64_t i = 0; i < shares; ++i)
-        for (int64_t j = 0; j < head_shares; ++j)
-          items.push_back({int32_t(s), int32_t(p.kv_heads * i / shares), int32_t(p.kv_heads * (i + 1) / shares),
-                           int32_t(a), int32_t(b), int32_t(p.group * j / head_shares),
-                           int32_t(p.group * (j + 1) / head_shares)});
+      int64_t parts = 1, k_lo = 0, k_hi = 0;
+      if (decodes > 0 && wanted > 1) {
+        const int64_t pos = p.positions[a], ctx = std::min<int64_t>(pos + 1, p.seq_lens[s]);
+        k_lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) / p.block_size : 0;
+        k_hi = (std::max<int64_t>(ctx, 0) + p.block_size - 1) / p.block_size;  // blocks [k_lo, k_hi)
+        const int64_t target = (kItemsPerThread * threads + decodes - 1) / decodes;
+        parts = std::clamp<int64_t>(target, 1, std::max<int64_t>(1, (k_hi - k_lo) / kMinPartBlocks));
+      }
+      // Parts over all KV heads read each block's heads as one run; where the context is too
+      // short for enough parts, the KV heads are shared out (or with one KV head, a latent
+      // cache or multi-query attention in the general form, the query heads).
+      const int64_t per_part = (wanted + parts - 1) / parts;
+      const int64_t shares = std::clamp<int64_t>(per_part, 1, p.kv_heads);
+      const int64_t head_shares = p.kv_heads == 1 && lanes_run == nullptr ? std::clamp<int64_t>(per_part, 1, p.group)
+                                                                          : 1;
+      if (parts > 1) splits.push_back({int32_t(a), int32_t(slots)});
+      for (int64_t part = 0; part < parts; ++part)
+        for (int64_t i = 0; i < shares; ++i)
+          for (int64_t j = 0; j < head_shares; ++j) {
+            Item item{int32_t(s), int32_t(p.kv_heads * i / shares), int32_t(p.kv_heads * (i + 1) / shares),
+                      int32_t(a), int32_t(b), int32_t(p.group * j / head_shares),
+                      int32_t(p.group * (j + 1) / head_shares)};
+            if (parts > 1) {
+              item.k0 = int32_t((k_lo + (k_hi - k_lo) * part / parts) * p.block_size);
+              item.k1 = int32_t((k_lo + (k_hi - k_lo) * (part + 1) / parts) * p.block_size);
+              item.part = int32_t(slots + part);
+            }
+            items.push_back(item);
+          }
+      if (parts > 1) slots += parts;
       continue;
     }
     for (int64_t t0 = a; t0 < b; t0 += tile)
@@ -760,11 +826,17 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     if (!covered[t])
       std::fill(p.out + t * p.num_heads * p.value_dims, p.out + (t + 1) * p.num_heads * p.value_dims, 0.0f);
   if (items.empty()) return ffi::Error::Success();
+  std::vector<float> partials(slots * p.num_heads * (p.value_dims + 2));
+  p.partials = partials.data();
 
   servax::ParallelFor(pool, int64_t(items.size()), pool.num_threads() - 1, [&](int64_t i) {
     thread_local std::vector<float> scratch;
     run(p, items[i], scratch);
   });
+  for (size_t i = 0; i < splits.size(); ++i) {
+    const int64_t end = i + 1 < splits.size() ? splits[i + 1].second : slots;
+    MergeParts(p, splits[i].first, splits[i].second, end - splits[i].second);
+  }
   return ffi::Error::Success();
 }
 
