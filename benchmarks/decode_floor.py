@@ -16,6 +16,7 @@ every request is decoding (after all prompts were prefilled).
 
     python benchmarks/decode_floor.py
     python benchmarks/decode_floor.py --attention-backends xla,cpu      # the C++ kernel against pure JAX (CPU)
+    python benchmarks/decode_floor.py --dtype bfloat16 --kv-cache-dtypes float32,auto --prompt-len 1024
     python benchmarks/decode_floor.py --model bench/qwen3-moe           # MoE: the active-expert floor
     python benchmarks/decode_floor.py --model bench/llama-1b --dtype bfloat16   # a format's own floor
     python benchmarks/decode_floor.py --model bench/llama-1b --quantization int8
@@ -49,6 +50,8 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, help="int8 (or gguf for a .gguf model)")
     parser.add_argument("--attention-backends", default="auto",
                         help="comma-separated attention_backend values (auto, xla, pallas, cpu), timed in turn")
+    parser.add_argument("--kv-cache-dtypes", default="auto",
+                        help="comma-separated kv_cache_dtype values (auto, float32, bfloat16, ...), timed in turn")
     args = parser.parse_args()
 
     from app import LLM
@@ -57,11 +60,12 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     bandwidth, flops = memory_read_bandwidth(), matmul_flops_per_s()
     rows = []
-    for backend in args.attention_backends.split(","):
+    for backend, kv in [(b, kv) for b in args.attention_backends.split(",") for kv in args.kv_cache_dtypes.split(",")]:
         llm = LLM(
             model=str(path), model_impl=args.impl, dtype=args.dtype, quantization=args.quantization,
-            max_model_len=512, max_num_seqs=max(batches), max_num_batched_tokens=512, show_progress=False,
-            enable_prefix_caching=False, attention_backend=backend,
+            max_model_len=max(512, args.prompt_len + args.new_tokens + 8), max_num_seqs=max(batches),
+            max_num_batched_tokens=512, show_progress=False, enable_prefix_caching=False, attention_backend=backend,
+            kv_cache_dtype=kv,
         )
         weight_bytes = _weights_read(path, llm.engine.model.params)
         rows += _decode_rows(llm, backend, batches, args, weight_bytes, bandwidth, flops)
@@ -108,7 +112,8 @@ def _decode_rows(llm, backend: str, batches: list[int], args, weight_bytes, band
     elements = sum(x.size for x in jax.tree.leaves(held)) - (held["embed"].size if "lm_head" in held else 0)
     per_byte = elements / weights_read(held)
     kv_bytes_per_token = engine.kv_spec.bytes_per_block(1)
-    label = f"{engine.programs.kv_cache.attention_backend} ({backend})"
+    cache = engine.programs.kv_cache
+    label = f"{cache.attention_backend} ({backend}), {cache.k.dtype} KV"
     rows = []
     for batch in batches:
         step_s = decode_step_ms(llm, [None] * batch, args.prompt_len, args.new_tokens, f"{backend}-b{batch}") / 1e3

@@ -167,7 +167,9 @@ def _build(kernel: Kernel, compiler: str) -> Path:
                     [compiler, *_LINK_FLAGS, obj, "-o", str(part)]):
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+                # The compiler's errors first (warnings about the FFI headers can follow them by pages).
+                errors = "\n".join(ln for ln in done.stderr.splitlines() if "error" in ln)
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{errors[:1000]}\n...\n{done.stderr[-1000:]}")
         os.replace(part, out)  # atomic: a concurrent build of the same key is harmless
     return out
 
