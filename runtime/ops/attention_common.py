@@ -162,7 +162,8 @@ def kernel_writes(cache: KVCache) -> bool:
 
 def _put_by_kernel(cache: jax.Array, new: jax.Array, layer: int | jax.Array, slot_mapping: jax.Array) -> jax.Array:
     """_put by the C++ kernel, in place (its result aliases the cache)."""
-    call = jax.ffi.ffi_call(KV_WRITE_TARGET, jax.ShapeDtypeStruct(cache.shape, cache.dtype), input_output_aliases={0: 0})
+    call = jax.ffi.ffi_call(KV_WRITE_TARGET, jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+                            input_output_aliases={0: 0})
     return call(cache, new.astype(cache.dtype), jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
                 slot_mapping.astype(jnp.int32))
 

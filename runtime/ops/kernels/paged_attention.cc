@@ -221,7 +221,8 @@ inline void Dequantize(Stored stored, const uint8_t* values, const float* scale,
       else
         for (; d + 8 <= dims; d += 8) _mm256_storeu_ps(dst + d, servax::Load8Half(row + d));
 #endif
-      for (; d < dims; ++d) dst[d] = stored == Stored::kBF16 ? servax::BFloat16ToFloat(row[d]) : servax::HalfToFloat(row[d]);
+      for (; d < dims; ++d)
+        dst[d] = stored == Stored::kBF16 ? servax::BFloat16ToFloat(row[d]) : servax::HalfToFloat(row[d]);
     }
     return;
   }
