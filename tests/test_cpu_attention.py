@@ -247,21 +247,22 @@ def test_backend_resolution_and_a_machine_without_a_compiler(monkeypatch, caplog
 
 
 def test_cache_dtypes_the_engine_gives_the_kernel():
-    """What cache each setting gets: a bfloat16 model on packed weights (the layered default)
-    computes in float32 and keeps its K/V in bfloat16 for the kernel (kv_cache_dtype="float32"
-    gives it the float32 cache), as does one stepped in one program (layered=False); the XLA
-    backend gets a float32 cache for a model computing in float32; kv_cache_dtype names the
-    cache's dtype whatever the model's; an int8 cache comes with its scales. Greedy tokens: those
-    of the same weights with a float32 cache (the tiny model's margins are wide), and nothing leaks."""
+    """What cache each setting gets: a bfloat16 model on CPU caches float32 K/V by default (computing
+    in float32 on packed weights, the layered default; or in bfloat16 in one program, layered=False);
+    kv_cache_dtype names the cache's dtype whatever the model's, a 16-bit one read and written in
+    place by the C++ kernels; an int8 cache comes with its scales. A 16-bit cache where XLA:CPU would
+    read it (the xla backend, a mesh) is refused with the way out. Greedy tokens: those of the same
+    weights with a float32 cache (the tiny model's margins are wide), and nothing leaks."""
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     tokens = {}
     for settings, dtype, backend in [
         (dict(), jnp.float32, "cpu"),
         (dict(kv_cache_dtype="float16"), jnp.float16, "cpu"),
-        (dict(kv_cache_dtype="bfloat16", attention_backend="xla"), jnp.bfloat16, "xla"),
-        (dict(dtype="bfloat16", kv_cache_dtype="float32"), jnp.float32, "cpu"),
-        (dict(dtype="bfloat16"), jnp.bfloat16, "cpu"),
-        (dict(dtype="bfloat16", layered=False), jnp.bfloat16, "cpu"),
+        (dict(kv_cache_dtype="bfloat16"), jnp.bfloat16, "cpu"),
+        (dict(dtype="bfloat16"), jnp.float32, "cpu"),
+        (dict(dtype="bfloat16", kv_cache_dtype="bfloat16"), jnp.bfloat16, "cpu"),
+        (dict(dtype="bfloat16", layered=False), jnp.float32, "cpu"),
+        (dict(dtype="bfloat16", layered=False, kv_cache_dtype="bfloat16"), jnp.bfloat16, "cpu"),
         (dict(dtype="bfloat16", attention_backend="xla"), jnp.float32, "xla"),
         (dict(kv_cache_dtype="int8", attention_backend="cpu"), jnp.int8, "cpu"),
     ]:
@@ -275,9 +276,18 @@ def test_cache_dtypes_the_engine_gives_the_kernel():
         tokens[str(settings)] = [o.outputs[0].token_ids for o in outs]
         assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_usable_blocks  # nothing leaked
         weights = settings.get("dtype", "float32")
-        reference = str(dict() if weights == "float32" else dict(dtype=weights, kv_cache_dtype="float32"))
+        reference = str(dict() if weights == "float32" else dict(dtype=weights))
         if settings.get("kv_cache_dtype") != "int8":
             assert tokens[str(settings)] == tokens[reference], settings
+    with pytest.raises(ValueError, match="attention_backend 'cpu'"):
+        LLM(model="servax-tiny/llama", kv_cache_dtype="bfloat16", attention_backend="xla", max_model_len=64,
+            show_progress=False, enforce_eager=True)
+    with pytest.raises(NotImplementedError, match="attention sinks"):  # gpt-oss: its sinks take the XLA path
+        LLM(model="servax-tiny/gpt_oss", kv_cache_dtype="bfloat16", max_model_len=64, show_progress=False)
+    torchax = {kv: LLM(model="servax-tiny/gpt2", kv_cache_dtype=kv, max_model_len=128, show_progress=False,
+                       enforce_eager=True).generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
+               for kv in ("auto", "bfloat16")}
+    assert [o.outputs[0].token_ids for o in torchax["bfloat16"]] == [o.outputs[0].token_ids for o in torchax["auto"]]
 
 
 # A prompt longer than the tiny Mistral's 24-token window, one chunked over two steps

@@ -50,9 +50,9 @@ class ExecutionPlan:
             decode sizes (EngineConfig.int8_activations; runtime/ops/matmul.py PackedWeight.dot).
         compute_float32: a bfloat16 / float16 model stepped layer by layer on CPU computes in
             float32 (XLA:CPU has no fast half-precision arithmetic; the packed kernels widen
-            the stored weights in registers, XLA's dots convert them). Its K/V stay in its
-            dtype where the C++ attention reads them (widening each block as it reads it), in
-            float32 on the XLA path.
+            the stored weights in registers, XLA's dots convert them) and caches K/V in float32
+            (kv_cache_dtype bfloat16 / float16: in that dtype, read and written in place by the
+            C++ kernels).
         layer_seqs: every layer program runs at this many sequence slots (the C++ attention
             costs nothing for empty ones, so one program per token bucket), or None.
         token_buckets / seq_buckets: padded sizes compiled ahead of time.
@@ -129,16 +129,23 @@ def make_plan(config: EngineConfig, model: LoadedModel, mesh: Mesh, *, max_model
     half = np.dtype(model.kv_spec.dtype) in (np.dtype(jax.numpy.bfloat16), np.float16)
     compute_float32 = layered and platform == "cpu" and half
     backend = _attention_backend(config, kv_spec, platform, mesh.size)
-    explicit = config.kv_cache_dtype in ("float32", "bfloat16", "float16")
     half_cache = not kv_spec.quantized and np.dtype(kv_spec.dtype) in (np.dtype(jax.numpy.bfloat16), np.float16)
-    if platform == "cpu" and half_cache and mesh.size > 1 and explicit:
-        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype} on CPU runs on one device (XLA:CPU would widen "
-                         "the whole cache at every write; the C++ kernel that writes it in place runs unsharded)")
-    if compute_float32 and not explicit and (kv_spec.quantized or backend != "cpu" or mesh.size > 1):
-        # The C++ kernels read and write the model's half-precision cache as it lies, on one
-        # device; elsewhere it gets a float32 cache (XLA:CPU would widen the whole cache at
-        # each write, and the XLA path every block it gathers), as a quantized cache's scaled
-        # values are float32.
+    if platform == "cpu" and half_cache and config.kv_cache_dtype in ("bfloat16", "float16"):
+        # XLA:CPU reads and updates a 16-bit array by widening all of it to float32 and back (its
+        # float normalization: a copy of the whole cache per gather or write). The C++ kernels
+        # read and write it in place, on one device, where they do all of the attention.
+        if mesh.size > 1 or backend != "cpu" or kv_spec.values_in_keys:
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype} on CPU runs on one device with "
+                             "attention_backend 'cpu' (the C++ kernels read and write a 16-bit cache in place; "
+                             "XLA:CPU would widen the whole cache at each read and write), and not for a latent "
+                             "cache (multi-head latent attention): use kv_cache_dtype='auto' or 'float32'")
+    if compute_float32 and config.kv_cache_dtype == "auto":
+        # A bfloat16 / float16 model stepped in float32 caches float32 K/V by default (a 16-bit
+        # cache is kv_cache_dtype's choice: half the bytes, a step of a lone short-context decode
+        # a little slower, benchmarks/RESULTS.md stop 48), as a quantized cache's scaled values are.
+        kv_spec = dataclasses.replace(kv_spec, dtype=jax.numpy.float32)
+    elif platform == "cpu" and half_cache and config.kv_cache_dtype == "auto":
+        # A half-precision model in one program (layered=False) on CPU: float32 K/V for the same reason.
         kv_spec = dataclasses.replace(kv_spec, dtype=jax.numpy.float32)
     num_blocks, budget = _num_kv_blocks(config, model, kv_spec, mesh, max_model_len)
     on_cpu_kernel = backend == "cpu"

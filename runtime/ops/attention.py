@@ -190,6 +190,9 @@ def paged_attention(
             logit_soft_cap=logit_soft_cap, mesh=kv_cache.mesh, cache_spec=kv_cache.partition_spec,
         )
         return out, dataclasses.replace(kv_cache, k=k_cache, v=v_cache)
+    if kernel_writes(kv_cache):  # a 16-bit cache the XLA path would widen whole at each block it gathers
+        raise NotImplementedError("a bfloat16 / float16 KV cache on CPU is read by the C++ attention, which does "
+                                  "not take attention sinks: use kv_cache_dtype='float32'")
     out = xla_paged_attention(
         q, k, v, k_cache, v_cache, layer, batch, scale=scale, sliding_window=sliding_window,
         logit_soft_cap=logit_soft_cap, kv_chunk_blocks=kv_chunk_blocks, new_token_tile=new_token_tile,
