@@ -190,7 +190,7 @@ def paged_attention(
             logit_soft_cap=logit_soft_cap, mesh=kv_cache.mesh, cache_spec=kv_cache.partition_spec,
         )
         return out, dataclasses.replace(kv_cache, k=k_cache, v=v_cache)
-    if kernel_writes(kv_cache):  # a 16-bit cache the XLA path would widen whole at each block it gathers
+    if kv_cache.attention_backend == "cpu" and kernel_writes(kv_cache):  # XLA would widen it whole at each gather
         raise NotImplementedError("a bfloat16 / float16 KV cache on CPU is read by the C++ attention, which does "
                                   "not take attention sinks: use kv_cache_dtype='float32'")
     out = xla_paged_attention(
