@@ -74,3 +74,12 @@ def test_pd_engines_match_one_engine_greedy_seeded_chunked_and_prefix_hits(engin
     assert prefill.kv_transfer.num_pending_exports == 0
     assert decode.kv_transfer.num_imported == 2 * (len(PROMPTS) + 1)
     assert decode.stats().prefix_cache_hits > 0  # the repeated prompt's imported blocks were cached
+
+
+def test_a_16_bit_cache_on_cpu_is_refused_with_the_way_out():
+    """kv_cache_dtype bfloat16 on CPU: the block transfers would go through XLA:CPU, which widens a
+    16-bit cache whole at each gather and scatter; enabling them says so and names float32."""
+    llm = LLM("servax-tiny/llama", kv_cache_dtype="bfloat16", **SETTINGS)
+    with pytest.raises(ValueError, match="kv_cache_dtype='float32'"):
+        llm.engine.enable_kv_transfer()
+    llm.shutdown()
