@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from runtime.engine.config import EngineConfig
 from runtime.ops.attention import resolve_attention_backend
+from runtime.ops.attention_common import HALF
 from runtime.ops.attention_cpu import READS as CPU_KERNEL_READS
 from runtime.ops.cpu_kernels import kernel_available
 from runtime.ops.matmul import packed_matmul_available
@@ -126,10 +127,9 @@ def make_plan(config: EngineConfig, model: LoadedModel, mesh: Mesh, *, max_model
     platform = mesh.devices.flat[0].platform
     layered = config.layered and model.stages is not None
     packed = layered and platform == "cpu" and _packs(model)
-    half = np.dtype(model.kv_spec.dtype) in (np.dtype(jax.numpy.bfloat16), np.float16)
-    compute_float32 = layered and platform == "cpu" and half
+    compute_float32 = layered and platform == "cpu" and np.dtype(model.kv_spec.dtype) in HALF
     backend = _attention_backend(config, kv_spec, platform, mesh.size)
-    half_cache = not kv_spec.quantized and np.dtype(kv_spec.dtype) in (np.dtype(jax.numpy.bfloat16), np.float16)
+    half_cache = not kv_spec.quantized and np.dtype(kv_spec.dtype) in HALF
     if platform == "cpu" and half_cache and config.kv_cache_dtype in ("bfloat16", "float16"):
         # XLA:CPU reads and updates a 16-bit array by widening all of it to float32 and back (its
         # float normalization: a copy of the whole cache per gather or write). The C++ kernels
@@ -139,13 +139,10 @@ def make_plan(config: EngineConfig, model: LoadedModel, mesh: Mesh, *, max_model
                              "attention_backend 'cpu' (the C++ kernels read and write a 16-bit cache in place; "
                              "XLA:CPU would widen the whole cache at each read and write), and not for a latent "
                              "cache (multi-head latent attention): use kv_cache_dtype='auto' or 'float32'")
-    if compute_float32 and config.kv_cache_dtype == "auto":
-        # A bfloat16 / float16 model stepped in float32 caches float32 K/V by default (a 16-bit
-        # cache is kv_cache_dtype's choice: half the bytes, a step of a lone short-context decode
-        # a little slower, benchmarks/RESULTS.md stop 48), as a quantized cache's scaled values are.
-        kv_spec = dataclasses.replace(kv_spec, dtype=jax.numpy.float32)
-    elif platform == "cpu" and half_cache and config.kv_cache_dtype == "auto":
-        # A half-precision model in one program (layered=False) on CPU: float32 K/V for the same reason.
+    if platform == "cpu" and half_cache and config.kv_cache_dtype == "auto":
+        # A bfloat16 / float16 model on CPU caches float32 K/V by default, stepped in float32 or
+        # in one program (a 16-bit cache is kv_cache_dtype's choice: half the bytes, a step of a
+        # lone short-context decode a little slower, benchmarks/RESULTS.md stop 48).
         kv_spec = dataclasses.replace(kv_spec, dtype=jax.numpy.float32)
     num_blocks, budget = _num_kv_blocks(config, model, kv_spec, mesh, max_model_len)
     on_cpu_kernel = backend == "cpu"
