@@ -113,7 +113,7 @@ def _decode_rows(llm, backend: str, batches: list[int], args, weight_bytes, band
     per_byte = elements / weights_read(held)
     kv_bytes_per_token = engine.kv_spec.bytes_per_block(1)
     cache = engine.programs.kv_cache
-    label = f"{cache.attention_backend} ({backend}), {cache.k.dtype} KV"
+    label = f"{cache.attention_backend} ({backend}), {cache.half_bits or cache.k.dtype} KV"
     rows = []
     for batch in batches:
         step_s = decode_step_ms(llm, [None] * batch, args.prompt_len, args.new_tokens, f"{backend}-b{batch}") / 1e3

@@ -93,6 +93,13 @@ def test_half_precision_caches_read_as_stored(dtype, heads, kv_heads, block_size
         want = oracle(q, widened(k16), widened(v16), seqs, scale=0.35, sliding_window=window, soft_cap=soft_cap)
         np.testing.assert_allclose(got[:n], want[:n], atol=TOL, rtol=0)
         assert np.all(got[n:] == 0), "padding tokens must produce zeros"
+        # The same values' bits as uint16 (how servax keeps a 16-bit cache on CPU): the same result.
+        bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16)  # noqa: E731
+        by_bits = jax.jit(lambda q, k, v, b: cpu_ragged_paged_attention(
+            q, k, v, jnp.int32(1), b, scale=0.35, sliding_window=window, logit_soft_cap=soft_cap,
+            half_bits=jnp.dtype(dtype).name))
+        got_bits = np.asarray(by_bits(q, bits(jnp.stack([noise, k16])), bits(jnp.stack([noise, v16])), batch))
+        np.testing.assert_array_equal(got_bits, got)
     # The values kept in the keys (a latent cache: v_cache is the key cache, value_dims leading dims).
     batch, seqs, n, q, k, _ = _case(rng, MIXED, heads=heads, kv_heads=1, block_size=block_size, head_dim=head_dim)
     k16 = jnp.asarray(k, dtype)
@@ -105,25 +112,28 @@ def test_half_precision_caches_read_as_stored(dtype, heads, kv_heads, block_size
     np.testing.assert_allclose(got[:n], want[:n], atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("tokens", [1, 7])
-def test_kernel_writes_kv_in_place_as_the_scatter_does(dtype, tokens):
-    """The C++ KV write (16-bit caches on CPU) puts each token's rows where XLA's update does:
-    one token (a lone decode) and several, the layer traced, padding (negative) slots and slots
-    past the cache writing nowhere; and it updates the donated cache in place."""
+def test_a_16_bit_cache_kept_as_bits_is_written_in_place(dtype, tokens):
+    """A 16-bit cache kept as its bits (uint16, KVCache.half_bits) gets each token's rows rounded to
+    the dtype where a cache of that dtype gets them: one token (a lone decode) and several, the
+    layer traced, padding (negative) slots and slots past the cache writing nowhere; and XLA:CPU
+    updates the donated cache in place (a 16-bit float array it would widen whole)."""
     rng = np.random.default_rng(tokens)
     cache = jnp.asarray(rng.standard_normal((3, 10, 2, 4, 8)), dtype)
-    new = jnp.asarray(rng.standard_normal((tokens, 2, 8)), dtype)
+    new = jnp.asarray(rng.standard_normal((tokens, 2, 8)), jnp.float32)
     slots = np.array([13, -1, 39, 0, 40, 7, 22][:tokens] if tokens > 1 else [17], np.int32)
+    name = jnp.dtype(dtype).name
+    as_bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16)  # noqa: E731
     for layer in (0, 2):
-        write = jax.jit(lambda c, n, s, layer, kernel: write_kv(c, c, n, n, s, layer, kernel=kernel)[0],
-                        static_argnums=4)
-        want = write(cache, new, slots, jnp.int32(layer), False)
-        got = write(cache, new, slots, jnp.int32(layer), True)
-        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+        want = jax.jit(lambda c, n, s, layer: write_kv(c, c, n, n, s, layer)[0])(cache, new, slots, jnp.int32(layer))
+        got = jax.jit(lambda c, n, s, layer: write_kv(c, c, n, n, s, layer, half_bits=name)[0])(
+            as_bits(cache), new, slots, jnp.int32(layer))
+        assert got.dtype == jnp.uint16
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(as_bits(want)))
         assert not np.array_equal(np.asarray(want.astype(jnp.float32)), np.asarray(cache.astype(jnp.float32)))
-    donated = jax.jit(lambda c, n, s: write_kv(c, c, n, None, s, 1, kernel=True)[0], donate_argnums=0)
-    before = jnp.array(cache)
+    donated = jax.jit(lambda c, n, s: write_kv(c, c, n, None, s, 1, half_bits=name)[0], donate_argnums=0)
+    before = as_bits(cache)
     pointer = before.unsafe_buffer_pointer()
     after = donated(before, new, slots)
     assert after.unsafe_buffer_pointer() == pointer, "the write must update the donated cache in place"
@@ -247,28 +257,28 @@ def test_backend_resolution_and_a_machine_without_a_compiler(monkeypatch, caplog
 
 
 def test_cache_dtypes_the_engine_gives_the_kernel():
-    """What cache each setting gets: a bfloat16 model on CPU caches float32 K/V by default (computing
-    in float32 on packed weights, the layered default; or in bfloat16 in one program, layered=False);
-    kv_cache_dtype names the cache's dtype whatever the model's, a 16-bit one read and written in
-    place by the C++ kernels; an int8 cache comes with its scales. A 16-bit cache where XLA:CPU would
-    read it (the xla backend, a mesh) is refused with the way out. Greedy tokens: those of the same
-    weights with a float32 cache (the tiny model's margins are wide), and nothing leaks."""
+    """What cache each setting gets: a bfloat16 model caches bfloat16 K/V (computing in float32 on
+    packed weights, the layered default; or in bfloat16 in one program, layered=False), kept on CPU
+    as its bits (uint16, KVCache.half_bits: XLA:CPU moves those in place); kv_cache_dtype names the
+    cache's dtype whatever the model's, on either backend; an int8 cache comes with its scales.
+    Greedy tokens: those of the same weights with a float32 cache (the tiny model's margins are
+    wide), and nothing leaks."""
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     tokens = {}
-    for settings, dtype, backend in [
-        (dict(), jnp.float32, "cpu"),
-        (dict(kv_cache_dtype="float16"), jnp.float16, "cpu"),
-        (dict(kv_cache_dtype="bfloat16"), jnp.bfloat16, "cpu"),
-        (dict(dtype="bfloat16"), jnp.float32, "cpu"),
-        (dict(dtype="bfloat16", kv_cache_dtype="bfloat16"), jnp.bfloat16, "cpu"),
-        (dict(dtype="bfloat16", layered=False), jnp.float32, "cpu"),
-        (dict(dtype="bfloat16", layered=False, kv_cache_dtype="bfloat16"), jnp.bfloat16, "cpu"),
-        (dict(dtype="bfloat16", attention_backend="xla"), jnp.float32, "xla"),
-        (dict(kv_cache_dtype="int8", attention_backend="cpu"), jnp.int8, "cpu"),
+    for settings, dtype, half_bits, backend in [
+        (dict(), jnp.float32, None, "cpu"),
+        (dict(kv_cache_dtype="float16"), jnp.uint16, "float16", "cpu"),
+        (dict(kv_cache_dtype="bfloat16"), jnp.uint16, "bfloat16", "cpu"),
+        (dict(kv_cache_dtype="bfloat16", attention_backend="xla"), jnp.uint16, "bfloat16", "xla"),
+        (dict(dtype="bfloat16", kv_cache_dtype="float32"), jnp.float32, None, "cpu"),
+        (dict(dtype="bfloat16"), jnp.uint16, "bfloat16", "cpu"),
+        (dict(dtype="bfloat16", layered=False), jnp.uint16, "bfloat16", "cpu"),
+        (dict(dtype="bfloat16", attention_backend="xla"), jnp.uint16, "bfloat16", "xla"),
+        (dict(kv_cache_dtype="int8", attention_backend="cpu"), jnp.int8, None, "cpu"),
     ]:
         llm = LLM(model="servax-tiny/llama", max_model_len=128, show_progress=False, enforce_eager=True, **settings)
         cache = llm.engine.programs.kv_cache
-        assert (cache.k.dtype, cache.attention_backend) == (jnp.dtype(dtype), backend), settings
+        assert (cache.k.dtype, cache.half_bits, cache.attention_backend) == (jnp.dtype(dtype), half_bits, backend)
         assert (cache.k_scale is not None) == (dtype == jnp.int8)
         assert llm.engine.plan.compute_float32 == (settings.get("dtype") == "bfloat16"
                                                    and settings.get("layered", True)), settings
@@ -276,18 +286,26 @@ def test_cache_dtypes_the_engine_gives_the_kernel():
         tokens[str(settings)] = [o.outputs[0].token_ids for o in outs]
         assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_usable_blocks  # nothing leaked
         weights = settings.get("dtype", "float32")
-        reference = str(dict() if weights == "float32" else dict(dtype=weights))
+        reference = str(dict() if weights == "float32" else dict(dtype=weights, kv_cache_dtype="float32"))
         if settings.get("kv_cache_dtype") != "int8":
             assert tokens[str(settings)] == tokens[reference], settings
-    with pytest.raises(ValueError, match="attention_backend 'cpu'"):
-        LLM(model="servax-tiny/llama", kv_cache_dtype="bfloat16", attention_backend="xla", max_model_len=64,
-            show_progress=False, enforce_eager=True)
-    with pytest.raises(NotImplementedError, match="attention sinks"):  # gpt-oss: its sinks take the XLA path
-        LLM(model="servax-tiny/gpt_oss", kv_cache_dtype="bfloat16", max_model_len=64, show_progress=False)
-    torchax = {kv: LLM(model="servax-tiny/gpt2", kv_cache_dtype=kv, max_model_len=128, show_progress=False,
-                       enforce_eager=True).generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
-               for kv in ("auto", "bfloat16")}
-    assert [o.outputs[0].token_ids for o in torchax["bfloat16"]] == [o.outputs[0].token_ids for o in torchax["auto"]]
+    # Attention sinks (gpt-oss) and latent attention (DeepSeek) read a 16-bit cache through XLA's
+    # gathers on either backend; the torchax path writes and reads it as the native one does. A
+    # float16 cache keeps the float32 cache's tokens (bfloat16's coarser rounding flips a near tie
+    # of the tiny DeepSeek's); each 16-bit cache gives the same tokens on both backends.
+    for model, backends in [("servax-tiny/gpt_oss", ("auto",)), ("servax-tiny/deepseek_v3", ("auto", "xla")),
+                            ("servax-tiny/gpt2", ("auto",))]:
+        runs = {}
+        for kv, backend in [("auto", "auto")] + [(kv, b) for kv in ("float16", "bfloat16") for b in backends]:
+            llm = LLM(model=model, kv_cache_dtype=kv, attention_backend=backend, max_model_len=128,
+                      show_progress=False, enforce_eager=True)
+            assert llm.engine.programs.kv_cache.half_bits == (None if kv == "auto" else kv)
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
+            runs[kv, backend] = [o.outputs[0].token_ids for o in outs]
+            assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_usable_blocks
+            llm.shutdown()
+        for (kv, backend), got in runs.items():
+            assert got == runs["auto" if kv == "float16" else kv, "auto"], (model, kv, backend)
 
 
 # A prompt longer than the tiny Mistral's 24-token window, one chunked over two steps

@@ -104,11 +104,11 @@ def test_pack_matrix_takes_quantized_weights_as_the_models_hold_them():
     assert pack_matrix(experts) is experts
 
 
-@pytest.mark.parametrize("kv", ["auto", "bfloat16"])
+@pytest.mark.parametrize("kv", ["float32", "auto"])
 def test_a_bfloat16_model_keeps_bfloat16_weights_and_computes_in_float32(tmp_path, kv):
     """dtype="bfloat16" on CPU: the layers' and the head's matrices stay bfloat16, packed for the
-    kernel; the step computes in float32 on the C++ attention, with a float32 KV cache by default
-    (kv_cache_dtype="bfloat16": a bfloat16 one). With the float32 cache it generates what
+    kernel; the step computes in float32 on the C++ attention, with a bfloat16 KV cache by default
+    (kv_cache_dtype="float32": a float32 one). With the float32 cache it generates what
     transformers in float32 generates on the same bfloat16-rounded weights, greedy tokens and
     logprobs; with the bfloat16 one (K/V rounded too) the same tokens here, where the tiny model's
     margins are wide, and logprobs within that rounding. Nothing compiles after warmup."""
@@ -123,7 +123,7 @@ def test_a_bfloat16_model_keeps_bfloat16_weights_and_computes_in_float32(tmp_pat
               show_progress=False, compilation_cache_dir="", kv_cache_dtype=kv)
     plan, params = llm.engine.plan, llm.engine.programs.model.params
     assert plan.compute_float32 and plan.attention_backend == "cpu"
-    assert plan.kv_spec.dtype == (jnp.float32 if kv == "auto" else jnp.bfloat16)
+    assert plan.kv_spec.dtype == (jnp.float32 if kv == "float32" else jnp.bfloat16)
     layer = params["layers"][0]
     assert all(w.format == "bfloat16" for w in (layer["qkv"], layer["o"], layer["mlp"]["gate_up"],
                                                  layer["mlp"]["down"], params["lm_head"]))
@@ -134,7 +134,7 @@ def test_a_bfloat16_model_keeps_bfloat16_weights_and_computes_in_float32(tmp_pat
     with torch.no_grad():
         for p in hf.parameters():
             p.copy_(p.to(torch.bfloat16).to(torch.float32))
-    if kv == "auto":
+    if kv == "float32":
         assert_greedy_and_logprobs_match_hf(hf, prompts, outs, 10)
     else:  # K/V rounded to bfloat16: transformers' tokens, logprobs within that rounding
         for prompt, out in zip(prompts, outs):

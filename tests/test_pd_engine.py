@@ -76,10 +76,20 @@ def test_pd_engines_match_one_engine_greedy_seeded_chunked_and_prefix_hits(engin
     assert decode.stats().prefix_cache_hits > 0  # the repeated prompt's imported blocks were cached
 
 
-def test_a_16_bit_cache_on_cpu_is_refused_with_the_way_out():
-    """kv_cache_dtype bfloat16 on CPU: the block transfers would go through XLA:CPU, which widens a
-    16-bit cache whole at each gather and scatter; enabling them says so and names float32."""
-    llm = LLM("servax-tiny/llama", kv_cache_dtype="bfloat16", **SETTINGS)
-    with pytest.raises(ValueError, match="kv_cache_dtype='float32'"):
-        llm.engine.enable_kv_transfer()
-    llm.shutdown()
+def test_a_16_bit_cache_moves_as_it_is_kept():
+    """kv_cache_dtype bfloat16 on CPU (kept as uint16 bits): the blocks move as they are kept and
+    the decode engine's greedy tokens equal one engine's with the same cache; nothing is left held."""
+    engines = [LLM("servax-tiny/llama", kv_cache_dtype="bfloat16", **SETTINGS) for _ in range(3)]
+    colocated, prefill, decode = (llm.engine for llm in engines)
+    for engine in (prefill, decode):
+        engine.enable_kv_transfer()
+    assert decode.programs.kv_cache.half_bits == "bfloat16"
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for j, prompt in enumerate(PROMPTS):
+        want = run(colocated, f"c{j}", prompt, params)
+        got, transfer = pd(prefill, decode, f"p{j}", prompt, params)
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids, j
+    for engine in (prefill, decode):
+        assert engine.stats().kv_blocks_used == 0 and not engine.kv.req_to_blocks
+    for llm in engines:
+        llm.shutdown()

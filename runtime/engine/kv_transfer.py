@@ -38,7 +38,6 @@ from runtime.engine.errors import InvalidRequestError
 from runtime.engine.input_processor import ProcessedRequest
 from runtime.engine.request import Request
 from runtime.engine.stop import check_stop
-from runtime.ops.attention_common import kernel_writes
 
 # The KVCache fields that hold blocks on axis 1 (rows, blocks, ...); any may be absent or blockless.
 _BLOCK_FIELDS = ("k", "v", "k_scale", "v_scale")
@@ -113,10 +112,6 @@ class KVMover:
         self.programs, self.kv, self.counter = programs, kv, compile_counter
         self.block_size = kv.block_size
         cache = programs.kv_cache
-        if kernel_writes(cache):
-            raise ValueError("prefill/decode disaggregation moves blocks of a float32 (or quantized) KV cache on "
-                             "CPU; XLA:CPU would widen this 16-bit cache whole at each transfer: use "
-                             "kv_cache_dtype='float32'")
         self.num_blocks = int(cache.k.shape[1])
         self.fields = [f for f in _BLOCK_FIELDS if getattr(cache, f, None) is not None
                        and getattr(cache, f).shape[1] == self.num_blocks]

@@ -51,9 +51,8 @@ class ExecutionPlan:
             decode sizes (EngineConfig.int8_activations; runtime/ops/matmul.py PackedWeight.dot).
         compute_float32: a bfloat16 / float16 model stepped layer by layer on CPU computes in
             float32 (XLA:CPU has no fast half-precision arithmetic; the packed kernels widen
-            the stored weights in registers, XLA's dots convert them) and caches K/V in float32
-            (kv_cache_dtype bfloat16 / float16: in that dtype, read and written in place by the
-            C++ kernels).
+            the stored weights in registers, XLA's dots convert them); its K/V cache keeps the
+            model's dtype (held as uint16 bits on CPU: runtime.ops.step.KVCache.half_bits).
         layer_seqs: every layer program runs at this many sequence slots (the C++ attention
             costs nothing for empty ones, so one program per token bucket), or None.
         token_buckets / seq_buckets: padded sizes compiled ahead of time.
@@ -129,21 +128,6 @@ def make_plan(config: EngineConfig, model: LoadedModel, mesh: Mesh, *, max_model
     packed = layered and platform == "cpu" and _packs(model)
     compute_float32 = layered and platform == "cpu" and np.dtype(model.kv_spec.dtype) in HALF
     backend = _attention_backend(config, kv_spec, platform, mesh.size)
-    half_cache = not kv_spec.quantized and np.dtype(kv_spec.dtype) in HALF
-    if platform == "cpu" and half_cache and config.kv_cache_dtype in ("bfloat16", "float16"):
-        # XLA:CPU reads and updates a 16-bit array by widening all of it to float32 and back (its
-        # float normalization: a copy of the whole cache per gather or write). The C++ kernels
-        # read and write it in place, on one device, where they do all of the attention.
-        if mesh.size > 1 or backend != "cpu" or kv_spec.values_in_keys:
-            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype} on CPU runs on one device with "
-                             "attention_backend 'cpu' (the C++ kernels read and write a 16-bit cache in place; "
-                             "XLA:CPU would widen the whole cache at each read and write), and not for a latent "
-                             "cache (multi-head latent attention): use kv_cache_dtype='auto' or 'float32'")
-    if platform == "cpu" and half_cache and config.kv_cache_dtype == "auto":
-        # A bfloat16 / float16 model on CPU caches float32 K/V by default, stepped in float32 or
-        # in one program (a 16-bit cache is kv_cache_dtype's choice: half the bytes, a step of a
-        # lone short-context decode a little slower, benchmarks/RESULTS.md stop 48).
-        kv_spec = dataclasses.replace(kv_spec, dtype=jax.numpy.float32)
     num_blocks, budget = _num_kv_blocks(config, model, kv_spec, mesh, max_model_len)
     on_cpu_kernel = backend == "cpu"
     tokens, seqs = token_buckets(config.max_num_batched_tokens), seq_buckets(config.max_num_seqs)

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from runtime.ops.attention_common import (
-    HALF, NO_SLIDING_WINDOW, ExpandedLatent, ScaledCache, ValuesInKeys, Window, as_stored, kernel_writes, write_kv,
-    write_kv_quantized,
+    HALF, NO_SLIDING_WINDOW, ExpandedLatent, ScaledCache, ValuesInKeys, Window, as_stored, readable, stored_dtype,
+    write_kv, write_kv_quantized,
 )
 from runtime.ops.attention_cpu import cpu_ragged_paged_attention
 from runtime.ops.attention_xla import CACHED_CHUNK_TOKENS, CACHED_TILE, NEW_TOKEN_TILE, xla_paged_attention
@@ -163,36 +163,37 @@ def paged_attention(
         written = {}
     elif write:
         k_cache, v_cache = write_kv(kv_cache.k, kv_cache.v, k, v, batch.slot_mapping, layer,
-                                    kernel=kernel_writes(kv_cache))
+                                    half_bits=kv_cache.half_bits)
         written = {"k": k_cache, "v": v_cache}
     else:
         k_cache, v_cache, written = kv_cache.k, kv_cache.v, {}
     k, v = k[:q.shape[0]], None if v is None else v[:q.shape[0]]  # the new K/V of the tokens that attend
     if kv_cache.k_scale is not None:  # as the quantized cache holds them (attention_common.as_stored)
         k, v = as_stored(k, kv_cache.k.dtype), None if v is None else as_stored(v, kv_cache.v.dtype)
-    elif kv_cache.k.dtype in HALF and k.dtype not in HALF:  # a 16-bit cache of a model computing in float32
-        k, v = _rounded(k, kv_cache.k.dtype), None if v is None else _rounded(v, kv_cache.v.dtype)
+    elif stored_dtype(kv_cache) in HALF and k.dtype != stored_dtype(kv_cache):  # a model computing in float32
+        k, v = _rounded(k, stored_dtype(kv_cache)), None if v is None else _rounded(v, stored_dtype(kv_cache))
     if value_dims is not None and kv_cache.attention_backend == "cpu" and sinks is None and kv_cache.k_scale is None:
         out = cpu_ragged_paged_attention(  # values read in place from the keys' leading dims
             jnp.asarray(q), k_cache, k_cache, layer, batch, scale=scale, sliding_window=sliding_window,
             logit_soft_cap=logit_soft_cap, mesh=kv_cache.mesh, cache_spec=kv_cache.partition_spec,
-            value_dims=value_dims)
+            value_dims=value_dims, half_bits=kv_cache.half_bits)
         return out, dataclasses.replace(kv_cache, **written)
     if value_dims is not None:  # the Pallas kernel reads separate values: the XLA path reads them from the keys
-        v, v_cache = k[..., :value_dims], ValuesInKeys(k_cache, value_dims)
+        v, v_cache = k[..., :value_dims], ValuesInKeys(readable(kv_cache, k_cache), value_dims)
+        k_cache = readable(kv_cache, k_cache)
     elif kv_cache.attention_backend in ("cpu", "pallas") and sinks is None:  # a kernel reads the whole context
         if kv_cache.attention_backend == "cpu":
             kernel = cpu_ragged_paged_attention
         else:  # imported on use: Pallas' TPU modules add to every start's import time, and few engines use them
             from runtime.ops.attention_pallas import pallas_ragged_paged_attention as kernel
+        bits = {"half_bits": kv_cache.half_bits} if kv_cache.half_bits else {}
         out = kernel(
             jnp.asarray(q), k_cache, v_cache, layer, batch, scale=scale, sliding_window=sliding_window,
-            logit_soft_cap=logit_soft_cap, mesh=kv_cache.mesh, cache_spec=kv_cache.partition_spec,
+            logit_soft_cap=logit_soft_cap, mesh=kv_cache.mesh, cache_spec=kv_cache.partition_spec, **bits,
         )
         return out, dataclasses.replace(kv_cache, k=k_cache, v=v_cache)
-    if kv_cache.attention_backend == "cpu" and kernel_writes(kv_cache):  # XLA would widen it whole at each gather
-        raise NotImplementedError("a bfloat16 / float16 KV cache on CPU is read by the C++ attention, which does "
-                                  "not take attention sinks: use kv_cache_dtype='float32'")
+    else:
+        k_cache, v_cache = readable(kv_cache, k_cache), readable(kv_cache, v_cache)
     out = xla_paged_attention(
         q, k, v, k_cache, v_cache, layer, batch, scale=scale, sliding_window=sliding_window,
         logit_soft_cap=logit_soft_cap, kv_chunk_blocks=kv_chunk_blocks, new_token_tile=new_token_tile,
@@ -211,7 +212,7 @@ def write_step_kv(kv_cache: KVCache, k: jax.Array, v: jax.Array | None, batch: S
         layer, batch = kv_cache.groups.row_and_batch(layer, batch)
     if kv_cache.k_scale is not None:
         return write_kv_quantized(kv_cache, k, v, batch.slot_mapping, layer)
-    k_cache, v_cache = write_kv(kv_cache.k, kv_cache.v, k, v, batch.slot_mapping, layer, kernel=kernel_writes(kv_cache))
+    k_cache, v_cache = write_kv(kv_cache.k, kv_cache.v, k, v, batch.slot_mapping, layer, half_bits=kv_cache.half_bits)
     return dataclasses.replace(kv_cache, k=k_cache, v=v_cache)
 
 
@@ -249,9 +250,12 @@ def expanded_latent_attention(
     batch = jax.tree.map(jnp.asarray, batch)
     if kv_cache.groups is not None:
         layer, batch = kv_cache.groups.row_and_batch(layer, batch)
-    cache = kv_cache.k if kv_cache.k_scale is None else ScaledCache(kv_cache.k, kv_cache.k_scale)
+    cache = readable(kv_cache, kv_cache.k) if kv_cache.k_scale is None else ScaledCache(kv_cache.k, kv_cache.k_scale)
     k_cache, v_cache = ExpandedLatent(cache, w_uk, with_rope=True), ExpandedLatent(cache, w_uv, with_rope=False)
-    new = latent.astype(jnp.float32) if kv_cache.k_scale is None else as_stored(latent, kv_cache.k.dtype)
+    if kv_cache.k_scale is not None:  # the step's own latents as the cache holds them
+        new = as_stored(latent, kv_cache.k.dtype)
+    else:
+        new = _rounded(latent, stored_dtype(kv_cache)).astype(jnp.float32)
     k, v = k_cache.expand(new, heads_axis=1), v_cache.expand(new, heads_axis=1)  # [T, H, nope + rope], [T, H, v]
     return xla_paged_attention(q, k, v, k_cache, v_cache, layer, batch, scale=scale, cached_tile=cached_tile,
                                first_token=first_token)

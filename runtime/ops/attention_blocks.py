@@ -1,9 +1,10 @@
 """Reading the paged KV cache in whole blocks: the gathers of pure-JAX attention (attention_xla.py).
 
 A read gathers just the blocks it needs, indexing (layer, block) at once, never copying a
-layer's whole cache; the cache forms of attention_common.py (quantized with scales, values kept
-in the keys, an expanded latent) are undone as the blocks are read. Tables are walked in chunks
-of whole blocks, and a sliding window lets a read start at the first chunk a query can see.
+layer's whole cache; the cache forms of attention_common.py (quantized with scales, 16-bit
+floats kept as bits, values kept in the keys, an expanded latent) are undone as the blocks are
+read. Tables are walked in chunks of whole blocks, and a sliding window lets a read start at the
+first chunk a query can see.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from runtime.ops.attention_common import ExpandedLatent, ScaledCache, ValuesInKeys, Window
+from runtime.ops.attention_common import ExpandedLatent, HalfBits, ScaledCache, ValuesInKeys, Window
 
 
 def read_blocks(
-    cache: jax.Array | ScaledCache,  # [num_layers, num_blocks, kv_heads, block_size, head_dim]
+    cache: jax.Array | ScaledCache | HalfBits,  # [num_layers, num_blocks, kv_heads, block_size, head_dim]
     layer: int | jax.Array,
     blocks: jax.Array,  # [...] int32, block ids of `layer`
 ) -> jax.Array:  # [..., kv_heads, block_size, head_dim], float32
@@ -28,11 +29,13 @@ def read_blocks(
         return read_blocks(cache.keys, layer, blocks)[..., :cache.dims]
     if isinstance(cache, ScaledCache):
         return cache.values[layer, blocks].astype(jnp.float32) * cache.scales[layer, blocks][..., None]
+    if isinstance(cache, HalfBits):
+        return cache.read(cache.bits[layer, blocks])
     return cache[layer, blocks].astype(jnp.float32)
 
 
 def read_blocks_heads_major(
-    cache: jax.Array | ScaledCache,  # [num_layers, num_blocks, kv_heads, block_size, head_dim]
+    cache: jax.Array | ScaledCache | HalfBits,  # [num_layers, num_blocks, kv_heads, block_size, head_dim]
     layer: int | jax.Array,
     blocks: jax.Array,  # [chunk] int32, block ids of `layer`
 ) -> jax.Array:  # [kv_heads, chunk, block_size, head_dim], float32
@@ -50,6 +53,8 @@ def read_blocks_heads_major(
 
     if isinstance(cache, ScaledCache):
         return gather(cache.values).astype(jnp.float32) * gather(cache.scales[..., None])
+    if isinstance(cache, HalfBits):
+        return cache.read(gather(cache.bits))
     return gather(cache).astype(jnp.float32)
 
 

@@ -16,7 +16,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from runtime.ops.cpu_kernels import KV_WRITE_TARGET, kernel_status
 from runtime.ops.step import KVCache, StepInput
 
 # A finite stand-in for -inf keeps exp() and max() free of NaNs on fully masked rows.
@@ -43,6 +42,33 @@ class ScaledCache:
     @property
     def shape(self) -> tuple[int, ...]:
         return self.values.shape
+
+
+@dataclasses.dataclass(frozen=True)
+class HalfBits:
+    """A bfloat16 / float16 cache array kept as its bits (runtime.ops.step.KVCache.half_bits), read
+    as `dtype`: XLA gathers the uint16 blocks in place, then reinterprets the few it read."""
+
+    bits: jax.Array  # [num_layers, num_blocks, kv_heads, block_size, head_dim] uint16
+    dtype: str  # "bfloat16" or "float16"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.bits.shape
+
+    def read(self, bits: jax.Array) -> jax.Array:
+        """Gathered uint16 bits -> float32 values."""
+        return jax.lax.bitcast_convert_type(bits, jnp.dtype(self.dtype)).astype(jnp.float32)
+
+
+def stored_dtype(cache: KVCache) -> jnp.dtype:
+    """The dtype a cache holds its K/V in: the 16-bit float of one kept as bits, else its arrays'."""
+    return jnp.dtype(cache.half_bits) if cache.half_bits else cache.k.dtype
+
+
+def readable(cache: KVCache, array: jax.Array) -> jax.Array | HalfBits:
+    """One of the cache's arrays as the XLA path reads it (HalfBits for a cache kept as bits)."""
+    return HalfBits(array, cache.half_bits) if cache.half_bits else array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,35 +163,21 @@ def write_kv(
     slot_mapping: jax.Array,  # [T] int32, negative for padding tokens
     layer: int | jax.Array | None = None,  # which layer of a stacked cache (None: one layer's cache)
     *,
-    kernel: bool = False,
+    half_bits: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter the new K/V of each token into its cache slot; padding tokens write nowhere.
 
     A stacked cache is updated in place at `layer` (a scatter of T rows, under jit with
-    the cache donated or carried through a scan). kernel: write a 16-bit cache on one CPU
-    device with the C++ kernel (see kernel_writes).
+    the cache donated or carried through a scan). half_bits: the caches hold the bits of this
+    16-bit float as uint16 (KVCache.half_bits); the new K/V are rounded to it.
     """
     if layer is None:
-        k_cache, v_cache = write_kv(k_cache[None], v_cache[None], k, v, slot_mapping, 0, kernel=kernel)
+        k_cache, v_cache = write_kv(k_cache[None], v_cache[None], k, v, slot_mapping, 0, half_bits=half_bits)
         return k_cache[0], v_cache[0]
-    put = _put_by_kernel if kernel else _put
-    return put(k_cache, k, layer, slot_mapping), v_cache if v is None else put(v_cache, v, layer, slot_mapping)
-
-
-def kernel_writes(cache: KVCache) -> bool:
-    """Whether the C++ kernel writes this cache (write_kv's `kernel`): 16-bit floats on one CPU
-    device. XLA:CPU updates a bfloat16 / float16 array by widening all of it to float32 and back
-    (its float normalization): a copy of the whole cache per layer and step."""
-    return (cache.k.dtype in HALF and cache.mesh is None and jax.default_backend() == "cpu"
-            and kernel_status("paged_attention") == "ok")
-
-
-def _put_by_kernel(cache: jax.Array, new: jax.Array, layer: int | jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """_put by the C++ kernel, in place (its result aliases the cache)."""
-    call = jax.ffi.ffi_call(KV_WRITE_TARGET, jax.ShapeDtypeStruct(cache.shape, cache.dtype),
-                            input_output_aliases={0: 0})
-    return call(cache, new.astype(cache.dtype), jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
-                slot_mapping.astype(jnp.int32))
+    if half_bits:
+        bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.dtype(half_bits)), k_cache.dtype)  # noqa: E731
+        k, v = bits(k), None if v is None else bits(v)
+    return _put(k_cache, k, layer, slot_mapping), v_cache if v is None else _put(v_cache, v, layer, slot_mapping)
 
 
 def _put(cache: jax.Array, new: jax.Array, layer: int | jax.Array, slot_mapping: jax.Array) -> jax.Array:

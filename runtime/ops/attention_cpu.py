@@ -8,8 +8,8 @@ and that copy, not the arithmetic, is most of a decode step's attention there. T
 runtime/ops/cpu_kernels.py builds and loads it on first use; where that fails,
 `kernel_status("paged_attention")` says why and attention_backend "auto" keeps the XLA path.
 
-Float32 caches, bfloat16 / float16 ones (each block widened to float32 as it is read: half the
-bytes a step reads of its context), or int8 / float8 e4m3 ones with their scales (each block
+Float32 caches, bfloat16 / float16 ones or their bits as uint16 (how servax keeps them on CPU;
+each block widened to float32 as it is read: half the bytes a step reads of its context), or int8 / float8 e4m3 ones with their scales (each block
 scaled to float32 as it is read, on one device); a bfloat16 model's queries are read as float32
 and its output cast back. A latent cache (values in the keys'
 leading dims, DeepSeek's multi-head latent attention) is read as keys and values in place.
@@ -31,6 +31,8 @@ from runtime.ops.step import StepInput
 NO_WINDOW = 0  # the kernel's "no sliding window"
 # The cache dtypes the kernel reads without scales (runtime/engine/plan.py keeps a half model's cache so).
 READS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# The kernel's half_bits attribute for a uint16 cache holding each 16-bit float's bits.
+HALF_BITS = {"bfloat16": 1, "float16": 2}
 
 
 def cpu_ragged_paged_attention(
@@ -48,6 +50,7 @@ def cpu_ragged_paged_attention(
     value_dims: int | None = None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    half_bits: str | None = None,
 ) -> jax.Array:  # [T, num_heads, head_dim (or value_dims)], dtype of q; zeros for padding tokens
     """Causal paged attention of every token over its sequence's cached context (which
     includes the step's own K/V, already written), read in place by the C++ kernel.
@@ -57,6 +60,8 @@ def cpu_ragged_paged_attention(
     k_scale, v_scale: a quantized cache's (int8 or float8_e4m3fn values) float32 scales per
     token and head, [num_layers, num_blocks, kv_heads, block_size]: the kernel scales each
     block it reads into float32 (one device only).
+    half_bits: the caches hold this 16-bit float's bits as uint16 ("bfloat16" / "float16";
+    runtime.ops.step.KVCache.half_bits).
 
     Same contract as runtime.ops.attention_xla.ragged_paged_attention. On a mesh of several devices
     the kernel runs per shard (shard_map): each device attends with its own KV heads.
@@ -67,7 +72,10 @@ def cpu_ragged_paged_attention(
     status = kernel_status("paged_attention")
     if status != "ok":
         raise RuntimeError(f"the CPU attention kernel is not available: {status}")
-    if k_scale is None and k_cache.dtype not in READS:
+    if half_bits is not None and (k_cache.dtype != jnp.uint16 or half_bits not in HALF_BITS):
+        raise ValueError(f"half_bits={half_bits!r} names the bfloat16 or float16 bits of a uint16 cache, "
+                         f"not of a {k_cache.dtype} one")
+    if k_scale is None and half_bits is None and k_cache.dtype not in READS:
         raise NotImplementedError(f"the CPU attention kernel reads a float32, bfloat16 or float16 cache (or a "
                                   f"quantized one with its scales), not {k_cache.dtype}")
     batch = jax.tree.map(jnp.asarray, batch)
@@ -77,13 +85,14 @@ def cpu_ragged_paged_attention(
             raise NotImplementedError("the CPU attention kernel reads a quantized cache on one device only")
         return _attend(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32), batch,
                        scale=scale, soft_cap=logit_soft_cap, value_dims=value_dims, scales=(k_scale, v_scale))
-    attend = functools.partial(_attend, scale=scale, soft_cap=logit_soft_cap, value_dims=value_dims)
+    attend = functools.partial(_attend, scale=scale, soft_cap=logit_soft_cap, value_dims=value_dims,
+                               half_bits=HALF_BITS.get(half_bits, 0))
     return per_kv_head_shard(attend, q, k_cache, v_cache, layer, window, batch, mesh=mesh, cache_spec=cache_spec,
                              kernel="CPU attention kernel")
 
 
 def _attend(q, k_cache, v_cache, layer, window, batch: StepInput, *, scale: float,
-            soft_cap: float | None, value_dims: int | None, scales: tuple | None = None) -> jax.Array:
+            soft_cap: float | None, value_dims: int | None, scales: tuple | None = None, half_bits: int = 0) -> jax.Array:
     """cpu_ragged_paged_attention on one device's arrays."""
     none = jnp.zeros((1,), jnp.float32)  # a float32 cache's scales: none
     k_scale, v_scale = scales or (none, none)
@@ -98,5 +107,6 @@ def _attend(q, k_cache, v_cache, layer, window, batch: StepInput, *, scale: floa
         batch.seq_lens.astype(jnp.int32), batch.query_start_loc.astype(jnp.int32),
         batch.positions.astype(jnp.int32), as_scalar(batch.num_tokens), as_scalar(window),
         scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0), value_dims=np.int64(value_dims or 0),
+        half_bits=np.int64(half_bits),
     )
     return out.astype(q.dtype)

@@ -41,7 +41,6 @@ import jax
 logger = logging.getLogger("servax.engine")
 
 PAGED_ATTENTION_TARGET = "servax_paged_attention"  # runtime/ops/attention_cpu.py
-KV_WRITE_TARGET = "servax_kv_write"  # runtime/ops/attention_common.py's writes into a 16-bit cache
 TRUNCATION_TARGET = "servax_truncation_cut"  # runtime/engine/sampler.py's top-k/top-p cut
 ARGMAX_TARGET = "servax_argmax"  # ... and its argmax
 MATMUL_TARGET = "servax_packed_matmul"  # runtime/ops/matmul.py
@@ -66,8 +65,7 @@ class Kernel:
 
 
 KERNELS = {k.name: k for k in (
-    Kernel("paged_attention", "paged_attention.cc", "ServaxPagedAttention", PAGED_ATTENTION_TARGET,
-           more=(("ServaxKVWrite", KV_WRITE_TARGET),)),
+    Kernel("paged_attention", "paged_attention.cc", "ServaxPagedAttention", PAGED_ATTENTION_TARGET),
     Kernel("truncation", "sampling.cc", "ServaxTruncationCut", TRUNCATION_TARGET,
            more=(("ServaxArgmax", ARGMAX_TARGET),)),
     Kernel("matmul", "matmul.cc", "ServaxPackedMatmul", MATMUL_TARGET,

@@ -63,6 +63,11 @@ class KVCache:
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
 
+    # The 16-bit float ("bfloat16" / "float16") whose bits k and v hold as uint16, or None: they
+    # hold their values as they are. XLA:CPU updates and gathers a 16-bit float array by widening
+    # all of it to float32 and back (its float normalization), but moves 16-bit integers in place,
+    # so a half-precision cache on CPU is kept as its bits (allocate_kv_cache).
+    half_bits: str | None = flax.struct.field(pytree_node=False, default=None)
     # How layers map to rows and block tables where the model has several KV cache groups
     # (KVCacheGroups); None: one group, row i is layer i.
     groups: Any = flax.struct.field(pytree_node=False, default=None)
@@ -342,7 +347,9 @@ def allocate_kv_cache(
     (rows: the layers, or with KV cache groups the layers of one group), for the given attention
     backend (both backends read this one layout) and latent attention's prefill form
     (KVCache.mla_prefill). Where the spec keeps the values in the keys, V
-    (and its scales) has no blocks: [rows, 0, kv_heads, block_size, 0]."""
+    (and its scales) has no blocks: [rows, 0, kv_heads, block_size, 0]. A bfloat16 / float16
+    cache on CPU (but for the Pallas kernel's interpret mode) holds its values' bits as uint16
+    (KVCache.half_bits)."""
     groups = spec.groups
     shape = (groups.num_rows, num_blocks, spec.num_kv_heads, block_size, spec.head_dim)
     v_shape = (groups.num_rows, 0, spec.num_kv_heads, block_size, 0) if spec.values_in_keys else shape
@@ -350,13 +357,17 @@ def allocate_kv_cache(
     mesh = partition_spec = None
     if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
         mesh, partition_spec = sharding.mesh, sharding.spec
-    stored = spec.cache_dtype if spec.quantized else spec.dtype
+    stored = jnp.dtype(spec.cache_dtype if spec.quantized else spec.dtype)
+    half_bits = None
+    platform = next(iter(sharding.device_set)).platform if sharding is not None else jax.default_backend()
+    if stored in (jnp.bfloat16, jnp.float16) and platform == "cpu" and attention_backend != "pallas":
+        stored, half_bits = jnp.dtype(jnp.uint16), stored.name  # KVCache.half_bits: XLA:CPU moves it in place
 
     def zeros() -> KVCache:
         scale = (lambda s: jnp.ones(s[:-1], jnp.float32)) if spec.quantized else (lambda s: None)  # noqa: E731
         return KVCache(jnp.zeros(shape, stored), jnp.zeros(v_shape, stored), attention_backend=attention_backend,
                        mesh=mesh, partition_spec=partition_spec, k_scale=scale(shape), v_scale=scale(v_shape),
-                       groups=groups, mla_prefill=mla_prefill)
+                       half_bits=half_bits, groups=groups, mla_prefill=mla_prefill)
 
     if sharding is None:
         return jax.jit(zeros)()

@@ -690,7 +690,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                           ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> positions,
                           ffi::Buffer<ffi::S32> num_tokens, ffi::Buffer<ffi::S32> window, float scale,
-                          float soft_cap, int64_t value_dims, ffi::ResultBuffer<ffi::F32> out) {
+                          float soft_cap, int64_t value_dims, int64_t half_bits, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), kd = k_cache.dimensions(), td = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || td.size() != 2)
     return ffi::Error::InvalidArgument("paged_attention: q [T,H,D], cache [L,NB,KVH,BS,row >= D], tables [S,MB]");
@@ -710,13 +710,17 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     p.bytes = 1;
     p.k_scale = k_scale.typed_data();
     p.v_scale = v_scale.typed_data();
-  } else if (type == ffi::DataType::BF16 || type == ffi::DataType::F16) {
-    p.stored = type == ffi::DataType::BF16 ? Stored::kBF16 : Stored::kF16;
+  } else if (type == ffi::DataType::BF16 || type == ffi::DataType::F16 || type == ffi::DataType::U16) {
+    // A 16-bit cache, or its bits as uint16 (how servax keeps one on XLA:CPU: half_bits says which).
+    if (type == ffi::DataType::U16 && half_bits != 1 && half_bits != 2)
+      return ffi::Error::InvalidArgument("paged_attention: a uint16 cache holds bfloat16 (half_bits 1) or float16 (2)");
+    const bool bf16 = type == ffi::DataType::BF16 || (type == ffi::DataType::U16 && half_bits == 1);
+    p.stored = bf16 ? Stored::kBF16 : Stored::kF16;
     p.k_bytes = reinterpret_cast<const uint8_t*>(k_cache.untyped_data());
     p.v_bytes = reinterpret_cast<const uint8_t*>(v_cache.untyped_data());
     p.bytes = 2;
   } else {
-    return ffi::Error::InvalidArgument("paged_attention: a float32, bfloat16, float16, int8 or float8_e4m3fn cache");
+    return ffi::Error::InvalidArgument("paged_attention: a float32, bfloat16, float16 (or their bits as uint16), int8 or float8_e4m3fn cache");
   }
   p.block_tables = block_tables.typed_data();
   p.seq_lens = seq_lens.typed_data();
@@ -841,51 +845,13 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   return ffi::Error::Success();
 }
 
-// The step's new K (or V) rows into their slots of one layer of a stacked cache, in place (the
-// result aliases the cache; where XLA gave it a buffer of its own, the cache is copied there
-// first): cache [L, NB, KVH, BS, D] and rows [T, KVH, D] of one dtype of 2 or 4 bytes, slots
-// [T] (block * BS + offset; negative or past the cache: the token writes nowhere). For the
-// 16-bit caches on XLA:CPU, whose own update widens the whole array to float32 and back.
-ffi::Error KVWrite(ffi::AnyBuffer cache, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> layer,
-                   ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::AnyBuffer> out) {
-  auto cd = cache.dimensions(), rd = rows.dimensions();
-  const size_t bytes = ffi::ByteWidth(cache.element_type());
-  if (cd.size() != 5 || rd.size() != 3 || rd[1] != cd[2] || rd[2] != cd[4] ||
-      rows.element_type() != cache.element_type() || slots.element_count() != static_cast<size_t>(rd[0]) ||
-      out->element_type() != cache.element_type() || out->size_bytes() != cache.size_bytes())
-    return ffi::Error::InvalidArgument("kv_write: cache [L, NB, KVH, BS, D], rows [T, KVH, D] of its dtype, slots [T]");
-  const int64_t L = cd[0], NB = cd[1], KVH = cd[2], BS = cd[3], D = cd[4], T = rd[0];
-  const int64_t l = layer.typed_data()[0];
-  char* dst = static_cast<char*>(out->untyped_data());
-  if (dst != cache.untyped_data()) std::memcpy(dst, cache.untyped_data(), cache.size_bytes());
-  if (l < 0 || l >= L) return ffi::Error::Success();
-  const char* src = static_cast<const char*>(rows.untyped_data());
-  const int32_t* slot = slots.typed_data();
-  for (int64_t t = 0; t < T; ++t) {
-    if (slot[t] < 0 || slot[t] >= NB * BS) continue;
-    const int64_t block = slot[t] / BS, offset = slot[t] % BS;
-    for (int64_t h = 0; h < KVH; ++h)
-      std::memcpy(dst + ((((l * NB + block) * KVH + h) * BS + offset) * D) * bytes, src + ((t * KVH + h) * D) * bytes,
-                  D * bytes);
-  }
-  return ffi::Error::Success();
-}
-
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxKVWrite, KVWrite,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // cache [L, NB, KVH, BS, D]
-                                  .Arg<ffi::AnyBuffer>()  // rows [T, KVH, D]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // slots [T]
-                                  .Ret<ffi::AnyBuffer>());  // the cache, aliased
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxPagedAttention, PagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k_cache: float32, bfloat16, float16, int8 or float8_e4m3fn
+                                  .Arg<ffi::AnyBuffer>()  // k_cache: float32, bfloat16, float16 (or uint16 bits), int8 or float8_e4m3fn
                                   .Arg<ffi::AnyBuffer>()  // v_cache (the same buffer: values in the keys)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k_scale [L, NB, KVH, BS] (quantized caches)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_scale
@@ -899,4 +865,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxPagedAttention, PagedAttention,
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("value_dims")  // 0: head_dim; else values in the keys' leading dims
+                                  .Attr<int64_t>("half_bits")  // a uint16 cache's floats: 1 bfloat16, 2 float16
                                   .Ret<ffi::Buffer<ffi::F32>>());
