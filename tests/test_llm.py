@@ -197,6 +197,11 @@ for tp in (1, 2):
     res[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     res[f"devices{tp}"] = len(llm.engine.model_config["devices"])
     res[f"compiles{tp}"] = llm.engine.stats().compilations_since_warmup
+# A 16-bit cache on the mesh (kept as its bits on CPU), sharded by heads as a float32 one is.
+llm = LLM("servax-tiny/llama", tensor_parallel_size=2, kv_cache_dtype="float16", max_model_len=128,
+          max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=64, show_progress=False)
+res["2-float16"] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+res["bits"] = llm.engine.programs.kv_cache.half_bits
 print("RESULT" + json.dumps(res))
 """
 
@@ -215,6 +220,7 @@ def test_tensor_parallel_gives_the_same_tokens():
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
     assert res["devices1"] == 1 and res["devices2"] == 2
     assert res["1"] == res["2"] and res["compiles1"] == res["compiles2"] == 0
+    assert res["2-float16"] == res["1"] and res["bits"] == "float16"
 
 
 def test_mesh_refuses_sizes_the_devices_cannot_hold():
