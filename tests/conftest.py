@@ -228,7 +228,7 @@ def serve_run(config_path: Path, work_dir: Path, *, ready_timeout_s: float = 300
 
     Only http_options is changed in the config. Waits until a completion is answered (by each
     of `models`, when the app serves several);
-    stops the server by SIGINT (process group SIGTERM/SIGKILL as fallbacks) and the cluster.
+    stops the server by SIGINT (process group SIGTERM, then SIGKILL, as fallbacks) and the cluster.
     """
     import ray
     import yaml
@@ -274,11 +274,21 @@ def serve_run(config_path: Path, work_dir: Path, *, ready_timeout_s: float = 300
         print(f"\nserve run {Path(config_path).name} -> first completion: {ready_s:.1f} s")
         yield ServeRun(base_url, ready_s, f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        # SIGINT as a user's Ctrl-C; a `serve run` still draining replicas after a few seconds is
+        # stopped by its process group (the cluster is shut down below either way).
+        for sig, wait_s in ((signal.SIGINT, 8), (signal.SIGTERM, 5), (signal.SIGKILL, 10)):
+            try:
+                if sig == signal.SIGINT:
+                    proc.send_signal(sig)
+                else:
+                    os.killpg(proc.pid, sig)
+            except ProcessLookupError:  # the group is gone already
+                pass
+            try:
+                proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
         if ray.is_initialized():
             serve.shutdown()
             ray.shutdown()
