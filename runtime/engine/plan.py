@@ -20,13 +20,12 @@ from jax.sharding import Mesh
 
 from runtime.engine.config import EngineConfig
 from runtime.ops.attention import resolve_attention_backend
-from runtime.ops.attention_common import HALF
 from runtime.ops.attention_cpu import READS as CPU_KERNEL_READS
 from runtime.ops.cpu_kernels import kernel_available
 from runtime.ops.matmul import packed_matmul_available
 from runtime.ops.mesh import num_shards
 from runtime.ops.quantization import count_quantized
-from runtime.ops.step import KVCacheSpec, LoadedModel
+from runtime.ops.step import HALF, KVCacheSpec, LoadedModel
 
 logger = logging.getLogger("servax.engine")
 

@@ -10,19 +10,20 @@ the platform. Only this module imports the backends; they share attention_common
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import jax
 import jax.numpy as jnp
 
 from runtime.ops.attention_common import (
-    HALF, NO_SLIDING_WINDOW, ExpandedLatent, ScaledCache, ValuesInKeys, Window, as_stored, readable, stored_dtype,
+    NO_SLIDING_WINDOW, ExpandedLatent, ScaledCache, ValuesInKeys, Window, as_stored, readable, stored_dtype,
     write_kv, write_kv_quantized,
 )
 from runtime.ops.attention_cpu import cpu_ragged_paged_attention
 from runtime.ops.attention_xla import CACHED_CHUNK_TOKENS, CACHED_TILE, NEW_TOKEN_TILE, xla_paged_attention
 from runtime.ops.cpu_kernels import kernel_status
-from runtime.ops.step import KVCache, StepInput
+from runtime.ops.step import HALF, KVCache, StepInput
 
 __all__ = ["NO_SLIDING_WINDOW", "expanded_latent_attention", "paged_attention", "resolve_attention_backend",
            "write_step_kv"]
@@ -170,8 +171,8 @@ def paged_attention(
     k, v = k[:q.shape[0]], None if v is None else v[:q.shape[0]]  # the new K/V of the tokens that attend
     if kv_cache.k_scale is not None:  # as the quantized cache holds them (attention_common.as_stored)
         k, v = as_stored(k, kv_cache.k.dtype), None if v is None else as_stored(v, kv_cache.v.dtype)
-    elif stored_dtype(kv_cache) in HALF and k.dtype != stored_dtype(kv_cache):  # a model computing in float32
-        k, v = _rounded(k, stored_dtype(kv_cache)), None if v is None else _rounded(v, stored_dtype(kv_cache))
+    elif (half := stored_dtype(kv_cache)) in HALF and k.dtype != half:  # a model computing in float32
+        k, v = _rounded(k, half), None if v is None else _rounded(v, half)
     if value_dims is not None and kv_cache.attention_backend == "cpu" and sinks is None and kv_cache.k_scale is None:
         out = cpu_ragged_paged_attention(  # values read in place from the keys' leading dims
             jnp.asarray(q), k_cache, k_cache, layer, batch, scale=scale, sliding_window=sliding_window,
@@ -179,17 +180,16 @@ def paged_attention(
             value_dims=value_dims, half_bits=kv_cache.half_bits)
         return out, dataclasses.replace(kv_cache, **written)
     if value_dims is not None:  # the Pallas kernel reads separate values: the XLA path reads them from the keys
-        v, v_cache = k[..., :value_dims], ValuesInKeys(readable(kv_cache, k_cache), value_dims)
         k_cache = readable(kv_cache, k_cache)
+        v, v_cache = k[..., :value_dims], ValuesInKeys(k_cache, value_dims)
     elif kv_cache.attention_backend in ("cpu", "pallas") and sinks is None:  # a kernel reads the whole context
         if kv_cache.attention_backend == "cpu":
-            kernel = cpu_ragged_paged_attention
+            kernel = functools.partial(cpu_ragged_paged_attention, half_bits=kv_cache.half_bits)
         else:  # imported on use: Pallas' TPU modules add to every start's import time, and few engines use them
             from runtime.ops.attention_pallas import pallas_ragged_paged_attention as kernel
-        bits = {"half_bits": kv_cache.half_bits} if kv_cache.half_bits else {}
         out = kernel(
             jnp.asarray(q), k_cache, v_cache, layer, batch, scale=scale, sliding_window=sliding_window,
-            logit_soft_cap=logit_soft_cap, mesh=kv_cache.mesh, cache_spec=kv_cache.partition_spec, **bits,
+            logit_soft_cap=logit_soft_cap, mesh=kv_cache.mesh, cache_spec=kv_cache.partition_spec,
         )
         return out, dataclasses.replace(kv_cache, k=k_cache, v=v_cache)
     else:

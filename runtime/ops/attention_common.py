@@ -25,9 +25,6 @@ MASK_VALUE = -1e30
 # layer scanned together with sliding-window layers. Small enough that q_pos - W cannot overflow.
 NO_SLIDING_WINDOW = 1 << 30
 
-# Caches of 16-bit floats (kv_cache_dtype bfloat16 / float16, or a half-precision model's).
-HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
 # A sliding window: a static int, a traced int32 scalar, or None.
 Window = int | jax.Array | None
 

@@ -38,6 +38,10 @@ PyTree = Any
 KV_CACHE_AXES = ("layers", "kv_blocks", "kv_heads", "kv_block_tokens", "head_dim")
 
 
+# Caches of 16-bit floats (kv_cache_dtype bfloat16 / float16, or a half-precision model's).
+HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
 @flax.struct.dataclass
 class KVCache:
     """The paged KV cache of every layer: one stacked K and one stacked V array.
@@ -360,7 +364,7 @@ def allocate_kv_cache(
     stored = jnp.dtype(spec.cache_dtype if spec.quantized else spec.dtype)
     half_bits = None
     platform = next(iter(sharding.device_set)).platform if sharding is not None else jax.default_backend()
-    if stored in (jnp.bfloat16, jnp.float16) and platform == "cpu" and attention_backend != "pallas":
+    if stored in HALF and platform == "cpu" and attention_backend != "pallas":
         stored, half_bits = jnp.dtype(jnp.uint16), stored.name  # KVCache.half_bits: XLA:CPU moves it in place
 
     def zeros() -> KVCache:
