@@ -72,6 +72,7 @@ def step_collectives(programs) -> dict[str, int]:
 
 def run_one(spec: dict, run: dict, tp: int) -> dict:
     from app import LLM, SamplingParams
+    from runtime.ops.stacked import StackedLayers
 
     greedy = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     t0 = time.perf_counter()
@@ -92,7 +93,8 @@ def run_one(spec: dict, run: dict, tp: int) -> dict:
     engine = llm.engine
     k_cache = engine.programs.kv_cache.k  # stacked over layers
     layers = engine.model.params.get("layers")
-    joined = isinstance(layers, list) and "qkv" in layers[0]  # q/k/v as one matrix (whole on every device)
+    # q/k/v as one matrix (whole on every device; the layers then stacked for the kernels: runtime/ops/stacked.py)
+    joined = isinstance(layers, (list, StackedLayers)) and "qkv" in layers[0]
     return dict(
         batched=batched, alone=alone, pair=pair,
         compilations_since_warmup=engine.stats().compilations_since_warmup,

@@ -19,6 +19,7 @@ from conftest import (assert_greedy_and_logprobs_match_hf, hf_greedy, hf_model, 
                       run_in_fresh_kernel_build)
 from runtime.ops.cpu_kernels import cpu_flags
 from runtime.ops.matmul import PANEL, PackedWeight, pack_matrix, packed_matmul_available
+from runtime.ops.stacked import StackedLayers
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -68,7 +69,8 @@ def test_columns_are_the_embedding_rows_and_only_float_matrices_pack():
 
 @pytest.mark.parametrize("tied", quick_loop_keeps([False, True], False, ids=["untied", "tied"]))
 def test_engine_packs_the_weights_and_matches_transformers(tied, tmp_path):
-    """The engine on its CPU kernels keeps only the packed matrices (no second copy), and
+    """The engine on its CPU kernels keeps only the packed matrices (no second copy), its
+    layers stacked (one array of each kind for all layers), and
     generates transformers' greedy tokens with its logprobs, prompts of several lengths
     batched together (decode steps of 1-3 rows, a prefill beside them). Padding rows cost
     the kernel nothing, so of the buckets below 16 tokens only 1 is compiled: the other
@@ -86,6 +88,9 @@ def test_engine_packs_the_weights_and_matches_transformers(tied, tmp_path):
         assert all(isinstance(w, PackedWeight) for w in (layer["qkv"], layer["o"], layer["mlp"]["gate_up"],
                                                          layer["mlp"]["down"]))
         assert isinstance(layer["qkv_bias"], jax.Array)
+    # ... stacked (runtime/ops/stacked.py): a step takes each kind of array once, not once per layer
+    assert isinstance(params["layers"], StackedLayers) and len(params["layers"]) == 2
+    assert len(jax.tree.leaves(params["layers"])) == len(jax.tree.leaves(params["layers"][0])) - 4  # - 4 indices
     prompts = [[(5 * i + 7) % 400 + 3 for i in range(n)] for n in (3, 11, 20)]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)

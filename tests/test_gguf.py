@@ -364,9 +364,11 @@ def test_quantization_gguf_serves_q8_0_as_int8_with_the_same_logits(tiny_checkpo
     # 2 layers serves q/k/v and gate/up joined (still int8): natively qkv, gate_up, down, packed
     # as stored for the CPU kernel (as is the LM head); through torchax the same and o_proj;
     # + embed, lm_head.
-    assert len(quantized) == 2 * (3 if model_impl == "jax" else 4) + 2
+    # (layers stacked for the kernels, runtime/ops/stacked.py, hold one matrix per layer)
+    count = sum(w.panels.shape[0] if isinstance(w, PackedWeight) and w.panels.ndim == 4 else 1 for w in quantized)
+    assert count == 2 * (3 if model_impl == "jax" else 4) + 2
     assert all(w.q.dtype == np.int8 and w.group_size == 32 if isinstance(w, QuantizedWeight)
-               else w.panels.dtype == np.int8 and w.panels.shape[1] == 32 * w.scales.shape[1] for w in quantized)
+               else w.panels.dtype == np.int8 and w.panels.shape[-2] == 32 * w.scales.shape[-2] for w in quantized)
     ratio = param_bytes(llm.engine.model.params) / param_bytes(float_llm.engine.model.params)
     assert ratio < (0.33 if model_impl == "jax" else 0.3), ratio
     assert tokens == float_tokens
@@ -661,7 +663,8 @@ def test_demo_with_quantization_gguf_keeps_the_q8_0_embedding_as_int8(reference,
     for layer in llm.engine.model.params["layers"]:
         matrices = (layer["qkv"], layer["o"], layer["mlp"]["gate_up"], layer["mlp"]["down"])
         assert all(isinstance(w, PackedWeight) and w.format == "uint4" for w in matrices)
-        assert layer["qkv"].panels.shape == ((576 + 2 * 192) // 16, 576, 8)  # two 4-bit values a byte
+        # two 4-bit values a byte (the layers stacked for the kernels: runtime/ops/stacked.py)
+        assert layer["qkv"].panels.shape == (30, (576 + 2 * 192) // 16, 576, 8) and layer["qkv"].shape == (576, 960)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in reference["prompts"][:3]], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     for out, want in zip(outs, reference["greedy"][:3]):
         assert out.outputs[0].token_ids == want

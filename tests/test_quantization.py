@@ -14,6 +14,7 @@ import pytest
 from app import LLM, SamplingParams
 from conftest import REPO, quick_loop_keeps
 from runtime.ops.quantization import QuantizedWeight, param_bytes, quantize_int8
+from runtime.ops.stacked import StackedLayers
 
 PROMPT = [(7 * i + 3) % 500 + 4 for i in range(24)]
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, show_progress=False,
@@ -146,7 +147,7 @@ def test_int8_moe_experts_are_quantized_per_expert_and_output_and_tokens_stay_cl
     llm = LLM(model="servax-tiny/qwen3_moe", quantization="int8", **ENGINE, enforce_eager=True)
 
     layers = llm.engine.model.params["layers"]
-    layer = layers[0] if isinstance(layers, list) else jax.tree.map(lambda x: x[0], layers)
+    layer = layers[0] if isinstance(layers, (list, StackedLayers)) else jax.tree.map(lambda x: x[0], layers)
     experts = layer["mlp"]["experts"]
     for name in ("gate", "up", "down"):
         w = experts[name]  # [experts, in, out]

@@ -25,7 +25,9 @@ per token bucket instead of once per (tokens, sequences) bucket; only the epilog
 picks each sequence's row for the LM head, keeps the bucket's own sequence count. With
 `pack` (also the CPU kernels' path) the layers' matrices and the LM head are packed for the
 C++ matmul of runtime/ops/matmul.py, where the model offers it (LayerStages.pack_layer,
-pack_head) and the weights are whole on every device.
+pack_head) and the weights are whole on every device; each stack's layers are then stacked
+again where they can be (runtime/ops/stacked.py: the kernels read a packed matrix in the
+stack, at its layer), so a call takes a few arrays rather than a dozen per layer.
 With `compute_float32` (a half-precision model on CPU) the prologue's carry is widened to
 float32, so the layers compute in float32 while the weights stay as stored (the packed
 kernels widen them in registers; under tensor parallelism XLA's dots convert them).
@@ -47,13 +49,14 @@ import dataclasses
 import functools
 from typing import Any
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from runtime.ops.host_batch import HostBatch, widen_seqs  # noqa: F401 - widen_seqs: part of this module's API
 from runtime.ops.matmul import PackedWeight, packed_matmul_available
+from runtime.ops.stacked import StackedLayers, stack, stackable
 from runtime.ops.step import KVCache, LayerStages, LoadedModel, StepInput
 
 # Decoder layers one program runs (unrolled), at most: the largest divisor of the depth up to this.
@@ -137,65 +140,17 @@ def _fuse_changes(fuse: Any, layer: Any) -> bool:
     return jax.tree.structure(joined) != jax.tree.structure(layer)
 
 
+def _packed(layer: Any) -> bool:
+    """Whether a layer's weights hold packed matrices (runtime/ops/matmul.py)."""
+    is_packed = lambda x: isinstance(x, PackedWeight)  # noqa: E731
+    return any(is_packed(w) for w in jax.tree.leaves(layer, is_leaf=is_packed))
+
+
 def _for_int8_activations(params: Any) -> Any:
     """params with their packed int8 and 4-bit matrices laid out for int8 activations
     (runtime.ops.matmul.PackedWeight.for_int8_activations); the rest as it is."""
     is_packed = lambda x: isinstance(x, PackedWeight)  # noqa: E731
     return jax.tree.map(lambda w: w.for_int8_activations() if is_packed(w) else w, params, is_leaf=is_packed)
-
-
-def widen_seqs(batch: StepInput, num_seqs: int) -> StepInput:
-    """A host batch with its sequence arrays padded to `num_seqs` slots of no tokens (the
-    batch itself when it has that many already)."""
-    pad = num_seqs - batch.padded_num_seqs
-    if pad <= 0:
-        return batch
-
-    def rows(a: Any, edge: bool = False) -> np.ndarray:  # `pad` more rows: zeros, or copies of the last
-        a = np.asarray(a)
-        out = np.empty((len(a) + pad, *a.shape[1:]), a.dtype)  # (np.pad costs ~10x more, per step)
-        out[:len(a)] = a
-        out[len(a):] = a[-1] if edge else 0
-        return out
-
-    groups = {} if batch.group_block_tables is None else {"group_block_tables": rows(batch.group_block_tables)}
-    return dataclasses.replace(batch, block_tables=rows(batch.block_tables), seq_lens=rows(batch.seq_lens),
-                               query_start_loc=rows(batch.query_start_loc, edge=True),
-                               logits_indices=rows(batch.logits_indices), **groups)
-
-
-@flax.struct.dataclass
-class HostBatch:
-    """A host StepInput's int32 arrays in one buffer: each program call then converts one
-    host argument, not one per field (each host array adds to a call's host time, which a
-    step pays once per program; measured in benchmarks/RESULTS.md, stop 45)."""
-
-    data: np.ndarray  # [sum of the fields' sizes] int32
-    layout: tuple = flax.struct.field(pytree_node=False)  # ((field, shape), ...) in data's order
-
-    @classmethod
-    def pack(cls, batch: StepInput) -> "HostBatch":
-        fields = [(f.name, np.asarray(getattr(batch, f.name))) for f in dataclasses.fields(batch)
-                  if getattr(batch, f.name) is not None]
-        data = np.concatenate([a.reshape(-1) for _, a in fields]).astype(np.int32, copy=False)
-        return cls(data, tuple((name, a.shape) for name, a in fields))
-
-    @property
-    def padded_num_tokens(self) -> int:
-        return dict(self.layout)["input_ids"][0]
-
-    @property
-    def padded_num_seqs(self) -> int:
-        return dict(self.layout)["seq_lens"][0]
-
-    def unpack(self) -> StepInput:
-        """The StepInput again, its arrays slices of `data` (inside a program: free)."""
-        arrays, offset = {}, 0
-        for name, shape in self.layout:
-            size = int(np.prod(shape))
-            arrays[name] = self.data[offset:offset + size].reshape(shape)
-            offset += size
-        return StepInput(**arrays)
 
 
 def _unpacking(stage: Any, batch_arg: int) -> Any:
@@ -247,25 +202,38 @@ def _layers_in_order(layer: Any) -> Any:
 
 
 def _whole_step(stages: LayerStages) -> Any:
-    """(outer, every layer's weights in order, kv_cache, batch, epilogue batch, prev, input_from)
-    -> (logits, kv_cache): a step as one program (the layer traced once, as in _layers_in_order)."""
+    """(outer, each stack's layers, kv_cache, batch, epilogue batch, prev, input_from) -> (logits,
+    kv_cache): a step as one program (the layer traced once, as in _layers_in_order)."""
     prologue, layer = _unpacking(_fed(stages.prologue), 1), jax.jit(stages.layer)
 
-    def run(outer: dict, layers: list, kv_cache: KVCache, batch: HostBatch, narrow: HostBatch, prev: jax.Array,
+    def run(outer: dict, stacks: dict, kv_cache: KVCache, batch: HostBatch, narrow: HostBatch, prev: jax.Array,
             input_from: jax.Array):
         carry = prologue(outer, batch, prev, input_from)
         unpacked = batch.unpack()
-        for i, params in enumerate(layers):
-            carry, kv_cache = layer(params, carry, kv_cache, jnp.int32(i), unpacked)
+        for i, (key, j) in enumerate(_layer_order(stages)):
+            carry, kv_cache = layer(stacks[key][j], carry, kv_cache, jnp.int32(i), unpacked)
         return stages.epilogue(outer, carry, narrow.unpack()), kv_cache
 
     return run
 
 
+def _stacked_in_order(layer: Any, per_call: int) -> Any:
+    """_layers_in_order's program for a StackedLayers: (stack, carry, kv_cache, first, batch),
+    `first` [2] int32 the first layer's index in the model and in the stack, runs `per_call`
+    layers from there (each a view of the stack)."""
+    run = _layers_in_order(layer)
+
+    def stacked(layers: StackedLayers, carry: Any, kv_cache: KVCache, first: jax.Array, batch: StepInput):
+        return run([layers.layer(first[1] + j) for j in range(per_call)], carry, kv_cache, first[0], batch)
+
+    return stacked
+
+
 @dataclasses.dataclass
 class _Call:
     """One call of a layer program: `per_call` layers of stack `key` from its layer `start`,
-    the first of them layer `first` of the model (an int32 already on the device)."""
+    the first of them layer `first` of the model (an int32 already on the device; of a
+    StackedLayers, [first, start])."""
 
     program: Any
     key: str
@@ -278,7 +246,8 @@ class LayeredStep:
     """Steps a LoadedModel a few layers per call (see the module docstring).
 
     Takes ownership of `model.params`: each stack's stacked layer weights are replaced by
-    per-layer arrays (model.params[key] becomes a list, model.param_shardings likewise), and
+    per-layer arrays (model.params[key] becomes a list, model.param_shardings likewise; or,
+    packed, a StackedLayers of the layers' final form, which `[i]` reads like the list), and
     model.step_fn by `layered_forward`, which computes the same from that form. A model
     already in that form (a second engine on the same LoadedModel) is used as it is. A model
     whose layers lie in several stacks (LayerStages.stacks) gets a layer program per stack
@@ -296,7 +265,7 @@ class LayeredStep:
         self.outer = {k: v for k, v in model.params.items() if k not in sizes}
         self.stacks: dict[str, list] = {}  # each stack's per-layer weights
         for key, n in sizes.items():
-            if isinstance(model.params[key], list):  # per-layer already (the torchax path, or another engine's)
+            if isinstance(model.params[key], (list, StackedLayers)):  # per-layer (torchax) or another engine's
                 self.stacks[key] = model.params[key]
             else:
                 self.stacks[key] = _unstack(model.params[key], model.param_shardings[key], n, mesh)
@@ -308,7 +277,9 @@ class LayeredStep:
                 self.outer = jax.jit(stages.pack_head, out_shardings=replicated)(self.outer)
             if int8_activations and _fuse_changes(_for_int8_activations, self.outer):
                 self.outer = jax.jit(_for_int8_activations, out_shardings=replicated)(self.outer)
-        for layers in self.stacks.values():  # changes of each layer's form, made in one pass (one program) per layer
+        for key, layers in self.stacks.items():  # changes of each layer's form, one pass (one program) a layer
+            if isinstance(layers, StackedLayers):
+                continue
             changes = []
             if stages.fuse is not None and whole and _fuse_changes(stages.fuse, layers[0]):
                 changes.append(stages.fuse)
@@ -319,12 +290,16 @@ class LayeredStep:
                     changes.append(_for_int8_activations)
             if changes:
                 _fuse_in_place(layers, _chain(changes), replicated)
+            if pack and _packed(layers[0]) and stackable(layers):  # a few arrays a step: runtime/ops/stacked.py
+                self.stacks[key] = stack(layers)
         # Whether the layers' products run on packed weights (here or by an earlier engine).
-        self.packed = any(isinstance(w, PackedWeight) for w in jax.tree.leaves(
-            next(iter(self.stacks.values()))[0], is_leaf=lambda x: isinstance(x, PackedWeight)))
+        first = next(iter(self.stacks.values()))
+        self.packed = _packed(first.params if isinstance(first, StackedLayers) else first[0])
         model.params = {**self.outer, **self.stacks}
         model.param_shardings = {**jax.tree.map(lambda a: a.sharding.spec, self.outer),
-                                 **{key: [jax.tree.map(lambda a: a.sharding.spec, layer) for layer in layers]
+                                 **{key: jax.tree.map(lambda a: a.sharding.spec, layers)
+                                    if isinstance(layers, StackedLayers) else
+                                    [jax.tree.map(lambda a: a.sharding.spec, layer) for layer in layers]
                                     for key, layers in self.stacks.items()}}
         model.step_fn = functools.partial(layered_forward, stages=stages)
 
@@ -342,23 +317,27 @@ class LayeredStep:
         self.calls: list[_Call] = []
         taken, first_layer = dict.fromkeys(sizes, 0), 0
         for key, n in stages.layer_runs:
-            k = layers_per_call(n)
+            k, stacked = layers_per_call(n), isinstance(self.stacks[key], StackedLayers)
             if (key, k) not in programs:
-                layer_shardings = jax.tree.map(lambda a: a.sharding, self.stacks[key][0])
-                programs[key, k] = jax.jit(_unpacking(_layers_in_order(stages.layer), 4),
-                                           in_shardings=([layer_shardings] * k, rep, kv, rep, rep),
+                if stacked:
+                    run, weights = _stacked_in_order(stages.layer, k), jax.tree.map(lambda a: a.sharding,
+                                                                                     self.stacks[key])
+                else:
+                    run, weights = _layers_in_order(stages.layer), [jax.tree.map(lambda a: a.sharding,
+                                                                                 self.stacks[key][0])] * k
+                programs[key, k] = jax.jit(_unpacking(run, 4), in_shardings=(weights, rep, kv, rep, rep),
                                            out_shardings=(rep, kv), donate_argnums=(2,))
-            self.calls += [_Call(programs[key, k], key, taken[key] + i, k,
-                                 jax.device_put(np.int32(first_layer + i), rep)) for i in range(0, n, k)]
+            self.calls += [_Call(programs[key, k], key, taken[key] + i, k, jax.device_put(
+                np.array([first_layer + i, taken[key] + i], np.int32) if stacked else np.int32(first_layer + i), rep))
+                for i in range(0, n, k)]
             taken[key] += n
             first_layer += n
         # The first call of each program: what lowering a bucket compiles.
         self._distinct = list({id(c.program): c for c in self.calls}.values())
         self._epilogue = jax.jit(_unpacking(stages.epilogue, 2), in_shardings=(outer_shardings, rep, rep),
                                  out_shardings=rep)
-        self._all_layers = self.layers
         self._whole = jax.jit(_whole_step(stages), in_shardings=(
-            outer_shardings, jax.tree.map(lambda a: a.sharding, self._all_layers), kv, rep, rep, rep, rep),
+            outer_shardings, jax.tree.map(lambda a: a.sharding, self.stacks), kv, rep, rep, rep, rep),
             out_shardings=(rep, kv), donate_argnums=(2,))
         self.wide_seqs = wide_seqs  # see the module docstring
 
@@ -366,6 +345,11 @@ class LayeredStep:
     def layers(self) -> list:
         """Every layer's weights, in layer order."""
         return [self.stacks[c.key][c.start + j] for c in self.calls for j in range(c.per_call)]
+
+    def _weights(self, c: _Call) -> Any:
+        """What call c's program takes as its layers' weights: their list, or the whole stack."""
+        layers = self.stacks[c.key]
+        return layers if isinstance(layers, StackedLayers) else layers[c.start:c.start + c.per_call]
 
     @property
     def per_call(self) -> int:
@@ -397,11 +381,10 @@ class LayeredStep:
         wide, narrow = self._inputs(batch)
         feed = self._feed(wide.padded_num_tokens, prev, input_from)
         if wide.padded_num_tokens <= WHOLE_STEP_MAX_TOKENS:
-            return self._whole(self.outer, self._all_layers, kv_cache, wide, narrow, *feed)
+            return self._whole(self.outer, self.stacks, kv_cache, wide, narrow, *feed)
         carry = self._prologue(self.outer, wide, *feed)
         for c in self.calls:
-            layers = self.stacks[c.key][c.start:c.start + c.per_call]
-            carry, kv_cache = c.program(layers, carry, kv_cache, c.first, wide)
+            carry, kv_cache = c.program(self._weights(c), carry, kv_cache, c.first, wide)
         return self._epilogue(self.outer, carry, narrow), kv_cache
 
     def lower(self, kv_cache: KVCache, batch: StepInput, seen: set | None = None) -> list:
@@ -411,15 +394,14 @@ class LayeredStep:
         wide, narrow = self._inputs(batch)
         feed = self._feed(wide.padded_num_tokens, None, None)
         if wide.padded_num_tokens <= WHOLE_STEP_MAX_TOKENS:
-            return [self._whole.lower(self.outer, self._all_layers, kv_cache, wide, narrow, *feed)]
+            return [self._whole.lower(self.outer, self.stacks, kv_cache, wide, narrow, *feed)]
         carry = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.replicated),
                              jax.eval_shape(self._prologue, self.outer, wide, *feed))
         shared = (wide.padded_num_tokens, wide.padded_num_seqs)
         programs = []
         if seen is None or shared not in seen:
             programs.append(self._prologue.lower(self.outer, wide, *feed))
-            programs += [c.program.lower(self.stacks[c.key][c.start:c.start + c.per_call], carry, kv_cache, c.first,
-                                         wide) for c in self._distinct]
+            programs += [c.program.lower(self._weights(c), carry, kv_cache, c.first, wide) for c in self._distinct]
             if seen is not None:
                 seen.add(shared)
         return programs + [self._epilogue.lower(self.outer, carry, narrow)]

@@ -53,6 +53,10 @@ class PackedWeight:
     the activations quantized to int8 (runtime/ops/kernels/matmul_dot.cc): their inputs in
     quads, panels [.., in / 4, 64] int8 (16 columns x 4 inputs, column-major) or [.., in / 4, 32]
     uint8 (columns 0-7 in the low nibbles, 8-15 in the high ones), the same scales and offsets.
+
+    Stacked (runtime/ops/stacked.py), panels, scales and offsets have a leading layer axis
+    [L, ...], and `at_layer(i)` is the matrix of layer i: `layer` set, which the kernels read
+    in place.
     """
 
     panels: jax.Array
@@ -60,6 +64,7 @@ class PackedWeight:
     scales: jax.Array | None = None
     offsets: jax.Array | None = None
     dot: bool = flax.struct.field(pytree_node=False, default=False)
+    layer: jax.Array | None = None  # of stacked panels: the layer this matrix is (int32 scalar)
 
     @classmethod
     def pack(cls, w: jax.Array) -> "PackedWeight":
@@ -89,6 +94,7 @@ class PackedWeight:
         float16, as the file stores them (Q4_K's, products of a half scale and a 6-bit code, are
         rounded to the nearest half: below the int8 activations' own rounding); per-channel
         scales stay float32."""
+        assert self.panels.ndim == 3, "lay out each layer's matrices before stacking them"
         d_in = self.shape[0]
         group = d_in // self.scales.shape[1] if self.scales is not None else 0
         if self.dot or self.scales is None or d_in % 4 or (group % 32 and self.scales.shape[1] != 1):
@@ -108,8 +114,13 @@ class PackedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        """The shape of the matrix it packs, [in, out]."""
-        return self.panels.shape[1] * (4 if self.dot else 1), self.out_features
+        """The shape of the matrix it packs, [in, out] (of one layer, where stacked)."""
+        return self.panels.shape[-2] * (4 if self.dot else 1), self.out_features
+
+    def at_layer(self, layer: int | jax.Array) -> "PackedWeight":
+        """Layer `layer`'s matrix of a stacked one (panels [L, ...]), read in place by the kernels."""
+        assert self.panels.ndim == 4, "not a stack of layers' matrices"
+        return self.replace(layer=jnp.asarray(layer, jnp.int32))
 
     @property
     def format(self) -> str:
@@ -133,17 +144,19 @@ class PackedWeight:
         if not kernel_available(kernel):
             raise RuntimeError(f"the CPU {kernel} kernel is not available: {kernel_status(kernel)}")
         rows = jnp.reshape(jnp.asarray(x.shape[0] if valid_rows is None else valid_rows, jnp.int32), (1,))
+        meta = rows if self.layer is None else jnp.concatenate([rows, jnp.reshape(self.layer, (1,))])
         target = ({"int8": INT8_DOT_TARGET, "uint4": UINT4_DOT_TARGET} if self.dot else
                   {"float32": MATMUL_TARGET, "bfloat16": BF16_MATMUL_TARGET, "int8": INT8_MATMUL_TARGET,
                    "uint4": UINT4_MATMUL_TARGET})[self.format]
         quantized = [a for a in (self.scales, self.offsets) if a is not None]
-        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], self.panels.shape[0] * PANEL), jnp.float32))
-        y = call(x.astype(jnp.float32), self.panels, *quantized, rows)
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], self.panels.shape[-3] * PANEL), jnp.float32))
+        y = call(x.astype(jnp.float32), self.panels, *quantized, meta)
         return (y if y.shape[1] == self.out_features else y[:, :self.out_features]).astype(dtype or x.dtype)
 
     def columns(self, ids: jax.Array) -> jax.Array:
         """Columns `ids` of w, as rows: [len(ids), in] (a tied embedding's rows, w = table.T), in
         the panels' float dtype (float32 for quantized panels)."""
+        assert self.panels.ndim == 3, "the columns of a stack of layers' matrices"
         p, j = ids // PANEL, ids % PANEL
         if self.scales is None:
             return self.panels[p, :, j]

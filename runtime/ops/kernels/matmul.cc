@@ -10,7 +10,8 @@
 // find the panel in cache. With full-width AVX-512 (Intel) two panels go together, 32
 // columns in two 512-bit registers per row (benchmarks/RESULTS.md, stop 38). Work is split
 // by panels over XLA's intra-op pool. Only the first `valid_rows` rows of x are multiplied
-// (a step padded to its bucket pays for its real tokens).
+// (a step padded to its bucket pays for its real tokens). The packed matrix may be one layer
+// of a stack [L, N / 16, K, 16] (panels.h LayerView).
 
 #include <algorithm>
 #include <cstdlib>
@@ -250,16 +251,21 @@ void MultiplyPanels(const RowBlocks& form, const float* a, int64_t M, int64_t K,
   }
 }
 
-ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packed,
-                        ffi::Buffer<ffi::S32> valid_rows, ffi::ResultBuffer<ffi::F32> out) {
-  auto xd = x.dimensions(), pd = packed.dimensions(), od = out->dimensions();
-  if (xd.size() != 2 || pd.size() != 3 || pd[2] != kPanel || pd[1] != xd[1] || od.size() != 2 ||
-      od[0] != xd[0] || od[1] != pd[0] * kPanel)
-    return ffi::Error::InvalidArgument("packed matmul: x [M, K], packed [N/16, K, 16], out [M, N]");
+ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packed_all,
+                        ffi::Buffer<ffi::S32> meta, ffi::ResultBuffer<ffi::F32> out) {
+  servax::LayerView layer;
+  const bool viewed = servax::ViewLayer(packed_all.dimensions(), meta.dimensions(), meta.typed_data(), layer);
+  auto xd = x.dimensions(), pd = layer.dims, od = out->dimensions();
+  if (!viewed || xd.size() != 2 || pd[2] != kPanel || pd[1] != xd[1] || od.size() != 2 || od[0] != xd[0] ||
+      od[1] != pd[0] * kPanel)
+    return ffi::Error::InvalidArgument(
+        "packed matmul: x [M, K], packed [N/16, K, 16] with meta [rows] (or [L, N/16, K, 16] with meta [rows, "
+        "layer < L]), out [M, N]");
+  const float* packed = packed_all.typed_data() + layer.offset;
   const int64_t K = xd[1], panels = pd[0], N = panels * kPanel;
   float* c = out->typed_data();
   // Rows past valid_rows (a step's bucket padding) are not multiplied: their results are zeros.
-  const int64_t M = std::clamp<int64_t>(valid_rows.typed_data()[0], 0, xd[0]);
+  const int64_t M = std::clamp<int64_t>(meta.typed_data()[0], 0, xd[0]);
   std::fill(c + M * N, c + xd[0] * N, 0.0f);
   if (M == 0 || panels == 0) return ffi::Error::Success();
   const RowBlocks& form = Chosen();
@@ -268,7 +274,7 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const int64_t tasks = (panels + per_task - 1) / per_task;
   servax::ParallelFor(pool, tasks, threads - 1, [&](int64_t t) {
     const int64_t first = t * per_task;
-    MultiplyPanels(form, x.typed_data(), M, K, packed.typed_data(), first, std::min(panels, first + per_task), c, N);
+    MultiplyPanels(form, x.typed_data(), M, K, packed, first, std::min(panels, first + per_task), c, N);
   });
   return ffi::Error::Success();
 }
@@ -314,8 +320,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxPackedMatmul, PackedMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // packed W [N / 16, K, 16]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // valid rows [1]: rows of x to multiply
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // packed W [N / 16, K, 16], or [L, ...]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // meta: [valid rows] (rows of x to
+                                                                 // multiply), or [valid rows, layer]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxGroupedMatmul, GroupedMatmul,

@@ -253,47 +253,60 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
 template <class W>
 ffi::Error MultiplyScaled(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t valid, int64_t K,
                           const typename W::T* packed, int64_t panels, ffi::AnyBuffer scales,
-                          const ffi::AnyBuffer* offsets, int64_t groups, float* c) {
+                          const ffi::AnyBuffer* offsets, int64_t at, int64_t groups, float* c) {
+  // `at`: the elements of scales (and offsets) before the layer's (panels.h LayerView).
   if (offsets != nullptr && offsets->element_type() != scales.element_type())
     return ffi::Error::InvalidArgument("int8-activation matmul: scales and offsets of different dtypes");
   switch (scales.element_type()) {
     case ffi::DataType::F32:
-      return Multiply<W, F32Scales>(pool, x, rows, valid, K, packed, panels, scales.reinterpret_data<float>(),
-                                    offsets ? offsets->reinterpret_data<float>() : nullptr, groups, c);
+      return Multiply<W, F32Scales>(pool, x, rows, valid, K, packed, panels, scales.reinterpret_data<float>() + at,
+                                    offsets ? offsets->reinterpret_data<float>() + at : nullptr, groups, c);
     case ffi::DataType::F16:
-      return Multiply<W, F16Scales>(pool, x, rows, valid, K, packed, panels, scales.reinterpret_data<uint16_t>(),
-                                    offsets ? offsets->reinterpret_data<uint16_t>() : nullptr, groups, c);
+      return Multiply<W, F16Scales>(pool, x, rows, valid, K, packed, panels,
+                                    scales.reinterpret_data<uint16_t>() + at,
+                                    offsets ? offsets->reinterpret_data<uint16_t>() + at : nullptr, groups, c);
     default:
       return ffi::Error::InvalidArgument("int8-activation matmul: scales must be float32 or float16");
   }
 }
 
-// Shapes: x [M, K]; quads [N/16, K/4, bytes]; scales (offsets) [N/16, G, 16], G dividing K; out [M, N].
+// Shapes: x [M, K]; quads [N/16, K/4, bytes]; scales (offsets) [N/16, G, 16], G dividing K; out [M, N];
+// quads, scales and offsets each also as one layer of a stack [L, ...] (panels.h LayerView).
 bool Shaped(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> pd, int64_t bytes, ffi::Span<const int64_t> sd,
             ffi::Span<const int64_t> od) {
-  return xd.size() == 2 && pd.size() == 3 && pd[2] == bytes && pd[1] * 4 == xd[1] && sd.size() == 3 &&
-         sd[0] == pd[0] && sd[2] == kPanel && sd[1] > 0 && xd[1] % sd[1] == 0 && od.size() == 2 && od[0] == xd[0] &&
-         od[1] == pd[0] * kPanel;
+  return xd.size() == 2 && pd[2] == bytes && pd[1] * 4 == xd[1] && sd[0] == pd[0] && sd[2] == kPanel && sd[1] > 0 &&
+         xd[1] % sd[1] == 0 && od.size() == 2 && od[0] == xd[0] && od[1] == pd[0] * kPanel;
+}
+
+bool View(ffi::Buffer<ffi::S32>& meta, ffi::Span<const int64_t> dims, servax::LayerView& view) {
+  return servax::ViewLayer(dims, meta.dimensions(), meta.typed_data(), view);
 }
 
 ffi::Error Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed, ffi::AnyBuffer scales,
-                   ffi::Buffer<ffi::S32> valid_rows, ffi::ResultBuffer<ffi::F32> out) {
-  auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions();
-  if (!Shaped(xd, pd, I8::kQuad, sd, out->dimensions()))
+                   ffi::Buffer<ffi::S32> meta, ffi::ResultBuffer<ffi::F32> out) {
+  servax::LayerView p, s;
+  auto xd = x.dimensions();
+  if (!View(meta, packed.dimensions(), p) || !View(meta, scales.dimensions(), s) ||
+      !Shaped(xd, p.dims, I8::kQuad, s.dims, out->dimensions()))
     return ffi::Error::InvalidArgument(
-        "int8-activation int8 matmul: x [M, K], quads [N/16, K/4, 64], scales [N/16, G, 16], out [M, N]");
-  return MultiplyScaled<I8>(pool, x.typed_data(), xd[0], valid_rows.typed_data()[0], xd[1], packed.typed_data(), pd[0],
-                            scales, nullptr, sd[1], out->typed_data());
+        "int8-activation int8 matmul: x [M, K], quads [N/16, K/4, 64], scales [N/16, G, 16] with meta [rows] (or "
+        "each [L, ...] with meta [rows, layer < L]), out [M, N]");
+  return MultiplyScaled<I8>(pool, x.typed_data(), xd[0], meta.typed_data()[0], xd[1], packed.typed_data() + p.offset,
+                            p.dims[0], scales, nullptr, s.offset, s.dims[1], out->typed_data());
 }
 
 ffi::Error UInt4Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer scales,
-                    ffi::AnyBuffer offsets, ffi::Buffer<ffi::S32> valid_rows, ffi::ResultBuffer<ffi::F32> out) {
-  auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions(), od = offsets.dimensions();
-  if (!Shaped(xd, pd, U4::kQuad, sd, out->dimensions()) || !std::equal(sd.begin(), sd.end(), od.begin(), od.end()))
+                    ffi::AnyBuffer offsets, ffi::Buffer<ffi::S32> meta, ffi::ResultBuffer<ffi::F32> out) {
+  servax::LayerView p, s;
+  auto xd = x.dimensions(), sd = scales.dimensions(), od = offsets.dimensions();
+  if (!View(meta, packed.dimensions(), p) || !View(meta, sd, s) ||
+      !std::equal(sd.begin(), sd.end(), od.begin(), od.end()) ||
+      !Shaped(xd, p.dims, U4::kQuad, s.dims, out->dimensions()))
     return ffi::Error::InvalidArgument("int8-activation 4-bit matmul: x [M, K], quads [N/16, K/4, 32], scales and "
-                                       "offsets [N/16, G, 16], out [M, N]");
-  return MultiplyScaled<U4>(pool, x.typed_data(), xd[0], valid_rows.typed_data()[0], xd[1], packed.typed_data(), pd[0],
-                            scales, &offsets, sd[1], out->typed_data());
+                                       "offsets [N/16, G, 16] with meta [rows] (or each [L, ...] with meta [rows, "
+                                       "layer < L]), out [M, N]");
+  return MultiplyScaled<U4>(pool, x.typed_data(), xd[0], meta.typed_data()[0], xd[1], packed.typed_data() + p.offset,
+                            p.dims[0], scales, &offsets, s.offset, s.dims[1], out->typed_data());
 }
 
 }  // namespace
@@ -304,7 +317,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxInt8DotMatmul, Int8Dot,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::S8>>()  // quads [N / 16, K / 4, 64]
                                   .Arg<ffi::AnyBuffer>()  // scales [N / 16, G, 16], float32 or float16
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // valid rows [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // meta: [valid rows] or [valid rows, layer]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxUInt4DotMatmul, UInt4Dot,
@@ -314,5 +327,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxUInt4DotMatmul, UInt4Dot,
                                   .Arg<ffi::Buffer<ffi::U8>>()  // quads [N / 16, K / 4, 32]: two columns a byte
                                   .Arg<ffi::AnyBuffer>()  // scales [N / 16, G, 16], float32 or float16
                                   .Arg<ffi::AnyBuffer>()  // offsets [N / 16, G, 16], as the scales
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // valid rows [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // meta: [valid rows] or [valid rows, layer]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]

@@ -17,11 +17,13 @@
 // widened to float32 in registers, 16 columns at a time, right before its multiply-adds
 // (float32 accumulation); a panel row is read once per row block of x. The row blocks and
 // the task split follow matmul.cc's 256-bit form. Only the first `valid_rows` rows of x are
-// multiplied (a step padded to its bucket pays for its real tokens).
+// multiplied (a step padded to its bucket pays for its real tokens). Packed operands may be one
+// layer of a stack [L, ...] (panels.h LayerView).
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -301,46 +303,60 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
   return ffi::Error::Success();
 }
 
-// Shapes: x [M, K]; packed [N/16, K, row]; scales/offsets [N/16, G, 16] with G dividing K.
+// Shapes: x [M, K]; packed [N/16, K, row]; scales/offsets [N/16, G, 16] with G dividing K; each
+// also as one layer of a stack [L, ...] (panels.h LayerView), all read at meta's layer.
 bool Shaped(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> pd, int64_t row, ffi::Span<const int64_t> od) {
-  return xd.size() == 2 && pd.size() == 3 && pd[2] == row && pd[1] == xd[1] && od.size() == 2 && od[0] == xd[0] &&
+  return xd.size() == 2 && pd[2] == row && pd[1] == xd[1] && od.size() == 2 && od[0] == xd[0] &&
          od[1] == pd[0] * kPanel;
 }
 
 bool ScalesShaped(ffi::Span<const int64_t> sd, ffi::Span<const int64_t> pd) {
-  return sd.size() == 3 && sd[0] == pd[0] && sd[2] == kPanel && sd[1] > 0 && pd[1] % sd[1] == 0;
+  return sd[0] == pd[0] && sd[2] == kPanel && sd[1] > 0 && pd[1] % sd[1] == 0;
 }
 
+// The layer meta names of each operand (all stacked or none), and whether their shapes fit.
+template <class... Buffers>
+bool Views(ffi::Buffer<ffi::S32>& meta, servax::LayerView* views, Buffers&... operands) {
+  int i = 0;
+  return (servax::ViewLayer(operands.dimensions(), meta.dimensions(), meta.typed_data(), views[i++]) && ...);
+}
+
+constexpr char kShapes[] = "x [M, K], packed [N/16, K, row] and scales (offsets) [N/16, G, 16] (G divides K) with "
+                           "meta [rows], or each [L, ...] with meta [rows, layer < L]; out [M, N]";
+
 ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> packed,
-                      ffi::Buffer<ffi::S32> valid_rows, ffi::ResultBuffer<ffi::F32> out) {
-  auto xd = x.dimensions(), pd = packed.dimensions();
-  if (!Shaped(xd, pd, Bf16::kRow, out->dimensions()))
-    return ffi::Error::InvalidArgument("bf16 packed matmul: x [M, K], packed [N/16, K, 16], out [M, N]");
-  return Multiply<Bf16>(pool, x.typed_data(), xd[0], valid_rows.typed_data()[0], xd[1],
-                        reinterpret_cast<const uint16_t*>(packed.untyped_data()), pd[0], nullptr, nullptr, 1,
-                        out->typed_data());
+                      ffi::Buffer<ffi::S32> meta, ffi::ResultBuffer<ffi::F32> out) {
+  servax::LayerView v[1];
+  auto xd = x.dimensions();
+  if (!Views(meta, v, packed) || !Shaped(xd, v[0].dims, Bf16::kRow, out->dimensions()))
+    return ffi::Error::InvalidArgument(std::string("bf16 packed matmul: ") + kShapes);
+  return Multiply<Bf16>(pool, x.typed_data(), xd[0], meta.typed_data()[0], xd[1],
+                        reinterpret_cast<const uint16_t*>(packed.untyped_data()) + v[0].offset, v[0].dims[0], nullptr,
+                        nullptr, 1, out->typed_data());
 }
 
 ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed,
-                      ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> valid_rows, ffi::ResultBuffer<ffi::F32> out) {
-  auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions();
-  if (!Shaped(xd, pd, Int8::kRow, out->dimensions()) || !ScalesShaped(sd, pd))
-    return ffi::Error::InvalidArgument(
-        "int8 packed matmul: x [M, K], packed [N/16, K, 16], scales [N/16, G, 16] (G divides K), out [M, N]");
-  return Multiply<Int8>(pool, x.typed_data(), xd[0], valid_rows.typed_data()[0], xd[1], packed.typed_data(), pd[0],
-                        scales.typed_data(), nullptr, sd[1], out->typed_data());
+                      ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> meta, ffi::ResultBuffer<ffi::F32> out) {
+  servax::LayerView v[2];
+  auto xd = x.dimensions();
+  if (!Views(meta, v, packed, scales) || !Shaped(xd, v[0].dims, Int8::kRow, out->dimensions()) ||
+      !ScalesShaped(v[1].dims, v[0].dims))
+    return ffi::Error::InvalidArgument(std::string("int8 packed matmul: ") + kShapes);
+  return Multiply<Int8>(pool, x.typed_data(), xd[0], meta.typed_data()[0], xd[1], packed.typed_data() + v[0].offset,
+                        v[0].dims[0], scales.typed_data() + v[1].offset, nullptr, v[1].dims[1], out->typed_data());
 }
 
 ffi::Error UInt4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
-                       ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> offsets, ffi::Buffer<ffi::S32> valid_rows,
+                       ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> offsets, ffi::Buffer<ffi::S32> meta,
                        ffi::ResultBuffer<ffi::F32> out) {
-  auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions(), od = offsets.dimensions();
-  if (!Shaped(xd, pd, UInt4::kRow, out->dimensions()) || !ScalesShaped(sd, pd) ||
-      !std::equal(sd.begin(), sd.end(), od.begin(), od.end()))
-    return ffi::Error::InvalidArgument("4-bit packed matmul: x [M, K], packed [N/16, K, 8], scales and offsets "
-                                       "[N/16, G, 16] (G divides K), out [M, N]");
-  return Multiply<UInt4>(pool, x.typed_data(), xd[0], valid_rows.typed_data()[0], xd[1], packed.typed_data(), pd[0],
-                         scales.typed_data(), offsets.typed_data(), sd[1], out->typed_data());
+  servax::LayerView v[3];
+  auto xd = x.dimensions();
+  if (!Views(meta, v, packed, scales, offsets) || !Shaped(xd, v[0].dims, UInt4::kRow, out->dimensions()) ||
+      !ScalesShaped(v[1].dims, v[0].dims) || !std::equal(v[1].dims.begin(), v[1].dims.end(), v[2].dims.begin()))
+    return ffi::Error::InvalidArgument(std::string("4-bit packed matmul: ") + kShapes);
+  return Multiply<UInt4>(pool, x.typed_data(), xd[0], meta.typed_data()[0], xd[1], packed.typed_data() + v[0].offset,
+                         v[0].dims[0], scales.typed_data() + v[1].offset, offsets.typed_data() + v[2].offset,
+                         v[1].dims[1], out->typed_data());
 }
 
 }  // namespace
@@ -350,7 +366,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxBf16Matmul, Bf16Matmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // packed W [N / 16, K, 16]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // valid rows [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // meta: [valid rows] or [valid rows, layer]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxInt8Matmul, Int8Matmul,
@@ -359,7 +375,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxInt8Matmul, Int8Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::S8>>()  // packed W [N / 16, K, 16]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [N / 16, G, 16]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // valid rows [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // meta: [valid rows] or [valid rows, layer]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxUInt4Matmul, UInt4Matmul,
@@ -369,5 +385,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxUInt4Matmul, UInt4Matmul,
                                   .Arg<ffi::Buffer<ffi::U8>>()  // packed W [N / 16, K, 8]: two columns a byte
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [N / 16, G, 16]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // offsets [N / 16, G, 16]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // valid rows [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // meta: [valid rows] or [valid rows, layer]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]

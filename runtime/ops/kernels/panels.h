@@ -1,11 +1,14 @@
 // Shared by the packed-weight matmul kernels (matmul.cc: float32 panels; matmul_formats.cc:
-// bfloat16, int8 and 4-bit panels): the panel width and how panels are split into tasks.
+// bfloat16, int8 and 4-bit panels; matmul_dot.cc): the panel width, how panels are split into
+// tasks, and how a packed operand is read as one layer of a stack.
 
 #ifndef SERVAX_KERNELS_PANELS_H_
 #define SERVAX_KERNELS_PANELS_H_
 
 #include <cstdint>
 #include <cstdlib>
+
+#include "xla/ffi/api/ffi.h"
 
 namespace servax {
 
@@ -27,6 +30,30 @@ inline int64_t PanelsPerTask(int64_t panels, int64_t unit, int64_t threads) {
     if (load < best_load || (load == best_load && gap < best_gap)) best = per, best_load = load, best_gap = gap;
   }
   return best * unit;
+}
+
+// A packed operand (panels, and their scales and offsets) comes whole, [P, K, w], or as a
+// stack of every layer's, [L, P, K, w] (runtime/ops/layered.py stacks a model's packed layers:
+// a step then hands XLA a few arrays, not a dozen per layer). The kernels' int32 operand
+// `meta` is [valid_rows] for a whole operand and [valid_rows, layer] for a stacked one.
+struct LayerView {
+  xla::ffi::Span<const int64_t> dims;  // one layer's dimensions (rank 3)
+  int64_t offset = 0;                  // elements before that layer's
+};
+
+// The layer `meta` names of an operand of dimensions `dims`; false where the ranks do not
+// match (rank 3 with meta [rows], rank 4 with meta [rows, layer]) or the layer is not in the stack.
+inline bool ViewLayer(xla::ffi::Span<const int64_t> dims, xla::ffi::Span<const int64_t> meta_dims, const int32_t* meta,
+                      LayerView& view) {
+  const int64_t n = meta_dims.size() == 1 ? meta_dims[0] : -1;
+  if (dims.size() == 3 && n == 1) {
+    view.dims = dims, view.offset = 0;
+    return true;
+  }
+  if (dims.size() != 4 || n != 2 || meta[1] < 0 || meta[1] >= dims[0]) return false;
+  view.dims = xla::ffi::Span<const int64_t>(dims.begin() + 1, 3);
+  view.offset = meta[1] * dims[1] * dims[2] * dims[3];
+  return true;
 }
 
 }  // namespace servax
