@@ -3,7 +3,8 @@
 Against a NumPy oracle that quantizes each row of x per block of 32 inputs (d = max|x| / 127,
 round to nearest) and multiplies in float64: the kernel's integer dot products give exactly that
 product up to float32 rounding, for int8 weights with per-channel and grouped scales and 4-bit
-weights with scales and offsets, across the row blocks, padded panels and `valid_rows`; the
+weights with scales and offsets, across the row blocks, padded panels and `valid_rows`, in each
+form of the kernel the machine runs (VNNI's vpdpbusd where the CPU has it, AVX2's vpmaddubsw); the
 quads' column gather; and the engine: int8 activations on by default for a GGUF model's 4-bit
 weights, close to the float-activation run, and off when asked.
 """
@@ -15,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import quick_loop_keeps
-from runtime.ops.cpu_kernels import kernel_status
+from conftest import quick_loop_keeps, run_in_fresh_kernel_build
+from runtime.ops.cpu_kernels import cpu_flags, kernel_status
 from runtime.ops.matmul import PackedWeight
 
 
@@ -93,6 +94,22 @@ def test_4bit_sums_at_their_largest_do_not_saturate(sign):
     x = np.full((5, d_in), 3.0 * sign, np.float32)
     got = np.asarray(jax.jit(lambda x, w: w.matmul(x))(jnp.asarray(x), packed.for_int8_activations()))
     np.testing.assert_allclose(got, np.full((5, d_out), sign * 3.0 * d_in * (15 * 0.5 - 0.25)), rtol=1e-6)
+
+
+_ORACLE_TESTS = """
+import pytest
+code = pytest.main(["-q", "-p", "no:cacheprovider", "tests/test_matmul_dot.py", "-m", "not slow",
+                    "-k", "oracle or saturate"])
+print("ok" if code == 0 else f"pytest exit code {code}")
+"""
+
+
+@pytest.mark.skipif(not {"avx512_vnni", "avx_vnni"} & cpu_flags(), reason="no VNNI: the other tests run the AVX2 form")
+@pytest.mark.slow
+def test_the_avx2_form_matches_the_oracle_on_a_vnni_machine(tmp_path):
+    """The tests above run the form -march=native picks, VNNI's on this machine: the AVX2 form
+    (AMD Zen 2/3, older Intel), built with VNNI off, must pass them too."""
+    run_in_fresh_kernel_build(tmp_path, "-mno-avx512vnni -mno-avxvnni", _ORACLE_TESTS)
 
 
 def test_weights_the_kernel_cannot_take_keep_their_layout():

@@ -41,6 +41,19 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define SERVAX_DOT_AVX2 1
+// VNNI (AVX-512 VNNI with VL on Intel since Cascade Lake and on AMD Zen 4, or AVX-VNNI): one
+// vpdpbusd multiplies 4 unsigned bytes by 4 signed ones and adds them to an int32 lane, where
+// AVX2 takes vpmaddubsw, vpmaddwd and an add (and 4-bit runs their int16 sums).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SERVAX_DOT_VNNI(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(__AVXVNNI__)
+#define SERVAX_DOT_VNNI(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#endif
+#endif
+#ifdef SERVAX_DOT_VNNI
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
 #endif
 
 namespace ffi = xla::ffi;
@@ -96,6 +109,11 @@ struct I8 {
   static __m256i Products(__m256i w, __m256i x) {  // 16 int16: pairs of |w| * (x signed as w)
     return _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
   }
+#ifdef SERVAX_DOT_VNNI
+  static __m256i Dot(__m256i acc, __m256i w, __m256i x) {  // acc + 8 int32: quads of |w| * (x signed as w)
+    return SERVAX_DOT_VNNI(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+  }
+#endif
 #endif
 };
 
@@ -114,6 +132,9 @@ struct U4 {
     w0 = _mm256_and_si256(v, nib), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
   }
   static __m256i Products(__m256i w, __m256i x) { return _mm256_maddubs_epi16(w, x); }
+#ifdef SERVAX_DOT_VNNI
+  static __m256i Dot(__m256i acc, __m256i w, __m256i x) { return SERVAX_DOT_VNNI(acc, w, x); }
+#endif
 #endif
 };
 
@@ -166,6 +187,11 @@ void DotRows(const QuantizedRows& x, int64_t r0, const typename W::T* panel, con
           int32_t four;
           std::memcpy(&four, x.q.data() + (r0 + r) * K + b * block + 4 * q, 4);
           const __m256i xb = _mm256_set1_epi32(four);
+#ifdef SERVAX_DOT_VNNI
+          acc[r][0] = W::Dot(acc[r][0], w0, xb);
+          acc[r][1] = W::Dot(acc[r][1], w1, xb);
+          continue;
+#endif
           if constexpr (W::kInt16) {
             acc[r][0] = _mm256_add_epi16(acc[r][0], W::Products(w0, xb));
             acc[r][1] = _mm256_add_epi16(acc[r][1], W::Products(w1, xb));
@@ -178,7 +204,7 @@ void DotRows(const QuantizedRows& x, int64_t r0, const typename W::T* panel, con
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
         __m256i lo = acc[r][0], hi = acc[r][1];
-        if constexpr (W::kInt16) lo = _mm256_madd_epi16(lo, ones), hi = _mm256_madd_epi16(hi, ones);
+        if constexpr (W::kInt16 && !kVnni) lo = _mm256_madd_epi16(lo, ones), hi = _mm256_madd_epi16(hi, ones);
         const __m256 d = _mm256_set1_ps(x.d[(r0 + r) * x.blocks + b]);
         float* out = c + r * ldc;
         _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s_lo, d), _mm256_loadu_ps(out)));
