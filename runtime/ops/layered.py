@@ -55,7 +55,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from runtime.ops.host_batch import HostBatch, widen_seqs  # noqa: F401 - widen_seqs: part of this module's API
-from runtime.ops.matmul import PackedWeight, packed_matmul_available
+from runtime.ops.matmul import is_packed, packed_matmul_available
 from runtime.ops.stacked import StackedLayers, stack, stackable
 from runtime.ops.step import KVCache, LayerStages, LoadedModel, StepInput
 
@@ -142,14 +142,12 @@ def _fuse_changes(fuse: Any, layer: Any) -> bool:
 
 def _packed(layer: Any) -> bool:
     """Whether a layer's weights hold packed matrices (runtime/ops/matmul.py)."""
-    is_packed = lambda x: isinstance(x, PackedWeight)  # noqa: E731
     return any(is_packed(w) for w in jax.tree.leaves(layer, is_leaf=is_packed))
 
 
 def _for_int8_activations(params: Any) -> Any:
     """params with their packed int8 and 4-bit matrices laid out for int8 activations
     (runtime.ops.matmul.PackedWeight.for_int8_activations); the rest as it is."""
-    is_packed = lambda x: isinstance(x, PackedWeight)  # noqa: E731
     return jax.tree.map(lambda w: w.for_int8_activations() if is_packed(w) else w, params, is_leaf=is_packed)
 
 
@@ -263,7 +261,7 @@ class LayeredStep:
             model.stages = stages = dataclasses.replace(stages, prologue=_float32_carry(stages.prologue))
         sizes = stages.stack_sizes
         self.outer = {k: v for k, v in model.params.items() if k not in sizes}
-        self.stacks: dict[str, list] = {}  # each stack's per-layer weights
+        self.stacks: dict[str, list | StackedLayers] = {}  # each stack's per-layer weights
         for key, n in sizes.items():
             if isinstance(model.params[key], (list, StackedLayers)):  # per-layer (torchax) or another engine's
                 self.stacks[key] = model.params[key]

@@ -177,6 +177,11 @@ class PackedWeight:
         return q * scale + jnp.repeat(self.offsets[p, :, j].astype(jnp.float32), group, axis=1)
 
 
+def is_packed(x: object) -> bool:
+    """Whether x is a PackedWeight (an `is_leaf` for tree functions that treat one as a whole)."""
+    return isinstance(x, PackedWeight)
+
+
 def _nibbles(packed: jax.Array) -> jax.Array:
     """4-bit panels [P, in, 8] (two columns a byte) as their values [P, in, 16] uint8."""
     return jnp.concatenate([packed & 15, packed >> 4], axis=-1)

@@ -24,13 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runtime.ops.matmul import PackedWeight
+from runtime.ops.matmul import is_packed
 
 SMALL_BYTES = 64 * 1024  # a layer's plain arrays at most this large are stacked (sliced in the program)
-
-
-def _is_packed(x: Any) -> bool:
-    return isinstance(x, PackedWeight)
 
 
 @flax.struct.dataclass
@@ -57,8 +53,8 @@ class StackedLayers:
     def layer(self, i: int | jax.Array) -> Any:
         """Layer i's weights (see the class docstring)."""
         i = jnp.asarray(i, jnp.int32)
-        return jax.tree.map(lambda w: w.at_layer(i) if _is_packed(w) else jax.lax.dynamic_index_in_dim(
-            w, i, keepdims=False), self.params, is_leaf=_is_packed)
+        return jax.tree.map(lambda w: w.at_layer(i) if is_packed(w) else jax.lax.dynamic_index_in_dim(
+            w, i, keepdims=False), self.params, is_leaf=is_packed)
 
 
 def stackable(layers: list) -> bool:
@@ -67,17 +63,17 @@ def stackable(layers: list) -> bool:
     reads them all), and no LoRA adapter slots (runtime/ops/lora.py writes those per layer)."""
     if not layers or any(isinstance(layer, dict) and "lora" in layer for layer in layers):
         return False
-    structure = jax.tree.structure(layers[0], is_leaf=_is_packed)
-    if any(jax.tree.structure(layer, is_leaf=_is_packed) != structure for layer in layers[1:]):
+    structure = jax.tree.structure(layers[0], is_leaf=is_packed)
+    if any(jax.tree.structure(layer, is_leaf=is_packed) != structure for layer in layers[1:]):
         return False
-    for leaf in jax.tree.leaves(layers, is_leaf=_is_packed):
+    for leaf in jax.tree.leaves(layers, is_leaf=is_packed):
         arrays = jax.tree.leaves(leaf)
         if not all(isinstance(a, jax.Array) and a.is_fully_addressable and a.sharding.is_fully_replicated
                    for a in arrays):
             return False
-        if not _is_packed(leaf) and leaf.nbytes > SMALL_BYTES:
+        if not is_packed(leaf) and leaf.nbytes > SMALL_BYTES:
             return False
-        if _is_packed(leaf) and leaf.layer is not None:
+        if is_packed(leaf) and leaf.layer is not None:
             return False
     return len({tuple((a.shape, a.dtype) for a in jax.tree.leaves(layer)) for layer in layers}) == 1
 

@@ -254,7 +254,7 @@ void MultiplyPanels(const RowBlocks& form, const float* a, int64_t M, int64_t K,
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packed_all,
                         ffi::Buffer<ffi::S32> meta, ffi::ResultBuffer<ffi::F32> out) {
   servax::LayerView layer;
-  const bool viewed = servax::ViewLayer(packed_all.dimensions(), meta.dimensions(), meta.typed_data(), layer);
+  const bool viewed = servax::ViewLayer(packed_all.dimensions(), meta, layer);
   auto xd = x.dimensions(), pd = layer.dims, od = out->dimensions();
   if (!viewed || xd.size() != 2 || pd[2] != kPanel || pd[1] != xd[1] || od.size() != 2 || od[0] != xd[0] ||
       od[1] != pd[0] * kPanel)

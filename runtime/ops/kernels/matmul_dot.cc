@@ -187,12 +187,10 @@ void DotRows(const QuantizedRows& x, int64_t r0, const typename W::T* panel, con
           int32_t four;
           std::memcpy(&four, x.q.data() + (r0 + r) * K + b * block + 4 * q, 4);
           const __m256i xb = _mm256_set1_epi32(four);
-#ifdef SERVAX_DOT_VNNI
-          acc[r][0] = W::Dot(acc[r][0], w0, xb);
-          acc[r][1] = W::Dot(acc[r][1], w1, xb);
-          continue;
-#endif
-          if constexpr (W::kInt16) {
+          if constexpr (kVnni) {
+            acc[r][0] = W::Dot(acc[r][0], w0, xb);
+            acc[r][1] = W::Dot(acc[r][1], w1, xb);
+          } else if constexpr (W::kInt16) {
             acc[r][0] = _mm256_add_epi16(acc[r][0], W::Products(w0, xb));
             acc[r][1] = _mm256_add_epi16(acc[r][1], W::Products(w1, xb));
           } else {
@@ -304,15 +302,11 @@ bool Shaped(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> pd, int64_t by
          xd[1] % sd[1] == 0 && od.size() == 2 && od[0] == xd[0] && od[1] == pd[0] * kPanel;
 }
 
-bool View(ffi::Buffer<ffi::S32>& meta, ffi::Span<const int64_t> dims, servax::LayerView& view) {
-  return servax::ViewLayer(dims, meta.dimensions(), meta.typed_data(), view);
-}
-
 ffi::Error Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed, ffi::AnyBuffer scales,
                    ffi::Buffer<ffi::S32> meta, ffi::ResultBuffer<ffi::F32> out) {
   servax::LayerView p, s;
   auto xd = x.dimensions();
-  if (!View(meta, packed.dimensions(), p) || !View(meta, scales.dimensions(), s) ||
+  if (!servax::ViewLayer(packed.dimensions(), meta, p) || !servax::ViewLayer(scales.dimensions(), meta, s) ||
       !Shaped(xd, p.dims, I8::kQuad, s.dims, out->dimensions()))
     return ffi::Error::InvalidArgument(
         "int8-activation int8 matmul: x [M, K], quads [N/16, K/4, 64], scales [N/16, G, 16] with meta [rows] (or "
@@ -325,7 +319,7 @@ ffi::Error UInt4Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
                     ffi::AnyBuffer offsets, ffi::Buffer<ffi::S32> meta, ffi::ResultBuffer<ffi::F32> out) {
   servax::LayerView p, s;
   auto xd = x.dimensions(), sd = scales.dimensions(), od = offsets.dimensions();
-  if (!View(meta, packed.dimensions(), p) || !View(meta, sd, s) ||
+  if (!servax::ViewLayer(packed.dimensions(), meta, p) || !servax::ViewLayer(sd, meta, s) ||
       !std::equal(sd.begin(), sd.end(), od.begin(), od.end()) ||
       !Shaped(xd, p.dims, U4::kQuad, s.dims, out->dimensions()))
     return ffi::Error::InvalidArgument("int8-activation 4-bit matmul: x [M, K], quads [N/16, K/4, 32], scales and "

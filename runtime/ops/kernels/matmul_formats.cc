@@ -318,7 +318,7 @@ bool ScalesShaped(ffi::Span<const int64_t> sd, ffi::Span<const int64_t> pd) {
 template <class... Buffers>
 bool Views(ffi::Buffer<ffi::S32>& meta, servax::LayerView* views, Buffers&... operands) {
   int i = 0;
-  return (servax::ViewLayer(operands.dimensions(), meta.dimensions(), meta.typed_data(), views[i++]) && ...);
+  return (servax::ViewLayer(operands.dimensions(), meta, views[i++]) && ...);
 }
 
 constexpr char kShapes[] = "x [M, K], packed [N/16, K, row] and scales (offsets) [N/16, G, 16] (G divides K) with "

@@ -43,8 +43,10 @@ struct LayerView {
 
 // The layer `meta` names of an operand of dimensions `dims`; false where the ranks do not
 // match (rank 3 with meta [rows], rank 4 with meta [rows, layer]) or the layer is not in the stack.
-inline bool ViewLayer(xla::ffi::Span<const int64_t> dims, xla::ffi::Span<const int64_t> meta_dims, const int32_t* meta,
+inline bool ViewLayer(xla::ffi::Span<const int64_t> dims, xla::ffi::Buffer<xla::ffi::S32>& meta_buffer,
                       LayerView& view) {
+  const auto meta_dims = meta_buffer.dimensions();
+  const int32_t* meta = meta_buffer.typed_data();
   const int64_t n = meta_dims.size() == 1 ? meta_dims[0] : -1;
   if (dims.size() == 3 && n == 1) {
     view.dims = dims, view.offset = 0;
