@@ -15,6 +15,7 @@ cache against float32 at a long context on the ~100M benchmark Llama.
 
     python benchmarks/quantization.py
     python benchmarks/quantization.py --batches 1 --rounds 5
+    python benchmarks/quantization.py --formats bfloat16
 """
 
 from __future__ import annotations
@@ -65,7 +66,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--agreement-tokens", type=int, default=128)
     parser.add_argument("--kv-cache", action="store_true", help="also time an int8 KV cache at a long context")
+    parser.add_argument("--formats", default=",".join(FORMATS),
+                        help="comma-separated rows of the table to run (float32 is always run: the reference)")
     args = parser.parse_args()
+    chosen = {"float32"} | {f.strip() for f in args.formats.split(",")}
+    if unknown := chosen - set(FORMATS):
+        parser.error(f"unknown formats {sorted(unknown)}; choose from {list(FORMATS)}")
 
     from app import LLM, SamplingParams
 
@@ -73,7 +79,7 @@ def main() -> None:
     bandwidth = memory_read_bandwidth()
     engines = {name: LLM(model=DEMO, max_model_len=1024, max_num_seqs=max(batches), max_num_batched_tokens=256,
                          show_progress=False, enable_prefix_caching=False, **extra)
-               for name, extra in FORMATS.items()}
+               for name, extra in FORMATS.items() if name in chosen}
     times: dict[tuple[str, int], float] = {}
     for r in range(args.rounds):
         for batch in batches:

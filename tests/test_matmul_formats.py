@@ -9,19 +9,32 @@ of a tied head, and `pack_matrix` on QuantizedWeights as the models hold them.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime.ops.cpu_kernels import kernel_status
-from runtime.ops.matmul import PANEL, PackedWeight, pack_matrix, packable
+from runtime.ops.cpu_kernels import EXTRA_FLAGS_ENV, cpu_flags, kernel_status
+from runtime.ops.matmul import (PANEL, PackedWeight, bfloat16_products_round_activations, pack_matrix,
+                                packable)
 from runtime.ops.quantization import QuantizedWeight, quantize_int8
+
+from conftest import run_in_fresh_kernel_build
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernel():
     assert kernel_status("matmul_formats") == "ok", kernel_status("matmul_formats")
+
+
+def _as_multiplied(fmt: str, x: np.ndarray) -> np.ndarray:
+    """x in float64 as the kernel multiplies it by format `fmt`: rounded to bfloat16 first where
+    the bfloat16 products take vdpbf16ps (runtime/ops/matmul.py bfloat16_products_round_activations)."""
+    if fmt == "bfloat16" and bfloat16_products_round_activations():
+        x = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+    return x.astype(np.float64)
 
 
 def _case(fmt: str, d_in: int, d_out: int, groups: int, seed: int):
@@ -55,7 +68,7 @@ def test_each_format_matches_numpy(fmt, d_in, d_out, groups, rows):
     x = np.random.default_rng(rows).standard_normal((rows, d_in)).astype(np.float32)
     got = np.asarray(jax.jit(lambda x, p: x @ p)(jnp.asarray(x), packed))
     assert got.shape == (rows, d_out) and got.dtype == np.float32
-    np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, _as_multiplied(fmt, x) @ w, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "uint4"])
@@ -63,10 +76,42 @@ def test_rows_past_valid_rows_are_zeros_and_the_result_keeps_x_dtype(fmt):
     packed, w = _case(fmt, 64, 40, 2, seed=7)
     x = np.random.default_rng(1).standard_normal((9, 64)).astype(np.float32)
     got = np.asarray(jax.jit(lambda x, p, n: p.matmul(x, n))(jnp.asarray(x), packed, jnp.int32(4)))
-    np.testing.assert_allclose(got[:4], x[:4].astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got[:4], _as_multiplied(fmt, x[:4]) @ w, rtol=1e-4, atol=1e-4)
     assert not got[4:].any()
     y = jax.jit(lambda x, p: x @ p)(jnp.asarray(x, jnp.bfloat16), packed)
     assert y.dtype == jnp.bfloat16  # a bfloat16 model's activations stay bfloat16
+
+
+@pytest.mark.skipif(bool(os.environ.get(EXTRA_FLAGS_ENV)), reason="kernels built with other flags than -march=native")
+def test_bfloat16_products_take_vdpbf16ps_where_the_cpu_has_it():
+    """With AVX-512 BF16 the bfloat16 products round x to bfloat16 (x rounded: the products
+    agree with NumPy on the rounded x to float32 accumulation, and not to 1e-4 with x exact);
+    elsewhere they multiply x exactly. An odd K pads its last pair."""
+    assert bfloat16_products_round_activations() == ({"avx512_bf16", "avx512vl"} <= cpu_flags())
+    packed, w = _case("bfloat16", 63, 48, 1, seed=5)
+    x = np.random.default_rng(2).standard_normal((13, 63)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda x, p: x @ p)(jnp.asarray(x), packed))
+    np.testing.assert_allclose(got, _as_multiplied("bfloat16", x) @ w, rtol=1e-5, atol=1e-5)
+    exact = np.abs(got - x.astype(np.float64) @ w).max()
+    assert (exact > 1e-3) if bfloat16_products_round_activations() else exact < 1e-4
+
+
+_FORMAT_TESTS = """
+import pytest
+from runtime.ops.matmul import bfloat16_products_round_activations
+assert not bfloat16_products_round_activations()
+code = pytest.main(["-q", "-p", "no:cacheprovider", "tests/test_matmul_formats.py", "-k",
+                    "(matches_numpy or valid_rows) and not bf16_machine"])
+print("ok" if code == 0 else f"pytest exit code {code}")
+"""
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="no AVX-512 BF16: the other tests run the float32 form")
+@pytest.mark.slow
+def test_the_float32_form_on_a_bf16_machine(tmp_path):
+    """The tests above run vdpbf16ps on this machine: the form that widens bfloat16 weights and
+    multiplies in float32 (CPUs without AVX-512 BF16), built with it off, must pass them too."""
+    run_in_fresh_kernel_build(tmp_path, "-mno-avx512bf16", _FORMAT_TESTS)
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "uint4"])
@@ -111,7 +156,8 @@ def test_a_bfloat16_model_keeps_bfloat16_weights_and_computes_in_float32(tmp_pat
     (kv_cache_dtype="float32": a float32 one). With the float32 cache it generates what
     transformers in float32 generates on the same bfloat16-rounded weights, greedy tokens and
     logprobs; with the bfloat16 one (K/V rounded too) the same tokens here, where the tiny model's
-    margins are wide, and logprobs within that rounding. Nothing compiles after warmup."""
+    margins are wide, and logprobs within that rounding. Where the products round their inputs to
+    bfloat16 (vdpbf16ps), so does the reference: every Linear's input. Nothing compiles after warmup."""
     import torch
 
     from app import LLM, SamplingParams
@@ -134,6 +180,10 @@ def test_a_bfloat16_model_keeps_bfloat16_weights_and_computes_in_float32(tmp_pat
     with torch.no_grad():
         for p in hf.parameters():
             p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    if bfloat16_products_round_activations():
+        for module in hf.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(lambda _, args: (args[0].to(torch.bfloat16).to(torch.float32),))
     if kv == "float32":
         assert_greedy_and_logprobs_match_hf(hf, prompts, outs, 10)
     else:  # K/V rounded to bfloat16: transformers' tokens, logprobs within that rounding

@@ -90,6 +90,7 @@ CACHE_ENV = "SERVAX_KERNEL_CACHE"
 _lock = threading.Lock()
 _status: dict[str, str] = {}  # kernel name -> "ok" or why it is unavailable; absent: not tried
 _registered: set[str] = set()  # FFI target names registered with XLA:CPU in this process
+_libraries: dict[str, ctypes.CDLL] = {}  # kernel name -> its loaded library, once "ok"
 
 
 def kernel_status(name: str) -> str:
@@ -110,6 +111,12 @@ def kernel_status(name: str) -> str:
 def kernel_available(name: str) -> bool:
     """Whether kernel `name` is built and registered (see `kernel_status`)."""
     return kernel_status(name) == "ok"
+
+
+def kernel_library(name: str) -> ctypes.CDLL | None:
+    """Kernel `name`'s loaded library (building it first, as `kernel_status`), for the plain C
+    functions some kernels export beside their handlers; None where the kernel is unavailable."""
+    return _libraries.get(name) if kernel_available(name) else None
 
 
 def kernel_cache_dir() -> Path:
@@ -183,6 +190,7 @@ def _load(kernel: Kernel) -> str:
             if target not in _registered:  # XLA keeps a process's first registration of a name
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
                 _registered.add(target)
+        _libraries[kernel.name] = library
     except Exception as e:  # noqa: BLE001 - any failure leaves the caller's XLA path, with the reason
         return f"{type(e).__name__}: {e}"
     return "ok"

@@ -26,7 +26,7 @@ import numpy as np
 from runtime.ops.quantization import QuantizedWeight
 from runtime.ops.cpu_kernels import (BF16_MATMUL_TARGET, GROUPED_MATMUL_TARGET, INT8_DOT_TARGET, INT8_MATMUL_TARGET,
                                      MATMUL_TARGET, UINT4_DOT_TARGET, UINT4_MATMUL_TARGET, cpu_flags, kernel_available,
-                                     kernel_status)
+                                     kernel_library, kernel_status)
 
 PANEL = 16  # output columns per packed panel (runtime/ops/kernels/matmul.cc kPanel)
 
@@ -34,6 +34,16 @@ PANEL = 16  # output columns per packed panel (runtime/ops/kernels/matmul.cc kPa
 def packed_matmul_available() -> bool:
     """Whether the packed matmul kernel is built, registered and fast on this CPU."""
     return kernel_available("matmul") and {"avx2", "fma"} <= cpu_flags()
+
+
+def bfloat16_products_round_activations() -> bool:
+    """Whether the kernel multiplies bfloat16 weights with the activations rounded to bfloat16:
+    where the CPU has AVX-512 BF16 (AMD Zen 4, Intel Cooper Lake and Sapphire Rapids) it takes
+    vdpbf16ps, products of bfloat16 pairs summed in float32, for every batch size (a bfloat16
+    model's activations in bfloat16, as other servers compute them; float32 accumulation);
+    elsewhere it widens the weights and multiplies x in float32."""
+    library = kernel_library("matmul_formats")
+    return bool(library is not None and library.ServaxBf16RoundsActivations())
 
 
 @flax.struct.dataclass

@@ -3,7 +3,9 @@
 // panels of 16 output columns as matmul.cc packs float32 (packed[p, k, :] holds row k of
 // columns 16 p .. 16 p + 15), each panel row in one of these formats:
 //
-// - bf16: 16 bfloat16 (32 bytes); widened to float32 exactly (a 16-bit shift).
+// - bf16: 16 bfloat16 (32 bytes); widened to float32 exactly (a 16-bit shift), or, where the
+//         CPU has AVX-512 BF16 (AMD Zen 4, Intel Cooper Lake and Sapphire Rapids), multiplied
+//         as stored by vdpbf16ps with x rounded to bfloat16 (see Bf16Pairs below).
 // - i8:   16 int8 (16 bytes) and one float32 scale per column for each group of `group`
 //         consecutive k (scales [N/16, K/group, 16]): w = q * scale. One group spanning K is
 //         a per-channel scale (quantization "int8"); groups of 32 are GGUF's Q8_0 as stored.
@@ -34,6 +36,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SERVAX_FORMATS_AVX2 1
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define SERVAX_FORMATS_DPBF16 1
+#endif
 #endif
 
 namespace ffi = xla::ffi;
@@ -303,6 +308,123 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
   return ffi::Error::Success();
 }
 
+#ifdef SERVAX_FORMATS_DPBF16
+// bfloat16 weights times x rounded to bfloat16, by AVX-512 BF16's vdpbf16ps: each 32-bit lane
+// gains the sum of two products of bfloat16 pairs, in float32 (the products are exact; x's
+// rounding is the only one beyond float32 accumulation's, as in a bfloat16 model's own
+// activations). A panel's rows k and k + 1 are interleaved in registers (vpunpck{l,h}wd:
+// columns 0-3 and 8-11 in one register, 4-7 and 12-15 in the other), each x pair broadcast as
+// one 32-bit lane: per two k and row, two dot-product instructions where the float32 form
+// widens both rows and takes four multiply-adds. Every step's products take this form (one
+// arithmetic whatever the batch), batch 1 included: it is bound by reading the weights either way.
+constexpr int kPairRows = 12;  // 24 accumulators of AVX-512's 32 vector registers
+
+// x [M, K] rounded to bfloat16 (nearest even) into rows of ld = K rounded up to even elements,
+// a last odd column padded with zero.
+void RoundRows(const float* x, int64_t M, int64_t K, int64_t ld, uint16_t* out) {
+  for (int64_t r = 0; r < M; ++r) {
+    const float* in = x + r * K;
+    uint16_t* o = out + r * ld;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + k)));
+    if (k < K) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (K - k)) - 1);
+      const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail, in + k));
+      _mm256_mask_storeu_epi16(o + k, static_cast<__mmask16>((1u << (ld - k)) - 1), v);
+    }
+  }
+}
+
+// c[r, 0:16] = sum_k a[r, k] * w[k, 0:16] for MR rows of a (bfloat16, rows of lda elements)
+// and one bfloat16 panel [K, 16].
+template <int MR, bool kPrefetch>
+void PairRowBlock(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t K, float* c, int64_t ldc) {
+  constexpr int64_t ahead = kPrefetchBytes / sizeof(uint16_t);
+  // As RowBlock: few rows split each accumulator's chain over S accumulators.
+  constexpr int S = MR == 1 ? 4 : MR == 2 ? 2 : 1;
+  __m256 lo[S][MR], hi[S][MR];  // lo: columns 0-3, 8-11; hi: 4-7, 12-15
+#pragma GCC unroll 12
+  for (int s = 0; s < S; ++s)
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) lo[s][r] = hi[s][r] = _mm256_setzero_ps();
+  auto step = [&](int64_t k, int s, __m256i r1) __attribute__((always_inline)) {
+    if (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(panel + k * kPanel + ahead), _MM_HINT_T0);
+    const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kPanel));
+    const __m256bh w0 = (__m256bh)_mm256_unpacklo_epi16(r0, r1), w1 = (__m256bh)_mm256_unpackhi_epi16(r0, r1);
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, a + r * lda + k, 4);
+      const __m256bh x = (__m256bh)_mm256_set1_epi32(pair);
+      lo[s][r] = _mm256_dpbf16_ps(lo[s][r], w0, x);
+      hi[s][r] = _mm256_dpbf16_ps(hi[s][r], w1, x);
+    }
+  };
+  auto next_row = [&](int64_t k) __attribute__((always_inline)) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + (k + 1) * kPanel));
+  };
+  int64_t k = 0;
+  for (; k + 2 * S <= K; k += 2 * S) {
+#pragma GCC unroll 4
+    for (int s = 0; s < S; ++s) step(k + 2 * s, s, next_row(k + 2 * s));
+  }
+  for (; k + 2 <= K; k += 2) step(k, 0, next_row(k));
+  if (k < K) step(k, 0, _mm256_setzero_si256());  // odd K: x's padding column is zero
+#pragma GCC unroll 12
+  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 4
+    for (int s = 1; s < S; ++s) lo[0][r] = _mm256_add_ps(lo[0][r], lo[s][r]), hi[0][r] = _mm256_add_ps(hi[0][r], hi[s][r]);
+    _mm256_storeu_ps(c + r * ldc, _mm256_permute2f128_ps(lo[0][r], hi[0][r], 0x20));
+    _mm256_storeu_ps(c + r * ldc + 8, _mm256_permute2f128_ps(lo[0][r], hi[0][r], 0x31));
+  }
+}
+
+using PairRowBlockFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t);
+
+// fns[kPrefetch][rows], rows 1..kPairRows.
+struct PairRowBlocks {
+  PairRowBlockFn fns[2][kPairRows + 1];
+  PairRowBlocks() {
+    Fill<1>(std::false_type{});
+    Fill<1>(std::true_type{});
+  }
+  template <int MR, class P>
+  void Fill(P) {
+    fns[P::value][MR] = PairRowBlock<MR, P::value>;
+    if constexpr (MR < kPairRows) Fill<MR + 1>(P{});
+  }
+};
+
+ffi::Error MultiplyBf16Pairs(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t valid, int64_t K,
+                             const uint16_t* packed, int64_t panels, float* c) {
+  static const PairRowBlocks form;
+  const int64_t N = panels * kPanel;
+  const int64_t M = std::clamp<int64_t>(valid, 0, rows);
+  std::fill(c + M * N, c + rows * N, 0.0f);  // rows past valid_rows: zeros
+  if (M == 0 || panels == 0) return ffi::Error::Success();
+  thread_local std::vector<uint16_t> rounded;  // the calling thread's; the pool's threads only read it
+  const int64_t ld = K + (K & 1);
+  rounded.resize(M * ld);
+  RoundRows(x, M, K, ld, rounded.data());
+  const uint16_t* a = rounded.data();
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t per_task = servax::PanelsPerTask(panels, 1, threads);
+  const int64_t tasks = (panels + per_task - 1) / per_task, blocks = (M + kPairRows - 1) / kPairRows;
+  servax::ParallelFor(pool, tasks, threads - 1, [&](int64_t t) {
+    for (int64_t p = t * per_task; p < std::min(panels, (t + 1) * per_task); ++p) {
+      const uint16_t* panel = packed + p * K * kPanel;
+      for (int64_t blk = 0, r0 = 0; blk < blocks; ++blk) {
+        const int64_t n = M / blocks + (blk < M % blocks);
+        form.fns[blk == 0][n](a + r0 * ld, ld, panel, K, c + r0 * N + p * kPanel, N);
+        r0 += n;
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+#endif
+
 // Shapes: x [M, K]; packed [N/16, K, row]; scales/offsets [N/16, G, 16] with G dividing K; each
 // also as one layer of a stack [L, ...] (panels.h LayerView), all read at meta's layer.
 bool Shaped(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> pd, int64_t row, ffi::Span<const int64_t> od) {
@@ -330,9 +452,14 @@ ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   auto xd = x.dimensions();
   if (!Views(meta, v, packed) || !Shaped(xd, v[0].dims, Bf16::kRow, out->dimensions()))
     return ffi::Error::InvalidArgument(std::string("bf16 packed matmul: ") + kShapes);
-  return Multiply<Bf16>(pool, x.typed_data(), xd[0], meta.typed_data()[0], xd[1],
-                        reinterpret_cast<const uint16_t*>(packed.untyped_data()) + v[0].offset, v[0].dims[0], nullptr,
+  const uint16_t* panels = reinterpret_cast<const uint16_t*>(packed.untyped_data()) + v[0].offset;
+#ifdef SERVAX_FORMATS_DPBF16
+  return MultiplyBf16Pairs(pool, x.typed_data(), xd[0], meta.typed_data()[0], xd[1], panels, v[0].dims[0],
+                           out->typed_data());
+#else
+  return Multiply<Bf16>(pool, x.typed_data(), xd[0], meta.typed_data()[0], xd[1], panels, v[0].dims[0], nullptr,
                         nullptr, 1, out->typed_data());
+#endif
 }
 
 ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed,
@@ -360,6 +487,16 @@ ffi::Error UInt4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 }
 
 }  // namespace
+
+// Whether this build's bfloat16 products round x to bfloat16 (vdpbf16ps); runtime/ops/matmul.py
+// bfloat16_products_round_activations.
+extern "C" int ServaxBf16RoundsActivations() {
+#ifdef SERVAX_FORMATS_DPBF16
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxBf16Matmul, Bf16Matmul,
                               ffi::Ffi::Bind()
