@@ -29,13 +29,14 @@ def main() -> None:
                         "a model ID runs peers.py's realistic workload on it")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 (the weights' and KV cache's dtype)")
     parser.add_argument("--no-async-scheduling", action="store_true", help="step synchronously")
     args = parser.parse_args()
 
     from app import LLM, SamplingParams
 
     llm = LLM(
-        model=args.model or str(bench_checkpoint()), model_impl=args.impl, dtype="float32",
+        model=args.model or str(bench_checkpoint()), model_impl=args.impl, dtype=args.dtype,
         max_model_len=1024 if args.model else 512,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         show_progress=False, async_scheduling=False if args.no_async_scheduling else None,
