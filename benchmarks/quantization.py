@@ -15,7 +15,7 @@ cache against float32 at a long context on the ~100M benchmark Llama.
 
     python benchmarks/quantization.py
     python benchmarks/quantization.py --batches 1 --rounds 5
-    python benchmarks/quantization.py --formats bfloat16
+    python benchmarks/quantization.py --formats bfloat16 int8 "gguf (Q8_0 embed, Q4_1 layers)"
 """
 
 from __future__ import annotations
@@ -66,10 +66,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--agreement-tokens", type=int, default=128)
     parser.add_argument("--kv-cache", action="store_true", help="also time an int8 KV cache at a long context")
-    parser.add_argument("--formats", default=",".join(FORMATS),
-                        help="comma-separated rows of the table to run (float32 is always run: the reference)")
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS),
+                        help="rows of the table to run, each quoted whole (float32 always runs: the reference)")
     args = parser.parse_args()
-    chosen = {"float32"} | {f.strip() for f in args.formats.split(",")}
+    chosen = {"float32", *args.formats}
     if unknown := chosen - set(FORMATS):
         parser.error(f"unknown formats {sorted(unknown)}; choose from {list(FORMATS)}")
 
