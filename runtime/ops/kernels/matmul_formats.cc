@@ -5,7 +5,7 @@
 //
 // - bf16: 16 bfloat16 (32 bytes); widened to float32 exactly (a 16-bit shift), or, where the
 //         CPU has AVX-512 BF16 (AMD Zen 4, Intel Cooper Lake and Sapphire Rapids), multiplied
-//         as stored by vdpbf16ps with x rounded to bfloat16 (see Bf16Pairs below).
+//         as stored by vdpbf16ps with x rounded to bfloat16 (MultiplyBf16Pairs below).
 // - i8:   16 int8 (16 bytes) and one float32 scale per column for each group of `group`
 //         consecutive k (scales [N/16, K/group, 16]): w = q * scale. One group spanning K is
 //         a per-channel scale (quantization "int8"); groups of 32 are GGUF's Q8_0 as stored.
