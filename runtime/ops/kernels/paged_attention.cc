@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -82,8 +83,16 @@ struct Item {
 };
 
 // Dot products of one query row with a block's keys, sr[j] = q . k_j (k: [BS, D]).
-template <int kBS, int kD>
-inline void Scores(const float* __restrict q, const float* __restrict k, float* __restrict sr, int64_t BS,
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(uint16_t b) { return servax::BFloat16ToFloat(b); }
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 Load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 Load8(const uint16_t* x) { return servax::Load8BFloat16(x); }
+#endif
+
+// E: the keys' element, float or bfloat16 bits (uint16_t, widened as read).
+template <int kBS, int kD, class E = float>
+inline void Scores(const float* __restrict q, const E* __restrict k, float* __restrict sr, int64_t BS,
                    int64_t D, int64_t row) {
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (kBS > 0 && kD > 0 && kBS % 8 == 0 && kD % 8 == 0) {
@@ -93,9 +102,9 @@ inline void Scores(const float* __restrict q, const float* __restrict k, float* 
     for (int j0 = 0; j0 < kBS; j0 += 8) {
       __m256 a[8];
       for (int j = 0; j < 8; ++j) {
-        const float* kj = k + (j0 + j) * kD;
-        __m256 x = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj));
-        for (int c = 1; c < kD / 8; ++c) x = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), x);
+        const E* kj = k + (j0 + j) * kD;
+        __m256 x = _mm256_mul_ps(qv[0], Load8(kj));
+        for (int c = 1; c < kD / 8; ++c) x = _mm256_fmadd_ps(qv[c], Load8(kj + 8 * c), x);
         a[j] = x;
       }
       const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
@@ -108,9 +117,9 @@ inline void Scores(const float* __restrict q, const float* __restrict k, float* 
   }
 #endif
   for (int64_t j = 0; j < BS; ++j) {
-    const float* __restrict kj = k + j * row;
+    const E* __restrict kj = k + j * row;
     float dot = 0.0f;
-    for (int64_t d = 0; d < D; ++d) dot += q[d] * kj[d];
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * ToFloat(kj[d]);
     sr[j] = dot;
   }
 }
@@ -167,9 +176,9 @@ inline float ExpShifted(float* __restrict sr, float mx, int64_t BS) {
 }
 
 // acc = acc * correction + sum_j p[j] v_j (v: [BS, D]).
-template <int kBS, int kD>
+template <int kBS, int kD, class E = float>
 inline void Accumulate(float* __restrict acc, float correction, const float* __restrict pr,
-                       const float* __restrict v, int64_t BS, int64_t D, int64_t stride) {
+                       const E* __restrict v, int64_t BS, int64_t D, int64_t stride) {
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (kBS > 0 && kD > 0 && kD % 8 == 0 && kD <= 128) {
     __m256 a[kD / 8];
@@ -177,8 +186,8 @@ inline void Accumulate(float* __restrict acc, float correction, const float* __r
     for (int i = 0; i < kD / 8; ++i) a[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * i), c);
     for (int j = 0; j < kBS; ++j) {
       const __m256 pj = _mm256_set1_ps(pr[j]);
-      const float* vj = v + j * kD;
-      for (int i = 0; i < kD / 8; ++i) a[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), a[i]);
+      const E* vj = v + j * kD;
+      for (int i = 0; i < kD / 8; ++i) a[i] = _mm256_fmadd_ps(pj, Load8(vj + 8 * i), a[i]);
     }
     for (int i = 0; i < kD / 8; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
     return;
@@ -187,8 +196,8 @@ inline void Accumulate(float* __restrict acc, float correction, const float* __r
   for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
   for (int64_t j = 0; j < BS; ++j) {
     const float pj = pr[j];
-    const float* __restrict vj = v + j * stride;  // value j: D floats of a row of `stride`
-    for (int64_t d = 0; d < D; ++d) acc[d] += pj * vj[d];
+    const E* __restrict vj = v + j * stride;  // value j: D floats of a row of `stride`
+    for (int64_t d = 0; d < D; ++d) acc[d] += pj * ToFloat(vj[d]);
   }
 }
 
@@ -411,16 +420,38 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   ItemRows rows(p, it, D, DV, BS, scratch);
   const int64_t RH = rows.RH;
   const ItemContext context(p, it, BS, p.row);
-  ForEachBlock(context, rows, [&](int64_t hh, const float* kb, const float* vb, int64_t k0, bool whole) {
+  auto block = [&](int64_t hh, const auto* kb, const auto* vb, int64_t k0, bool whole) {
+    using E = std::remove_cv_t<std::remove_pointer_t<decltype(kb)>>;
     float* __restrict sh = rows.s + hh * RH * BS;
-    for (int64_t r = 0; r < RH; ++r) Scores<kBS, kD>(rows.q + (hh * RH + r) * D, kb, sh + r * BS, BS, D, p.row);
+    for (int64_t r = 0; r < RH; ++r) Scores<kBS, kD, E>(rows.q + (hh * RH + r) * D, kb, sh + r * BS, BS, D, p.row);
     if (p.soft_cap > 0)
       for (int64_t i = 0; i < RH * BS; ++i) sh[i] = p.soft_cap * std::tanh(sh[i] / p.soft_cap);
     if (!whole) rows.Mask(sh, k0, context.ctx);
     for (int64_t r = hh * RH; r < (hh + 1) * RH; ++r) {
       rows.template Softmax<kBS>(r);
-      Accumulate<kBS, kD>(rows.acc + r * DV, rows.corr[r], rows.s + r * BS, vb, BS, DV, p.row);
+      Accumulate<kBS, kD, E>(rows.acc + r * DV, rows.corr[r], rows.s + r * BS, vb, BS, DV, p.row);
     }
+  };
+  // A bfloat16 cache of the compile-time shapes is widened as its keys and values are multiplied
+  // (a shift a value), not into a float32 copy of each block first: its loads feed the
+  // multiply-adds directly (benchmarks/RESULTS.md, stop 51).
+  if (kBS > 0 && kD > 0 && p.stored == Stored::kBF16 && p.v_bytes != p.k_bytes) {
+    const uint16_t* k = reinterpret_cast<const uint16_t*>(p.k_bytes);
+    const uint16_t* v = reinterpret_cast<const uint16_t*>(p.v_bytes);
+    for (int64_t b = context.lo / BS; b * BS < context.hi; ++b) {
+      const int64_t offset = context.Offset(b);
+      context.PrefetchNext(b, rows.heads);
+      const bool whole = context.Whole(b * BS, BS);
+      for (int64_t hh = 0; hh < rows.heads; ++hh) {
+        const int64_t at = offset + hh * BS * p.row;
+        block(hh, k + at, v + at, b * BS, whole);
+      }
+    }
+    rows.Store();
+    return;
+  }
+  ForEachBlock(context, rows, [&](int64_t hh, const float* kb, const float* vb, int64_t k0, bool whole) {
+    block(hh, kb, vb, k0, whole);
   });
   rows.Store();
 }
