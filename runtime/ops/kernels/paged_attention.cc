@@ -395,8 +395,9 @@ struct ItemRows {
 
 // fn(hh, kb, vb, k0, whole) for each block of the item's context (its first key k0; `whole`:
 // every row sees all of its keys) and each of the item's KV heads, with that head's keys and
-// values of the block (Block), the next block prefetched.
-template <class Fn>
+// values of the block, the next block prefetched: as float32 (Block), or with kBits a bfloat16
+// cache's own bits (uint16_t, read in place).
+template <bool kBits = false, class Fn>
 void ForEachBlock(const ItemContext& context, const ItemRows& rows, Fn&& fn) {
   for (int64_t b = context.lo / rows.BS; b * rows.BS < context.hi; ++b) {
     const int64_t offset = context.Offset(b);
@@ -404,9 +405,15 @@ void ForEachBlock(const ItemContext& context, const ItemRows& rows, Fn&& fn) {
     const int64_t k0 = b * rows.BS;
     const bool whole = context.Whole(k0, rows.BS);
     for (int64_t hh = 0; hh < rows.heads; ++hh) {
-      const float *kb, *vb;
-      rows.Block(offset + hh * rows.BS * rows.p.row, kb, vb);  // block b, head h0 + hh: [BS, row]
-      fn(hh, kb, vb, k0, whole);
+      const int64_t at = offset + hh * rows.BS * rows.p.row;  // block b, head h0 + hh: [BS, row]
+      if constexpr (kBits) {
+        fn(hh, reinterpret_cast<const uint16_t*>(rows.p.k_bytes) + at,
+           reinterpret_cast<const uint16_t*>(rows.p.v_bytes) + at, k0, whole);
+      } else {
+        const float *kb, *vb;
+        rows.Block(at, kb, vb);
+        fn(hh, kb, vb, k0, whole);
+      }
     }
   }
 }
@@ -435,24 +442,10 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   // A bfloat16 cache of the compile-time shapes is widened as its keys and values are multiplied
   // (a shift a value), not into a float32 copy of each block first: its loads feed the
   // multiply-adds directly (benchmarks/RESULTS.md, stop 51).
-  if (kBS > 0 && kD > 0 && p.stored == Stored::kBF16 && p.v_bytes != p.k_bytes) {
-    const uint16_t* k = reinterpret_cast<const uint16_t*>(p.k_bytes);
-    const uint16_t* v = reinterpret_cast<const uint16_t*>(p.v_bytes);
-    for (int64_t b = context.lo / BS; b * BS < context.hi; ++b) {
-      const int64_t offset = context.Offset(b);
-      context.PrefetchNext(b, rows.heads);
-      const bool whole = context.Whole(b * BS, BS);
-      for (int64_t hh = 0; hh < rows.heads; ++hh) {
-        const int64_t at = offset + hh * BS * p.row;
-        block(hh, k + at, v + at, b * BS, whole);
-      }
-    }
-    rows.Store();
-    return;
-  }
-  ForEachBlock(context, rows, [&](int64_t hh, const float* kb, const float* vb, int64_t k0, bool whole) {
-    block(hh, kb, vb, k0, whole);
-  });
+  if (kBS > 0 && kD > 0 && p.stored == Stored::kBF16 && p.v_bytes != p.k_bytes)
+    ForEachBlock<true>(context, rows, block);
+  else
+    ForEachBlock(context, rows, block);
   rows.Store();
 }
 
