@@ -25,15 +25,18 @@ from test_attention import MIXED, TOL, build_batch, check_per_shard_against_xla,
 
 # (heads, kv_heads, block_size, head_dim, window, soft cap): the first three take the
 # kernel's compiled-in shapes (block 16 with head_dim 64 / 128, block 32), the soft cap the
-# generic loops, the rest (other head dims) the tiled products (RunItemTiled: tiles of 4 rows,
-# and single rows past them; values in tiles of 16 dims and one of 8).
+# generic loops, the next two (other head dims) the tiled products (RunItemTiled: tiles of 4
+# rows, and single rows past them; values in tiles of 16 dims and one of 8), the last two
+# compiled-in shapes with groups of 8 and 5 query heads (with AVX-512 a decode's group goes in
+# passes of 4 rows, and of 1).
 CASES = [
     (9, 3, 16, 64, None, None), (8, 2, 16, 128, 20, None), (4, 4, 32, 64, None, None),
     (4, 4, 4, 8, None, None), (6, 3, 4, 8, 10, None), (4, 1, 4, 16, None, 5.0),
     (8, 1, 16, 72, None, None), (6, 1, 16, 40, 12, None),
+    (16, 2, 32, 128, 24, None), (10, 2, 16, 64, None, None),
 ]
 CASE_IDS = ["gqa-16x64", "window-16x128", "mha-32x64", "mha-generic", "sliding-generic", "softcap-generic",
-            "mqa-tiled-16x72", "mqa-window-tiled-16x40"]
+            "mqa-tiled-16x72", "mqa-window-tiled-16x40", "gqa8-window-32x128", "gqa5-16x64"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,8 +76,8 @@ def test_kernel_matches_numpy_oracle(heads, kv_heads, block_size, head_dim, wind
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("heads,kv_heads,block_size,head_dim,window,soft_cap",
-                         [CASES[0], CASES[1], CASES[3], CASES[5], CASES[6]],
-                         ids=[CASE_IDS[0], CASE_IDS[1], CASE_IDS[3], CASE_IDS[5], CASE_IDS[6]])
+                         [CASES[0], CASES[1], CASES[3], CASES[5], CASES[6], CASES[8]],
+                         ids=[CASE_IDS[0], CASE_IDS[1], CASE_IDS[3], CASE_IDS[5], CASE_IDS[6], CASE_IDS[8]])
 def test_half_precision_caches_read_as_stored(dtype, heads, kv_heads, block_size, head_dim, window, soft_cap):
     """A bfloat16 or float16 cache (no scales) is widened block by block as the kernel reads it:
     the oracle's attention over the same values in float32, in every form (compiled-in shapes,
@@ -201,8 +204,10 @@ print("ok")
 """
 
 # Every form of the kernel this CPU runs, each built in a fresh process and cache: AVX2 (as
-# on a CPU without AVX-512), and on AVX-512 also without the rows-in-lanes prefill form.
-_FORMS = ["-mno-avx512f"] + (["-DSERVAX_ATTENTION_NO_LANES"] if "avx512f" in cpu_kernels.cpu_flags() else [])
+# on a CPU without AVX-512), and on AVX-512 also without the rows-in-lanes prefill form and the
+# 512-bit decode form (RunItem for every item).
+_FORMS = ["-mno-avx512f"] + (["-DSERVAX_ATTENTION_NO_LANES -DSERVAX_ATTENTION_NO_DECODE_LANES"]
+                             if "avx512f" in cpu_kernels.cpu_flags() else [])
 
 
 @pytest.mark.parametrize("flags", _FORMS)

@@ -16,7 +16,8 @@
 // head), their running max / denominator and their output accumulators in local buffers and
 // folds the context in one block at a time (online softmax, as flash attention does). With
 // AVX-512, an item of several tokens (a prefill tile) keeps its rows in vector lanes instead
-// (RunItemRowsInLanes: scores, softmax and values on whole vectors, no horizontal sums).
+// (RunItemRowsInLanes: scores, softmax and values on whole vectors, no horizontal sums), and a
+// decode's rows of a group share each load of a key or value (RunDecode).
 
 #include <algorithm>
 #include <array>
@@ -143,6 +144,22 @@ inline __m256 Exp(__m256 x) {
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+#ifdef __AVX512F__
+// exp(x) for x <= 0, 16 lanes: Exp's polynomial and constants.
+inline __m512 Exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpMin));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 y = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kExpPoly[i]));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 #endif
 
@@ -418,12 +435,188 @@ void ForEachBlock(const ItemContext& context, const ItemRows& rows, Fn&& fn) {
   }
 }
 
+#if defined(__AVX512F__) && !defined(SERVAX_ATTENTION_NO_DECODE_LANES)
+// A decode's rows (the query heads of a group, one token) against a block in 512-bit vectors,
+// the group's rows sharing each load of a key or value (RunDecode). Keys and values are read 32
+// dims at a time as two vectors: float32 as stored; bfloat16 as its pairs of values, the even
+// dims shifted into place and the odd ones masked (one instruction a vector, no shuffles), so
+// a bfloat16 item keeps its queries and accumulators with each 32 dims' even dims first
+// (Interleave32 restores them).
+inline void Load32(const float* x, __m512& a, __m512& b) {
+  a = _mm512_loadu_ps(x);
+  b = _mm512_loadu_ps(x + 16);
+}
+inline void Load32(const uint16_t* x, __m512& a, __m512& b) {
+  const __m512i v = _mm512_loadu_si512(x);
+  a = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  b = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int32_t(0xffff0000u))));
+}
+
+// Row x of D dims as Load32 of bfloat16 leaves it (even dims of each 32 first), or back (!kSplit).
+template <bool kSplit>
+void Interleave32(float* x, int64_t D) {
+  float t[32];
+  for (int64_t c = 0; c < D; c += 32) {
+    std::copy(x + c, x + c + 32, t);
+    for (int i = 0; i < 16; ++i) {
+      if (kSplit) x[c + i] = t[2 * i], x[c + 16 + i] = t[2 * i + 1];
+      else x[c + 2 * i] = t[i], x[c + 2 * i + 1] = t[16 + i];
+    }
+  }
+}
+
+// Sums of four vectors' lanes by 128-bit quarter: quarter c of the result is (a, b, c, d)'s sums
+// over their quarter c.
+inline __m512 Quarters4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512d x = _mm512_castps_pd(ab), y = _mm512_castps_pd(cd);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+
+// Four Quarters4 results (keys 4i..4i+3 in each quarter of v[i]) summed over their quarters:
+// lane j of the result is key j's whole sum.
+inline __m512 Sum16(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+  const __m512 a = _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 b = _mm512_add_ps(_mm512_shuffle_f32x4(v2, v3, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_f32x4(v2, v3, _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// s[g * kBS + j] = q_g . k_j for kG rows (q: [kG, kD]) and a block's keys (k: [kBS, kD]), four
+// keys at a time: each key's 32 dims loaded once for all the rows.
+template <int kBS, int kD, int kG, class E>
+inline void DecodeScores(const float* __restrict q, const E* __restrict k, float* __restrict s) {
+  for (int j0 = 0; j0 < kBS; j0 += 16) {
+    __m512 quarters[4][kG];
+    for (int jq = 0; jq < 4; ++jq) {
+      __m512 acc[kG][4];
+      for (int g = 0; g < kG; ++g)
+        for (int jj = 0; jj < 4; ++jj) acc[g][jj] = _mm512_setzero_ps();
+      for (int c = 0; c < kD; c += 32)
+        for (int jj = 0; jj < 4; ++jj) {
+          __m512 a, b;
+          Load32(k + (j0 + 4 * jq + jj) * kD + c, a, b);
+          for (int g = 0; g < kG; ++g) {
+            acc[g][jj] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * kD + c), a, acc[g][jj]);
+            acc[g][jj] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * kD + c + 16), b, acc[g][jj]);
+          }
+        }
+      for (int g = 0; g < kG; ++g) quarters[jq][g] = Quarters4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+    }
+    for (int g = 0; g < kG; ++g)
+      _mm512_storeu_ps(s + g * kBS + j0, Sum16(quarters[0][g], quarters[1][g], quarters[2][g], quarters[3][g]));
+  }
+}
+
+// acc_g = acc_g * corr[g] + sum_j p[g, j] v_j for kG rows (acc, p: [kG, kD], [kG, kBS]), 64 dims
+// at a time: each value's dims loaded once for all the rows.
+template <int kBS, int kD, int kG, class E>
+inline void DecodeValues(float* __restrict acc, const float* __restrict corr, const float* __restrict pr,
+                         const E* __restrict v) {
+  for (int d0 = 0; d0 < kD; d0 += 64) {
+    __m512 a[kG][4];
+    for (int g = 0; g < kG; ++g) {
+      const __m512 c = _mm512_set1_ps(corr[g]);
+      for (int w = 0; w < 4; ++w) a[g][w] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * kD + d0 + 16 * w), c);
+    }
+    for (int j = 0; j < kBS; ++j) {
+      __m512 x[4];
+      Load32(v + j * kD + d0, x[0], x[1]);
+      Load32(v + j * kD + d0 + 32, x[2], x[3]);
+      for (int g = 0; g < kG; ++g) {
+        const __m512 pj = _mm512_set1_ps(pr[g * kBS + j]);
+        for (int w = 0; w < 4; ++w) a[g][w] = _mm512_fmadd_ps(pj, x[w], a[g][w]);
+      }
+    }
+    for (int g = 0; g < kG; ++g)
+      for (int w = 0; w < 4; ++w) _mm512_storeu_ps(acc + g * kD + d0 + 16 * w, a[g][w]);
+  }
+}
+
+// Rows [r0, r1)'s scores of a block (masked ones at kMaskValue) as softmax weights against their
+// running max, keeping the max, the denominator and the rescaling of what each row had, as
+// ItemRows::Softmax does, in 16 lanes.
+template <int kBS>
+inline void DecodeSoftmax(const ItemRows& rows, int64_t r0, int64_t r1) {
+  const __m512 half_masked = _mm512_set1_ps(0.5f * kMaskValue);
+  for (int64_t r = r0; r < r1; ++r) {
+    float* __restrict sr = rows.s + r * kBS;
+    __m512 s[kBS / 16];
+    __m512 mx = _mm512_set1_ps(rows.m[r]);
+    for (int i = 0; i < kBS / 16; ++i) mx = _mm512_max_ps(mx, s[i] = _mm512_loadu_ps(sr + 16 * i));
+    const float m = _mm512_reduce_max_ps(mx);
+    mx = _mm512_set1_ps(m);
+    __m512 sum = _mm512_setzero_ps();
+    for (int i = 0; i < kBS / 16; ++i) {  // a masked key adds nothing, also before the row saw a visible one
+      const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s[i], half_masked, _CMP_GT_OQ),
+                                           Exp16(_mm512_sub_ps(s[i], mx)));
+      _mm512_storeu_ps(sr + 16 * i, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const float corr = _mm512_cvtss_f32(Exp16(_mm512_set1_ps(rows.m[r] - m)));
+    rows.corr[r] = corr;
+    rows.m[r] = m;
+    rows.l[r] = rows.l[r] * corr + _mm512_reduce_add_ps(sum);
+  }
+}
+
+// A decode item (one token, no soft cap, values of their own) in 512-bit vectors: per block and
+// KV head, the group's query heads in passes of kG rows, each pass reading the block's keys and
+// values once. Same results as RunItem up to float rounding.
+template <int kBS, int kD, int kG, class E>
+void RunDecode(const Problem& p, const Item& it, std::vector<float>& scratch) {
+  static_assert(kBS % 16 == 0 && kD % 64 == 0, "decode form: blocks of 16s, heads of 64s");
+  ItemRows rows(p, it, kD, kD, kBS, scratch);
+  constexpr bool kPairs = std::is_same_v<E, uint16_t>;  // bfloat16 bits: even dims first in each 32
+  if constexpr (kPairs)
+    for (int64_t r = 0; r < rows.R; ++r) Interleave32<true>(rows.q + r * kD, kD);
+  const int64_t G = rows.G;
+  const ItemContext context(p, it, kBS, kD);
+  auto block = [&](int64_t hh, const E* kb, const E* vb, int64_t k0, bool whole) {
+    for (int64_t r = hh * G; r < (hh + 1) * G; r += kG)
+      DecodeScores<kBS, kD, kG>(rows.q + r * kD, kb, rows.s + r * kBS);
+    if (!whole) rows.Mask(rows.s + hh * G * kBS, k0, context.ctx);
+    DecodeSoftmax<kBS>(rows, hh * G, (hh + 1) * G);
+    for (int64_t r = hh * G; r < (hh + 1) * G; r += kG)
+      DecodeValues<kBS, kD, kG>(rows.acc + r * kD, rows.corr + r, rows.s + r * kBS, vb);
+  };
+  ForEachBlock<kPairs>(context, rows, block);
+  if constexpr (kPairs)
+    for (int64_t r = 0; r < rows.R; ++r) Interleave32<false>(rows.acc + r * kD, kD);
+  rows.Store();
+}
+
+// RunDecode for this cache and group: rows in passes of the largest of 4, 3, 2 and 1 that
+// divides the group. A bfloat16 cache is read as its bits; any other (float32, or widened into
+// float32 a block at a time) as float32.
+template <int kBS, int kD>
+void RunDecodeAvx512(const Problem& p, const Item& it, std::vector<float>& scratch) {
+  const int64_t G = (it.g1 < 0 ? p.group : it.g1) - it.g0;
+  const bool bits = p.stored == Stored::kBF16;
+  auto run = [&](auto g) {
+    constexpr int kG = decltype(g)::value;
+    bits ? RunDecode<kBS, kD, kG, uint16_t>(p, it, scratch) : RunDecode<kBS, kD, kG, float>(p, it, scratch);
+  };
+  if (G % 4 == 0) run(std::integral_constant<int, 4>());
+  else if (G % 3 == 0) run(std::integral_constant<int, 3>());
+  else if (G % 2 == 0) run(std::integral_constant<int, 2>());
+  else run(std::integral_constant<int, 1>());
+}
+#endif
+
 // Block size and head dim as compile-time constants (kBS, kD > 0) for the common shapes,
 // so the per-key dot products and the value updates vectorize fully; 0: read from `p`.
 template <int kBS, int kD>
 void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   const int64_t D = kD > 0 ? kD : p.head_dim, BS = kBS > 0 ? kBS : p.block_size;
   const int64_t DV = kD > 0 ? kD : p.value_dims;  // the compile-time shapes have values of their own
+#if defined(__AVX512F__) && !defined(SERVAX_ATTENTION_NO_DECODE_LANES)
+  if constexpr (kBS % 16 == 0 && kD % 64 == 0 && kBS > 0 && kD > 0)
+    if (it.t1 - it.t0 == 1 && p.soft_cap <= 0) return RunDecodeAvx512<kBS, kD>(p, it, scratch);
+#endif
   ItemRows rows(p, it, D, DV, BS, scratch);
   const int64_t RH = rows.RH;
   const ItemContext context(p, it, BS, p.row);
@@ -537,20 +730,6 @@ void RunItemTiled(const Problem& p, const Item& it, std::vector<float>& scratch)
 #endif
 
 #ifdef __AVX512F__
-// exp(x) for x <= 0, 16 lanes: Exp's polynomial and constants.
-inline __m512 Exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(kExpMin));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
-  __m512 y = _mm512_set1_ps(kExpPoly[0]);
-  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kExpPoly[i]));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
-
 // A query tile of one KV head (a prefill or a chunk of one) with its rows in vector lanes:
 // 16 rows (token, query head of the group) a group, queries and accumulators stored
 // transposed, [D][16]. Per 16 keys a group's scores are 16 vectors (one a key) built by
