@@ -265,16 +265,11 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const int64_t K = xd[1], panels = pd[0], N = panels * kPanel;
   float* c = out->typed_data();
   // Rows past valid_rows (a step's bucket padding) are not multiplied: their results are zeros.
-  const int64_t M = std::clamp<int64_t>(meta.typed_data()[0], 0, xd[0]);
-  std::fill(c + M * N, c + xd[0] * N, 0.0f);
+  const int64_t M = servax::ValidRows(xd[0], meta.typed_data()[0], N, c);
   if (M == 0 || panels == 0) return ffi::Error::Success();
   const RowBlocks& form = Chosen();
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t per_task = PanelsPerTask(panels, form.max_pair_rows > 0 ? 2 : 1, threads);
-  const int64_t tasks = (panels + per_task - 1) / per_task;
-  servax::ParallelFor(pool, tasks, threads - 1, [&](int64_t t) {
-    const int64_t first = t * per_task;
-    MultiplyPanels(form, x.typed_data(), M, K, packed, first, std::min(panels, first + per_task), c, N);
+  servax::ForPanelRanges(pool, panels, form.max_pair_rows > 0 ? 2 : 1, [&](int64_t first, int64_t last) {
+    MultiplyPanels(form, x.typed_data(), M, K, packed, first, last, c, N);
   });
   return ffi::Error::Success();
 }

@@ -245,21 +245,17 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
                     const typename S::T* offsets, int64_t groups, float* c) {
   static const DotRowsFn<W, S> fns[kRows + 1] = {nullptr, DotRows<W, S, 1>, DotRows<W, S, 2>, DotRows<W, S, 3>,
                                                  DotRows<W, S, 4>};
-  const int64_t N = panels * kPanel;
-  const int64_t M = std::clamp<int64_t>(valid, 0, rows);
-  std::fill(c + M * N, c + rows * N, 0.0f);  // rows past valid_rows: zeros
+  const int64_t N = panels * kPanel, M = servax::ValidRows(rows, valid, N, c);
   if (M == 0 || panels == 0) return ffi::Error::Success();
   const int64_t group = K / groups, block = K % kBlock == 0 && group % kBlock == 0 ? kBlock : K;
   if (group % block != 0)
     return ffi::Error::InvalidArgument("int8-activation matmul: weight groups must be whole blocks of 32 inputs");
   thread_local QuantizedRows xq;  // the calling thread's; the pool's threads only read it
   Quantize(x, M, K, block, xq);
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t per_task = servax::PanelsPerTask(panels, 1, threads);
-  const int64_t tasks = (panels + per_task - 1) / per_task, row_blocks = (M + kRows - 1) / kRows;
+  const int64_t row_blocks = (M + kRows - 1) / kRows;
   const QuantizedRows& shared = xq;
-  servax::ParallelFor(pool, tasks, threads - 1, [&](int64_t t) {
-    for (int64_t p = t * per_task; p < std::min(panels, (t + 1) * per_task); ++p) {
+  servax::ForPanelRanges(pool, panels, 1, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p) {
       const typename W::T* panel = packed + p * (K / 4) * W::kQuad;
       const typename S::T* s = scales + p * groups * kPanel;
       const typename S::T* o = W::kOffset ? offsets + p * groups * kPanel : nullptr;

@@ -294,16 +294,10 @@ template <class W>
 ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t valid, int64_t K,
                     const typename W::T* packed, int64_t panels, const float* scales, const float* offsets,
                     int64_t groups, float* c) {
-  const int64_t N = panels * kPanel;
-  const int64_t M = std::clamp<int64_t>(valid, 0, rows);
-  std::fill(c + M * N, c + rows * N, 0.0f);  // rows past valid_rows: zeros
+  const int64_t N = panels * kPanel, M = servax::ValidRows(rows, valid, N, c);
   if (M == 0 || panels == 0) return ffi::Error::Success();
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t per_task = servax::PanelsPerTask(panels, 1, threads);
-  const int64_t tasks = (panels + per_task - 1) / per_task;
-  servax::ParallelFor(pool, tasks, threads - 1, [&](int64_t t) {
-    const int64_t first = t * per_task;
-    MultiplyPanels<W>(x, M, K, packed, scales, offsets, groups, first, std::min(panels, first + per_task), c, N);
+  servax::ForPanelRanges(pool, panels, 1, [&](int64_t first, int64_t last) {
+    MultiplyPanels<W>(x, M, K, packed, scales, offsets, groups, first, last, c, N);
   });
   return ffi::Error::Success();
 }
@@ -399,20 +393,16 @@ struct PairRowBlocks {
 ffi::Error MultiplyBf16Pairs(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t valid, int64_t K,
                              const uint16_t* packed, int64_t panels, float* c) {
   static const PairRowBlocks form;
-  const int64_t N = panels * kPanel;
-  const int64_t M = std::clamp<int64_t>(valid, 0, rows);
-  std::fill(c + M * N, c + rows * N, 0.0f);  // rows past valid_rows: zeros
+  const int64_t N = panels * kPanel, M = servax::ValidRows(rows, valid, N, c);
   if (M == 0 || panels == 0) return ffi::Error::Success();
   thread_local std::vector<uint16_t> rounded;  // the calling thread's; the pool's threads only read it
   const int64_t ld = K + (K & 1);
   rounded.resize(M * ld);
   RoundRows(x, M, K, ld, rounded.data());
   const uint16_t* a = rounded.data();
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t per_task = servax::PanelsPerTask(panels, 1, threads);
-  const int64_t tasks = (panels + per_task - 1) / per_task, blocks = (M + kPairRows - 1) / kPairRows;
-  servax::ParallelFor(pool, tasks, threads - 1, [&](int64_t t) {
-    for (int64_t p = t * per_task; p < std::min(panels, (t + 1) * per_task); ++p) {
+  const int64_t blocks = (M + kPairRows - 1) / kPairRows;
+  servax::ForPanelRanges(pool, panels, 1, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p) {
       const uint16_t* panel = packed + p * K * kPanel;
       for (int64_t blk = 0, r0 = 0; blk < blocks; ++blk) {
         const int64_t n = M / blocks + (blk < M % blocks);

@@ -1,13 +1,16 @@
 // Shared by the packed-weight matmul kernels (matmul.cc: float32 panels; matmul_formats.cc:
-// bfloat16, int8 and 4-bit panels; matmul_dot.cc): the panel width, how panels are split into
-// tasks, and how a packed operand is read as one layer of a stack.
+// bfloat16, int8 and 4-bit panels; matmul_dot.cc): the panel width, which rows of x a call
+// multiplies, how panels are split into tasks over the pool, and how a packed operand is read
+// as one layer of a stack.
 
 #ifndef SERVAX_KERNELS_PANELS_H_
 #define SERVAX_KERNELS_PANELS_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace servax {
@@ -30,6 +33,25 @@ inline int64_t PanelsPerTask(int64_t panels, int64_t unit, int64_t threads) {
     if (load < best_load || (load == best_load && gap < best_gap)) best = per, best_load = load, best_gap = gap;
   }
   return best * unit;
+}
+
+// The rows of c [rows, N] a call multiplies: the first `valid` (a step padded to its bucket pays
+// for its real tokens); the rows past them are zeroed here.
+inline int64_t ValidRows(int64_t rows, int64_t valid, int64_t N, float* c) {
+  const int64_t M = std::clamp<int64_t>(valid, 0, rows);
+  std::fill(c + M * N, c + rows * N, 0.0f);
+  return M;
+}
+
+// fn(first, last) for ranges of `panels` panels (PanelsPerTask's, in multiples of `unit`), shared
+// by the calling thread and the pool's.
+template <class Fn>
+void ForPanelRanges(xla::ffi::ThreadPool& pool, int64_t panels, int64_t unit, Fn&& fn) {
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t per_task = PanelsPerTask(panels, unit, threads);
+  ParallelFor(pool, (panels + per_task - 1) / per_task, threads - 1, [&](int64_t t) {
+    fn(t * per_task, std::min(panels, (t + 1) * per_task));
+  });
 }
 
 // A packed operand (panels, and their scales and offsets) comes whole, [P, K, w], or as a
