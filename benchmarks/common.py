@@ -144,6 +144,36 @@ def matmul_flops_per_s(size: int = 2048, repeats: int = 5) -> float:
     return 2 * size**3 / best
 
 
+def generation_flops(folder: str | Path, prompts: list[list[int]], max_tokens: list[int]) -> float | None:
+    """Floating-point operations greedy generation of `max_tokens[i]` tokens after `prompts[i]`
+    takes on the dense checkpoint in `folder` (config.json and safetensors): 2 a weight of the
+    layers for each token through them (the prompt's and every generated one but the last), 2 a
+    weight of the LM head for each generated token, and attention's 4 a head dim for each query
+    head, layer and position a token attends to (itself and the earlier ones). None for a mixture
+    of experts (its tokens use a share of the weights)."""
+    import json
+
+    from safetensors import safe_open
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    if any(config.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
+        return None
+    layer_weights = 0
+    for file in Path(folder).glob("*.safetensors"):
+        with safe_open(file, "np") as f:
+            for name in f.keys():
+                shape = f.get_slice(name).get_shape()
+                if len(shape) == 2 and "embed_tokens" not in name and "lm_head" not in name:
+                    layer_weights += shape[0] * shape[1]
+    hidden, heads, layers = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
+    attention = 4 * heads * (config.get("head_dim") or hidden // heads) * layers
+    flops = 0.0
+    for prompt, new in zip(prompts, max_tokens):
+        fed = len(prompt) + new - 1
+        flops += 2 * layer_weights * fed + 2 * config["vocab_size"] * hidden * new + attention * fed * (fed + 1) / 2
+    return flops
+
+
 def memory_read_bandwidth(size_mb: int = 512, repeats: int = 5) -> float:
     """Bytes per second of streaming reads, best of N of two readers: XLA (a sum over a large
     array) and NumPy sums of its parts on every core at once (XLA's one reduction may not keep

@@ -58,7 +58,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import record, table  # noqa: E402
+from benchmarks.common import generation_flops, matmul_flops_per_s, record, table  # noqa: E402
 
 DEMO = "servax-demo/smollm2-135m-instruct"
 SERVED = "bench"
@@ -216,6 +216,15 @@ def offline(args, folder: str, vocab: int) -> None:
         rates = ", ".join(f"{total / r['elapsed_s']:.1f}" for r in rs)
         same = "-" if name == "servax" else ("yes" if rs[0]["tokens"][0] == runs["servax"][0]["tokens"][0] else "NO")
         rows.append([name, rates, f"{best[name]:.1f}", f"{best[name] / best['servax']:.2f}x", same])
+    # The arithmetic floor: the workload's operations at the machine's float32 peak, measured now.
+    flops, floor = generation_flops(folder, prompts, max_tokens), ""
+    if flops:
+        peak = matmul_flops_per_s()
+        rate = total / (flops / peak)
+        rows.append(["arithmetic floor", "-", f"{rate:.1f}", f"{rate / best['servax']:.2f}x", "-"])
+        floor = (f"\n- arithmetic floor: the workload's {flops / 1e12:.2f} TFLOP (weights, LM head, attention; "
+                 f"benchmarks/common.py generation_flops) at the float32 peak measured in this run, "
+                 f"{peak / 1e9:.0f} GFLOP/s (NumPy's BLAS, 2048^3)")
     if args.vllm_python:
         pairs = [s["elapsed_s"] and v["elapsed_s"] / s["elapsed_s"] for s, v in zip(runs["servax"], runs["vLLM"])]
         note = "servax/vLLM tokens/s per alternating pair: " + ", ".join(f"{p:.2f}" for p in pairs)
@@ -226,7 +235,7 @@ def offline(args, folder: str, vocab: int) -> None:
                   rows)
             + f"\n\n- {len(prompts)} requests, {total} output tokens, prompts 16-200, outputs 8-160, greedy, "
             f"ignore_eos; max_num_seqs {MAX_NUM_SEQS}, max_num_batched_tokens {MAX_NUM_BATCHED_TOKENS}, "
-            f"float32\n- {note}\n- servax programs compiled while serving: {compiled}")
+            f"float32\n- {note}\n- servax programs compiled while serving: {compiled}{floor}")
     record(f"Peers offline: realistic workload ({args.model})", body)
 
 
