@@ -634,8 +634,9 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   };
   // A bfloat16 cache of the compile-time shapes is widened as its keys and values are multiplied
   // (a shift a value), not into a float32 copy of each block first: its loads feed the
-  // multiply-adds directly (benchmarks/RESULTS.md, stop 51).
-  if (kBS > 0 && kD > 0 && p.stored == Stored::kBF16 && p.v_bytes != p.k_bytes)
+  // multiply-adds directly (benchmarks/RESULTS.md, stop 51). The same rule as RunDecodeAvx512's
+  // (values kept in the keys are read from the keys' bits either way).
+  if (kBS > 0 && kD > 0 && p.stored == Stored::kBF16)
     ForEachBlock<true>(context, rows, block);
   else
     ForEachBlock(context, rows, block);
