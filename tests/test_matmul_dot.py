@@ -4,9 +4,9 @@ Against a NumPy oracle that quantizes each row of x per block of 32 inputs (d = 
 round to nearest) and multiplies in float64: the kernel's integer dot products give exactly that
 product up to float32 rounding, for int8 weights with per-channel and grouped scales and 4-bit
 weights with scales and offsets, across the row blocks, padded panels and `valid_rows`, in each
-form of the kernel the machine runs (VNNI's vpdpbusd where the CPU has it, AVX2's vpmaddubsw); the
-quads' column gather; and the engine: int8 activations on by default for a GGUF model's 4-bit
-weights, close to the float-activation run, and off when asked.
+form of the kernel the machine runs (VNNI's vpdpbusd in 512 or 256 bits where the CPU has it,
+AVX2's vpmaddubsw); the quads' column gather; and the engine: int8 activations on by default for
+a GGUF model's 4-bit weights, close to the float-activation run, and off when asked.
 """
 
 from __future__ import annotations
@@ -104,12 +104,20 @@ print("ok" if code == 0 else f"pytest exit code {code}")
 """
 
 
-@pytest.mark.skipif(not {"avx512_vnni", "avx_vnni"} & cpu_flags(), reason="no VNNI: the other tests run the AVX2 form")
+# The forms -march=native would not pick here: AVX2's vpmaddubsw (AMD Zen 2/3, older Intel; built
+# with VNNI off) where the CPU has VNNI, and the 256-bit VNNI form (AVX-VNNI CPUs without AVX-512)
+# where it has AVX-512 VNNI, whose 512-bit form (DotRows512) the tests above run.
+_FORMS = (["-mno-avx512vnni -mno-avxvnni"] if {"avx512_vnni", "avx_vnni"} & cpu_flags() else []) + (
+    ["-DSERVAX_DOT_NO_512"] if {"avx512_vnni", "avx512bw"} <= cpu_flags() else [])
+
+
+@pytest.mark.skipif(not _FORMS, reason="no VNNI: the other tests run the AVX2 form")
+@pytest.mark.parametrize("flags", _FORMS)
 @pytest.mark.slow
-def test_the_avx2_form_matches_the_oracle_on_a_vnni_machine(tmp_path):
-    """The tests above run the form -march=native picks, VNNI's on this machine: the AVX2 form
-    (AMD Zen 2/3, older Intel), built with VNNI off, must pass them too."""
-    run_in_fresh_kernel_build(tmp_path, "-mno-avx512vnni -mno-avxvnni", _ORACLE_TESTS)
+def test_each_other_form_matches_the_oracle(tmp_path, flags):
+    """The tests above run the form -march=native picks; each other form this CPU can run must
+    pass them too."""
+    run_in_fresh_kernel_build(tmp_path, flags, _ORACLE_TESTS)
 
 
 def test_weights_the_kernel_cannot_take_keep_their_layout():

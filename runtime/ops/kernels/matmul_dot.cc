@@ -50,6 +50,12 @@
 #define SERVAX_DOT_VNNI(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #endif
 #endif
+// AVX-512 VNNI with BW (Intel since Cascade Lake, AMD Zen 4): DotRows512 multiplies 64 bytes of
+// quads a vpdpbusd and keeps each row's 16 float sums in a register across the blocks.
+// -DSERVAX_DOT_NO_512 builds the 256-bit VNNI form instead (what AVX-VNNI CPUs take), for A/B.
+#if defined(SERVAX_DOT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(SERVAX_DOT_NO_512)
+#define SERVAX_DOT_512 1
+#endif
 #ifdef SERVAX_DOT_VNNI
 constexpr bool kVnni = true;
 #else
@@ -114,6 +120,26 @@ struct I8 {
     return SERVAX_DOT_VNNI(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
   }
 #endif
+#ifdef SERVAX_DOT_512
+  // A step is one quad (16 columns x 4 inputs, 64 bytes): acc[0] (even quads) and acc[1] (odd
+  // ones) each gain 16 int32 column partials, two chains of half the block's length. x4: the
+  // row's 4 inputs of the quad, the sign of each weight moved onto them (AVX-512 has no
+  // vpsignb: they are negated under the weights' sign mask).
+  static constexpr int64_t kStepQuads = 1;
+  template <int MR>
+  static void Step(const T* quad, int64_t q, const int8_t* const x4[MR], __m512i acc[MR][2]) {
+    const __m512i w = _mm512_loadu_si512(quad), u = _mm512_abs_epi8(w);
+    const __mmask64 negative = _mm512_movepi8_mask(w);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      int32_t four;
+      std::memcpy(&four, x4[r], 4);
+      const __m512i x = _mm512_set1_epi32(four);
+      acc[r][q & 1] = _mm512_dpbusd_epi32(acc[r][q & 1], u, _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x));
+    }
+  }
+  static __m512i Columns(__m512i even, __m512i odd) { return _mm512_add_epi32(even, odd); }
+#endif
 #endif
 };
 
@@ -135,6 +161,29 @@ struct U4 {
 #ifdef SERVAX_DOT_VNNI
   static __m256i Dot(__m256i acc, __m256i w, __m256i x) { return SERVAX_DOT_VNNI(acc, w, x); }
 #endif
+#ifdef SERVAX_DOT_512
+  // A step is two quads (64 bytes): the low nibbles are columns 0-7 of quad q in lanes 0-7 and
+  // of quad q + 1 in lanes 8-15, the high ones columns 8-15 likewise; acc[0] gains the low
+  // nibbles' partials, acc[1] the high ones', against the row's 8 inputs of the two quads (4 a
+  // half). Columns folds each accumulator's halves: the block's 16 column sums in order.
+  static constexpr int64_t kStepQuads = 2;
+  template <int MR>
+  static void Step(const T* quads, int64_t, const int8_t* const x8[MR], __m512i acc[MR][2]) {
+    const __m512i v = _mm512_loadu_si512(quads), nib = _mm512_set1_epi8(15);
+    const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      int32_t first, second;
+      std::memcpy(&first, x8[r], 4), std::memcpy(&second, x8[r] + 4, 4);
+      const __m512i x = _mm512_mask_set1_epi32(_mm512_set1_epi32(first), 0xFF00, second);
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], lo, x);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], hi, x);
+    }
+  }
+  static __m512i Columns(__m512i lo, __m512i hi) {
+    return _mm512_add_epi32(_mm512_shuffle_i64x2(lo, hi, 0x44), _mm512_shuffle_i64x2(lo, hi, 0xEE));
+  }
+#endif
 #endif
 };
 
@@ -146,6 +195,9 @@ struct F32Scales {
 #ifdef SERVAX_DOT_AVX2
   static __m256 Load8(const T* p) { return _mm256_loadu_ps(p); }
 #endif
+#ifdef SERVAX_DOT_512
+  static __m512 Load16(const T* p) { return _mm512_loadu_ps(p); }
+#endif
 };
 
 struct F16Scales {
@@ -153,6 +205,9 @@ struct F16Scales {
   static float At(const T* p, int j) { return servax::HalfToFloat(p[j]); }  // the portable loops only
 #ifdef SERVAX_DOT_AVX2
   static __m256 Load8(const T* p) { return servax::Load8Half(p); }
+#endif
+#ifdef SERVAX_DOT_512
+  static __m512 Load16(const T* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 #endif
 };
 
@@ -235,6 +290,49 @@ void DotRows(const QuantizedRows& x, int64_t r0, const typename W::T* panel, con
   }
 }
 
+#ifdef SERVAX_DOT_512
+// DotRows for blocks of 32 inputs in 512-bit registers: per block, W::Step over its 8 quads
+// (64 bytes a step, int32 partials in two accumulators a row), then d * scale (+ offset *
+// sum(x)) into the row's 16 float sums, which stay in a register until the panel is done.
+template <class W, class S, int MR>
+void DotRows512(const QuantizedRows& x, int64_t r0, const typename W::T* panel, const typename S::T* scale,
+                const typename S::T* offset, int64_t group, float* c, int64_t ldc) {
+  const int64_t K = x.K;
+  constexpr int64_t kBlockQuads = kBlock / 4;
+  __m512 sums[MR];
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) sums[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    const int64_t g = b * kBlock / group;
+    const typename W::T* quads = panel + b * kBlockQuads * W::kQuad;
+    __m512i acc[MR][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int64_t q = 0; q < kBlockQuads; q += W::kStepQuads) {
+      if (r0 == 0) _mm_prefetch(reinterpret_cast<const char*>(quads + q * W::kQuad) + kPrefetchBytes, _MM_HINT_T0);
+      const int8_t* xs[MR];
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) xs[r] = x.q.data() + (r0 + r) * K + b * kBlock + 4 * q;
+      W::template Step<MR>(quads + q * W::kQuad, q, xs, acc);
+    }
+    const __m512 s = S::Load16(scale + g * kPanel);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const __m512 d = _mm512_set1_ps(x.d[(r0 + r) * x.blocks + b]);
+      sums[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(W::Columns(acc[r][0], acc[r][1])), _mm512_mul_ps(s, d), sums[r]);
+    }
+    if constexpr (W::kOffset) {
+      const __m512 o = S::Load16(offset + g * kPanel);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) sums[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(x.sum[(r0 + r) * x.blocks + b]), sums[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(c + r * ldc, sums[r]);
+}
+#endif
+
 template <class W, class S>
 using DotRowsFn = void (*)(const QuantizedRows&, int64_t, const typename W::T*, const typename S::T*,
                            const typename S::T*, int64_t, float*, int64_t);
@@ -250,6 +348,12 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
   const int64_t group = K / groups, block = K % kBlock == 0 && group % kBlock == 0 ? kBlock : K;
   if (group % block != 0)
     return ffi::Error::InvalidArgument("int8-activation matmul: weight groups must be whole blocks of 32 inputs");
+  const DotRowsFn<W, S>* rows_fns = fns;
+#ifdef SERVAX_DOT_512
+  static const DotRowsFn<W, S> fns512[kRows + 1] = {nullptr, DotRows512<W, S, 1>, DotRows512<W, S, 2>,
+                                                    DotRows512<W, S, 3>, DotRows512<W, S, 4>};
+  if (block == kBlock) rows_fns = fns512;
+#endif
   thread_local QuantizedRows xq;  // the calling thread's; the pool's threads only read it
   Quantize(x, M, K, block, xq);
   const int64_t row_blocks = (M + kRows - 1) / kRows;
@@ -261,7 +365,7 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
       const typename S::T* o = W::kOffset ? offsets + p * groups * kPanel : nullptr;
       for (int64_t blk = 0, r0 = 0; blk < row_blocks; ++blk) {
         const int64_t n = M / row_blocks + (blk < M % row_blocks);
-        fns[n](shared, r0, panel, s, o, group, c + r0 * N + p * kPanel, N);
+        rows_fns[n](shared, r0, panel, s, o, group, c + r0 * N + p * kPanel, N);
         r0 += n;
       }
     }
