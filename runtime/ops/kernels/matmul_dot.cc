@@ -135,7 +135,8 @@ struct I8 {
       int32_t four;
       std::memcpy(&four, x4[r], 4);
       const __m512i x = _mm512_set1_epi32(four);
-      acc[r][q & 1] = _mm512_dpbusd_epi32(acc[r][q & 1], u, _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x));
+      const __m512i signed_x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+      acc[r][q & 1] = _mm512_dpbusd_epi32(acc[r][q & 1], u, signed_x);
     }
   }
   static __m512i Columns(__m512i even, __m512i odd) { return _mm512_add_epi32(even, odd); }
@@ -325,7 +326,8 @@ void DotRows512(const QuantizedRows& x, int64_t r0, const typename W::T* panel, 
     if constexpr (W::kOffset) {
       const __m512 o = S::Load16(offset + g * kPanel);
 #pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r) sums[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(x.sum[(r0 + r) * x.blocks + b]), sums[r]);
+      for (int r = 0; r < MR; ++r)
+        sums[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(x.sum[(r0 + r) * x.blocks + b]), sums[r]);
     }
   }
 #pragma GCC unroll 4
