@@ -79,6 +79,24 @@ def _memory_mappings() -> int:
         return 1 << 30
 
 
+def asked_for_huge_pages(address: int) -> bool:
+    """Whether the mapping of this process holding `address` was asked for 2 MiB pages
+    (madvise MADV_HUGEPAGE: flag `hg` among its VmFlags in /proc/self/smaps)."""
+    found = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: lo-hi perms ...
+                if found is not None:
+                    break
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                found = [] if lo <= address < hi else None
+            elif found is not None and line.startswith("VmFlags:"):
+                found = line.split()[1:]
+    assert found is not None, f"no mapping holds {address:#x}"
+    return "hg" in found
+
+
 # ---- CPU kernels ------------------------------------------------------------------------
 
 def run_in_fresh_kernel_build(cache_dir: Path, flags: str, script: str) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from conftest import REPO, quick_loop_keeps
+from conftest import REPO, asked_for_huge_pages, quick_loop_keeps
 from gguf import GGMLQuantizationType as T
 from safetensors.numpy import load_file
 
@@ -615,6 +615,16 @@ def demo_llm(request, servax_cache):
     llm = LLM(model=DEMO, **demo_engine_settings(request.param))
     print(f"\n{DEMO} model_impl={request.param}: LLM ready in {time.perf_counter() - start:.1f} s")
     return llm
+
+
+def test_demo_weights_are_asked_for_huge_pages(demo_llm):
+    """Once warm, every large weight array of the engine lies where Linux was asked for 2 MiB
+    pages (runtime/ops/huge_pages.py); the greedy test beside this one runs on them."""
+    from runtime.ops.huge_pages import host_ranges, huge_pages_allowed
+
+    ranges = host_ranges(demo_llm.engine.model.params)
+    assert ranges  # the demo model's head and (jax) stacked layers are megabytes each
+    assert [asked_for_huge_pages(lo) for lo, _ in ranges] == [huge_pages_allowed()] * len(ranges)
 
 
 @pytest.mark.slow

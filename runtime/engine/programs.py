@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -31,6 +32,7 @@ from runtime.engine.plan import ExecutionPlan
 from runtime.engine.runner_inputs import InputBuilder
 from runtime.engine.sampler import SamplerOutput, SamplingBatch, sample
 from runtime.ops.cpu_kernels import kernel_available
+from runtime.ops.huge_pages import advise_huge_pages, host_ranges, huge_pages_allowed
 from runtime.ops.layered import LayeredStep, layered_forward
 from runtime.ops.lora import LoRASlots
 from runtime.ops.step import LoadedModel, allocate_kv_cache
@@ -93,6 +95,12 @@ class ModelPrograms:
                                out_shardings=self.replicated)
         self.sample_kernel = _sample_kernel_usable(mesh)  # top-k / top-p cut by the C++ kernel
         self.compiled = BucketPrograms(self._lower)
+        # The weights in their final form onto 2 MiB pages (runtime/ops/huge_pages.py), on a
+        # thread of its own while the programs compile; warmup waits for it.
+        ranges = host_ranges(model.params) if huge_pages_allowed() else []
+        self._paging = threading.Thread(target=_advise_in_background, args=(ranges,), name="servax-huge-pages",
+                                        daemon=True)
+        self._paging.start()
 
     # -- running -------------------------------------------------------------------------
     @property
@@ -142,6 +150,7 @@ class ModelPrograms:
         before this returns; the rest compile on a background thread while the engine serves."""
         start = time.perf_counter()
         later = self.compile_programs(show_progress, background=self.plan.compile_in_background)
+        self._paging.join()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_DONATION_WARNING)
             if self.lora is not None:
@@ -275,3 +284,9 @@ def _sample_kernel_usable(mesh: Mesh) -> bool:
     if mesh.devices.size != 1 or next(iter(devices)).platform != "cpu":
         return False
     return kernel_available("truncation")
+
+
+def _advise_in_background(ranges: list[tuple[int, int]]) -> None:
+    """advise_huge_pages at a lower priority than the compilers beside it."""
+    lower_thread_priority()
+    advise_huge_pages(ranges)
