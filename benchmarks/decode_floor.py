@@ -10,9 +10,10 @@ A step also multiplies every weight by every token (2 x batch flops a weight): t
 floor, at the float32 rate of the machine's best general matrix product (NumPy's BLAS,
 measured in the same run), which at batch 32 on a few cores can exceed the bandwidth floor;
 the table's floor is the larger of the two.
-This measures the machine's read bandwidth in the same run, then the engine's own step
-time (`LLMEngine.step()`, host work included) at batch 1 and 32, timed over steps in which
-every request is decoding (after all prompts were prefilled).
+This measures the engine's own step time (`LLMEngine.step()`, host work included) at batch 1
+and 32, timed over steps in which every request is decoding (after all prompts were prefilled),
+in a few rounds, reading the machine's bandwidth before each: it drifts on a shared machine, so
+each round's step is set against its own floor, and step/floor is the median of those ratios.
 
     python benchmarks/decode_floor.py
     python benchmarks/decode_floor.py --attention-backends xla,cpu      # the C++ kernel against pure JAX (CPU)
@@ -46,6 +47,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="timings per batch size, each with its own bandwidth")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantization", default=None, help="int8 (or gguf for a .gguf model)")
     parser.add_argument("--attention-backends", default="auto",
@@ -58,8 +60,8 @@ def main() -> None:
 
     path = bench_model_path(args.model) if args.model else bench_checkpoint()
     batches = [int(b) for b in args.batches.split(",")]
-    bandwidth, flops = memory_read_bandwidth(), matmul_flops_per_s()
-    rows = []
+    flops = matmul_flops_per_s()
+    rows, bandwidths = [], []
     for backend, kv in [(b, kv) for b in args.attention_backends.split(",") for kv in args.kv_cache_dtypes.split(",")]:
         llm = LLM(
             model=str(path), model_impl=args.impl, dtype=args.dtype, quantization=args.quantization,
@@ -68,12 +70,14 @@ def main() -> None:
             kv_cache_dtype=kv,
         )
         weight_bytes = _weights_read(path, llm.engine.model.params)
-        rows += _decode_rows(llm, backend, batches, args, weight_bytes, bandwidth, flops)
+        rows += _decode_rows(llm, backend, batches, args, weight_bytes, bandwidths, flops)
         assert llm.engine.stats().compilations_since_warmup == 0
         del llm
     body = (
-        f"read bandwidth measured: {bandwidth / 1e9:.1f} GB/s; float32 GEMM rate measured: {flops / 1e9:.0f} "
-        f"GFLOP/s; impl={args.impl}; prompt {args.prompt_len}, {args.new_tokens} new tokens\n\n"
+        f"read bandwidth measured before each round: {min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f} GB/s "
+        f"(floor: at each row's median); float32 GEMM rate measured: {flops / 1e9:.0f} GFLOP/s; impl={args.impl}; "
+        f"prompt {args.prompt_len}, {args.new_tokens} new tokens; step: the best of {args.rounds} rounds, "
+        "step/floor: the median of the rounds' own ratios\n\n"
         + table(["attention", "batch", "weights MB", "KV read MB", "bandwidth floor ms", "compute floor ms",
                  "step ms", "step/floor", "tokens/s"], rows)
     )
@@ -101,10 +105,13 @@ def _weights_read(path: Path, params):
     return lambda batch: dense + experts * (1 - (1 - k / count) ** batch)
 
 
-def _decode_rows(llm, backend: str, batches: list[int], args, weight_bytes, bandwidth: float,
+def _decode_rows(llm, backend: str, batches: list[int], args, weight_bytes, bandwidths: list[float],
                  flops: float) -> list[list]:
-    """One engine's table rows: its pure-decode step time at each batch size."""
+    """One engine's table rows: its pure-decode step time at each batch size, in `args.rounds`
+    rounds, the read bandwidth read before each (appended to `bandwidths`): on a shared machine
+    it drifts, so each round's step is set against its own floor."""
     import jax
+    import numpy as np
 
     engine = llm.engine
     held = engine.model.params
@@ -116,16 +123,21 @@ def _decode_rows(llm, backend: str, batches: list[int], args, weight_bytes, band
     label = f"{cache.attention_backend} ({backend}), {cache.half_bits or cache.k.dtype} KV"
     rows = []
     for batch in batches:
-        step_s = decode_step_ms(llm, [None] * batch, args.prompt_len, args.new_tokens, f"{backend}-b{batch}") / 1e3
         steps = args.new_tokens // 2
         context = args.prompt_len + steps  # mean context over the timed steps (about)
         kv_read = batch * context * kv_bytes_per_token
-        read_floor = (weight_bytes(batch) + kv_read) / bandwidth
         compute_floor = 2 * batch * weight_bytes(batch) * per_byte / flops
-        floor = max(read_floor, compute_floor)
+        times, ratios, read = [], [], []
+        for r in range(args.rounds):
+            bandwidths.append(memory_read_bandwidth(repeats=3))
+            read.append((weight_bytes(batch) + kv_read) / bandwidths[-1])
+            times.append(decode_step_ms(llm, [None] * batch, args.prompt_len, args.new_tokens,
+                                        f"{backend}-b{batch}-{r}") / 1e3)
+            ratios.append(times[-1] / max(read[-1], compute_floor))
+        step_s, read_floor = min(times), float(np.median(read))
         rows.append([
             label, batch, f"{weight_bytes(batch) / 1e6:.0f}", f"{kv_read / 1e6:.1f}", f"{read_floor * 1e3:.1f}",
-            f"{compute_floor * 1e3:.1f}", f"{step_s * 1e3:.1f}", f"{step_s / floor:.2f}", f"{batch / step_s:.0f}",
+            f"{compute_floor * 1e3:.1f}", f"{step_s * 1e3:.1f}", f"{np.median(ratios):.2f}", f"{batch / step_s:.0f}",
         ])
     return rows
 
