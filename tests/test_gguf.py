@@ -617,6 +617,7 @@ def demo_llm(request, servax_cache):
     return llm
 
 
+@pytest.mark.slow
 def test_demo_weights_are_asked_for_huge_pages(demo_llm):
     """Once warm, every large weight array of the engine lies where Linux was asked for 2 MiB
     pages (runtime/ops/huge_pages.py); the greedy test beside this one runs on them."""

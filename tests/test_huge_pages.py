@@ -1,5 +1,6 @@
 """Host arrays on 2 MiB pages (runtime/ops/huge_pages.py): which ranges are asked for, that Linux
-marks them (its smaps), that contents never change, and that an engine's weights get there."""
+marks them (its smaps), that contents never change, and the switch that turns it off. That an
+engine's weights get there: tests/test_gguf.py (the demo model's)."""
 
 from __future__ import annotations
 

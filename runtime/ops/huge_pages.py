@@ -2,10 +2,9 @@
 
 A decode step on the CPU streams every weight of the model once, matrix after matrix, most of
 them a megabyte or less. On 4 KiB pages each page of a matrix costs the core a TLB miss and a
-page walk (a two-level one in a virtual machine) that the hardware prefetchers do not hide at
-the start of each matrix's stream: the packed products then read their weights well under the
-machine's bandwidth, where a long read of the same bytes does not suffer (measured in
-benchmarks/RESULTS.md, stop 54). Linux backs anonymous memory with 2 MiB pages only where a
+page walk (a two-dimensional one in a virtual machine), and the packed products read their
+weights well under the machine's bandwidth (measured in benchmarks/RESULTS.md, stop 54;
+NumPy asks the same for its own large arrays). Linux backs anonymous memory with 2 MiB pages only where a
 program asks (`/sys/kernel/mm/transparent_hugepage/enabled` is `madvise` on most
 distributions), so once the weights are in their final form the runtime asks for each large
 host array: `madvise(MADV_HUGEPAGE)` marks its range and `madvise(MADV_COLLAPSE)` (Linux 6.1+)
