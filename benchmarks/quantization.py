@@ -84,6 +84,7 @@ def main() -> None:
                for name, extra in FORMATS.items() if name in chosen}
     # This machine's bandwidth drifts (other tenants of a virtual machine's host): it is read
     # again before each round, and each step is compared with its own round's floor.
+    reads = {name: weights_read(llm.engine.model.params) for name, llm in engines.items()}  # bytes a step
     times: dict[tuple[str, int], float] = {}
     ratios: dict[tuple[str, int], list[float]] = {}
     bandwidths = []
@@ -93,8 +94,7 @@ def main() -> None:
             for name, llm in engines.items():
                 ms = decode_step_ms(llm, [None] * batch, 64, args.new_tokens, f"{r}-{name}-{batch}")
                 times[(name, batch)] = min(times.get((name, batch), ms), ms)
-                read = weights_read(llm.engine.model.params)
-                ratios.setdefault((name, batch), []).append(ms / (read / bandwidths[-1] * 1e3))
+                ratios.setdefault((name, batch), []).append(ms / (reads[name] / bandwidths[-1] * 1e3))
     bandwidth = float(np.median(bandwidths))
     tokenizer = engines["float32"].get_tokenizer()
     prompts = [tokenizer.encode(p) for p in PROMPTS]
@@ -103,7 +103,7 @@ def main() -> None:
         [{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
     rows = []
     for name, llm in engines.items():
-        read = weights_read(llm.engine.model.params)
+        read = reads[name]
         agree = agreement(llm, continuations, prompts)
         for batch in batches:
             ms, floor = times[(name, batch)], read / bandwidth * 1e3
