@@ -619,16 +619,13 @@ def demo_llm(request, servax_cache):
 
 @pytest.mark.slow
 def test_demo_weights_are_asked_for_huge_pages(demo_llm):
-    """Once warm, every large weight array of the engine, and its KV cache, lies where Linux was
-    asked for 2 MiB pages (runtime/ops/huge_pages.py); the greedy test beside this one runs on
-    them."""
+    """Once warm, every large weight array of the engine lies where Linux was asked for 2 MiB
+    pages (runtime/ops/huge_pages.py); the greedy test beside this one runs on them."""
     from runtime.ops.huge_pages import host_ranges, huge_pages_allowed
 
-    programs = demo_llm.engine.programs
-    for tree in (demo_llm.engine.model.params, (programs.kv_cache.k, programs.kv_cache.v)):
-        ranges = host_ranges(tree)
-        assert ranges  # the demo model's head and (jax) stacked layers are megabytes each, so is the cache
-        assert [asked_for_huge_pages(lo) for lo, _ in ranges] == [huge_pages_allowed()] * len(ranges)
+    ranges = host_ranges(demo_llm.engine.model.params)
+    assert ranges  # the demo model's head and (jax) stacked layers are megabytes each
+    assert [asked_for_huge_pages(lo) for lo, _ in ranges] == [huge_pages_allowed()] * len(ranges)
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
-"""Host arrays on 2 MiB pages (runtime/ops/huge_pages.py): which ranges are asked for and in what
-order, that Linux marks them (its smaps), that contents never change, and the switch that turns
-it off. That an engine's weights and KV cache get there: tests/test_gguf.py (the demo model's)."""
+"""Host arrays on 2 MiB pages (runtime/ops/huge_pages.py): which ranges are asked for, that Linux
+marks them (its smaps), that contents never change, and the switch that turns it off. That an
+engine's weights get there: tests/test_gguf.py (the demo model's)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 from conftest import asked_for_huge_pages
 
-from runtime.ops.huge_pages import (HUGE_PAGE, back_with_huge_pages, host_ranges, huge_pages_allowed, mark_huge_pages,
-                                     pages_by_slab_offset)
+from runtime.ops.huge_pages import HUGE_PAGE, back_with_huge_pages, host_ranges, huge_pages_allowed
 
 
 def test_ranges_are_the_whole_huge_pages_inside_each_large_buffer():
@@ -48,25 +47,3 @@ def test_the_environment_can_turn_the_request_off():
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SERVAX_HUGE_PAGES": "0"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "0"
-
-
-def test_pages_by_slab_offset_come_lowest_offset_first_over_every_slab():
-    cache = jnp.zeros((3, 5 * HUGE_PAGE // 8), jnp.float32) + 0  # 3 layers of 2.5 huge pages each
-    slab = cache.nbytes // 3
-    start = cache.unsafe_buffer_pointer()
-    pages = pages_by_slab_offset({"k": cache, "small": jnp.ones(16)})
-    ((lo, hi),) = host_ranges(cache)
-    assert sorted(pages) == [(p, p + HUGE_PAGE) for p in range(lo, hi, HUGE_PAGE)]  # each whole page once
-    offsets = [((p - start) % slab, (p - start) // slab) for p, _ in pages]
-    assert offsets == sorted(offsets) and len({layer for _, layer in offsets}) == 3
-    assert offsets[0][0] < HUGE_PAGE  # the first pages hold the lowest blocks of the layers
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
-def test_marking_asks_for_huge_pages_and_keeps_the_values():
-    a = jnp.arange(3 * HUGE_PAGE // 4, dtype=jnp.float32) + 0
-    ranges = host_ranges(a)
-    marked = mark_huge_pages(ranges)
-    assert marked == (sum(hi - lo for lo, hi in ranges) if huge_pages_allowed() else 0)
-    assert asked_for_huge_pages(ranges[0][0]) == huge_pages_allowed()
-    np.testing.assert_array_equal(np.asarray(a), np.arange(3 * HUGE_PAGE // 4, dtype=np.float32))

@@ -32,8 +32,7 @@ from runtime.engine.plan import ExecutionPlan
 from runtime.engine.runner_inputs import InputBuilder
 from runtime.engine.sampler import SamplerOutput, SamplingBatch, sample
 from runtime.ops.cpu_kernels import kernel_available
-from runtime.ops.huge_pages import (advise_huge_pages, host_ranges, huge_pages_allowed, mark_huge_pages,
-                                     pages_by_slab_offset)
+from runtime.ops.huge_pages import advise_huge_pages, host_ranges, huge_pages_allowed
 from runtime.ops.layered import LayeredStep, layered_forward
 from runtime.ops.lora import LoRASlots
 from runtime.ops.step import LoadedModel, allocate_kv_cache
@@ -97,15 +96,10 @@ class ModelPrograms:
         self.sample_kernel = _sample_kernel_usable(mesh)  # top-k / top-p cut by the C++ kernel
         self.compiled = BucketPrograms(self._lower)
         # The weights in their final form onto 2 MiB pages (runtime/ops/huge_pages.py), on a
-        # thread of its own while the programs compile (warmup waits for them), then the KV
-        # cache, lowest blocks first, until warmup ends (the rest is left to the kernel).
-        allowed = huge_pages_allowed()
-        cache = (self.kv_cache.k, self.kv_cache.v)
-        self._weights_paged, self._serving = threading.Event(), threading.Event()
-        self._paging = threading.Thread(
-            target=_advise_in_background, name="servax-huge-pages", daemon=True,
-            args=(host_ranges(model.params) if allowed else [], host_ranges(cache) if allowed else [],
-                  pages_by_slab_offset(cache) if allowed else [], self._weights_paged, self._serving))
+        # thread of its own while the programs compile; warmup waits for it.
+        ranges = host_ranges(model.params) if huge_pages_allowed() else []
+        self._paging = threading.Thread(target=_advise_in_background, args=(ranges,), name="servax-huge-pages",
+                                        daemon=True)
         self._paging.start()
 
     # -- running -------------------------------------------------------------------------
@@ -156,7 +150,7 @@ class ModelPrograms:
         before this returns; the rest compile on a background thread while the engine serves."""
         start = time.perf_counter()
         later = self.compile_programs(show_progress, background=self.plan.compile_in_background)
-        self._weights_paged.wait()
+        self._paging.join()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_DONATION_WARNING)
             if self.lora is not None:
@@ -164,7 +158,6 @@ class ModelPrograms:
             t, s = self.plan.largest_bucket
             logits = self.run_step(self.inputs.padding_step(t, s))
             jax.block_until_ready(self.run_sample(logits, self.inputs.padding_sampling(s, False), use_penalties=False))
-        self._serving.set()  # the KV cache's collapse stops here: from now on steps need the cores
         if later:
             self.compiled.start(later)
         return time.perf_counter() - start
@@ -293,18 +286,7 @@ def _sample_kernel_usable(mesh: Mesh) -> bool:
     return kernel_available("truncation")
 
 
-def _advise_in_background(weights: list[tuple[int, int]], cache: list[tuple[int, int]],
-                          cache_pages: list[tuple[int, int]], weights_done: threading.Event,
-                          serving: threading.Event) -> None:
-    """advise_huge_pages for the weights and mark_huge_pages for the KV cache (then weights_done
-    is set), then advise_huge_pages for the cache's pages in block order until `serving` is
-    set, at a lower priority than the compilers beside it. What is left of the cache is the
-    kernel's to collapse (`khugepaged`): collapsing takes a core (and in a virtual machine the
-    host's time for each fresh 2 MiB page), which serving wants more."""
+def _advise_in_background(ranges: list[tuple[int, int]]) -> None:
+    """advise_huge_pages at a lower priority than the compilers beside it."""
     lower_thread_priority()
-    try:
-        advise_huge_pages(weights)
-        mark_huge_pages(cache)
-    finally:
-        weights_done.set()
-    advise_huge_pages(cache_pages, what="KV cache", keep_going=lambda: not serving.is_set())
+    advise_huge_pages(ranges)

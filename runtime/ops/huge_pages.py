@@ -1,23 +1,18 @@
 """Large host arrays backed by 2 MiB pages (Linux transparent huge pages), for XLA:CPU.
 
 A decode step on the CPU streams every weight of the model once, matrix after matrix, most of
-them a megabyte or less, and the attention reads each sequence's context from the KV cache in
-blocks of a few KiB scattered over gigabytes. On 4 KiB pages each page costs the core a TLB
-miss and a page walk (a two-dimensional one in a virtual machine): the packed products read
-their weights well under the machine's bandwidth, and a batch's attention its blocks
-(measured in benchmarks/RESULTS.md, stops 54 and 55; NumPy asks the same for its own large
-arrays). Linux backs anonymous memory with 2 MiB pages only where a program asks
-(`/sys/kernel/mm/transparent_hugepage/enabled` is `madvise` on most distributions), so the
-runtime asks for each large host array: `madvise(MADV_HUGEPAGE)` marks its range and
-`madvise(MADV_COLLAPSE)` (Linux 6.1+) moves what is already there onto huge pages at once; on
-older kernels the kernel's `khugepaged` does it in the background. The weights are asked for
-once they are in their final form; the KV cache page by page, the lowest blocks of every layer
-first (the order the block pool hands them out), while the engine serves. Only whole 2 MiB-
-aligned pages inside an array are asked for (an array's first and last partial pages stay as
-they are), so nothing outside the arrays changes, and the contents never do (a collapse copies
-a page under the kernel's locks: safe while programs read and write it). Where the system says
-`never`, or is not Linux, nothing happens; SERVAX_HUGE_PAGES=0 in the environment turns the
-request off (to compare).
+them a megabyte or less. On 4 KiB pages each page of a matrix costs the core a TLB miss and a
+page walk (a two-dimensional one in a virtual machine), and the packed products read their
+weights well under the machine's bandwidth (measured in benchmarks/RESULTS.md, stop 54;
+NumPy asks the same for its own large arrays). Linux backs anonymous memory with 2 MiB pages only where a
+program asks (`/sys/kernel/mm/transparent_hugepage/enabled` is `madvise` on most
+distributions), so once the weights are in their final form the runtime asks for each large
+host array: `madvise(MADV_HUGEPAGE)` marks its range and `madvise(MADV_COLLAPSE)` (Linux 6.1+)
+moves what is already there onto huge pages at once; on older kernels the kernel's
+`khugepaged` does it in the background. Only whole 2 MiB-aligned pages inside an array are
+asked for (an array's first and last partial pages stay as they are), so nothing outside the
+arrays changes, and the contents never do. Where the system says `never`, or is not Linux,
+nothing happens; SERVAX_HUGE_PAGES=0 in the environment turns the request off (to compare).
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 
@@ -71,71 +66,29 @@ def host_ranges(tree: Any, least: int = HUGE_PAGE) -> list[tuple[int, int]]:
     return sorted(ranges)
 
 
-def _madvise() -> Callable[[int, int, int], int]:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise
-
-
-def mark_huge_pages(ranges: list[tuple[int, int]]) -> int:
-    """madvise(MADV_HUGEPAGE) on each (start, end) range of `host_ranges` and nothing more: pages
-    written there from now on, and those `khugepaged` gets to, become 2 MiB pages (a range marked
-    whole stays one mapping however its pages are collapsed later). Returns the bytes marked."""
-    if not huge_pages_allowed():
-        return 0
-    madvise = _madvise()
-    return sum(hi - lo for lo, hi in ranges if madvise(lo, hi - lo, MADV_HUGEPAGE) == 0)
-
-
-def pages_by_slab_offset(tree: Any) -> list[tuple[int, int]]:
-    """Every whole 2 MiB page inside each large host buffer of the arrays in `tree`, as
-    (start, end), ordered by where the page lies within its slab: each buffer cut into
-    `shape[0]` equal slabs (a KV cache's layers), so that the pages holding the lowest blocks of
-    every layer come first."""
-    pages = []
-    for leaf in jax.tree.leaves(tree):
-        if not isinstance(leaf, jax.Array) or leaf.is_deleted():
-            continue
-        for shard in leaf.addressable_shards:
-            buffer = shard.data
-            if buffer.device.platform != "cpu" or buffer.nbytes < HUGE_PAGE:
-                continue
-            start = buffer.unsafe_buffer_pointer()
-            slab = max(buffer.nbytes // max(buffer.shape[0], 1), 1) if buffer.ndim else buffer.nbytes
-            lo = -(-start // HUGE_PAGE) * HUGE_PAGE
-            for page in range(lo, start + buffer.nbytes - HUGE_PAGE + 1, HUGE_PAGE):
-                pages.append(((page - start) % slab, (page - start) // slab, page))
-    return [(page, page + HUGE_PAGE) for _, _, page in sorted(set(pages))]
-
-
-def advise_huge_pages(ranges: list[tuple[int, int]], what: str = "weights",
-                      keep_going: Callable[[], bool] = lambda: True) -> int:
+def advise_huge_pages(ranges: list[tuple[int, int]]) -> int:
     """Ask Linux to back each (start, end) range of `host_ranges` with 2 MiB pages, now where the
     kernel can (MADV_COLLAPSE) and otherwise in the background. Returns the bytes asked for (0
     where the system gives no huge pages). Never raises for the system's refusal (a range since
     freed, a kernel without MADV_COLLAPSE): the arrays stay correct either way, only their
-    speed differs. Safe while programs read and write the arrays (the kernel moves pages under
-    its locks). `what` names the arrays in the log line; `keep_going() == False` stops before the
-    next range (the arrays' owner is gone)."""
+    speed differs. Safe while programs read the arrays (the kernel moves pages under a lock)."""
     if not ranges or not huge_pages_allowed():
         return 0
-    madvise = _madvise()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     start, asked, collapsed = time.perf_counter(), 0, 0
     for lo, hi in ranges:
-        if not keep_going():
-            break
-        if madvise(lo, hi - lo, MADV_HUGEPAGE) != 0:
+        if libc.madvise(lo, hi - lo, MADV_HUGEPAGE) != 0:
             continue
         asked += hi - lo
-        if madvise(lo, hi - lo, MADV_COLLAPSE) == 0:
+        if libc.madvise(lo, hi - lo, MADV_COLLAPSE) == 0:
             collapsed += hi - lo
     if asked:
-        logger.info("%s: %.0f MiB on 2 MiB pages (%.0f MiB now, the rest as the kernel gets to it; %.2f s)",
-                    what, asked / 2**20, collapsed / 2**20, time.perf_counter() - start)
+        logger.info("weights: %.0f MiB on 2 MiB pages (%.0f MiB now, the rest as the kernel gets to it; %.2f s)",
+                    asked / 2**20, collapsed / 2**20, time.perf_counter() - start)
     return asked
 
 
 def back_with_huge_pages(tree: Any) -> int:
     """advise_huge_pages for the large host arrays of `tree` (a pytree of jax.Arrays)."""
     return advise_huge_pages(host_ranges(tree)) if huge_pages_allowed() else 0
-
