@@ -28,7 +28,7 @@ from models_jax.weights import (
     embedding, head_bias, join_outputs, linear, linear_from_heads, linear_to_heads, stacked, vector, zeros,
 )
 from runtime.ops.attention import NO_SLIDING_WINDOW, paged_attention
-from runtime.ops.matmul import PackedWeight, pack_matrix
+from runtime.ops.matmul import PackedWeight, dot_mlp_block, mlp_block_fusable, pack_matrix
 from runtime.ops.quantization import transpose_matrix
 from runtime.ops.lora import LoRATarget
 from runtime.ops.step import KVCache, StepInput
@@ -162,7 +162,8 @@ def attention_block(
     sin: jax.Array,  # [T, hd]
     a: LlamaArgs,
     window: int | jax.Array | None,
-) -> tuple[jax.Array, KVCache]:  # [T, D], the cache with layer i written
+    project: bool = True,
+) -> tuple[jax.Array, KVCache]:  # [T, D] ([T, heads, hd] before o where not `project`), the cache, layer i written
     lora = _lora(p, batch)
     with jax.named_scope("qkv"):
         if "qkv" in p:  # joined by fuse_layer
@@ -183,6 +184,8 @@ def attention_block(
         out, kv_cache = paged_attention(  # "sinks": gpt-oss's per-head sink logits (models_jax/gpt_oss.py)
             q, k, v, kv_cache, batch, layer=i, scale=a.head_dim**-0.5, sliding_window=window, sinks=p.get("sinks"),
         )
+    if not project:
+        return out, kv_cache
     with jax.named_scope("o"):
         y = layers.project_from_heads(out, p["o"], p.get("o_bias"), batch.num_tokens)
         if lora is not None:
@@ -210,12 +213,27 @@ def layer(
 ) -> tuple[jax.Array, KVCache]:  # [T, D], the cache with layer i written
     """One pre-norm decoder layer: x + attention(norm(x)), then + mlp(norm(x))."""
     h = layers.rms_norm(x, p["input_norm"], a.rms_norm_eps)
+    if _mlp_block(x, p, batch):  # o to the layer's end in one kernel call (runtime/ops/matmul.py)
+        out, kv_cache = attention_block(h, p, kv_cache, i, batch, cos, sin, a, window, project=False)
+        mlp = p["mlp"]
+        with jax.named_scope("o_mlp"):
+            return dot_mlp_block(out.reshape(out.shape[0], -1), x, p["o"], p["post_attn_norm"], a.rms_norm_eps,
+                                 mlp["gate_up"], mlp["down"], batch.num_tokens), kv_cache
     h, kv_cache = attention_block(h, p, kv_cache, i, batch, cos, sin, a, window)
     x = x + h
     with jax.named_scope("mlp"):
         x = x + layers.gated_mlp(layers.rms_norm(x, p["post_attn_norm"], a.rms_norm_eps), p["mlp"], _lora(p, batch),
                                  batch.num_tokens)
     return x, kv_cache
+
+
+def _mlp_block(x: jax.Array, p: dict, batch: StepInput) -> bool:
+    """Whether the layer's o projection, residuals, post-attention norm and MLP run as one
+    dot_mlp_block: its o, gate_up and down packed for int8 activations, no biases, no LoRA."""
+    mlp = p.get("mlp", {})
+    if _lora(p, batch) is not None or "o_bias" in p or any(k in mlp for k in ("gate_up_bias", "down_bias")):
+        return False
+    return "gate_up" in mlp and mlp_block_fusable(x, p["o"], mlp["gate_up"], mlp["down"])
 
 
 def fuse_layer(p: dict) -> dict:

@@ -50,6 +50,7 @@ INT8_MATMUL_TARGET = "servax_int8_matmul"  # ... as int8 with grouped or per-cha
 UINT4_MATMUL_TARGET = "servax_uint4_matmul"  # ... as 4-bit values with scales and offsets
 INT8_DOT_TARGET = "servax_int8_dot_matmul"  # ... int8 weights, activations quantized to int8 (PackedWeight.dot)
 UINT4_DOT_TARGET = "servax_uint4_dot_matmul"  # ... 4-bit weights, likewise
+DOT_MLP_BLOCK_TARGET = "servax_dot_mlp_block"  # ... a layer's o, residual, norm and MLP by those products
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +74,7 @@ KERNELS = {k.name: k for k in (
     Kernel("matmul_formats", "matmul_formats.cc", "ServaxBf16Matmul", BF16_MATMUL_TARGET,
            more=(("ServaxInt8Matmul", INT8_MATMUL_TARGET), ("ServaxUInt4Matmul", UINT4_MATMUL_TARGET))),
     Kernel("matmul_dot", "matmul_dot.cc", "ServaxInt8DotMatmul", INT8_DOT_TARGET,
-           more=(("ServaxUInt4DotMatmul", UINT4_DOT_TARGET),)),
+           more=(("ServaxUInt4DotMatmul", UINT4_DOT_TARGET), ("ServaxDotMlpBlock", DOT_MLP_BLOCK_TARGET))),
 )}
 
 SOURCE_DIR = Path(__file__).with_name("kernels")

@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from runtime.ops.quantization import QuantizedWeight
-from runtime.ops.cpu_kernels import (BF16_MATMUL_TARGET, GROUPED_MATMUL_TARGET, INT8_DOT_TARGET, INT8_MATMUL_TARGET,
-                                     MATMUL_TARGET, UINT4_DOT_TARGET, UINT4_MATMUL_TARGET, cpu_flags, kernel_available,
-                                     kernel_library, kernel_status)
+from runtime.ops.cpu_kernels import (BF16_MATMUL_TARGET, DOT_MLP_BLOCK_TARGET, GROUPED_MATMUL_TARGET,
+                                     INT8_DOT_TARGET, INT8_MATMUL_TARGET, MATMUL_TARGET, UINT4_DOT_TARGET,
+                                     UINT4_MATMUL_TARGET, cpu_flags, kernel_available, kernel_library, kernel_status)
 
 PANEL = 16  # output columns per packed panel (runtime/ops/kernels/matmul.cc kPanel)
 
@@ -185,6 +185,38 @@ class PackedWeight:
         if self.offsets is None:
             return q * scale
         return q * scale + jnp.repeat(self.offsets[p, :, j].astype(jnp.float32), group, axis=1)
+
+
+def mlp_block_fusable(x: jax.Array, o: object, gate_up: object, down: object) -> bool:
+    """Whether `dot_mlp_block` takes this layer: float32 activations, and o, gate_up (gate and up
+    side by side) and down all packed for int8 activations (int8 or 4-bit, PackedWeight.dot) with
+    matching shapes, either all of one stacked layer or none stacked, and the kernel built."""
+    w = (o, gate_up, down)
+    if x.dtype != jnp.float32 or not all(isinstance(m, PackedWeight) and m.dot for m in w):
+        return False
+    if len({m.layer is None for m in w}) != 1 or len({m.panels.ndim for m in w}) != 1:
+        return False
+    d, f = o.shape[1], gate_up.shape[1] // 2
+    return (x.shape[-1] == d and gate_up.shape == (d, 2 * f) and down.shape == (f, d)
+            and kernel_available("matmul_dot"))
+
+
+def dot_mlp_block(attn: jax.Array, x: jax.Array, o: PackedWeight, norm: jax.Array, eps: float,
+                  gate_up: PackedWeight, down: PackedWeight, valid_rows: jax.Array | int | None = None
+                  ) -> jax.Array:
+    """The second half of a pre-norm decoder layer in one call of the C++ kernel
+    (runtime/ops/kernels/matmul_dot.cc): x1 = x + attn @ o, then x1 + down(silu(gate) * up) with
+    [gate, up] = rms_norm(x1) @ gate_up: what the layer computes op by op, each product with the
+    activations quantized to int8 as PackedWeight.matmul's. attn [M, in of o] and x [M, D]
+    float32; norm [D]; with `valid_rows` only that many leading rows are multiplied (the rest
+    come out as x). Only where `mlp_block_fusable`."""
+    rows = jnp.reshape(jnp.asarray(x.shape[0] if valid_rows is None else valid_rows, jnp.int32), (1,))
+    meta = rows if o.layer is None else jnp.concatenate([rows, jnp.reshape(o.layer, (1,))])
+    none = jnp.zeros((0,), jnp.float32)
+    weights = [a for m in (o, gate_up, down) for a in (m.panels, m.scales, none if m.offsets is None else m.offsets)]
+    operands = [attn.astype(jnp.float32), x, *weights[:3], norm.astype(jnp.float32), *weights[3:], meta]
+    call = jax.ffi.ffi_call(DOT_MLP_BLOCK_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32))
+    return call(*operands, eps=np.float32(eps), intermediate=np.int64(down.shape[0]))
 
 
 def is_packed(x: object) -> bool:

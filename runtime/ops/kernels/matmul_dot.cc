@@ -431,6 +431,89 @@ ffi::Error UInt4Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
                             p.dims[0], scales, &offsets, s.offset, s.dims[1], out->typed_data());
 }
 
+
+// ---- the second half of a decoder layer ------------------------------------------------------
+//
+// A pre-norm layer ends: x1 = x + attn . Wo; out = x1 + Wdown . (silu(gate) * up), where
+// [gate, up] = rmsnorm(x1) . Wgate_up. With int8-activation products each of the three is a call
+// of its own, and between them XLA runs the residual adds, the norm's four small programs and the
+// activation: at batch 1 a dozen thunks a layer that each cost about as much as their work. Here
+// they run on the calling thread between the products (the rows past `valid` come out as x, as the
+// separate ops give them: zero products added).
+
+// One operand of a block: int8 quads (S8, 64 bytes a quad) or 4-bit ones (U8, 32 bytes a quad, with
+// offsets), scales and offsets as matmul_dot's products take them; `offsets` of an int8 operand is
+// ignored (an empty array).
+ffi::Error BlockProduct(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t valid, int64_t K, int64_t N,
+                        ffi::AnyBuffer panels, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
+                        ffi::Buffer<ffi::S32>& meta, float* c) {
+  servax::LayerView p, s;
+  const bool u4 = panels.element_type() == ffi::DataType::U8;
+  if ((!u4 && panels.element_type() != ffi::DataType::S8) || !servax::ViewLayer(panels.dimensions(), meta, p) ||
+      !servax::ViewLayer(scales.dimensions(), meta, s) || p.dims[2] != (u4 ? U4::kQuad : I8::kQuad) ||
+      p.dims[1] * 4 != K || p.dims[0] * kPanel != N || s.dims[0] != p.dims[0] || s.dims[2] != kPanel ||
+      s.dims[1] <= 0 || K % s.dims[1] != 0 ||
+      (u4 && !std::equal(scales.dimensions().begin(), scales.dimensions().end(), offsets.dimensions().begin(),
+                         offsets.dimensions().end())))
+    return ffi::Error::InvalidArgument("int8-activation MLP block: each matrix as quads [(L,) N/16, K/4, 64] int8 or "
+                                       "[(L,) N/16, K/4, 32] uint8, scales (and a 4-bit one's offsets) "
+                                       "[(L,) N/16, G, 16], G dividing K");
+  if (u4)
+    return MultiplyScaled<U4>(pool, x, rows, valid, K, panels.reinterpret_data<uint8_t>() + p.offset, p.dims[0],
+                              scales, &offsets, s.offset, s.dims[1], c);
+  return MultiplyScaled<I8>(pool, x, rows, valid, K, panels.reinterpret_data<int8_t>() + p.offset, p.dims[0], scales,
+                            nullptr, s.offset, s.dims[1], c);
+}
+
+// Panels of 16 columns: a product's result has the columns rounded up to whole panels.
+int64_t Padded(int64_t n) { return (n + kPanel - 1) / kPanel * kPanel; }
+
+ffi::Error DotMlpBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> attn, ffi::Buffer<ffi::F32> residual,
+                       ffi::AnyBuffer o, ffi::AnyBuffer o_scales, ffi::AnyBuffer o_offsets, ffi::Buffer<ffi::F32> norm,
+                       ffi::AnyBuffer gate_up, ffi::AnyBuffer gate_up_scales, ffi::AnyBuffer gate_up_offsets,
+                       ffi::AnyBuffer down, ffi::AnyBuffer down_scales, ffi::AnyBuffer down_offsets,
+                       ffi::Buffer<ffi::S32> meta, float eps, int64_t intermediate, ffi::ResultBuffer<ffi::F32> out) {
+  const auto ad = attn.dimensions(), xd = residual.dimensions();
+  if (ad.size() != 2 || xd.size() != 2 || ad[0] != xd[0] || norm.element_count() != xd[1] ||
+      out->dimensions().size() != 2 || out->dimensions()[0] != xd[0] || out->dimensions()[1] != xd[1] ||
+      intermediate <= 0 || meta.element_count() < 1)
+    return ffi::Error::InvalidArgument("int8-activation MLP block: attn [M, A], residual and out [M, D], norm [D], "
+                                       "intermediate > 0, meta [valid rows(, layer)]");
+  const int64_t M = xd[0], D = xd[1], F = intermediate, valid = std::clamp<int64_t>(meta.typed_data()[0], 0, M);
+  const int64_t Dp = Padded(D), Fp = Padded(2 * F);
+  thread_local std::vector<float> y, h, g, a;  // the calling thread's scratch, reused from call to call
+  y.resize(M * Dp), h.resize(M * D), g.resize(M * Fp), a.resize(M * F);
+  const float* x = residual.typed_data();
+  float* x1 = out->typed_data();
+  if (auto e = BlockProduct(pool, attn.typed_data(), M, valid, ad[1], Dp, o, o_scales, o_offsets, meta, y.data());
+      e.failure())
+    return e;
+  const float* w = norm.typed_data();
+  for (int64_t r = 0; r < M; ++r) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < D; ++i) {
+      x1[r * D + i] = x[r * D + i] + y[r * Dp + i];
+      ss += x1[r * D + i] * x1[r * D + i];
+    }
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+    for (int64_t i = 0; i < D; ++i) h[r * D + i] = w[i] * (x1[r * D + i] * inv);
+  }
+  if (auto e = BlockProduct(pool, h.data(), M, valid, D, Fp, gate_up, gate_up_scales, gate_up_offsets, meta, g.data());
+      e.failure())
+    return e;
+  for (int64_t r = 0; r < valid; ++r)
+    for (int64_t i = 0; i < F; ++i) {
+      const float gate = g[r * Fp + i];
+      a[r * F + i] = gate / (1.0f + std::exp(-gate)) * g[r * Fp + F + i];
+    }
+  if (auto e = BlockProduct(pool, a.data(), M, valid, F, Dp, down, down_scales, down_offsets, meta, y.data());
+      e.failure())
+    return e;
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t i = 0; i < D; ++i) x1[r * D + i] += y[r * Dp + i];
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxInt8DotMatmul, Int8Dot,
@@ -451,3 +534,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxUInt4DotMatmul, UInt4Dot,
                                   .Arg<ffi::AnyBuffer>()  // offsets [N / 16, G, 16], as the scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // meta: [valid rows] or [valid rows, layer]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxDotMlpBlock, DotMlpBlock,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // attn [M, A]: the attention's output, heads joined
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // residual x [M, D]
+                                  .Arg<ffi::AnyBuffer>()  // o quads [(L,) D/16, A/4, 64 or 32]
+                                  .Arg<ffi::AnyBuffer>()  // o scales [(L,) D/16, G, 16]
+                                  .Arg<ffi::AnyBuffer>()  // o offsets (4-bit; else empty)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // the post-attention RMSNorm's weight [D]
+                                  .Arg<ffi::AnyBuffer>()  // gate_up quads [(L,) 2F/16, D/4, ..]: gate, then up
+                                  .Arg<ffi::AnyBuffer>()  // gate_up scales
+                                  .Arg<ffi::AnyBuffer>()  // gate_up offsets
+                                  .Arg<ffi::AnyBuffer>()  // down quads [(L,) D/16, F/4, ..]
+                                  .Arg<ffi::AnyBuffer>()  // down scales
+                                  .Arg<ffi::AnyBuffer>()  // down offsets
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // meta: [valid rows] or [valid rows, layer]
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("intermediate")  // F
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, D]: x1 + the MLP of x1
