@@ -179,10 +179,15 @@ def project_to_joined_heads(
     """x: [T, D] @ w: [D, sum(heads) * head_dim] (+ b) -> one [T, h, head_dim] per entry of
     `heads`: projections whose weights were joined side by side (models_jax.weights.join_outputs).
     rows: see `matmul`."""
-    y = matmul(x, w, rows)
+    return split_joined_heads(matmul(x, w, rows), b, heads, head_dim)
+
+
+def split_joined_heads(y: jax.Array, b: jax.Array | None, heads: tuple[int, ...], head_dim: int) -> list[jax.Array]:
+    """y [T, sum(heads) * head_dim], a joined projection's output (+ b), as one [T, h, head_dim]
+    per entry of `heads`."""
     y = y if b is None else y + b
     bounds = np.cumsum([h * head_dim for h in heads])[:-1].tolist()
-    return [part.reshape(x.shape[0], h, head_dim) for part, h in zip(jnp.split(y, bounds, axis=-1), heads)]
+    return [part.reshape(y.shape[0], h, head_dim) for part, h in zip(jnp.split(y, bounds, axis=-1), heads)]
 
 
 def project_from_heads(x: jax.Array, w: Any, b: jax.Array | None = None, rows: jax.Array | None = None) -> jax.Array:

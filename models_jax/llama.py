@@ -28,7 +28,8 @@ from models_jax.weights import (
     embedding, head_bias, join_outputs, linear, linear_from_heads, linear_to_heads, stacked, vector, zeros,
 )
 from runtime.ops.attention import NO_SLIDING_WINDOW, paged_attention
-from runtime.ops.matmul import PackedWeight, dot_mlp_block, mlp_block_fusable, pack_matrix
+from runtime.ops.matmul import (PackedWeight, dot_mlp_block, dot_norm_matmul, mlp_block_fusable,
+                                norm_matmul_fusable, pack_matrix)
 from runtime.ops.quantization import transpose_matrix
 from runtime.ops.lora import LoRATarget
 from runtime.ops.step import KVCache, StepInput
@@ -163,11 +164,15 @@ def attention_block(
     a: LlamaArgs,
     window: int | jax.Array | None,
     project: bool = True,
+    norm: jax.Array | None = None,  # x not yet normed: this RMSNorm and qkv in one kernel call (`_fusions`)
 ) -> tuple[jax.Array, KVCache]:  # [T, D] ([T, heads, hd] before o where not `project`), the cache, layer i written
     lora = _lora(p, batch)
     with jax.named_scope("qkv"):
-        if "qkv" in p:  # joined by fuse_layer
-            kv_heads = a.num_kv_heads * a.kv_repeat
+        kv_heads = a.num_kv_heads * a.kv_repeat
+        if norm is not None:
+            y = dot_norm_matmul(x, norm, a.rms_norm_eps, p["qkv"], batch.num_tokens)
+            q, k, v = layers.split_joined_heads(y, p.get("qkv_bias"), (a.num_heads, kv_heads, kv_heads), a.head_dim)
+        elif "qkv" in p:  # joined by fuse_layer
             q, k, v = layers.project_to_joined_heads(x, p["qkv"], p.get("qkv_bias"),
                                                      (a.num_heads, kv_heads, kv_heads), a.head_dim, batch.num_tokens)
         else:
@@ -212,14 +217,16 @@ def layer(
     window: int | jax.Array | None,
 ) -> tuple[jax.Array, KVCache]:  # [T, D], the cache with layer i written
     """One pre-norm decoder layer: x + attention(norm(x)), then + mlp(norm(x))."""
-    h = layers.rms_norm(x, p["input_norm"], a.rms_norm_eps)
-    if _mlp_block(x, p, batch):  # o to the layer's end in one kernel call (runtime/ops/matmul.py)
-        out, kv_cache = attention_block(h, p, kv_cache, i, batch, cos, sin, a, window, project=False)
+    norm_qkv, mlp_block = _fusions(x, p, batch)
+    h = x if norm_qkv else layers.rms_norm(x, p["input_norm"], a.rms_norm_eps)
+    norm = p["input_norm"] if norm_qkv else None
+    if mlp_block:  # o to the layer's end in one kernel call (runtime/ops/matmul.py)
+        out, kv_cache = attention_block(h, p, kv_cache, i, batch, cos, sin, a, window, project=False, norm=norm)
         mlp = p["mlp"]
         with jax.named_scope("o_mlp"):
             return dot_mlp_block(out.reshape(out.shape[0], -1), x, p["o"], p["post_attn_norm"], a.rms_norm_eps,
                                  mlp["gate_up"], mlp["down"], batch.num_tokens), kv_cache
-    h, kv_cache = attention_block(h, p, kv_cache, i, batch, cos, sin, a, window)
+    h, kv_cache = attention_block(h, p, kv_cache, i, batch, cos, sin, a, window, norm=norm)
     x = x + h
     with jax.named_scope("mlp"):
         x = x + layers.gated_mlp(layers.rms_norm(x, p["post_attn_norm"], a.rms_norm_eps), p["mlp"], _lora(p, batch),
@@ -227,13 +234,22 @@ def layer(
     return x, kv_cache
 
 
-def _mlp_block(x: jax.Array, p: dict, batch: StepInput) -> bool:
-    """Whether the layer's o projection, residuals, post-attention norm and MLP run as one
-    dot_mlp_block: its o, gate_up and down packed for int8 activations, no biases, no LoRA."""
+FUSED_MAX_TOKENS = 16  # the largest step (padded tokens) that runs `_fusions`
+
+
+def _fusions(x: jax.Array, p: dict, batch: StepInput) -> tuple[bool, bool]:
+    """Which of the layer's ops run fused into the int8-activation kernels (runtime/ops/matmul.py):
+    (the input norm with the joined qkv projection: dot_norm_matmul; o to the layer's end:
+    dot_mlp_block). Each needs its matrices packed for int8 activations; neither runs with LoRA,
+    and the block not with biases. Only for steps of at most FUSED_MAX_TOKENS tokens (decodes):
+    with more rows XLA's own programs share the small ops over the cores, which the kernel's
+    calling thread runs alone (benchmarks/RESULTS.md, stop 55)."""
+    if _lora(p, batch) is not None or x.shape[0] > FUSED_MAX_TOKENS:
+        return False, False
     mlp = p.get("mlp", {})
-    if _lora(p, batch) is not None or "o_bias" in p or any(k in mlp for k in ("gate_up_bias", "down_bias")):
-        return False
-    return "gate_up" in mlp and mlp_block_fusable(x, p["o"], mlp["gate_up"], mlp["down"])
+    norm_qkv = "qkv" in p and norm_matmul_fusable(x, p["qkv"])
+    biased = "o_bias" in p or any(k in mlp for k in ("gate_up_bias", "down_bias"))
+    return norm_qkv, not biased and "gate_up" in mlp and mlp_block_fusable(x, p["o"], mlp["gate_up"], mlp["down"])
 
 
 def fuse_layer(p: dict) -> dict:

@@ -51,6 +51,7 @@ UINT4_MATMUL_TARGET = "servax_uint4_matmul"  # ... as 4-bit values with scales a
 INT8_DOT_TARGET = "servax_int8_dot_matmul"  # ... int8 weights, activations quantized to int8 (PackedWeight.dot)
 UINT4_DOT_TARGET = "servax_uint4_dot_matmul"  # ... 4-bit weights, likewise
 DOT_MLP_BLOCK_TARGET = "servax_dot_mlp_block"  # ... a layer's o, residual, norm and MLP by those products
+DOT_NORM_MATMUL_TARGET = "servax_dot_norm_matmul"  # ... an RMSNorm, then such a product
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +75,8 @@ KERNELS = {k.name: k for k in (
     Kernel("matmul_formats", "matmul_formats.cc", "ServaxBf16Matmul", BF16_MATMUL_TARGET,
            more=(("ServaxInt8Matmul", INT8_MATMUL_TARGET), ("ServaxUInt4Matmul", UINT4_MATMUL_TARGET))),
     Kernel("matmul_dot", "matmul_dot.cc", "ServaxInt8DotMatmul", INT8_DOT_TARGET,
-           more=(("ServaxUInt4DotMatmul", UINT4_DOT_TARGET), ("ServaxDotMlpBlock", DOT_MLP_BLOCK_TARGET))),
+           more=(("ServaxUInt4DotMatmul", UINT4_DOT_TARGET), ("ServaxDotMlpBlock", DOT_MLP_BLOCK_TARGET),
+                 ("ServaxDotNormMatmul", DOT_NORM_MATMUL_TARGET))),
 )}
 
 SOURCE_DIR = Path(__file__).with_name("kernels")

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from runtime.ops.quantization import QuantizedWeight
-from runtime.ops.cpu_kernels import (BF16_MATMUL_TARGET, DOT_MLP_BLOCK_TARGET, GROUPED_MATMUL_TARGET,
+from runtime.ops.cpu_kernels import (BF16_MATMUL_TARGET, DOT_MLP_BLOCK_TARGET, DOT_NORM_MATMUL_TARGET,
+                                     GROUPED_MATMUL_TARGET,
                                      INT8_DOT_TARGET, INT8_MATMUL_TARGET, MATMUL_TARGET, UINT4_DOT_TARGET,
                                      UINT4_MATMUL_TARGET, cpu_flags, kernel_available, kernel_library, kernel_status)
 
@@ -217,6 +218,27 @@ def dot_mlp_block(attn: jax.Array, x: jax.Array, o: PackedWeight, norm: jax.Arra
     operands = [attn.astype(jnp.float32), x, *weights[:3], norm.astype(jnp.float32), *weights[3:], meta]
     call = jax.ffi.ffi_call(DOT_MLP_BLOCK_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32))
     return call(*operands, eps=np.float32(eps), intermediate=np.int64(down.shape[0]))
+
+
+def norm_matmul_fusable(x: jax.Array, w: object) -> bool:
+    """Whether `dot_norm_matmul` takes x and w: float32 x [M, in of w], w packed for int8
+    activations, and the kernel built."""
+    return (x.dtype == jnp.float32 and isinstance(w, PackedWeight) and w.dot and x.shape[-1] == w.shape[0]
+            and kernel_available("matmul_dot"))
+
+
+def dot_norm_matmul(x: jax.Array, norm: jax.Array, eps: float, w: PackedWeight,
+                    valid_rows: jax.Array | int | None = None) -> jax.Array:
+    """rms_norm(x, norm, eps) @ w in one call of the C++ kernel (runtime/ops/kernels/matmul_dot.cc):
+    what the norm and `w.matmul` compute (activations quantized to int8), without the norm's
+    small programs between. Rows past `valid_rows` give zeros. Only where `norm_matmul_fusable`."""
+    rows = jnp.reshape(jnp.asarray(x.shape[0] if valid_rows is None else valid_rows, jnp.int32), (1,))
+    meta = rows if w.layer is None else jnp.concatenate([rows, jnp.reshape(w.layer, (1,))])
+    offsets = jnp.zeros((0,), jnp.float32) if w.offsets is None else w.offsets
+    call = jax.ffi.ffi_call(DOT_NORM_MATMUL_TARGET,
+                            jax.ShapeDtypeStruct((x.shape[0], w.panels.shape[-3] * PANEL), jnp.float32))
+    y = call(x, norm.astype(jnp.float32), w.panels, w.scales, offsets, meta, eps=np.float32(eps))
+    return y if y.shape[1] == w.out_features else y[:, :w.out_features]
 
 
 def is_packed(x: object) -> bool:

@@ -468,6 +468,16 @@ ffi::Error BlockProduct(ffi::ThreadPool& pool, const float* x, int64_t rows, int
 // Panels of 16 columns: a product's result has the columns rounded up to whole panels.
 int64_t Padded(int64_t n) { return (n + kPanel - 1) / kPanel * kPanel; }
 
+// out[r] = norm * x[r] / sqrt(mean(x[r]^2) + eps) for the first `rows` rows of x [., D].
+void RmsNorm(const float* x, const float* norm, int64_t rows, int64_t D, float eps, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < D; ++i) ss += x[r * D + i] * x[r * D + i];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+    for (int64_t i = 0; i < D; ++i) out[r * D + i] = norm[i] * (x[r * D + i] * inv);
+  }
+}
+
 ffi::Error DotMlpBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> attn, ffi::Buffer<ffi::F32> residual,
                        ffi::AnyBuffer o, ffi::AnyBuffer o_scales, ffi::AnyBuffer o_offsets, ffi::Buffer<ffi::F32> norm,
                        ffi::AnyBuffer gate_up, ffi::AnyBuffer gate_up_scales, ffi::AnyBuffer gate_up_offsets,
@@ -488,16 +498,9 @@ ffi::Error DotMlpBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> attn, ffi::Bu
   if (auto e = BlockProduct(pool, attn.typed_data(), M, valid, ad[1], Dp, o, o_scales, o_offsets, meta, y.data());
       e.failure())
     return e;
-  const float* w = norm.typed_data();
-  for (int64_t r = 0; r < M; ++r) {
-    float ss = 0.0f;
-    for (int64_t i = 0; i < D; ++i) {
-      x1[r * D + i] = x[r * D + i] + y[r * Dp + i];
-      ss += x1[r * D + i] * x1[r * D + i];
-    }
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
-    for (int64_t i = 0; i < D; ++i) h[r * D + i] = w[i] * (x1[r * D + i] * inv);
-  }
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t i = 0; i < D; ++i) x1[r * D + i] = x[r * D + i] + y[r * Dp + i];
+  RmsNorm(x1, norm.typed_data(), valid, D, eps, h.data());
   if (auto e = BlockProduct(pool, h.data(), M, valid, D, Fp, gate_up, gate_up_scales, gate_up_offsets, meta, g.data());
       e.failure())
     return e;
@@ -512,6 +515,24 @@ ffi::Error DotMlpBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> attn, ffi::Bu
   for (int64_t r = 0; r < M; ++r)
     for (int64_t i = 0; i < D; ++i) x1[r * D + i] += y[r * Dp + i];
   return ffi::Error::Success();
+}
+
+
+// h = rmsnorm(x) * norm, then h . W (a layer's joined q/k/v on its residual): the norm's small
+// programs run here, before the product, instead of as XLA thunks of their own.
+ffi::Error DotNormMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> norm,
+                         ffi::AnyBuffer panels, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
+                         ffi::Buffer<ffi::S32> meta, float eps, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || norm.element_count() != xd[1] || od.size() != 2 || od[0] != xd[0] ||
+      od[1] % kPanel != 0 || meta.element_count() < 1)
+    return ffi::Error::InvalidArgument("int8-activation norm and matmul: x [M, D], norm [D], out [M, N] (N whole "
+                                       "panels), meta [valid rows(, layer)]");
+  const int64_t M = xd[0], D = xd[1], valid = std::clamp<int64_t>(meta.typed_data()[0], 0, M);
+  thread_local std::vector<float> h;
+  h.resize(M * D);
+  RmsNorm(x.typed_data(), norm.typed_data(), valid, D, eps, h.data());
+  return BlockProduct(pool, h.data(), M, valid, D, od[1], panels, scales, offsets, meta, out->typed_data());
 }
 
 }  // namespace
@@ -554,3 +575,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxDotMlpBlock, DotMlpBlock,
                                   .Attr<float>("eps")
                                   .Attr<int64_t>("intermediate")  // F
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [M, D]: x1 + the MLP of x1
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxDotNormMatmul, DotNormMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, D]: a layer's residual
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // the RMSNorm's weight [D]
+                                  .Arg<ffi::AnyBuffer>()  // quads [(L,) N/16, D/4, 64 or 32]
+                                  .Arg<ffi::AnyBuffer>()  // scales [(L,) N/16, G, 16]
+                                  .Arg<ffi::AnyBuffer>()  // offsets (4-bit; else empty)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // meta: [valid rows] or [valid rows, layer]
+                                  .Attr<float>("eps")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]
