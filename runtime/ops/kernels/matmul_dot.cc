@@ -72,7 +72,10 @@ constexpr int kRows = 4;        // rows of x per block: 8 int32 accumulators
 // How far ahead of the quad it multiplies the first row block prefetches its panel (the next
 // panel follows in memory): with few rows the quads are read faster than the hardware
 // prefetcher alone brings them in (1 row: 10-20% faster, benchmarks/RESULTS.md, stop 47).
-constexpr int64_t kPrefetchBytes = 1024;
+#ifndef SERVAX_DOT_PREFETCH_BYTES
+#define SERVAX_DOT_PREFETCH_BYTES 1024
+#endif
+constexpr int64_t kPrefetchBytes = SERVAX_DOT_PREFETCH_BYTES;
 
 // x [M, K] quantized per block: q [M, K] int8, d and the float sum [M, blocks].
 struct QuantizedRows {
