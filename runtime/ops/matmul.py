@@ -25,9 +25,9 @@ import numpy as np
 
 from runtime.ops.quantization import QuantizedWeight
 from runtime.ops.cpu_kernels import (BF16_MATMUL_TARGET, DOT_MLP_BLOCK_TARGET, DOT_NORM_MATMUL_TARGET,
-                                     GROUPED_MATMUL_TARGET,
-                                     INT8_DOT_TARGET, INT8_MATMUL_TARGET, MATMUL_TARGET, UINT4_DOT_TARGET,
-                                     UINT4_MATMUL_TARGET, cpu_flags, kernel_available, kernel_library, kernel_status)
+                                     GROUPED_MATMUL_TARGET, INT8_DOT_TARGET, INT8_MATMUL_TARGET, MATMUL_TARGET,
+                                     UINT4_DOT_TARGET, UINT4_MATMUL_TARGET, cpu_flags, kernel_available,
+                                     kernel_library, kernel_status)
 
 PANEL = 16  # output columns per packed panel (runtime/ops/kernels/matmul.cc kPanel)
 

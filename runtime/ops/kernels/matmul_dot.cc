@@ -26,6 +26,9 @@
 // Integer products win most where few rows share each weight (decode: unpacking the weights is
 // most of matmul_formats.cc's work); with many rows (a prefill) they about match its widened
 // float panels (benchmarks/RESULTS.md, stop 43), and keep one arithmetic for every step.
+//
+// Two more handlers take a decode step's small operations into these products (DotNormMatmul:
+// an RMSNorm before one; DotMlpBlock: the second half of a decoder layer), at the end of the file.
 
 #include <algorithm>
 #include <cmath>
@@ -434,7 +437,6 @@ ffi::Error UInt4Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
                             p.dims[0], scales, &offsets, s.offset, s.dims[1], out->typed_data());
 }
 
-
 // ---- the second half of a decoder layer ------------------------------------------------------
 //
 // A pre-norm layer ends: x1 = x + attn . Wo; out = x1 + Wdown . (silu(gate) * up), where
@@ -519,7 +521,6 @@ ffi::Error DotMlpBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> attn, ffi::Bu
     for (int64_t i = 0; i < D; ++i) x1[r * D + i] += y[r * Dp + i];
   return ffi::Error::Success();
 }
-
 
 // h = rmsnorm(x) * norm, then h . W (a layer's joined q/k/v on its residual): the norm's small
 // programs run here, before the product, instead of as XLA thunks of their own.
