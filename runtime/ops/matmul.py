@@ -154,8 +154,7 @@ class PackedWeight:
         kernel = "matmul_dot" if self.dot else "matmul" if self.format == "float32" else "matmul_formats"
         if not kernel_available(kernel):
             raise RuntimeError(f"the CPU {kernel} kernel is not available: {kernel_status(kernel)}")
-        rows = jnp.reshape(jnp.asarray(x.shape[0] if valid_rows is None else valid_rows, jnp.int32), (1,))
-        meta = rows if self.layer is None else jnp.concatenate([rows, jnp.reshape(self.layer, (1,))])
+        meta = _meta(x, valid_rows, self.layer)
         target = ({"int8": INT8_DOT_TARGET, "uint4": UINT4_DOT_TARGET} if self.dot else
                   {"float32": MATMUL_TARGET, "bfloat16": BF16_MATMUL_TARGET, "int8": INT8_MATMUL_TARGET,
                    "uint4": UINT4_MATMUL_TARGET})[self.format]
@@ -211,8 +210,7 @@ def dot_mlp_block(attn: jax.Array, x: jax.Array, o: PackedWeight, norm: jax.Arra
     activations quantized to int8 as PackedWeight.matmul's. attn [M, in of o] and x [M, D]
     float32; norm [D]; with `valid_rows` only that many leading rows are multiplied (the rest
     come out as x). Only where `mlp_block_fusable`."""
-    rows = jnp.reshape(jnp.asarray(x.shape[0] if valid_rows is None else valid_rows, jnp.int32), (1,))
-    meta = rows if o.layer is None else jnp.concatenate([rows, jnp.reshape(o.layer, (1,))])
+    meta = _meta(x, valid_rows, o.layer)
     none = jnp.zeros((0,), jnp.float32)
     weights = [a for m in (o, gate_up, down) for a in (m.panels, m.scales, none if m.offsets is None else m.offsets)]
     operands = [attn.astype(jnp.float32), x, *weights[:3], norm.astype(jnp.float32), *weights[3:], meta]
@@ -232,13 +230,19 @@ def dot_norm_matmul(x: jax.Array, norm: jax.Array, eps: float, w: PackedWeight,
     """rms_norm(x, norm, eps) @ w in one call of the C++ kernel (runtime/ops/kernels/matmul_dot.cc):
     what the norm and `w.matmul` compute (activations quantized to int8), without the norm's
     small programs between. Rows past `valid_rows` give zeros. Only where `norm_matmul_fusable`."""
-    rows = jnp.reshape(jnp.asarray(x.shape[0] if valid_rows is None else valid_rows, jnp.int32), (1,))
-    meta = rows if w.layer is None else jnp.concatenate([rows, jnp.reshape(w.layer, (1,))])
+    meta = _meta(x, valid_rows, w.layer)
     offsets = jnp.zeros((0,), jnp.float32) if w.offsets is None else w.offsets
     call = jax.ffi.ffi_call(DOT_NORM_MATMUL_TARGET,
                             jax.ShapeDtypeStruct((x.shape[0], w.panels.shape[-3] * PANEL), jnp.float32))
     y = call(x, norm.astype(jnp.float32), w.panels, w.scales, offsets, meta, eps=np.float32(eps))
     return y if y.shape[1] == w.out_features else y[:, :w.out_features]
+
+
+def _meta(x: jax.Array, valid_rows: jax.Array | int | None, layer: jax.Array | None) -> jax.Array:
+    """The kernels' int32 operand `meta`: [valid rows] (x's rows where None), and the layer of a
+    stacked operand after it (runtime/ops/kernels/panels.h ViewLayer)."""
+    rows = jnp.reshape(jnp.asarray(x.shape[0] if valid_rows is None else valid_rows, jnp.int32), (1,))
+    return rows if layer is None else jnp.concatenate([rows, jnp.reshape(layer, (1,))])
 
 
 def is_packed(x: object) -> bool:

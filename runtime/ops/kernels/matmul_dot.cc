@@ -402,12 +402,18 @@ ffi::Error MultiplyScaled(ffi::ThreadPool& pool, const float* x, int64_t rows, i
   }
 }
 
+// A K x N matrix as quads [N/16, K/4, bytes] and scales (offsets) [N/16, G, 16], G dividing K (one
+// layer's dimensions where stacked: panels.h LayerView).
+bool Panels(int64_t K, int64_t N, ffi::Span<const int64_t> pd, int64_t bytes, ffi::Span<const int64_t> sd) {
+  return pd[2] == bytes && pd[1] * 4 == K && sd[0] == pd[0] && sd[2] == kPanel && sd[1] > 0 && K % sd[1] == 0 &&
+         N == pd[0] * kPanel;
+}
+
 // Shapes: x [M, K]; quads [N/16, K/4, bytes]; scales (offsets) [N/16, G, 16], G dividing K; out [M, N];
 // quads, scales and offsets each also as one layer of a stack [L, ...] (panels.h LayerView).
 bool Shaped(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> pd, int64_t bytes, ffi::Span<const int64_t> sd,
             ffi::Span<const int64_t> od) {
-  return xd.size() == 2 && pd[2] == bytes && pd[1] * 4 == xd[1] && sd[0] == pd[0] && sd[2] == kPanel && sd[1] > 0 &&
-         xd[1] % sd[1] == 0 && od.size() == 2 && od[0] == xd[0] && od[1] == pd[0] * kPanel;
+  return xd.size() == 2 && od.size() == 2 && od[0] == xd[0] && Panels(xd[1], od[1], pd, bytes, sd);
 }
 
 ffi::Error Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed, ffi::AnyBuffer scales,
@@ -455,9 +461,7 @@ ffi::Error BlockProduct(ffi::ThreadPool& pool, const float* x, int64_t rows, int
   servax::LayerView p, s;
   const bool u4 = panels.element_type() == ffi::DataType::U8;
   if ((!u4 && panels.element_type() != ffi::DataType::S8) || !servax::ViewLayer(panels.dimensions(), meta, p) ||
-      !servax::ViewLayer(scales.dimensions(), meta, s) || p.dims[2] != (u4 ? U4::kQuad : I8::kQuad) ||
-      p.dims[1] * 4 != K || p.dims[0] * kPanel != N || s.dims[0] != p.dims[0] || s.dims[2] != kPanel ||
-      s.dims[1] <= 0 || K % s.dims[1] != 0 ||
+      !servax::ViewLayer(scales.dimensions(), meta, s) || !Panels(K, N, p.dims, u4 ? U4::kQuad : I8::kQuad, s.dims) ||
       (u4 && !std::equal(scales.dimensions().begin(), scales.dimensions().end(), offsets.dimensions().begin(),
                          offsets.dimensions().end())))
     return ffi::Error::InvalidArgument("int8-activation MLP block: each matrix as quads [(L,) N/16, K/4, 64] int8 or "
