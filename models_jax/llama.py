@@ -28,8 +28,8 @@ from models_jax.weights import (
     embedding, head_bias, join_outputs, linear, linear_from_heads, linear_to_heads, stacked, vector, zeros,
 )
 from runtime.ops.attention import NO_SLIDING_WINDOW, paged_attention
-from runtime.ops.matmul import (PackedWeight, dot_mlp_block, dot_norm_matmul, mlp_block_fusable,
-                                norm_matmul_fusable, pack_matrix)
+from runtime.ops.matmul import (PackedWeight, mlp_block, mlp_block_fusable, norm_matmul, norm_matmul_fusable,
+                                pack_matrix)
 from runtime.ops.quantization import transpose_matrix
 from runtime.ops.lora import LoRATarget
 from runtime.ops.step import KVCache, StepInput
@@ -170,7 +170,7 @@ def attention_block(
     with jax.named_scope("qkv"):
         kv_heads = a.num_kv_heads * a.kv_repeat
         if norm is not None:
-            y = dot_norm_matmul(x, norm, a.rms_norm_eps, p["qkv"], batch.num_tokens)
+            y = norm_matmul(x, norm, a.rms_norm_eps, p["qkv"], batch.num_tokens)
             q, k, v = layers.split_joined_heads(y, p.get("qkv_bias"), (a.num_heads, kv_heads, kv_heads), a.head_dim)
         elif "qkv" in p:  # joined by fuse_layer
             q, k, v = layers.project_to_joined_heads(x, p["qkv"], p.get("qkv_bias"),
@@ -217,15 +217,15 @@ def layer(
     window: int | jax.Array | None,
 ) -> tuple[jax.Array, KVCache]:  # [T, D], the cache with layer i written
     """One pre-norm decoder layer: x + attention(norm(x)), then + mlp(norm(x))."""
-    norm_qkv, mlp_block = _fusions(x, p, batch)
-    h = x if norm_qkv else layers.rms_norm(x, p["input_norm"], a.rms_norm_eps)
-    norm = p["input_norm"] if norm_qkv else None
-    if mlp_block:  # o to the layer's end in one kernel call (runtime/ops/matmul.py)
+    fused_qkv, fused_block = _fusions(x, p, batch)
+    h = x if fused_qkv else layers.rms_norm(x, p["input_norm"], a.rms_norm_eps)
+    norm = p["input_norm"] if fused_qkv else None
+    if fused_block:  # o to the layer's end in one kernel call (runtime/ops/matmul.py)
         out, kv_cache = attention_block(h, p, kv_cache, i, batch, cos, sin, a, window, project=False, norm=norm)
         mlp = p["mlp"]
         with jax.named_scope("o_mlp"):
-            return dot_mlp_block(out.reshape(out.shape[0], -1), x, p["o"], p["post_attn_norm"], a.rms_norm_eps,
-                                 mlp["gate_up"], mlp["down"], batch.num_tokens), kv_cache
+            return mlp_block(out.reshape(out.shape[0], -1), x, p["o"], p["post_attn_norm"], a.rms_norm_eps,
+                             mlp["gate_up"], mlp["down"], batch.num_tokens), kv_cache
     h, kv_cache = attention_block(h, p, kv_cache, i, batch, cos, sin, a, window, norm=norm)
     x = x + h
     with jax.named_scope("mlp"):
@@ -238,10 +238,11 @@ FUSED_MAX_TOKENS = 16  # the largest step (padded tokens) that runs `_fusions`
 
 
 def _fusions(x: jax.Array, p: dict, batch: StepInput) -> tuple[bool, bool]:
-    """Which of the layer's ops run fused into the int8-activation kernels (runtime/ops/matmul.py):
-    (the input norm with the joined qkv projection: dot_norm_matmul; o to the layer's end:
-    dot_mlp_block). Each needs its matrices packed for int8 activations; neither runs with LoRA,
-    and the block not with biases. Only for steps of at most FUSED_MAX_TOKENS tokens (decodes):
+    """Which of the layer's ops run fused into the packed products' kernels (runtime/ops/matmul.py):
+    (the input norm with the joined qkv projection: norm_matmul; o to the layer's end: mlp_block).
+    Each needs its matrices packed for int8 activations, or as bfloat16, int8 or 4-bit panels taking
+    float ones (not float32 panels); neither runs with LoRA, and the block not with biases. Only
+    for steps of at most FUSED_MAX_TOKENS tokens (decodes):
     with more rows XLA's own programs share the small ops over the cores, which the kernel's
     calling thread runs alone (benchmarks/RESULTS.md, stop 55)."""
     if _lora(p, batch) is not None or x.shape[0] > FUSED_MAX_TOKENS:
@@ -358,9 +359,11 @@ def lm_head(params: dict, x: jax.Array, batch: StepInput, *, tied: bool) -> jax.
 def pack_layer(p: dict) -> dict:
     """One layer's joined projections (qkv, o, gate_up, down; see fuse_layer) as
     runtime.ops.matmul.PackedWeight for the CPU matmul kernels where those take them (float32,
-    bfloat16, int8 and 4-bit QuantizedWeights, kept in their format); the rest (norms, biases,
-    LoRA slots, projections not joined) as it is."""
-    out = dict(p)
+    bfloat16, int8 and 4-bit QuantizedWeights, kept in their format); the layer's two RMSNorm
+    weights in float32, as the fused kernels take them (`_fusions`; converted once here, not in
+    every step: the same values either way); the rest (biases, LoRA slots, projections not
+    joined) as it is."""
+    out = {**p, **{name: p[name].astype(jnp.float32) for name in ("input_norm", "post_attn_norm") if name in p}}
     if "qkv" in p:
         out["qkv"] = pack_matrix(p["qkv"])
     out["o"] = pack_matrix(p["o"], inputs=2)  # [H, hd, D] -> [H * hd, D]

@@ -1,12 +1,13 @@
-"""A decoder layer's small ops fused into its int8-activation products (runtime/ops/matmul.py,
-runtime/ops/kernels/matmul_dot.cc): the input RMSNorm with the qkv product (dot_norm_matmul)
-against the norm then the product; the second half of the layer in one call (dot_mlp_block)
-against the same layer op by op (each product by PackedWeight.matmul with int8 activations, the
-residual adds, RMSNorm and SiLU in JAX), for int8 and 4-bit weights, mixed, stacked by layer and
-not, with padded rows; and the engine, whose decode steps run every layer of an int8 Llama
-through both (its prefills op by op), with the op-by-op engine's tokens and logprobs within
-activation rounding (tests/test_gguf.py and tests/test_quantization.py hold those against
-transformers)."""
+"""A decoder layer's small ops fused into its packed products (runtime/ops/matmul.py,
+runtime/ops/kernels/layer_fusions.h, in matmul_dot.cc with int8 activations and matmul_formats.cc
+with float ones): the input RMSNorm with the qkv product (norm_matmul) against the norm then the
+product; the second half of the layer in one call (mlp_block) against the same layer op by op
+(each product by PackedWeight.matmul, the residual adds, RMSNorm and SiLU in JAX), for int8 and
+4-bit weights laid out for int8 activations and for float ones, bfloat16 weights, mixed, stacked
+by layer and not, with padded rows; and the engine, whose decode steps run every layer of an
+int8 and of a bfloat16 Llama through both (its prefills op by op), with the op-by-op engine's
+tokens and logprobs within activation rounding (tests/test_gguf.py, tests/test_quantization.py
+and tests/test_matmul_formats.py hold those against transformers)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,15 @@ import numpy as np
 import pytest
 
 from runtime.ops.cpu_kernels import kernel_status
-from runtime.ops.matmul import (PackedWeight, dot_mlp_block, dot_norm_matmul, mlp_block_fusable,
-                               norm_matmul_fusable)
+from runtime.ops.matmul import PackedWeight, mlp_block, mlp_block_fusable, norm_matmul, norm_matmul_fusable
 from runtime.ops.stacked import stack
 from test_matmul_dot import _weights
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _kernel():
-    assert kernel_status("matmul_dot") == "ok", kernel_status("matmul_dot")
+def _kernels():
+    for kernel in ("matmul_dot", "matmul_formats"):
+        assert kernel_status(kernel) == "ok", kernel_status(kernel)
 
 
 def op_by_op(attn, x, o, norm, eps, gate_up, down, rows):
@@ -34,37 +35,52 @@ def op_by_op(attn, x, o, norm, eps, gate_up, down, rows):
     return x1 + down.matmul(jax.nn.silu(gate) * up, rows)
 
 
-def _layer(formats, d, a, f, rng):
-    """o [a, d], gate_up [d, 2f], down [f, d], each of its format, laid out for int8 activations."""
+def _matrix(fmt, d_in, d_out, rng, dot=True):
+    """A packed [d_in, d_out] matrix: "bfloat16" values, or int8 / 4-bit ones in blocks of 32 inputs
+    laid out for int8 activations (`dot`) or for float ones."""
+    if fmt == "bfloat16":
+        return PackedWeight.pack(jnp.asarray(rng.standard_normal((d_in, d_out)) * 0.05, jnp.bfloat16))
+    w = _weights(fmt, d_in, d_out, d_in // 32, rng)[0]
+    return w.for_int8_activations() if dot else w
+
+
+def _layer(formats, d, a, f, rng, dot=True):
+    """o [a, d], gate_up [d, 2f], down [f, d], each of its format (see _matrix)."""
     shapes = ((a, d), (d, 2 * f), (f, d))
-    return [_weights(fmt, k, n, k // 32, rng)[0].for_int8_activations() for fmt, (k, n) in zip(formats, shapes)]
+    return [_matrix(fmt, k, n, rng, dot) for fmt, (k, n) in zip(formats, shapes)]
 
 
-@pytest.mark.parametrize("formats", [("uint4", "uint4", "uint4"), ("int8", "int8", "int8"), ("uint4", "int8", "uint4")])
+LAYERS = [  # (formats of o, gate_up, down; laid out for int8 activations)
+    (("uint4", "uint4", "uint4"), True), (("int8", "int8", "int8"), True), (("uint4", "int8", "uint4"), True),
+    (("bfloat16",) * 3, False), (("int8", "int8", "int8"), False), (("uint4", "bfloat16", "int8"), False),
+]
+
+
+@pytest.mark.parametrize("formats,dot", LAYERS)
 @pytest.mark.parametrize("rows,valid", [(1, 1), (5, 3)])
-def test_block_is_the_layer_op_by_op(formats, rows, valid):
+def test_block_is_the_layer_op_by_op(formats, dot, rows, valid):
     rng = np.random.default_rng(0)
     d, a, f, eps = 96, 64, 160, 1e-5  # 2f = 320: twenty panels; d = 96: six
-    o, gate_up, down = _layer(formats, d, a, f, rng)
+    o, gate_up, down = _layer(formats, d, a, f, rng, dot)
     attn = jnp.asarray(rng.standard_normal((rows, a)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((rows, d)), jnp.float32)
     norm = jnp.asarray(rng.uniform(0.5, 1.5, d), jnp.float32)
     assert mlp_block_fusable(x, o, gate_up, down)
-    got = np.asarray(jax.jit(dot_mlp_block, static_argnums=4)(attn, x, o, norm, eps, gate_up, down, valid))
+    got = np.asarray(jax.jit(mlp_block, static_argnums=4)(attn, x, o, norm, eps, gate_up, down, valid))
     want = np.asarray(jax.jit(op_by_op, static_argnums=4)(attn, x, o, norm, eps, gate_up, down, valid))
     np.testing.assert_allclose(got[:valid], want[:valid], rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(got[valid:], np.asarray(x)[valid:])  # padded rows: x, as zero products give
 
 
-@pytest.mark.parametrize("fmt", ["uint4", "int8"])
+@pytest.mark.parametrize("fmt,dot", [("uint4", True), ("int8", True), ("bfloat16", False), ("uint4", False)])
 @pytest.mark.parametrize("rows,valid", [(1, 1), (6, 4)])
-def test_norm_and_product_are_the_norm_then_the_product(fmt, rows, valid):
+def test_norm_and_product_are_the_norm_then_the_product(fmt, dot, rows, valid):
     rng = np.random.default_rng(3)
-    w = _weights(fmt, 96, 200, 3, rng)[0].for_int8_activations()  # 200 columns: 13 panels, the last padded
+    w = _matrix(fmt, 96, 200, rng, dot)  # 200 columns: 13 panels, the last padded
     x = jnp.asarray(rng.standard_normal((rows, 96)) * 3, jnp.float32)
     norm = jnp.asarray(rng.uniform(0.5, 1.5, 96), jnp.float32)
     assert norm_matmul_fusable(x, w) and not norm_matmul_fusable(x.astype(jnp.bfloat16), w)
-    got = np.asarray(jax.jit(dot_norm_matmul, static_argnums=2)(x, norm, 1e-6, w, valid))
+    got = np.asarray(jax.jit(norm_matmul, static_argnums=2)(x, norm, 1e-6, w, valid))
     normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
     want = np.asarray(w.matmul(norm * normed, valid))
     assert got.shape == (rows, 200)
@@ -72,10 +88,11 @@ def test_norm_and_product_are_the_norm_then_the_product(fmt, rows, valid):
     assert not got[valid:].any()
 
 
-def test_block_reads_one_layer_of_a_stack_in_place():
+@pytest.mark.parametrize("formats,dot", [(("uint4", "uint4", "int8"), True), (("bfloat16", "uint4", "int8"), False)])
+def test_block_reads_one_layer_of_a_stack_in_place(formats, dot):
     rng = np.random.default_rng(1)
     d, a, f, eps = 64, 64, 48, 1e-6
-    layers = [dict(zip(("o", "gate_up", "down"), _layer(("uint4", "uint4", "int8"), d, a, f, rng))) for _ in range(3)]
+    layers = [dict(zip(("o", "gate_up", "down"), _layer(formats, d, a, f, rng, dot))) for _ in range(3)]
     attn = jnp.asarray(rng.standard_normal((2, a)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((2, d)), jnp.float32)
     norm = jnp.ones(d, jnp.float32)
@@ -87,7 +104,7 @@ def test_block_reads_one_layer_of_a_stack_in_place():
         layer = stacked[i]  # each matrix read in place from the stack (PackedWeight.at_layer)
         o, gate_up, down = layer["o"], layer["gate_up"], layer["down"]
         assert o.layer is not None
-        return dot_mlp_block(attn, x, o, norm, eps, gate_up, down)
+        return mlp_block(attn, x, o, norm, eps, gate_up, down)
 
     for i, want in enumerate(wants):
         np.testing.assert_allclose(np.asarray(block(i, stacked)), want, rtol=1e-4, atol=1e-4)
@@ -102,12 +119,23 @@ def test_block_takes_only_what_it_computes():
     float_o = PackedWeight.pack(jnp.zeros((64, 64), jnp.float32))
     assert not mlp_block_fusable(x, float_o, gate_up, down)  # every product with int8 activations
     assert not mlp_block_fusable(x, o, gate_up, gate_up)  # down must be [F, D]
+    bf16_o = PackedWeight.pack(jnp.zeros((64, 64), jnp.bfloat16))
+    assert not mlp_block_fusable(x, bf16_o, gate_up, down)  # nor a mix of the two layouts
+    o, gate_up, down = _layer(("int8", "bfloat16", "int8"), 64, 64, 32, rng, dot=False)
+    assert mlp_block_fusable(x, o, gate_up, down) and mlp_block_fusable(x, bf16_o, gate_up, down)
+    floats = _layer(("int8", "int8", "int8"), 64, 64, 32, rng, dot=False)
+    assert not mlp_block_fusable(x, *floats[:2], PackedWeight.pack(jnp.zeros((32, 64), jnp.float32)))
+    assert not norm_matmul_fusable(x, float_o) and norm_matmul_fusable(x, bf16_o)  # float32 panels: matmul.cc
 
 
-def test_engine_runs_each_layer_through_the_block_and_computes_what_the_ops_do(monkeypatch):
-    """quantization="int8" (int8 activations, its default on CPU): every layer of the tiny Llama
-    takes its input norm with qkv in one call and the rest of the layer after attention in
-    another, and the tokens and logprobs are the op-by-op engine's."""
+@pytest.mark.parametrize("settings,targets", [
+    ({"quantization": "int8"}, ("servax_dot_norm_matmul", "servax_dot_mlp_block")),  # int8 activations
+    ({"dtype": "bfloat16"}, ("servax_norm_matmul", "servax_mlp_block")),
+])
+def test_engine_runs_each_layer_through_the_block_and_computes_what_the_ops_do(monkeypatch, settings, targets):
+    """quantization="int8" (int8 activations, its default on CPU) and dtype="bfloat16": every layer
+    of the tiny Llama takes its input norm with qkv in one call and the rest of the layer after
+    attention in another, and the tokens and logprobs are the op-by-op engine's."""
     import models_jax.llama as llama
     from app import LLM, SamplingParams
 
@@ -117,16 +145,16 @@ def test_engine_runs_each_layer_through_the_block_and_computes_what_the_ops_do(m
     for fused in (True, False):
         if not fused:
             monkeypatch.setattr(llama, "_fusions", lambda *args: (False, False))
-        llm = LLM(model="servax-tiny/llama", quantization="int8", max_model_len=128, max_num_seqs=4,
+        llm = LLM(model="servax-tiny/llama", **settings, max_model_len=128, max_num_seqs=4,
                   max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="")
         programs = llm.engine.programs
         text = programs.layered.lower(programs.kv_cache, programs.inputs.decode_probe(1, 1, 1, 8))[0].as_text()
         prefill = "".join(p.as_text() for p in programs.layered.lower(programs.kv_cache,
                                                                       programs.inputs.padding_step(32, 4)))
-        assert "servax_dot_mlp_block" not in prefill and "servax_dot_norm_matmul" not in prefill  # XLA's ops
+        assert not any(target in prefill for target in targets)  # XLA's ops
         (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
         logprobs = [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:] + out.outputs[0].logprobs]
-        calls = (text.count("servax_dot_norm_matmul"), text.count("servax_dot_mlp_block"))
+        calls = tuple(text.count(target) for target in targets)
         runs.append((calls, out.outputs[0].token_ids, np.array(logprobs)))
         assert llm.engine.stats().compilations_since_warmup == 0
     (blocks, tokens, logprobs), (no_blocks, want_tokens, want_logprobs) = runs
@@ -134,6 +162,7 @@ def test_engine_runs_each_layer_through_the_block_and_computes_what_the_ops_do(m
     assert (blocks, no_blocks) == ((layers, layers), (0, 0))
     assert tokens == want_tokens
     # The norms sum in another order than XLA's: now and then an activation rounds to the other
-    # int8 step, which moves a logprob by a few hundredths (a wrong norm or product moves it by far more).
+    # int8 (bfloat16) step, which moves a logprob by a few hundredths (a wrong norm or product
+    # moves it by far more).
     np.testing.assert_allclose(logprobs, want_logprobs, atol=0.05)
     assert np.median(np.abs(logprobs - want_logprobs)) < 1e-3

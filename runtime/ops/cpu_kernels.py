@@ -2,7 +2,8 @@
 
 Five kernels, each its own source in runtime/ops/kernels/ (sharing the header-only work
 splitter parallel.h, which runs on the thread pool XLA hands each call, so nothing is shared
-between the libraries at run time, and the matmuls' panel header panels.h):
+between the libraries at run time, the matmuls' panel header panels.h, and layer_fusions.h,
+the decoder-layer ops two of them run between their products):
 
 - "paged_attention" (paged_attention.cc): ragged paged attention, runtime/ops/attention_cpu.py;
 - "truncation" (sampling.cc): the sampler's top-k / top-p cut and argmax, runtime/engine/sampler.py;
@@ -15,7 +16,7 @@ between the libraries at run time, and the matmuls' panel header panels.h):
 Each kernel is compiled on its first use into its own shared library, with the machine's C++
 compiler (`CXX`, else g++ or c++; more flags from SERVAX_KERNEL_CXXFLAGS) against the XLA FFI
 headers jaxlib ships, for the CPU it runs on (-march=native), and kept in the kernel cache
-(SERVAX_KERNEL_CACHE, default ~/.cache/servax/kernels/) under a key of its source, parallel.h,
+(SERVAX_KERNEL_CACHE, default ~/.cache/servax/kernels/) under a key of its source, the headers,
 flags, jaxlib version, CPU and compiler: later starts load it without compiling. Its FFI target
 is then registered with XLA:CPU. `kernel_status(name)` is "ok" once that is done, else why the
 kernel is unavailable (no compiler, its compiler error, ...); a kernel that fails leaves the
@@ -52,6 +53,8 @@ INT8_DOT_TARGET = "servax_int8_dot_matmul"  # ... int8 weights, activations quan
 UINT4_DOT_TARGET = "servax_uint4_dot_matmul"  # ... 4-bit weights, likewise
 DOT_MLP_BLOCK_TARGET = "servax_dot_mlp_block"  # ... a layer's o, residual, norm and MLP by those products
 DOT_NORM_MATMUL_TARGET = "servax_dot_norm_matmul"  # ... an RMSNorm, then such a product
+MLP_BLOCK_TARGET = "servax_mlp_block"  # the same two with float activations (bfloat16, int8, 4-bit weights)
+NORM_MATMUL_TARGET = "servax_norm_matmul"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,14 +76,16 @@ KERNELS = {k.name: k for k in (
     Kernel("matmul", "matmul.cc", "ServaxPackedMatmul", MATMUL_TARGET,
            more=(("ServaxGroupedMatmul", GROUPED_MATMUL_TARGET),)),
     Kernel("matmul_formats", "matmul_formats.cc", "ServaxBf16Matmul", BF16_MATMUL_TARGET,
-           more=(("ServaxInt8Matmul", INT8_MATMUL_TARGET), ("ServaxUInt4Matmul", UINT4_MATMUL_TARGET))),
+           more=(("ServaxInt8Matmul", INT8_MATMUL_TARGET), ("ServaxUInt4Matmul", UINT4_MATMUL_TARGET),
+                 ("ServaxMlpBlock", MLP_BLOCK_TARGET), ("ServaxNormMatmul", NORM_MATMUL_TARGET))),
     Kernel("matmul_dot", "matmul_dot.cc", "ServaxInt8DotMatmul", INT8_DOT_TARGET,
            more=(("ServaxUInt4DotMatmul", UINT4_DOT_TARGET), ("ServaxDotMlpBlock", DOT_MLP_BLOCK_TARGET),
                  ("ServaxDotNormMatmul", DOT_NORM_MATMUL_TARGET))),
 )}
 
 SOURCE_DIR = Path(__file__).with_name("kernels")
-_HEADERS = ("parallel.h", "panels.h", "half.h")  # included by every kernel: part of each build key, not compiled alone
+# Included by the kernels: part of every build key, not compiled alone.
+_HEADERS = ("parallel.h", "panels.h", "half.h", "layer_fusions.h")
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC")
 # Linked apart from compiling, without -ffast-math: GCC 12 links crtfastmath.o into a shared
 # library built with it, which sets flush-to-zero and denormals-are-zero in the thread that

@@ -26,8 +26,8 @@ import numpy as np
 from runtime.ops.quantization import QuantizedWeight
 from runtime.ops.cpu_kernels import (BF16_MATMUL_TARGET, DOT_MLP_BLOCK_TARGET, DOT_NORM_MATMUL_TARGET,
                                      GROUPED_MATMUL_TARGET, INT8_DOT_TARGET, INT8_MATMUL_TARGET, MATMUL_TARGET,
-                                     UINT4_DOT_TARGET, UINT4_MATMUL_TARGET, cpu_flags, kernel_available,
-                                     kernel_library, kernel_status)
+                                     MLP_BLOCK_TARGET, NORM_MATMUL_TARGET, UINT4_DOT_TARGET, UINT4_MATMUL_TARGET,
+                                     cpu_flags, kernel_available, kernel_library, kernel_status)
 
 PANEL = 16  # output columns per packed panel (runtime/ops/kernels/matmul.cc kPanel)
 
@@ -187,54 +187,70 @@ class PackedWeight:
         return q * scale + jnp.repeat(self.offsets[p, :, j].astype(jnp.float32), group, axis=1)
 
 
+def _fused_kernel(matrices: tuple) -> str | None:
+    """The kernel whose fused calls (`mlp_block`, `norm_matmul`) take these matrices: "matmul_dot"
+    where every one is packed for int8 activations (PackedWeight.dot), "matmul_formats" where every
+    one is bfloat16, int8 or 4-bit panels taking float activations; None for float32 panels, a mix
+    of the two layouts, a matrix not packed, or the kernel not built."""
+    if not all(isinstance(m, PackedWeight) for m in matrices):
+        return None
+    if all(m.dot for m in matrices):
+        kernel = "matmul_dot"
+    elif not any(m.dot or m.format == "float32" for m in matrices):
+        kernel = "matmul_formats"
+    else:
+        return None
+    return kernel if kernel_available(kernel) else None
+
+
 def mlp_block_fusable(x: jax.Array, o: object, gate_up: object, down: object) -> bool:
-    """Whether `dot_mlp_block` takes this layer: float32 activations, and o, gate_up (gate and up
-    side by side) and down all packed for int8 activations (int8 or 4-bit, PackedWeight.dot) with
-    matching shapes, either all of one stacked layer or none stacked, and the kernel built."""
+    """Whether `mlp_block` takes this layer: float32 activations, and o, gate_up (gate and up side
+    by side) and down packed for one of its kernels (all for int8 activations, or all bfloat16,
+    int8 or 4-bit panels taking float ones; see _fused_kernel) with matching shapes, either all of
+    one stacked layer or none stacked."""
     w = (o, gate_up, down)
-    if x.dtype != jnp.float32 or not all(isinstance(m, PackedWeight) and m.dot for m in w):
+    if x.dtype != jnp.float32 or _fused_kernel(w) is None:
         return False
     if len({m.layer is None for m in w}) != 1 or len({m.panels.ndim for m in w}) != 1:
         return False
     d, f = o.shape[1], gate_up.shape[1] // 2
-    return (x.shape[-1] == d and gate_up.shape == (d, 2 * f) and down.shape == (f, d)
-            and kernel_available("matmul_dot"))
+    return x.shape[-1] == d and gate_up.shape == (d, 2 * f) and down.shape == (f, d)
 
 
-def dot_mlp_block(attn: jax.Array, x: jax.Array, o: PackedWeight, norm: jax.Array, eps: float,
-                  gate_up: PackedWeight, down: PackedWeight, valid_rows: jax.Array | int | None = None
-                  ) -> jax.Array:
-    """The second half of a pre-norm decoder layer in one call of the C++ kernel
-    (runtime/ops/kernels/matmul_dot.cc): x1 = x + attn @ o, then x1 + down(silu(gate) * up) with
-    [gate, up] = rms_norm(x1) @ gate_up: what the layer computes op by op, each product with the
-    activations quantized to int8 as PackedWeight.matmul's. attn [M, in of o] and x [M, D]
-    float32; norm [D]; with `valid_rows` only that many leading rows are multiplied (the rest
-    come out as x). Only where `mlp_block_fusable`."""
+def mlp_block(attn: jax.Array, x: jax.Array, o: PackedWeight, norm: jax.Array, eps: float,
+              gate_up: PackedWeight, down: PackedWeight, valid_rows: jax.Array | int | None = None) -> jax.Array:
+    """The second half of a pre-norm decoder layer in one call of a C++ kernel
+    (runtime/ops/kernels/layer_fusions.h): x1 = x + attn @ o, then x1 + down(silu(gate) * up) with
+    [gate, up] = rms_norm(x1) @ gate_up: what the layer computes op by op, each product as
+    PackedWeight.matmul computes it (with int8 activations where the matrices are laid out for
+    them). attn [M, in of o] and x [M, D] float32; norm [D]; with `valid_rows` only that many
+    leading rows are multiplied (the rest come out as x). Only where `mlp_block_fusable`."""
     meta = _meta(x, valid_rows, o.layer)
     none = jnp.zeros((0,), jnp.float32)
-    weights = [a for m in (o, gate_up, down) for a in (m.panels, m.scales, none if m.offsets is None else m.offsets)]
+    weights = [a if a is not None else none for m in (o, gate_up, down) for a in (m.panels, m.scales, m.offsets)]
     operands = [attn.astype(jnp.float32), x, *weights[:3], norm.astype(jnp.float32), *weights[3:], meta]
-    call = jax.ffi.ffi_call(DOT_MLP_BLOCK_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32))
+    target = DOT_MLP_BLOCK_TARGET if o.dot else MLP_BLOCK_TARGET
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, jnp.float32))
     return call(*operands, eps=np.float32(eps), intermediate=np.int64(down.shape[0]))
 
 
 def norm_matmul_fusable(x: jax.Array, w: object) -> bool:
-    """Whether `dot_norm_matmul` takes x and w: float32 x [M, in of w], w packed for int8
-    activations, and the kernel built."""
-    return (x.dtype == jnp.float32 and isinstance(w, PackedWeight) and w.dot and x.shape[-1] == w.shape[0]
-            and kernel_available("matmul_dot"))
+    """Whether `norm_matmul` takes x and w: float32 x [M, in of w], w packed for one of its kernels
+    (see _fused_kernel)."""
+    return (x.dtype == jnp.float32 and _fused_kernel((w,)) is not None and x.shape[-1] == w.shape[0])
 
 
-def dot_norm_matmul(x: jax.Array, norm: jax.Array, eps: float, w: PackedWeight,
-                    valid_rows: jax.Array | int | None = None) -> jax.Array:
-    """rms_norm(x, norm, eps) @ w in one call of the C++ kernel (runtime/ops/kernels/matmul_dot.cc):
-    what the norm and `w.matmul` compute (activations quantized to int8), without the norm's
-    small programs between. Rows past `valid_rows` give zeros. Only where `norm_matmul_fusable`."""
+def norm_matmul(x: jax.Array, norm: jax.Array, eps: float, w: PackedWeight,
+                valid_rows: jax.Array | int | None = None) -> jax.Array:
+    """rms_norm(x, norm, eps) @ w in one call of a C++ kernel (runtime/ops/kernels/layer_fusions.h):
+    what the norm and `w.matmul` compute, without the norm's small programs between. Rows past
+    `valid_rows` give zeros. Only where `norm_matmul_fusable`."""
     meta = _meta(x, valid_rows, w.layer)
-    offsets = jnp.zeros((0,), jnp.float32) if w.offsets is None else w.offsets
-    call = jax.ffi.ffi_call(DOT_NORM_MATMUL_TARGET,
-                            jax.ShapeDtypeStruct((x.shape[0], w.panels.shape[-3] * PANEL), jnp.float32))
-    y = call(x, norm.astype(jnp.float32), w.panels, w.scales, offsets, meta, eps=np.float32(eps))
+    none = jnp.zeros((0,), jnp.float32)
+    target = DOT_NORM_MATMUL_TARGET if w.dot else NORM_MATMUL_TARGET
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.panels.shape[-3] * PANEL), jnp.float32))
+    y = call(x, norm.astype(jnp.float32), w.panels, none if w.scales is None else w.scales,
+             none if w.offsets is None else w.offsets, meta, eps=np.float32(eps))
     return y if y.shape[1] == w.out_features else y[:, :w.out_features]
 
 

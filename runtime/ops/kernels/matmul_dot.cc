@@ -28,7 +28,8 @@
 // float panels (benchmarks/RESULTS.md, stop 43), and keep one arithmetic for every step.
 //
 // Two more handlers take a decode step's small operations into these products (DotNormMatmul:
-// an RMSNorm before one; DotMlpBlock: the second half of a decoder layer), at the end of the file.
+// an RMSNorm before one; DotMlpBlock: the second half of a decoder layer; layer_fusions.h), at
+// the end of the file.
 
 #include <algorithm>
 #include <cmath>
@@ -37,6 +38,7 @@
 #include <vector>
 
 #include "half.h"
+#include "layer_fusions.h"
 #include "panels.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -443,14 +445,7 @@ ffi::Error UInt4Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
                             p.dims[0], scales, &offsets, s.offset, s.dims[1], out->typed_data());
 }
 
-// ---- the second half of a decoder layer ------------------------------------------------------
-//
-// A pre-norm layer ends: x1 = x + attn . Wo; out = x1 + Wdown . (silu(gate) * up), where
-// [gate, up] = rmsnorm(x1) . Wgate_up. With int8-activation products each of the three is a call
-// of its own, and between them XLA runs the residual adds, the norm's four small programs and the
-// activation: at batch 1 a dozen thunks a layer that each cost about as much as their work. Here
-// they run on the calling thread between the products (the rows past `valid` come out as x, as the
-// separate ops give them: zero products added).
+// ---- a decoder layer's small operations between these products (layer_fusions.h) -------------
 
 // One operand of a block: int8 quads (S8, 64 bytes a quad) or 4-bit ones (U8, 32 bytes a quad, with
 // offsets), scales and offsets as matmul_dot's products take them; `offsets` of an int8 operand is
@@ -464,27 +459,14 @@ ffi::Error BlockProduct(ffi::ThreadPool& pool, const float* x, int64_t rows, int
       !servax::ViewLayer(scales.dimensions(), meta, s) || !Panels(K, N, p.dims, u4 ? U4::kQuad : I8::kQuad, s.dims) ||
       (u4 && !std::equal(scales.dimensions().begin(), scales.dimensions().end(), offsets.dimensions().begin(),
                          offsets.dimensions().end())))
-    return ffi::Error::InvalidArgument("int8-activation MLP block: each matrix as quads [(L,) N/16, K/4, 64] int8 or "
-                                       "[(L,) N/16, K/4, 32] uint8, scales (and a 4-bit one's offsets) "
+    return ffi::Error::InvalidArgument("int8-activation fused layer ops: each matrix as quads [(L,) N/16, K/4, 64] "
+                                       "int8 or [(L,) N/16, K/4, 32] uint8, scales (and a 4-bit one's offsets) "
                                        "[(L,) N/16, G, 16], G dividing K");
   if (u4)
     return MultiplyScaled<U4>(pool, x, rows, valid, K, panels.reinterpret_data<uint8_t>() + p.offset, p.dims[0],
                               scales, &offsets, s.offset, s.dims[1], c);
   return MultiplyScaled<I8>(pool, x, rows, valid, K, panels.reinterpret_data<int8_t>() + p.offset, p.dims[0], scales,
                             nullptr, s.offset, s.dims[1], c);
-}
-
-// Panels of 16 columns: a product's result has the columns rounded up to whole panels.
-int64_t Padded(int64_t n) { return (n + kPanel - 1) / kPanel * kPanel; }
-
-// out[r] = norm * x[r] / sqrt(mean(x[r]^2) + eps) for the first `rows` rows of x [., D].
-void RmsNorm(const float* x, const float* norm, int64_t rows, int64_t D, float eps, float* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float ss = 0.0f;
-    for (int64_t i = 0; i < D; ++i) ss += x[r * D + i] * x[r * D + i];
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
-    for (int64_t i = 0; i < D; ++i) out[r * D + i] = norm[i] * (x[r * D + i] * inv);
-  }
 }
 
 ffi::Error DotMlpBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> attn, ffi::Buffer<ffi::F32> residual,
@@ -498,36 +480,22 @@ ffi::Error DotMlpBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> attn, ffi::Bu
       intermediate <= 0 || meta.element_count() < 1)
     return ffi::Error::InvalidArgument("int8-activation MLP block: attn [M, A], residual and out [M, D], norm [D], "
                                        "intermediate > 0, meta [valid rows(, layer)]");
-  const int64_t M = xd[0], D = xd[1], F = intermediate, valid = std::clamp<int64_t>(meta.typed_data()[0], 0, M);
-  const int64_t Dp = Padded(D), Fp = Padded(2 * F);
-  thread_local std::vector<float> y, h, g, a;  // the calling thread's scratch, reused from call to call
-  y.resize(M * Dp), h.resize(M * D), g.resize(M * Fp), a.resize(M * F);
-  const float* x = residual.typed_data();
-  float* x1 = out->typed_data();
-  if (auto e = BlockProduct(pool, attn.typed_data(), M, valid, ad[1], Dp, o, o_scales, o_offsets, meta, y.data());
-      e.failure())
-    return e;
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t i = 0; i < D; ++i) x1[r * D + i] = x[r * D + i] + y[r * Dp + i];
-  RmsNorm(x1, norm.typed_data(), valid, D, eps, h.data());
-  if (auto e = BlockProduct(pool, h.data(), M, valid, D, Fp, gate_up, gate_up_scales, gate_up_offsets, meta, g.data());
-      e.failure())
-    return e;
-  for (int64_t r = 0; r < valid; ++r)
-    for (int64_t i = 0; i < F; ++i) {
-      const float gate = g[r * Fp + i];
-      a[r * F + i] = gate / (1.0f + std::exp(-gate)) * g[r * Fp + F + i];
+  const int64_t M = xd[0], valid = std::clamp<int64_t>(meta.typed_data()[0], 0, M);
+  auto product = [&](servax::BlockMatrix which, const float* a, int64_t K, int64_t N, float* c) {
+    switch (which) {
+      case servax::BlockMatrix::kO:
+        return BlockProduct(pool, a, M, valid, K, N, o, o_scales, o_offsets, meta, c);
+      case servax::BlockMatrix::kGateUp:
+        return BlockProduct(pool, a, M, valid, K, N, gate_up, gate_up_scales, gate_up_offsets, meta, c);
+      default:
+        return BlockProduct(pool, a, M, valid, K, N, down, down_scales, down_offsets, meta, c);
     }
-  if (auto e = BlockProduct(pool, a.data(), M, valid, F, Dp, down, down_scales, down_offsets, meta, y.data());
-      e.failure())
-    return e;
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t i = 0; i < D; ++i) x1[r * D + i] += y[r * Dp + i];
-  return ffi::Error::Success();
+  };
+  return servax::MlpBlock(attn.typed_data(), ad[1], residual.typed_data(), M, xd[1], valid, intermediate,
+                          norm.typed_data(), eps, product, out->typed_data());
 }
 
-// h = rmsnorm(x) * norm, then h . W (a layer's joined q/k/v on its residual): the norm's small
-// programs run here, before the product, instead of as XLA thunks of their own.
+// h = rmsnorm(x) * norm, then h . W (a layer's joined q/k/v on its residual).
 ffi::Error DotNormMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> norm,
                          ffi::AnyBuffer panels, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
                          ffi::Buffer<ffi::S32> meta, float eps, ffi::ResultBuffer<ffi::F32> out) {
@@ -537,10 +505,9 @@ ffi::Error DotNormMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     return ffi::Error::InvalidArgument("int8-activation norm and matmul: x [M, D], norm [D], out [M, N] (N whole "
                                        "panels), meta [valid rows(, layer)]");
   const int64_t M = xd[0], D = xd[1], valid = std::clamp<int64_t>(meta.typed_data()[0], 0, M);
-  thread_local std::vector<float> h;
-  h.resize(M * D);
-  RmsNorm(x.typed_data(), norm.typed_data(), valid, D, eps, h.data());
-  return BlockProduct(pool, h.data(), M, valid, D, od[1], panels, scales, offsets, meta, out->typed_data());
+  return servax::NormThenProduct(x.typed_data(), norm.typed_data(), M, D, valid, eps, [&](const float* h) {
+    return BlockProduct(pool, h, M, valid, D, od[1], panels, scales, offsets, meta, out->typed_data());
+  });
 }
 
 }  // namespace
