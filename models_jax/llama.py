@@ -164,17 +164,13 @@ def attention_block(
     a: LlamaArgs,
     window: int | jax.Array | None,
     project: bool = True,
-    norm: jax.Array | None = None,  # x not yet normed: this RMSNorm, qkv (and rope) in one kernel call (`_fusions`)
+    norm: jax.Array | None = None,  # x not yet normed: this RMSNorm and qkv in one kernel call (`_fusions`)
 ) -> tuple[jax.Array, KVCache]:  # [T, D] ([T, heads, hd] before o where not `project`), the cache, layer i written
     lora = _lora(p, batch)
     with jax.named_scope("qkv"):
         kv_heads = a.num_kv_heads * a.kv_repeat
-        # Where nothing comes between the product and the rotary embedding (no bias, q/k norms or
-        # LoRA deltas), the kernel that takes the norm rotates q and k too.
-        roped = norm is not None and not a.qk_norm and "qkv_bias" not in p and lora is None
         if norm is not None:
-            rope = (cos, sin, a.num_heads + kv_heads) if roped else None
-            y = norm_matmul(x, norm, a.rms_norm_eps, p["qkv"], batch.num_tokens, rope)
+            y = norm_matmul(x, norm, a.rms_norm_eps, p["qkv"], batch.num_tokens)
             q, k, v = layers.split_joined_heads(y, p.get("qkv_bias"), (a.num_heads, kv_heads, kv_heads), a.head_dim)
         elif "qkv" in p:  # joined by fuse_layer
             q, k, v = layers.project_to_joined_heads(x, p["qkv"], p.get("qkv_bias"),
@@ -188,8 +184,7 @@ def attention_block(
         if a.qk_norm:
             q = layers.rms_norm(q, p["q_norm"], a.rms_norm_eps)
             k = layers.rms_norm(k, p["k_norm"], a.rms_norm_eps)
-        if not roped:
-            q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
+        q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
     with jax.named_scope("paged_attention"):
         out, kv_cache = paged_attention(  # "sinks": gpt-oss's per-head sink logits (models_jax/gpt_oss.py)
             q, k, v, kv_cache, batch, layer=i, scale=a.head_dim**-0.5, sliding_window=window, sinks=p.get("sinks"),

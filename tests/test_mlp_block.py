@@ -88,29 +88,6 @@ def test_norm_and_product_are_the_norm_then_the_product(fmt, dot, rows, valid):
     assert not got[valid:].any()
 
 
-@pytest.mark.parametrize("fmt,dot", [("uint4", True), ("bfloat16", False)])
-@pytest.mark.parametrize("rows,valid", [(1, 1), (5, 3)])
-def test_norm_product_and_rope_are_the_three_in_turn(fmt, dot, rows, valid):
-    """q/k/v joined (4 query heads, 2 key heads, 2 value heads of 16): with `rope` the kernel
-    rotates the first 6 heads as apply_rope does and leaves the values' heads as the product gives."""
-    from models_jax.layers import RopeConfig, apply_rope, rope_cos_sin, split_joined_heads
-
-    rng = np.random.default_rng(5)
-    hd, heads = 16, (4, 2, 2)
-    w = _matrix(fmt, 64, sum(heads) * hd, rng, dot)
-    x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
-    norm = jnp.asarray(rng.uniform(0.5, 1.5, 64), jnp.float32)
-    rope = RopeConfig(rope_type="default", theta=10000.0, head_dim=hd,
-                      inv_freq=tuple(1.0 / 10000.0 ** (np.arange(0, hd, 2) / hd)))
-    cos, sin = rope_cos_sin(rope, jnp.arange(rows, dtype=jnp.int32) * 37 + 5, jnp.full(rows, 300, jnp.int32))
-    got = np.asarray(jax.jit(lambda x, cos, sin: norm_matmul(x, norm, 1e-6, w, valid, (cos, sin, 6)))(x, cos, sin))
-    q, k, v = split_joined_heads(norm_matmul(x, norm, 1e-6, w, valid), None, heads, hd)
-    want = np.concatenate([apply_rope(q, cos, sin), apply_rope(k, cos, sin), v], axis=1).reshape(rows, -1)
-    np.testing.assert_allclose(got[:valid], want[:valid], rtol=1e-5, atol=1e-5)
-    assert not got[valid:].any()
-    assert not np.allclose(got[:valid, :6 * hd], np.asarray(norm_matmul(x, norm, 1e-6, w, valid))[:valid, :6 * hd])
-
-
 @pytest.mark.parametrize("formats,dot", [(("uint4", "uint4", "int8"), True), (("bfloat16", "uint4", "int8"), False)])
 def test_block_reads_one_layer_of_a_stack_in_place(formats, dot):
     rng = np.random.default_rng(1)

@@ -241,20 +241,16 @@ def norm_matmul_fusable(x: jax.Array, w: object) -> bool:
 
 
 def norm_matmul(x: jax.Array, norm: jax.Array, eps: float, w: PackedWeight,
-                valid_rows: jax.Array | int | None = None, rope: tuple | None = None) -> jax.Array:
+                valid_rows: jax.Array | int | None = None) -> jax.Array:
     """rms_norm(x, norm, eps) @ w in one call of a C++ kernel (runtime/ops/kernels/layer_fusions.h):
     what the norm and `w.matmul` compute, without the norm's small programs between. Rows past
-    `valid_rows` give zeros. With `rope` = (cos, sin [M, head_dim], heads), the result's first
-    `heads` heads of head_dim columns (a joined q/k/v projection's queries and keys) come out
-    rotated as models_jax.layers.apply_rope rotates them. Only where `norm_matmul_fusable`."""
+    `valid_rows` give zeros. Only where `norm_matmul_fusable`."""
     meta = _meta(x, valid_rows, w.layer)
     none = jnp.zeros((0,), jnp.float32)
-    cos, sin, heads = rope if rope is not None else (jnp.zeros((0, 0), jnp.float32),) * 2 + (0,)
     target = DOT_NORM_MATMUL_TARGET if w.dot else NORM_MATMUL_TARGET
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.panels.shape[-3] * PANEL), jnp.float32))
     y = call(x, norm.astype(jnp.float32), w.panels, none if w.scales is None else w.scales,
-             none if w.offsets is None else w.offsets, cos.astype(jnp.float32), sin.astype(jnp.float32), meta,
-             eps=np.float32(eps), rope_heads=np.int64(heads))
+             none if w.offsets is None else w.offsets, meta, eps=np.float32(eps))
     return y if y.shape[1] == w.out_features else y[:, :w.out_features]
 
 

@@ -23,8 +23,7 @@
 // layer of a stack [L, ...] (panels.h LayerView).
 //
 // Two more handlers take a decode step's small operations into these products (NormMatmul: an
-// RMSNorm before one, the rotary embedding after; MlpBlock: the second half of a decoder layer;
-// layer_fusions.h), at the end.
+// RMSNorm before one; MlpBlock: the second half of a decoder layer; layer_fusions.h), at the end.
 
 #include <algorithm>
 #include <cstdint>
@@ -553,22 +552,16 @@ ffi::Error MlpBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> attn, ffi::Buffe
 
 ffi::Error NormMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> norm,
                       ffi::AnyBuffer panels, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
-                      ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S32> meta, float eps,
-                      int64_t rope_heads, ffi::ResultBuffer<ffi::F32> out) {
+                      ffi::Buffer<ffi::S32> meta, float eps, ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions(), od = out->dimensions();
-  servax::Rope rope;
   if (xd.size() != 2 || norm.element_count() != xd[1] || od.size() != 2 || od[0] != xd[0] ||
-      od[1] % kPanel != 0 || meta.element_count() < 1 ||
-      !servax::RopeShaped(cos, sin, rope_heads, xd[0], od[1], rope))
-    return ffi::Error::InvalidArgument("fused norm and matmul: x [M, D], norm [D], out [M, N] (N whole panels), meta "
-                                       "[valid rows(, layer)]; rope_heads 0, or cos and sin [M, head_dim] with "
-                                       "rope_heads * head_dim <= N");
-  const int64_t M = xd[0], D = xd[1], N = od[1], valid = std::clamp<int64_t>(meta.typed_data()[0], 0, M);
-  float* c = out->typed_data();
-  auto product = [&](const float* h) {
-    return FormatProduct(pool, h, M, valid, D, N, panels, scales, offsets, meta, c);
-  };
-  return servax::NormThenProduct(x.typed_data(), norm.typed_data(), M, D, N, valid, eps, rope, c, product);
+      od[1] % kPanel != 0 || meta.element_count() < 1)
+    return ffi::Error::InvalidArgument("fused norm and matmul: x [M, D], norm [D], out [M, N] (N whole panels), "
+                                       "meta [valid rows(, layer)]");
+  const int64_t M = xd[0], D = xd[1], valid = std::clamp<int64_t>(meta.typed_data()[0], 0, M);
+  return servax::NormThenProduct(x.typed_data(), norm.typed_data(), M, D, valid, eps, [&](const float* h) {
+    return FormatProduct(pool, h, M, valid, D, od[1], panels, scales, offsets, meta, out->typed_data());
+  });
 }
 
 }  // namespace
@@ -638,9 +631,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxNormMatmul, NormMatmul,
                                   .Arg<ffi::AnyBuffer>()  // panels [(L,) N/16, D, 16 or 8]
                                   .Arg<ffi::AnyBuffer>()  // scales [(L,) N/16, G, 16] (int8, 4-bit; else empty)
                                   .Arg<ffi::AnyBuffer>()  // offsets (4-bit; else empty)
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // rope cos [M, head_dim] (rope_heads > 0)
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // rope sin [M, head_dim]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // meta: [valid rows] or [valid rows, layer]
                                   .Attr<float>("eps")
-                                  .Attr<int64_t>("rope_heads")  // leading heads of out to rotate (q's, k's), or 0
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]
