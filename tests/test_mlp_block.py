@@ -3,9 +3,10 @@ runtime/ops/kernels/layer_fusions.h, in matmul_dot.cc with int8 activations and 
 with float ones): the input RMSNorm with the qkv product (norm_matmul) against the norm then the
 product; the second half of the layer in one call (mlp_block) against the same layer op by op
 (each product by PackedWeight.matmul, the residual adds, RMSNorm and SiLU in JAX), for int8 and
-4-bit weights laid out for int8 activations and for float ones, bfloat16 weights, mixed, stacked
-by layer and not, with padded rows; and the engine, whose decode steps run every layer of an
-int8 and of a bfloat16 Llama through both (its prefills op by op), with the op-by-op engine's
+4-bit weights laid out for int8 activations and for float ones, bfloat16 and float32 weights,
+mixed, stacked by layer and not, with padded rows; and the engine, whose decode steps run every
+layer of an int8, a bfloat16 and a float32 Llama through both (its prefills op by op), with the
+op-by-op engine's
 tokens and logprobs within activation rounding (tests/test_gguf.py, tests/test_quantization.py
 and tests/test_matmul_formats.py hold those against transformers)."""
 
@@ -36,10 +37,10 @@ def op_by_op(attn, x, o, norm, eps, gate_up, down, rows):
 
 
 def _matrix(fmt, d_in, d_out, rng, dot=True):
-    """A packed [d_in, d_out] matrix: "bfloat16" values, or int8 / 4-bit ones in blocks of 32 inputs
-    laid out for int8 activations (`dot`) or for float ones."""
-    if fmt == "bfloat16":
-        return PackedWeight.pack(jnp.asarray(rng.standard_normal((d_in, d_out)) * 0.05, jnp.bfloat16))
+    """A packed [d_in, d_out] matrix: "bfloat16" or "float32" values, or int8 / 4-bit ones in blocks
+    of 32 inputs laid out for int8 activations (`dot`) or for float ones."""
+    if fmt in ("bfloat16", "float32"):
+        return PackedWeight.pack(jnp.asarray(rng.standard_normal((d_in, d_out)) * 0.05, fmt))
     w = _weights(fmt, d_in, d_out, d_in // 32, rng)[0]
     return w.for_int8_activations() if dot else w
 
@@ -53,6 +54,7 @@ def _layer(formats, d, a, f, rng, dot=True):
 LAYERS = [  # (formats of o, gate_up, down; laid out for int8 activations)
     (("uint4", "uint4", "uint4"), True), (("int8", "int8", "int8"), True), (("uint4", "int8", "uint4"), True),
     (("bfloat16",) * 3, False), (("int8", "int8", "int8"), False), (("uint4", "bfloat16", "int8"), False),
+    (("float32",) * 3, False),
 ]
 
 
@@ -65,21 +67,24 @@ def test_block_is_the_layer_op_by_op(formats, dot, rows, valid):
     attn = jnp.asarray(rng.standard_normal((rows, a)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((rows, d)), jnp.float32)
     norm = jnp.asarray(rng.uniform(0.5, 1.5, d), jnp.float32)
-    assert mlp_block_fusable(x, o, gate_up, down)
+    # (float32 panels take the kernel in one-row steps only: with more, matmul.cc's products are faster)
+    assert mlp_block_fusable(x, o, gate_up, down) == (formats[0] != "float32" or rows == 1)
     got = np.asarray(jax.jit(mlp_block, static_argnums=4)(attn, x, o, norm, eps, gate_up, down, valid))
     want = np.asarray(jax.jit(op_by_op, static_argnums=4)(attn, x, o, norm, eps, gate_up, down, valid))
     np.testing.assert_allclose(got[:valid], want[:valid], rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(got[valid:], np.asarray(x)[valid:])  # padded rows: x, as zero products give
 
 
-@pytest.mark.parametrize("fmt,dot", [("uint4", True), ("int8", True), ("bfloat16", False), ("uint4", False)])
+@pytest.mark.parametrize("fmt,dot", [("uint4", True), ("int8", True), ("bfloat16", False), ("uint4", False),
+                                     ("float32", False)])
 @pytest.mark.parametrize("rows,valid", [(1, 1), (6, 4)])
 def test_norm_and_product_are_the_norm_then_the_product(fmt, dot, rows, valid):
     rng = np.random.default_rng(3)
     w = _matrix(fmt, 96, 200, rng, dot)  # 200 columns: 13 panels, the last padded
     x = jnp.asarray(rng.standard_normal((rows, 96)) * 3, jnp.float32)
     norm = jnp.asarray(rng.uniform(0.5, 1.5, 96), jnp.float32)
-    assert norm_matmul_fusable(x, w) and not norm_matmul_fusable(x.astype(jnp.bfloat16), w)
+    assert norm_matmul_fusable(x, w) == (fmt != "float32" or rows == 1)
+    assert not norm_matmul_fusable(x.astype(jnp.bfloat16), w)
     got = np.asarray(jax.jit(norm_matmul, static_argnums=2)(x, norm, 1e-6, w, valid))
     normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
     want = np.asarray(w.matmul(norm * normed, valid))
@@ -124,18 +129,23 @@ def test_block_takes_only_what_it_computes():
     o, gate_up, down = _layer(("int8", "bfloat16", "int8"), 64, 64, 32, rng, dot=False)
     assert mlp_block_fusable(x, o, gate_up, down) and mlp_block_fusable(x, bf16_o, gate_up, down)
     floats = _layer(("int8", "int8", "int8"), 64, 64, 32, rng, dot=False)
-    assert not mlp_block_fusable(x, *floats[:2], PackedWeight.pack(jnp.zeros((32, 64), jnp.float32)))
-    assert not norm_matmul_fusable(x, float_o) and norm_matmul_fusable(x, bf16_o)  # float32 panels: matmul.cc
+    float_down, x2 = PackedWeight.pack(jnp.zeros((32, 64), jnp.float32)), jnp.zeros((2, 64), jnp.float32)
+    assert mlp_block_fusable(x, *floats[:2], float_down) and norm_matmul_fusable(x, float_o)
+    # float32 panels in steps of more rows: matmul.cc's own products
+    assert not mlp_block_fusable(x2, *floats[:2], float_down) and not norm_matmul_fusable(x2, float_o)
+    assert mlp_block_fusable(x2, *floats) and norm_matmul_fusable(x2, bf16_o)
 
 
 @pytest.mark.parametrize("settings,targets", [
     ({"quantization": "int8"}, ("servax_dot_norm_matmul", "servax_dot_mlp_block")),  # int8 activations
     ({"dtype": "bfloat16"}, ("servax_norm_matmul", "servax_mlp_block")),
+    ({"dtype": "float32"}, ("servax_norm_matmul", "servax_mlp_block")),  # one-token steps
 ])
 def test_engine_runs_each_layer_through_the_block_and_computes_what_the_ops_do(monkeypatch, settings, targets):
-    """quantization="int8" (int8 activations, its default on CPU) and dtype="bfloat16": every layer
-    of the tiny Llama takes its input norm with qkv in one call and the rest of the layer after
-    attention in another, and the tokens and logprobs are the op-by-op engine's."""
+    """quantization="int8" (int8 activations, its default on CPU), dtype="bfloat16" and float32:
+    every layer of the tiny Llama takes its input norm with qkv in one call and the rest of the
+    layer after attention in another in a one-token decode, and the tokens and logprobs are the
+    op-by-op engine's."""
     import models_jax.llama as llama
     from app import LLM, SamplingParams
 

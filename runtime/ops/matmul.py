@@ -187,16 +187,18 @@ class PackedWeight:
         return q * scale + jnp.repeat(self.offsets[p, :, j].astype(jnp.float32), group, axis=1)
 
 
-def _fused_kernel(matrices: tuple) -> str | None:
-    """The kernel whose fused calls (`mlp_block`, `norm_matmul`) take these matrices: "matmul_dot"
-    where every one is packed for int8 activations (PackedWeight.dot), "matmul_formats" where every
-    one is bfloat16, int8 or 4-bit panels taking float activations; None for float32 panels, a mix
-    of the two layouts, a matrix not packed, or the kernel not built."""
+def _fused_kernel(matrices: tuple, rows: int) -> str | None:
+    """The kernel whose fused calls (`mlp_block`, `norm_matmul`) take these matrices for `rows` rows
+    of activations: "matmul_dot" where every one is packed for int8 activations (PackedWeight.dot),
+    "matmul_formats" where every one takes float activations (bfloat16, int8 or 4-bit panels; and
+    float32 ones for a single row: with more, matmul.cc's own float32 products, 512-bit where the
+    CPU has AVX-512, beat the formats kernel's: benchmarks/RESULTS.md, stop 56); None for a mix of
+    the two layouts, a matrix not packed, or the kernel not built."""
     if not all(isinstance(m, PackedWeight) for m in matrices):
         return None
     if all(m.dot for m in matrices):
         kernel = "matmul_dot"
-    elif not any(m.dot or m.format == "float32" for m in matrices):
+    elif not any(m.dot or (m.format == "float32" and rows > 1) for m in matrices):
         kernel = "matmul_formats"
     else:
         return None
@@ -205,11 +207,10 @@ def _fused_kernel(matrices: tuple) -> str | None:
 
 def mlp_block_fusable(x: jax.Array, o: object, gate_up: object, down: object) -> bool:
     """Whether `mlp_block` takes this layer: float32 activations, and o, gate_up (gate and up side
-    by side) and down packed for one of its kernels (all for int8 activations, or all bfloat16,
-    int8 or 4-bit panels taking float ones; see _fused_kernel) with matching shapes, either all of
-    one stacked layer or none stacked."""
+    by side) and down packed for one of its kernels (all for int8 activations, or all taking float
+    ones; see _fused_kernel) with matching shapes, either all of one stacked layer or none stacked."""
     w = (o, gate_up, down)
-    if x.dtype != jnp.float32 or _fused_kernel(w) is None:
+    if x.dtype != jnp.float32 or _fused_kernel(w, x.shape[0]) is None:
         return False
     if len({m.layer is None for m in w}) != 1 or len({m.panels.ndim for m in w}) != 1:
         return False
@@ -237,7 +238,7 @@ def mlp_block(attn: jax.Array, x: jax.Array, o: PackedWeight, norm: jax.Array, e
 def norm_matmul_fusable(x: jax.Array, w: object) -> bool:
     """Whether `norm_matmul` takes x and w: float32 x [M, in of w], w packed for one of its kernels
     (see _fused_kernel)."""
-    return (x.dtype == jnp.float32 and _fused_kernel((w,)) is not None and x.shape[-1] == w.shape[0])
+    return x.dtype == jnp.float32 and _fused_kernel((w,), x.shape[0]) is not None and x.shape[-1] == w.shape[0]
 
 
 def norm_matmul(x: jax.Array, norm: jax.Array, eps: float, w: PackedWeight,

@@ -482,17 +482,19 @@ ffi::Error UInt4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 
 // ---- a decoder layer's small operations between these products (layer_fusions.h) -------------
 
-// One matrix of a fused call: bfloat16 panels [(L,) N/16, K, 16] (scales and offsets empty), int8
-// ones [.., K, 16] with scales [(L,) N/16, G, 16], or 4-bit ones [.., K, 8] with scales and offsets,
-// read at meta's layer where stacked; what Bf16Matmul, Int8Matmul and UInt4Matmul multiply.
+// One matrix of a fused call: bfloat16 or float32 panels [(L,) N/16, K, 16] (scales and offsets
+// empty), int8 ones [.., K, 16] with scales [(L,) N/16, G, 16], or 4-bit ones [.., K, 8] with scales
+// and offsets, read at meta's layer where stacked; what Bf16Matmul, Int8Matmul and UInt4Matmul
+// multiply (float32 panels as matmul.cc packs them, by this file's 256-bit products: runtime/ops/
+// matmul.py gives them only one-row steps).
 ffi::Error FormatProduct(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t valid, int64_t K, int64_t N,
                          ffi::AnyBuffer panels, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
                          ffi::Buffer<ffi::S32>& meta, float* c) {
   const auto type = panels.element_type();
   const int64_t row = type == ffi::DataType::BF16 ? Bf16::kRow : type == ffi::DataType::S8 ? Int8::kRow
-                      : type == ffi::DataType::U8 ? UInt4::kRow : 0;
+                      : type == ffi::DataType::U8 ? UInt4::kRow : type == ffi::DataType::F32 ? Float::kRow : 0;
   servax::LayerView p, s, o;
-  const bool scaled = type != ffi::DataType::BF16, offset = type == ffi::DataType::U8;
+  const bool scaled = type == ffi::DataType::S8 || type == ffi::DataType::U8, offset = type == ffi::DataType::U8;
   bool ok = row > 0 && servax::ViewLayer(panels.dimensions(), meta, p) && p.dims[1] == K && p.dims[2] == row &&
             p.dims[0] * kPanel == N;
   if (ok && scaled)
@@ -502,9 +504,9 @@ ffi::Error FormatProduct(ffi::ThreadPool& pool, const float* x, int64_t rows, in
     ok = offsets.element_type() == ffi::DataType::F32 && servax::ViewLayer(offsets.dimensions(), meta, o) &&
          std::equal(s.dims.begin(), s.dims.end(), o.dims.begin(), o.dims.end());
   if (!ok)
-    return ffi::Error::InvalidArgument("fused layer ops: each matrix as bfloat16 panels [(L,) N/16, K, 16], int8 "
-                                       "ones [.., K, 16] with float32 scales [(L,) N/16, G, 16] (G dividing K), or "
-                                       "4-bit ones [.., K, 8] with float32 scales and offsets");
+    return ffi::Error::InvalidArgument("fused layer ops: each matrix as bfloat16 or float32 panels [(L,) N/16, K, "
+                                       "16], int8 ones [.., K, 16] with float32 scales [(L,) N/16, G, 16] (G "
+                                       "dividing K), or 4-bit ones [.., K, 8] with float32 scales and offsets");
   switch (type) {
     case ffi::DataType::BF16: {
       const uint16_t* b = reinterpret_cast<const uint16_t*>(panels.untyped_data()) + p.offset;
@@ -514,6 +516,9 @@ ffi::Error FormatProduct(ffi::ThreadPool& pool, const float* x, int64_t rows, in
       return Multiply<Bf16>(pool, x, rows, valid, K, b, p.dims[0], nullptr, nullptr, 1, c);
 #endif
     }
+    case ffi::DataType::F32:
+      return Multiply<Float>(pool, x, rows, valid, K, panels.reinterpret_data<float>() + p.offset, p.dims[0], nullptr,
+                             nullptr, 1, c);
     case ffi::DataType::S8:
       return Multiply<Int8>(pool, x, rows, valid, K, panels.reinterpret_data<int8_t>() + p.offset, p.dims[0],
                             scales.reinterpret_data<float>() + s.offset, nullptr, s.dims[1], c);
