@@ -242,10 +242,9 @@ def _fusions(x: jax.Array, p: dict, batch: StepInput) -> tuple[bool, bool]:
     (the input norm with the joined qkv projection: norm_matmul; o to the layer's end: mlp_block).
     Each needs its matrices packed for int8 activations, or taking float ones (float32 panels in a
     one-token step only; see runtime.ops.matmul._fused_kernel); neither runs with LoRA, and the
-    block not with biases. Only
-    for steps of at most FUSED_MAX_TOKENS tokens (decodes):
-    with more rows XLA's own programs share the small ops over the cores, which the kernel's
-    calling thread runs alone (benchmarks/RESULTS.md, stop 55)."""
+    block not with biases. Only for steps of at most FUSED_MAX_TOKENS tokens (decodes): with more
+    rows XLA's own programs share the small ops over the cores, which the kernel's calling thread
+    runs alone (benchmarks/RESULTS.md, stop 55)."""
     if _lora(p, batch) is not None or x.shape[0] > FUSED_MAX_TOKENS:
         return False, False
     mlp = p.get("mlp", {})

@@ -53,8 +53,8 @@ INT8_DOT_TARGET = "servax_int8_dot_matmul"  # ... int8 weights, activations quan
 UINT4_DOT_TARGET = "servax_uint4_dot_matmul"  # ... 4-bit weights, likewise
 DOT_MLP_BLOCK_TARGET = "servax_dot_mlp_block"  # ... a layer's o, residual, norm and MLP by those products
 DOT_NORM_MATMUL_TARGET = "servax_dot_norm_matmul"  # ... an RMSNorm, then such a product
-MLP_BLOCK_TARGET = "servax_mlp_block"  # the same two with float activations (bfloat16, int8, 4-bit weights)
-NORM_MATMUL_TARGET = "servax_norm_matmul"
+MLP_BLOCK_TARGET = "servax_mlp_block"  # the same two with float activations (the formats kernel's weights,
+NORM_MATMUL_TARGET = "servax_norm_matmul"  # and float32 panels as matmul.cc packs them)
 
 
 @dataclasses.dataclass(frozen=True)

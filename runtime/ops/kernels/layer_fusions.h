@@ -1,7 +1,7 @@
 // A decode step's small operations run between a decoder layer's packed products, shared by the
 // products that quantize the activations to int8 (matmul_dot.cc) and those that take them as float
-// (matmul_formats.cc: bfloat16, int8 and 4-bit weights): each library defines its handlers with its
-// own products and these bodies.
+// (matmul_formats.cc: bfloat16, int8, 4-bit and float32 weights): each library's handlers are these
+// bodies (MlpBlockCall, NormMatmulCall) over its own products.
 //
 // A pre-norm layer ends: x1 = x + attn . Wo; out = x1 + Wdown . (silu(gate) * up), where
 // [gate, up] = rmsnorm(x1) . Wgate_up. With each product a call of its own, XLA runs the residual
@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "panels.h"
@@ -75,6 +76,47 @@ xla::ffi::Error NormThenProduct(const float* x, const float* norm, int64_t M, in
   h.resize(M * D);
   RmsNorm(x, norm, valid, D, eps, h.data());
   return product(h.data());
+}
+
+// The handlers' bodies, for a library whose `product(pool, x, rows, valid, K, N, panels, scales,
+// offsets, meta, c)` multiplies x [rows, K] by one matrix given as its three operands (scales and
+// offsets empty where its format has none) into c [rows, N]; `what` names the library's
+// products in the errors.
+template <class Product>
+xla::ffi::Error MlpBlockCall(xla::ffi::ThreadPool& pool, xla::ffi::Buffer<xla::ffi::F32>& attn,
+                             xla::ffi::Buffer<xla::ffi::F32>& residual, xla::ffi::AnyBuffer o[3],
+                             xla::ffi::Buffer<xla::ffi::F32>& norm, xla::ffi::AnyBuffer gate_up[3],
+                             xla::ffi::AnyBuffer down[3], xla::ffi::Buffer<xla::ffi::S32>& meta, float eps,
+                             int64_t intermediate, xla::ffi::ResultBuffer<xla::ffi::F32>& out, const char* what,
+                             Product&& product) {
+  const auto ad = attn.dimensions(), xd = residual.dimensions(), od = out->dimensions();
+  if (ad.size() != 2 || xd.size() != 2 || ad[0] != xd[0] || norm.element_count() != xd[1] || od.size() != 2 ||
+      od[0] != xd[0] || od[1] != xd[1] || intermediate <= 0 || meta.element_count() < 1)
+    return xla::ffi::Error::InvalidArgument(std::string(what) + " MLP block: attn [M, A], residual and out [M, D], "
+                                            "norm [D], intermediate > 0, meta [valid rows(, layer)]");
+  const int64_t M = xd[0], valid = std::clamp<int64_t>(meta.typed_data()[0], 0, M);
+  auto one = [&](BlockMatrix which, const float* a, int64_t K, int64_t N, float* c) {
+    xla::ffi::AnyBuffer* m = which == BlockMatrix::kO ? o : which == BlockMatrix::kGateUp ? gate_up : down;
+    return product(pool, a, M, valid, K, N, m[0], m[1], m[2], meta, c);
+  };
+  return MlpBlock(attn.typed_data(), ad[1], residual.typed_data(), M, xd[1], valid, intermediate, norm.typed_data(),
+                  eps, one, out->typed_data());
+}
+
+template <class Product>
+xla::ffi::Error NormMatmulCall(xla::ffi::ThreadPool& pool, xla::ffi::Buffer<xla::ffi::F32>& x,
+                               xla::ffi::Buffer<xla::ffi::F32>& norm, xla::ffi::AnyBuffer w[3],
+                               xla::ffi::Buffer<xla::ffi::S32>& meta, float eps,
+                               xla::ffi::ResultBuffer<xla::ffi::F32>& out, const char* what, Product&& product) {
+  const auto xd = x.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || norm.element_count() != xd[1] || od.size() != 2 || od[0] != xd[0] ||
+      od[1] % kPanel != 0 || meta.element_count() < 1)
+    return xla::ffi::Error::InvalidArgument(std::string(what) + " norm and matmul: x [M, D], norm [D], out [M, N] "
+                                            "(N whole panels), meta [valid rows(, layer)]");
+  const int64_t M = xd[0], D = xd[1], valid = std::clamp<int64_t>(meta.typed_data()[0], 0, M);
+  return NormThenProduct(x.typed_data(), norm.typed_data(), M, D, valid, eps, [&](const float* h) {
+    return product(pool, h, M, valid, D, od[1], w[0], w[1], w[2], meta, out->typed_data());
+  });
 }
 
 }  // namespace servax

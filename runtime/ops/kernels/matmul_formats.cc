@@ -534,39 +534,17 @@ ffi::Error MlpBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> attn, ffi::Buffe
                     ffi::AnyBuffer gate_up, ffi::AnyBuffer gate_up_scales, ffi::AnyBuffer gate_up_offsets,
                     ffi::AnyBuffer down, ffi::AnyBuffer down_scales, ffi::AnyBuffer down_offsets,
                     ffi::Buffer<ffi::S32> meta, float eps, int64_t intermediate, ffi::ResultBuffer<ffi::F32> out) {
-  const auto ad = attn.dimensions(), xd = residual.dimensions();
-  if (ad.size() != 2 || xd.size() != 2 || ad[0] != xd[0] || norm.element_count() != xd[1] ||
-      out->dimensions().size() != 2 || out->dimensions()[0] != xd[0] || out->dimensions()[1] != xd[1] ||
-      intermediate <= 0 || meta.element_count() < 1)
-    return ffi::Error::InvalidArgument("fused MLP block: attn [M, A], residual and out [M, D], norm [D], "
-                                       "intermediate > 0, meta [valid rows(, layer)]");
-  const int64_t M = xd[0], valid = std::clamp<int64_t>(meta.typed_data()[0], 0, M);
-  auto product = [&](servax::BlockMatrix which, const float* a, int64_t K, int64_t N, float* c) {
-    switch (which) {
-      case servax::BlockMatrix::kO:
-        return FormatProduct(pool, a, M, valid, K, N, o, o_scales, o_offsets, meta, c);
-      case servax::BlockMatrix::kGateUp:
-        return FormatProduct(pool, a, M, valid, K, N, gate_up, gate_up_scales, gate_up_offsets, meta, c);
-      default:
-        return FormatProduct(pool, a, M, valid, K, N, down, down_scales, down_offsets, meta, c);
-    }
-  };
-  return servax::MlpBlock(attn.typed_data(), ad[1], residual.typed_data(), M, xd[1], valid, intermediate,
-                          norm.typed_data(), eps, product, out->typed_data());
+  ffi::AnyBuffer wo[3] = {o, o_scales, o_offsets}, wgu[3] = {gate_up, gate_up_scales, gate_up_offsets},
+                 wd[3] = {down, down_scales, down_offsets};
+  return servax::MlpBlockCall(pool, attn, residual, wo, norm, wgu, wd, meta, eps, intermediate, out, "fused",
+                              FormatProduct);
 }
 
 ffi::Error NormMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> norm,
                       ffi::AnyBuffer panels, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
                       ffi::Buffer<ffi::S32> meta, float eps, ffi::ResultBuffer<ffi::F32> out) {
-  const auto xd = x.dimensions(), od = out->dimensions();
-  if (xd.size() != 2 || norm.element_count() != xd[1] || od.size() != 2 || od[0] != xd[0] ||
-      od[1] % kPanel != 0 || meta.element_count() < 1)
-    return ffi::Error::InvalidArgument("fused norm and matmul: x [M, D], norm [D], out [M, N] (N whole panels), "
-                                       "meta [valid rows(, layer)]");
-  const int64_t M = xd[0], D = xd[1], valid = std::clamp<int64_t>(meta.typed_data()[0], 0, M);
-  return servax::NormThenProduct(x.typed_data(), norm.typed_data(), M, D, valid, eps, [&](const float* h) {
-    return FormatProduct(pool, h, M, valid, D, od[1], panels, scales, offsets, meta, out->typed_data());
-  });
+  ffi::AnyBuffer w[3] = {panels, scales, offsets};
+  return servax::NormMatmulCall(pool, x, norm, w, meta, eps, out, "fused", FormatProduct);
 }
 
 }  // namespace
