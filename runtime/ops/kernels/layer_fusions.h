@@ -1,7 +1,7 @@
 // A decode step's small operations run between a decoder layer's packed products, shared by the
 // products that quantize the activations to int8 (matmul_dot.cc) and those that take them as float
-// (matmul_formats.cc: bfloat16, int8, 4-bit and float32 weights): each library's handlers are these
-// bodies (MlpBlockCall, NormMatmulCall) over its own products.
+// (matmul_formats.cc: bfloat16, int8, 4-bit and float32 weights): each library's two handlers are
+// MlpBlockHandler and NormMatmulHandler over its own products.
 //
 // A pre-norm layer ends: x1 = x + attn . Wo; out = x1 + Wdown . (silu(gate) * up), where
 // [gate, up] = rmsnorm(x1) . Wgate_up. With each product a call of its own, XLA runs the residual
@@ -24,6 +24,8 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace servax {
+
+namespace ffi = xla::ffi;
 
 // Panels of 16 columns: a product's result has the columns rounded up to whole panels.
 inline int64_t Padded(int64_t n) { return (n + kPanel - 1) / kPanel * kPanel; }
@@ -78,45 +80,80 @@ xla::ffi::Error NormThenProduct(const float* x, const float* norm, int64_t M, in
   return product(h.data());
 }
 
-// The handlers' bodies, for a library whose `product(pool, x, rows, valid, K, N, panels, scales,
-// offsets, meta, c)` multiplies x [rows, K] by one matrix given as its three operands (scales and
-// offsets empty where its format has none) into c [rows, N]; `what` names the library's
-// products in the errors.
-template <class Product>
-xla::ffi::Error MlpBlockCall(xla::ffi::ThreadPool& pool, xla::ffi::Buffer<xla::ffi::F32>& attn,
-                             xla::ffi::Buffer<xla::ffi::F32>& residual, xla::ffi::AnyBuffer o[3],
-                             xla::ffi::Buffer<xla::ffi::F32>& norm, xla::ffi::AnyBuffer gate_up[3],
-                             xla::ffi::AnyBuffer down[3], xla::ffi::Buffer<xla::ffi::S32>& meta, float eps,
-                             int64_t intermediate, xla::ffi::ResultBuffer<xla::ffi::F32>& out, const char* what,
-                             Product&& product) {
+// The two handlers, for a library `P` of products: P::Product(pool, x, rows, valid, K, N,
+// panels, scales, offsets, meta, c) multiplies x [rows, K] by one matrix given as its three
+// operands (scales and offsets empty where its format has none) into c [rows, N]; P::kName names
+// them in the errors. Each library binds them with MlpBlockBinding / NormMatmulBinding.
+template <class P>
+ffi::Error MlpBlockHandler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> attn, ffi::Buffer<ffi::F32> residual,
+                           ffi::AnyBuffer o, ffi::AnyBuffer o_scales, ffi::AnyBuffer o_offsets,
+                           ffi::Buffer<ffi::F32> norm, ffi::AnyBuffer gate_up, ffi::AnyBuffer gate_up_scales,
+                           ffi::AnyBuffer gate_up_offsets, ffi::AnyBuffer down, ffi::AnyBuffer down_scales,
+                           ffi::AnyBuffer down_offsets, ffi::Buffer<ffi::S32> meta, float eps, int64_t intermediate,
+                           ffi::ResultBuffer<ffi::F32> out) {
   const auto ad = attn.dimensions(), xd = residual.dimensions(), od = out->dimensions();
   if (ad.size() != 2 || xd.size() != 2 || ad[0] != xd[0] || norm.element_count() != xd[1] || od.size() != 2 ||
       od[0] != xd[0] || od[1] != xd[1] || intermediate <= 0 || meta.element_count() < 1)
-    return xla::ffi::Error::InvalidArgument(std::string(what) + " MLP block: attn [M, A], residual and out [M, D], "
-                                            "norm [D], intermediate > 0, meta [valid rows(, layer)]");
+    return ffi::Error::InvalidArgument(std::string(P::kName) + " MLP block: attn [M, A], residual and out [M, D], "
+                                       "norm [D], intermediate > 0, meta [valid rows(, layer)]");
   const int64_t M = xd[0], valid = std::clamp<int64_t>(meta.typed_data()[0], 0, M);
-  auto one = [&](BlockMatrix which, const float* a, int64_t K, int64_t N, float* c) {
-    xla::ffi::AnyBuffer* m = which == BlockMatrix::kO ? o : which == BlockMatrix::kGateUp ? gate_up : down;
-    return product(pool, a, M, valid, K, N, m[0], m[1], m[2], meta, c);
+  auto product = [&](BlockMatrix which, const float* a, int64_t K, int64_t N, float* c) {
+    if (which == BlockMatrix::kO) return P::Product(pool, a, M, valid, K, N, o, o_scales, o_offsets, meta, c);
+    if (which == BlockMatrix::kGateUp)
+      return P::Product(pool, a, M, valid, K, N, gate_up, gate_up_scales, gate_up_offsets, meta, c);
+    return P::Product(pool, a, M, valid, K, N, down, down_scales, down_offsets, meta, c);
   };
   return MlpBlock(attn.typed_data(), ad[1], residual.typed_data(), M, xd[1], valid, intermediate, norm.typed_data(),
-                  eps, one, out->typed_data());
+                  eps, product, out->typed_data());
 }
 
-template <class Product>
-xla::ffi::Error NormMatmulCall(xla::ffi::ThreadPool& pool, xla::ffi::Buffer<xla::ffi::F32>& x,
-                               xla::ffi::Buffer<xla::ffi::F32>& norm, xla::ffi::AnyBuffer w[3],
-                               xla::ffi::Buffer<xla::ffi::S32>& meta, float eps,
-                               xla::ffi::ResultBuffer<xla::ffi::F32>& out, const char* what, Product&& product) {
+template <class P>
+ffi::Error NormMatmulHandler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> norm,
+                             ffi::AnyBuffer panels, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
+                             ffi::Buffer<ffi::S32> meta, float eps, ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || norm.element_count() != xd[1] || od.size() != 2 || od[0] != xd[0] ||
       od[1] % kPanel != 0 || meta.element_count() < 1)
-    return xla::ffi::Error::InvalidArgument(std::string(what) + " norm and matmul: x [M, D], norm [D], out [M, N] "
-                                            "(N whole panels), meta [valid rows(, layer)]");
+    return ffi::Error::InvalidArgument(std::string(P::kName) + " norm and matmul: x [M, D], norm [D], out [M, N] "
+                                       "(N whole panels), meta [valid rows(, layer)]");
   const int64_t M = xd[0], D = xd[1], valid = std::clamp<int64_t>(meta.typed_data()[0], 0, M);
   return NormThenProduct(x.typed_data(), norm.typed_data(), M, D, valid, eps, [&](const float* h) {
-    return product(pool, h, M, valid, D, od[1], w[0], w[1], w[2], meta, out->typed_data());
+    return P::Product(pool, h, M, valid, D, od[1], panels, scales, offsets, meta, out->typed_data());
   });
+}
+
+inline auto MlpBlockBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()  // attn [M, A]: the attention's output, heads joined
+      .Arg<ffi::Buffer<ffi::F32>>()  // residual x [M, D]
+      .Arg<ffi::AnyBuffer>()         // o panels [(L,) D/16, A (or A/4: quads), ..]
+      .Arg<ffi::AnyBuffer>()         // o scales [(L,) D/16, G, 16] (quantized; else empty)
+      .Arg<ffi::AnyBuffer>()         // o offsets (4-bit; else empty)
+      .Arg<ffi::Buffer<ffi::F32>>()  // the post-attention RMSNorm's weight [D]
+      .Arg<ffi::AnyBuffer>()         // gate_up panels [(L,) 2F/16, D (or D/4), ..]: gate, then up
+      .Arg<ffi::AnyBuffer>()         // gate_up scales
+      .Arg<ffi::AnyBuffer>()         // gate_up offsets
+      .Arg<ffi::AnyBuffer>()         // down panels [(L,) D/16, F (or F/4), ..]
+      .Arg<ffi::AnyBuffer>()         // down scales
+      .Arg<ffi::AnyBuffer>()         // down offsets
+      .Arg<ffi::Buffer<ffi::S32>>()  // meta: [valid rows] or [valid rows, layer]
+      .Attr<float>("eps")
+      .Attr<int64_t>("intermediate")  // F
+      .Ret<ffi::Buffer<ffi::F32>>();  // out [M, D]: x1 + the MLP of x1
+}
+
+inline auto NormMatmulBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()  // x [M, D]: a layer's residual
+      .Arg<ffi::Buffer<ffi::F32>>()  // the RMSNorm's weight [D]
+      .Arg<ffi::AnyBuffer>()         // panels [(L,) N/16, D (or D/4: quads), ..]
+      .Arg<ffi::AnyBuffer>()         // scales [(L,) N/16, G, 16] (quantized; else empty)
+      .Arg<ffi::AnyBuffer>()         // offsets (4-bit; else empty)
+      .Arg<ffi::Buffer<ffi::S32>>()  // meta: [valid rows] or [valid rows, layer]
+      .Attr<float>("eps")
+      .Ret<ffi::Buffer<ffi::F32>>();  // out [M, N]
 }
 
 }  // namespace servax

@@ -447,46 +447,31 @@ ffi::Error UInt4Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 
 // ---- a decoder layer's small operations between these products (layer_fusions.h) -------------
 
-// One operand of a block: int8 quads (S8, 64 bytes a quad) or 4-bit ones (U8, 32 bytes a quad, with
-// offsets), scales and offsets as matmul_dot's products take them; `offsets` of an int8 operand is
-// ignored (an empty array).
-ffi::Error BlockProduct(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t valid, int64_t K, int64_t N,
-                        ffi::AnyBuffer panels, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
-                        ffi::Buffer<ffi::S32>& meta, float* c) {
-  servax::LayerView p, s;
-  const bool u4 = panels.element_type() == ffi::DataType::U8;
-  if ((!u4 && panels.element_type() != ffi::DataType::S8) || !servax::ViewLayer(panels.dimensions(), meta, p) ||
-      !servax::ViewLayer(scales.dimensions(), meta, s) || !Panels(K, N, p.dims, u4 ? U4::kQuad : I8::kQuad, s.dims) ||
-      (u4 && !std::equal(scales.dimensions().begin(), scales.dimensions().end(), offsets.dimensions().begin(),
-                         offsets.dimensions().end())))
-    return ffi::Error::InvalidArgument("int8-activation fused layer ops: each matrix as quads [(L,) N/16, K/4, 64] "
-                                       "int8 or [(L,) N/16, K/4, 32] uint8, scales (and a 4-bit one's offsets) "
-                                       "[(L,) N/16, G, 16], G dividing K");
-  if (u4)
-    return MultiplyScaled<U4>(pool, x, rows, valid, K, panels.reinterpret_data<uint8_t>() + p.offset, p.dims[0],
-                              scales, &offsets, s.offset, s.dims[1], c);
-  return MultiplyScaled<I8>(pool, x, rows, valid, K, panels.reinterpret_data<int8_t>() + p.offset, p.dims[0], scales,
-                            nullptr, s.offset, s.dims[1], c);
-}
+// The fused handlers' products (layer_fusions.h): one matrix of a fused call as int8 quads (S8, 64
+// bytes a quad) or 4-bit ones (U8, 32 bytes a quad, with offsets), scales and offsets as this
+// file's products take them; `offsets` of an int8 matrix is ignored (an empty array).
+struct DotProducts {
+  static constexpr const char* kName = "int8-activation";
 
-ffi::Error DotMlpBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> attn, ffi::Buffer<ffi::F32> residual,
-                       ffi::AnyBuffer o, ffi::AnyBuffer o_scales, ffi::AnyBuffer o_offsets, ffi::Buffer<ffi::F32> norm,
-                       ffi::AnyBuffer gate_up, ffi::AnyBuffer gate_up_scales, ffi::AnyBuffer gate_up_offsets,
-                       ffi::AnyBuffer down, ffi::AnyBuffer down_scales, ffi::AnyBuffer down_offsets,
-                       ffi::Buffer<ffi::S32> meta, float eps, int64_t intermediate, ffi::ResultBuffer<ffi::F32> out) {
-  ffi::AnyBuffer wo[3] = {o, o_scales, o_offsets}, wgu[3] = {gate_up, gate_up_scales, gate_up_offsets},
-                 wd[3] = {down, down_scales, down_offsets};
-  return servax::MlpBlockCall(pool, attn, residual, wo, norm, wgu, wd, meta, eps, intermediate, out, "int8-activation",
-                              BlockProduct);
-}
-
-// h = rmsnorm(x) * norm, then h . W (a layer's joined q/k/v on its residual).
-ffi::Error DotNormMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> norm,
-                         ffi::AnyBuffer panels, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
-                         ffi::Buffer<ffi::S32> meta, float eps, ffi::ResultBuffer<ffi::F32> out) {
-  ffi::AnyBuffer w[3] = {panels, scales, offsets};
-  return servax::NormMatmulCall(pool, x, norm, w, meta, eps, out, "int8-activation", BlockProduct);
-}
+  static ffi::Error Product(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t valid, int64_t K, int64_t N,
+                            ffi::AnyBuffer panels, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
+                            ffi::Buffer<ffi::S32>& meta, float* c) {
+    servax::LayerView p, s;
+    const bool u4 = panels.element_type() == ffi::DataType::U8;
+    if ((!u4 && panels.element_type() != ffi::DataType::S8) || !servax::ViewLayer(panels.dimensions(), meta, p) ||
+        !servax::ViewLayer(scales.dimensions(), meta, s) || !Panels(K, N, p.dims, u4 ? U4::kQuad : I8::kQuad, s.dims) ||
+        (u4 && !std::equal(scales.dimensions().begin(), scales.dimensions().end(), offsets.dimensions().begin(),
+                           offsets.dimensions().end())))
+      return ffi::Error::InvalidArgument("int8-activation fused layer ops: each matrix as quads [(L,) N/16, K/4, 64] "
+                                         "int8 or [(L,) N/16, K/4, 32] uint8, scales (and a 4-bit one's offsets) "
+                                         "[(L,) N/16, G, 16], G dividing K");
+    if (u4)
+      return MultiplyScaled<U4>(pool, x, rows, valid, K, panels.reinterpret_data<uint8_t>() + p.offset, p.dims[0],
+                                scales, &offsets, s.offset, s.dims[1], c);
+    return MultiplyScaled<I8>(pool, x, rows, valid, K, panels.reinterpret_data<int8_t>() + p.offset, p.dims[0], scales,
+                              nullptr, s.offset, s.dims[1], c);
+  }
+};
 
 }  // namespace
 
@@ -509,34 +494,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxUInt4DotMatmul, UInt4Dot,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // meta: [valid rows] or [valid rows, layer]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxDotMlpBlock, DotMlpBlock,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // attn [M, A]: the attention's output, heads joined
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // residual x [M, D]
-                                  .Arg<ffi::AnyBuffer>()  // o quads [(L,) D/16, A/4, 64 or 32]
-                                  .Arg<ffi::AnyBuffer>()  // o scales [(L,) D/16, G, 16]
-                                  .Arg<ffi::AnyBuffer>()  // o offsets (4-bit; else empty)
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // the post-attention RMSNorm's weight [D]
-                                  .Arg<ffi::AnyBuffer>()  // gate_up quads [(L,) 2F/16, D/4, ..]: gate, then up
-                                  .Arg<ffi::AnyBuffer>()  // gate_up scales
-                                  .Arg<ffi::AnyBuffer>()  // gate_up offsets
-                                  .Arg<ffi::AnyBuffer>()  // down quads [(L,) D/16, F/4, ..]
-                                  .Arg<ffi::AnyBuffer>()  // down scales
-                                  .Arg<ffi::AnyBuffer>()  // down offsets
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // meta: [valid rows] or [valid rows, layer]
-                                  .Attr<float>("eps")
-                                  .Attr<int64_t>("intermediate")  // F
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, D]: x1 + the MLP of x1
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxDotMlpBlock, servax::MlpBlockHandler<DotProducts>,
+                              servax::MlpBlockBinding());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxDotNormMatmul, DotNormMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, D]: a layer's residual
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // the RMSNorm's weight [D]
-                                  .Arg<ffi::AnyBuffer>()  // quads [(L,) N/16, D/4, 64 or 32]
-                                  .Arg<ffi::AnyBuffer>()  // scales [(L,) N/16, G, 16]
-                                  .Arg<ffi::AnyBuffer>()  // offsets (4-bit; else empty)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // meta: [valid rows] or [valid rows, layer]
-                                  .Attr<float>("eps")
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxDotNormMatmul, servax::NormMatmulHandler<DotProducts>,
+                              servax::NormMatmulBinding());

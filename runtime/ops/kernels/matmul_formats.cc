@@ -482,70 +482,56 @@ ffi::Error UInt4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 
 // ---- a decoder layer's small operations between these products (layer_fusions.h) -------------
 
-// One matrix of a fused call: bfloat16 or float32 panels [(L,) N/16, K, 16] (scales and offsets
-// empty), int8 ones [.., K, 16] with scales [(L,) N/16, G, 16], or 4-bit ones [.., K, 8] with scales
-// and offsets, read at meta's layer where stacked; what Bf16Matmul, Int8Matmul and UInt4Matmul
-// multiply (float32 panels as matmul.cc packs them, by this file's 256-bit products: runtime/ops/
-// matmul.py gives them only one-row steps).
-ffi::Error FormatProduct(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t valid, int64_t K, int64_t N,
-                         ffi::AnyBuffer panels, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
-                         ffi::Buffer<ffi::S32>& meta, float* c) {
-  const auto type = panels.element_type();
-  const int64_t row = type == ffi::DataType::BF16 ? Bf16::kRow : type == ffi::DataType::S8 ? Int8::kRow
-                      : type == ffi::DataType::U8 ? UInt4::kRow : type == ffi::DataType::F32 ? Float::kRow : 0;
-  servax::LayerView p, s, o;
-  const bool scaled = type == ffi::DataType::S8 || type == ffi::DataType::U8, offset = type == ffi::DataType::U8;
-  bool ok = row > 0 && servax::ViewLayer(panels.dimensions(), meta, p) && p.dims[1] == K && p.dims[2] == row &&
-            p.dims[0] * kPanel == N;
-  if (ok && scaled)
-    ok = scales.element_type() == ffi::DataType::F32 && servax::ViewLayer(scales.dimensions(), meta, s) &&
-         ScalesShaped(s.dims, p.dims);
-  if (ok && offset)
-    ok = offsets.element_type() == ffi::DataType::F32 && servax::ViewLayer(offsets.dimensions(), meta, o) &&
-         std::equal(s.dims.begin(), s.dims.end(), o.dims.begin(), o.dims.end());
-  if (!ok)
-    return ffi::Error::InvalidArgument("fused layer ops: each matrix as bfloat16 or float32 panels [(L,) N/16, K, "
-                                       "16], int8 ones [.., K, 16] with float32 scales [(L,) N/16, G, 16] (G "
-                                       "dividing K), or 4-bit ones [.., K, 8] with float32 scales and offsets");
-  switch (type) {
-    case ffi::DataType::BF16: {
-      const uint16_t* b = reinterpret_cast<const uint16_t*>(panels.untyped_data()) + p.offset;
-#ifdef SERVAX_FORMATS_DPBF16
-      return MultiplyBf16Pairs(pool, x, rows, valid, K, b, p.dims[0], c);
-#else
-      return Multiply<Bf16>(pool, x, rows, valid, K, b, p.dims[0], nullptr, nullptr, 1, c);
-#endif
+// The fused handlers' products (layer_fusions.h): one matrix of a fused call as bfloat16 or float32
+// panels [(L,) N/16, K, 16] (scales and offsets empty), int8 ones [.., K, 16] with scales [(L,) N/16,
+// G, 16], or 4-bit ones [.., K, 8] with scales and offsets, read at meta's layer where stacked; what
+// Bf16Matmul, Int8Matmul and UInt4Matmul multiply (float32 panels as matmul.cc packs them, by this
+// file's 256-bit products: runtime/ops/matmul.py gives them only one-row steps).
+struct FormatProducts {
+  static constexpr const char* kName = "fused";
+
+  static ffi::Error Product(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t valid, int64_t K, int64_t N,
+                            ffi::AnyBuffer panels, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
+                            ffi::Buffer<ffi::S32>& meta, float* c) {
+    const auto type = panels.element_type();
+    const int64_t row = type == ffi::DataType::BF16 ? Bf16::kRow : type == ffi::DataType::S8 ? Int8::kRow
+                        : type == ffi::DataType::U8 ? UInt4::kRow : type == ffi::DataType::F32 ? Float::kRow : 0;
+    servax::LayerView p, s, o;
+    const bool scaled = type == ffi::DataType::S8 || type == ffi::DataType::U8, offset = type == ffi::DataType::U8;
+    bool ok = row > 0 && servax::ViewLayer(panels.dimensions(), meta, p) && p.dims[1] == K && p.dims[2] == row &&
+              p.dims[0] * kPanel == N;
+    if (ok && scaled)
+      ok = scales.element_type() == ffi::DataType::F32 && servax::ViewLayer(scales.dimensions(), meta, s) &&
+           ScalesShaped(s.dims, p.dims);
+    if (ok && offset)
+      ok = offsets.element_type() == ffi::DataType::F32 && servax::ViewLayer(offsets.dimensions(), meta, o) &&
+           std::equal(s.dims.begin(), s.dims.end(), o.dims.begin(), o.dims.end());
+    if (!ok)
+      return ffi::Error::InvalidArgument("fused layer ops: each matrix as bfloat16 or float32 panels [(L,) N/16, K, "
+                                         "16], int8 ones [.., K, 16] with float32 scales [(L,) N/16, G, 16] (G "
+                                         "dividing K), or 4-bit ones [.., K, 8] with float32 scales and offsets");
+    switch (type) {
+      case ffi::DataType::BF16: {
+        const uint16_t* b = reinterpret_cast<const uint16_t*>(panels.untyped_data()) + p.offset;
+  #ifdef SERVAX_FORMATS_DPBF16
+        return MultiplyBf16Pairs(pool, x, rows, valid, K, b, p.dims[0], c);
+  #else
+        return Multiply<Bf16>(pool, x, rows, valid, K, b, p.dims[0], nullptr, nullptr, 1, c);
+  #endif
+      }
+      case ffi::DataType::F32:
+        return Multiply<Float>(pool, x, rows, valid, K, panels.reinterpret_data<float>() + p.offset, p.dims[0], nullptr,
+                               nullptr, 1, c);
+      case ffi::DataType::S8:
+        return Multiply<Int8>(pool, x, rows, valid, K, panels.reinterpret_data<int8_t>() + p.offset, p.dims[0],
+                              scales.reinterpret_data<float>() + s.offset, nullptr, s.dims[1], c);
+      default:
+        return Multiply<UInt4>(pool, x, rows, valid, K, panels.reinterpret_data<uint8_t>() + p.offset, p.dims[0],
+                               scales.reinterpret_data<float>() + s.offset,
+                               offsets.reinterpret_data<float>() + o.offset, s.dims[1], c);
     }
-    case ffi::DataType::F32:
-      return Multiply<Float>(pool, x, rows, valid, K, panels.reinterpret_data<float>() + p.offset, p.dims[0], nullptr,
-                             nullptr, 1, c);
-    case ffi::DataType::S8:
-      return Multiply<Int8>(pool, x, rows, valid, K, panels.reinterpret_data<int8_t>() + p.offset, p.dims[0],
-                            scales.reinterpret_data<float>() + s.offset, nullptr, s.dims[1], c);
-    default:
-      return Multiply<UInt4>(pool, x, rows, valid, K, panels.reinterpret_data<uint8_t>() + p.offset, p.dims[0],
-                             scales.reinterpret_data<float>() + s.offset, offsets.reinterpret_data<float>() + o.offset,
-                             s.dims[1], c);
   }
-}
-
-ffi::Error MlpBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> attn, ffi::Buffer<ffi::F32> residual,
-                    ffi::AnyBuffer o, ffi::AnyBuffer o_scales, ffi::AnyBuffer o_offsets, ffi::Buffer<ffi::F32> norm,
-                    ffi::AnyBuffer gate_up, ffi::AnyBuffer gate_up_scales, ffi::AnyBuffer gate_up_offsets,
-                    ffi::AnyBuffer down, ffi::AnyBuffer down_scales, ffi::AnyBuffer down_offsets,
-                    ffi::Buffer<ffi::S32> meta, float eps, int64_t intermediate, ffi::ResultBuffer<ffi::F32> out) {
-  ffi::AnyBuffer wo[3] = {o, o_scales, o_offsets}, wgu[3] = {gate_up, gate_up_scales, gate_up_offsets},
-                 wd[3] = {down, down_scales, down_offsets};
-  return servax::MlpBlockCall(pool, attn, residual, wo, norm, wgu, wd, meta, eps, intermediate, out, "fused",
-                              FormatProduct);
-}
-
-ffi::Error NormMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> norm,
-                      ffi::AnyBuffer panels, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
-                      ffi::Buffer<ffi::S32> meta, float eps, ffi::ResultBuffer<ffi::F32> out) {
-  ffi::AnyBuffer w[3] = {panels, scales, offsets};
-  return servax::NormMatmulCall(pool, x, norm, w, meta, eps, out, "fused", FormatProduct);
-}
+};
 
 }  // namespace
 
@@ -586,34 +572,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxUInt4Matmul, UInt4Matmul,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // meta: [valid rows] or [valid rows, layer]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxMlpBlock, MlpBlock,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // attn [M, A]: the attention's output, heads joined
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // residual x [M, D]
-                                  .Arg<ffi::AnyBuffer>()  // o panels [(L,) D/16, A, 16 or 8]
-                                  .Arg<ffi::AnyBuffer>()  // o scales [(L,) D/16, G, 16] (int8, 4-bit; else empty)
-                                  .Arg<ffi::AnyBuffer>()  // o offsets (4-bit; else empty)
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // the post-attention RMSNorm's weight [D]
-                                  .Arg<ffi::AnyBuffer>()  // gate_up panels [(L,) 2F/16, D, ..]: gate, then up
-                                  .Arg<ffi::AnyBuffer>()  // gate_up scales
-                                  .Arg<ffi::AnyBuffer>()  // gate_up offsets
-                                  .Arg<ffi::AnyBuffer>()  // down panels [(L,) D/16, F, ..]
-                                  .Arg<ffi::AnyBuffer>()  // down scales
-                                  .Arg<ffi::AnyBuffer>()  // down offsets
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // meta: [valid rows] or [valid rows, layer]
-                                  .Attr<float>("eps")
-                                  .Attr<int64_t>("intermediate")  // F
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, D]: x1 + the MLP of x1
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxMlpBlock, servax::MlpBlockHandler<FormatProducts>,
+                              servax::MlpBlockBinding());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxNormMatmul, NormMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, D]: a layer's residual
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // the RMSNorm's weight [D]
-                                  .Arg<ffi::AnyBuffer>()  // panels [(L,) N/16, D, 16 or 8]
-                                  .Arg<ffi::AnyBuffer>()  // scales [(L,) N/16, G, 16] (int8, 4-bit; else empty)
-                                  .Arg<ffi::AnyBuffer>()  // offsets (4-bit; else empty)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // meta: [valid rows] or [valid rows, layer]
-                                  .Attr<float>("eps")
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxNormMatmul, servax::NormMatmulHandler<FormatProducts>,
+                              servax::NormMatmulBinding());
