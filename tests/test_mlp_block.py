@@ -6,9 +6,8 @@ product; the second half of the layer in one call (mlp_block) against the same l
 4-bit weights laid out for int8 activations and for float ones, bfloat16 and float32 weights,
 mixed, stacked by layer and not, with padded rows; and the engine, whose decode steps run every
 layer of an int8, a bfloat16 and a float32 Llama through both (its prefills op by op), with the
-op-by-op engine's
-tokens and logprobs within activation rounding (tests/test_gguf.py, tests/test_quantization.py
-and tests/test_matmul_formats.py hold those against transformers)."""
+op-by-op engine's tokens and logprobs within activation rounding (tests/test_gguf.py,
+tests/test_quantization.py and tests/test_matmul_formats.py hold those against transformers)."""
 
 from __future__ import annotations
 
@@ -51,7 +50,7 @@ def _layer(formats, d, a, f, rng, dot=True):
     return [_matrix(fmt, k, n, rng, dot) for fmt, (k, n) in zip(formats, shapes)]
 
 
-LAYERS = [  # (formats of o, gate_up, down; laid out for int8 activations)
+LAYERS = [  # (formats of o, gate_up and down, laid out for int8 activations)
     (("uint4", "uint4", "uint4"), True), (("int8", "int8", "int8"), True), (("uint4", "int8", "uint4"), True),
     (("bfloat16",) * 3, False), (("int8", "int8", "int8"), False), (("uint4", "bfloat16", "int8"), False),
     (("float32",) * 3, False),
