@@ -241,7 +241,7 @@ def _fusions(x: jax.Array, p: dict, batch: StepInput) -> tuple[bool, bool]:
     """Which of the layer's ops run fused into the packed products' kernels (runtime/ops/matmul.py):
     (the input norm with the joined qkv projection: norm_matmul; o to the layer's end: mlp_block).
     Each needs its matrices packed for int8 activations, or taking float ones (float32 panels in a
-    one-token step only; see runtime.ops.matmul._fused_kernel); neither runs with LoRA, and the
+    one-token step only; see runtime.ops.matmul._fused_kernel_takes); neither runs with LoRA, the
     block not with biases. Only for steps of at most FUSED_MAX_TOKENS tokens (decodes): with more
     rows XLA's own programs share the small ops over the cores, which the kernel's calling thread
     runs alone (benchmarks/RESULTS.md, stop 55)."""

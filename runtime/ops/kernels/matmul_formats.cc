@@ -419,6 +419,17 @@ ffi::Error MultiplyBf16Pairs(ffi::ThreadPool& pool, const float* x, int64_t rows
 }
 #endif
 
+// bfloat16 panels [N/16, K, 16] times x: by vdpbf16ps where the CPU has it (x rounded to
+// bfloat16), else widened to float32 (Bf16Matmul's product, and the fused calls').
+ffi::Error MultiplyBf16(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t valid, int64_t K,
+                        const uint16_t* packed, int64_t panels, float* c) {
+#ifdef SERVAX_FORMATS_DPBF16
+  return MultiplyBf16Pairs(pool, x, rows, valid, K, packed, panels, c);
+#else
+  return Multiply<Bf16>(pool, x, rows, valid, K, packed, panels, nullptr, nullptr, 1, c);
+#endif
+}
+
 // Shapes: x [M, K]; packed [N/16, K, row]; scales/offsets [N/16, G, 16] with G dividing K; each
 // also as one layer of a stack [L, ...] (panels.h LayerView), all read at meta's layer.
 bool Shaped(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> pd, int64_t row, ffi::Span<const int64_t> od) {
@@ -447,13 +458,8 @@ ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (!Views(meta, v, packed) || !Shaped(xd, v[0].dims, Bf16::kRow, out->dimensions()))
     return ffi::Error::InvalidArgument(std::string("bf16 packed matmul: ") + kShapes);
   const uint16_t* panels = reinterpret_cast<const uint16_t*>(packed.untyped_data()) + v[0].offset;
-#ifdef SERVAX_FORMATS_DPBF16
-  return MultiplyBf16Pairs(pool, x.typed_data(), xd[0], meta.typed_data()[0], xd[1], panels, v[0].dims[0],
-                           out->typed_data());
-#else
-  return Multiply<Bf16>(pool, x.typed_data(), xd[0], meta.typed_data()[0], xd[1], panels, v[0].dims[0], nullptr,
-                        nullptr, 1, out->typed_data());
-#endif
+  return MultiplyBf16(pool, x.typed_data(), xd[0], meta.typed_data()[0], xd[1], panels, v[0].dims[0],
+                      out->typed_data());
 }
 
 ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed,
@@ -511,14 +517,8 @@ struct FormatProducts {
                                          "16], int8 ones [.., K, 16] with float32 scales [(L,) N/16, G, 16] (G "
                                          "dividing K), or 4-bit ones [.., K, 8] with float32 scales and offsets");
     switch (type) {
-      case ffi::DataType::BF16: {
-        const uint16_t* b = reinterpret_cast<const uint16_t*>(panels.untyped_data()) + p.offset;
-  #ifdef SERVAX_FORMATS_DPBF16
-        return MultiplyBf16Pairs(pool, x, rows, valid, K, b, p.dims[0], c);
-  #else
-        return Multiply<Bf16>(pool, x, rows, valid, K, b, p.dims[0], nullptr, nullptr, 1, c);
-  #endif
-      }
+      case ffi::DataType::BF16:
+        return MultiplyBf16(pool, x, rows, valid, K, panels.reinterpret_data<uint16_t>() + p.offset, p.dims[0], c);
       case ffi::DataType::F32:
         return Multiply<Float>(pool, x, rows, valid, K, panels.reinterpret_data<float>() + p.offset, p.dims[0], nullptr,
                                nullptr, 1, c);
