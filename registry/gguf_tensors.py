@@ -241,7 +241,13 @@ def requantized_q8_0_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.n
     largest |weight| / 127, rounded to float16; values rounded against that scale). Each weight
     moves by at most half a step, 1/254 of its block's largest: a fraction of the 5- or 6-bit
     source's own step (1/31 or 1/63 of its block's range)."""
-    w = hf_tensor(tensor, config, arch).astype(np.float32)  # dequantized, rows in HF order
+    return q8_0_blocks(hf_tensor(tensor, config, arch))  # dequantized, rows in HF order
+
+
+def q8_0_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Weights w [.., in] as Q8_0 stores them: int8 values [.., in] and a float16 scale per 32
+    inputs [.., in / 32], the block's largest |weight| / 127 (values rounded against it)."""
+    w = np.asarray(w, np.float32)
     blocks = w.reshape(*w.shape[:-1], w.shape[-1] // 32, 32)
     scale = (np.abs(blocks).max(axis=-1) / 127).astype(np.float16)
     step = scale.astype(np.float32)[..., None]

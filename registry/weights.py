@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import struct
 from pathlib import Path
@@ -23,6 +24,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from models_jax.weights import WeightSpec, is_weight_spec, zeros
 from registry.errors import ModelLoadError
 from runtime.ops.quantization import QuantizedWeight
+
+logger = logging.getLogger("servax.registry")
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -122,7 +125,9 @@ def load_params(path: Path, table, mesh: Mesh, dtype,
     def place(w: WeightSpec) -> tuple[Any, Any]:
         scales = w.group_scales(Q8_0_GROUP)
         stored = [int8_groups.get(name) for name in w.hf_names]
-        if scales is not None and all(stored) and len({len(parts) for parts in stored}) == 1:
+        if scales is not None and all(stored) and len({len(parts) for parts in stored}) > 1:
+            stored = _as_int8_blocks(w, stored)
+        if scales is not None and all(stored):
             q_spec, s_spec = w.partition_spec(mesh), scales.partition_spec(mesh)
             four_bit = len(stored[0]) == 3
             q = _place(w, [parts[0] for parts in stored], mesh, q_spec, np.uint8 if four_bit else np.int8)
@@ -147,6 +152,21 @@ def load_params(path: Path, table, mesh: Mesh, dtype,
     params = jax.tree.map(lambda x: x[0], placed, is_leaf=is_pair)
     shardings = jax.tree.map(lambda x: x[1], placed, is_leaf=is_pair)
     return params, shardings
+
+
+def _as_int8_blocks(w: WeightSpec, stored: list[tuple]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A weight whose tensors were stored in different kinds (a GGUF file's layers mixing 4-bit
+    and int8-block types, as Q4_K_M files do: ffn_down Q6_K in some layers, Q4_K in the others),
+    every tensor as int8 blocks of 32: its 4-bit ones requantized (registry.gguf_tensors.q8_0_blocks:
+    each weight within 1/254 of its block's largest), so that the weight stays one quantized stack
+    rather than falling back to float (four times the bytes of int8 for every layer)."""
+    from registry.gguf_tensors import q8_0_blocks
+
+    logger.info("%s: stored 4-bit in some layers and as int8 blocks in others; the 4-bit ones are requantized "
+                "to int8 blocks", w.hf_name)
+    return [parts if len(parts) == 2 else q8_0_blocks(
+        np.repeat(np.asarray(parts[1], np.float32), Q8_0_GROUP, axis=-1) * parts[0]
+        + np.repeat(np.asarray(parts[2], np.float32), Q8_0_GROUP, axis=-1)) for parts in stored]
 
 
 def place_int8_groups(name: str, q: np.ndarray, scale: np.ndarray, mesh: Mesh, spec: P,

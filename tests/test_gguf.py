@@ -335,6 +335,45 @@ def test_quantization_gguf_serves_four_bit_weights_as_stored(tiny_checkpoint, gg
     assert llm.engine.stats().compilations_since_warmup == 0
 
 
+def test_quantization_gguf_keeps_a_weight_of_mixed_layer_types_as_one_int8_stack(tiny_checkpoint, gguf_dir):
+    """A file whose layers store one weight in different kinds (as Q4_K_M files keep ffn_down Q6_K
+    in some layers and Q4_K in the others): the 4-bit layers are requantized to int8 blocks at
+    load, so every layer's matrix is int8 (not float32, which a mix used to fall back to), and
+    the model computes what the dequantized file does within that requantization."""
+    from app import LLM, SamplingParams
+    from registry.gguf_tensors import q8_0_blocks
+    from runtime.ops.matmul import PackedWeight
+
+    checkpoint = tiny_checkpoint("llama")
+    down = load_file(checkpoint / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
+    gguf_file = write_gguf(checkpoint, gguf_dir / "tiny-mixed.gguf", weight_type="Q8_0",
+                           raw_tensors={"blk.0.ffn_down.weight": (gguf.quants.quantize(down, T.Q4_1), T.Q4_1)})
+    path, converted = _converted(gguf_file)
+    assert (path / "q4").is_dir() and (path / "q8_0").is_dir()
+    values, scales = q8_0_blocks(converted["model.layers.0.mlp.down_proj.weight"])
+    step = scales.astype(np.float32)[..., None]
+    got = values.reshape(*values.shape[:-1], -1, 32) * step
+    assert np.all(np.abs(got.reshape(values.shape) - converted["model.layers.0.mlp.down_proj.weight"])
+                  <= np.repeat(0.5 * step[..., 0] * (1 + 1e-3) + 1e-9, 32, axis=-1))
+
+    prompt = [(7 * i + 3) % 500 + 4 for i in range(60)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    runs = {}
+    for name, model, quantization in (("source", checkpoint, None), ("dequantized", gguf_file, None),
+                                      ("gguf", gguf_file, "gguf")):
+        llm = LLM(model=str(model), quantization=quantization, max_model_len=128, max_num_seqs=4,
+                  max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="", int8_activations=False)
+        (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        runs[name] = (llm, np.array([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]))
+    layers = runs["gguf"][0].engine.model.params["layers"]
+    assert len(layers) > 1
+    assert all(isinstance(layer["mlp"]["down"], PackedWeight) and layer["mlp"]["down"].format == "int8"
+               for layer in layers)
+    quantized = np.abs(runs["dequantized"][1] - runs["source"][1]).mean()
+    requantization = np.abs(runs["gguf"][1] - runs["dequantized"][1]).mean()
+    assert 0 < requantization < quantized / 2, (requantization, quantized)
+
+
 @pytest.mark.parametrize("model_impl", quick_loop_keeps(["jax", "torchax"], "jax"))
 def test_quantization_gguf_serves_q8_0_as_int8_with_the_same_logits(tiny_checkpoint, gguf_dir, model_impl):
     """quantization="gguf": the Q8_0 weights stay int8 in memory, and the model computes what the
