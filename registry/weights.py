@@ -160,13 +160,24 @@ def _as_int8_blocks(w: WeightSpec, stored: list[tuple]) -> list[tuple[np.ndarray
     every tensor as int8 blocks of 32: its 4-bit ones requantized (registry.gguf_tensors.q8_0_blocks:
     each weight within 1/254 of its block's largest), so that the weight stays one quantized stack
     rather than falling back to float (four times the bytes of int8 for every layer)."""
-    from registry.gguf_tensors import q8_0_blocks
-
     logger.info("%s: stored 4-bit in some layers and as int8 blocks in others; the 4-bit ones are requantized "
                 "to int8 blocks", w.hf_name)
-    return [parts if len(parts) == 2 else q8_0_blocks(
-        np.repeat(np.asarray(parts[1], np.float32), Q8_0_GROUP, axis=-1) * parts[0]
-        + np.repeat(np.asarray(parts[2], np.float32), Q8_0_GROUP, axis=-1)) for parts in stored]
+    return [parts if len(parts) == 2 else _requantized(*parts) for parts in stored]
+
+
+def _requantized(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """4-bit values [.., in] with a scale and an offset per 32 inputs [.., in / 32] as int8 blocks
+    of 32 (values, float16 scales), a few million weights at a time (bounded temporaries)."""
+    from registry.gguf_tensors import q8_0_blocks
+
+    q2, s2, o2 = (a.reshape(-1, a.shape[-1]) for a in (q, scale, offset))
+    values, scales = np.empty(q2.shape, np.int8), np.empty(s2.shape, np.float16)
+    step = max(1, (1 << 22) // q2.shape[1])
+    for r in range(0, q2.shape[0], step):
+        blocks = q2[r:r + step].reshape(-1, s2.shape[1], Q8_0_GROUP).astype(np.float32)
+        w = blocks * s2[r:r + step, :, None] + o2[r:r + step, :, None]
+        values[r:r + step], scales[r:r + step] = q8_0_blocks(w.reshape(-1, q2.shape[1]))
+    return values.reshape(q.shape), scales.reshape(scale.shape)
 
 
 def place_int8_groups(name: str, q: np.ndarray, scale: np.ndarray, mesh: Mesh, spec: P,
