@@ -1,8 +1,11 @@
 """servax against llama.cpp on the same GGUF files: batch-1 decode (and prompt processing).
 
 The demo model's GGUF as the package ships it (Q8_0 embedding, Q4_1 layers) and the same
-weights requantized to Q8_0 by llama.cpp's own `llama-quantize`; each served by servax with
-`quantization="gguf"` (the tensors multiplied as stored) and by llama.cpp's `llama-bench`
+weights requantized by llama.cpp's own `llama-quantize` to Q8_0 and to Q4_K_M (the kind most
+GGUF downloads are; on this model's 576-wide rows, which K-quants' 256-value super-blocks do not
+divide, llama.cpp makes most of its tensors Q5_0, ffn_down Q4_K or Q6_K by layer and attn_v
+Q8_0); each served by servax with `quantization="gguf"` (Q8_0 and the 4-bit types multiplied as
+stored, Q5/Q6 requantized to int8 blocks) and by llama.cpp's `llama-bench`
 (`-t` threads = the machine's cores). servax's figure is the pure-decode engine step at
 batch 1 (host work included; min over `--rounds`), llama.cpp's its `tg` test; both also
 report prompt processing of `--prompt` tokens (servax: one prefill step of that many tokens).
@@ -82,7 +85,7 @@ def servax_speeds(gguf: Path, prompt: int, tokens: int, rounds: int, **settings)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llamacpp-bin", required=True, help="the folder of llama-bench (llamacpp-reference)")
-    parser.add_argument("--kinds", default="as shipped,Q8_0", help="the shipped file and requantized kinds")
+    parser.add_argument("--kinds", default="as shipped,Q8_0,Q4_K_M", help="the shipped file and requantized kinds")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
