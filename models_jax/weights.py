@@ -245,4 +245,5 @@ def join_outputs(weights: list[Any]) -> Any | None:
         jnp.concatenate([flat(w.scale) for w in weights], axis=-1),
         group_size=group_size, group_axis=-2 if group_size else -1,
         offset=None if weights[0].offset is None else jnp.concatenate([flat(w.offset) for w in weights], axis=-1),
+        bits=max(w.bits for w in weights),  # 4-bit values are 5-bit ones too
     )

@@ -135,13 +135,14 @@ def _load_weights(resolved: ResolvedModel, jdtype: Any, mesh: Mesh, info: Any, q
 
 def _gguf_stored(resolved: ResolvedModel) -> dict:
     """The quantized tensors of a converted GGUF checkpoint, as stored: Q8_0
-    (registry.weights.open_q8_0) and, for native models, Q4_0 / Q4_1 / Q4_K (open_four_bit).
+    (registry.weights.open_q8_0) and, for native models, Q4_0 / Q4_1 / Q4_K and Q5_0 / Q5_1 /
+    Q5_K (open_four_bit, open_five_bit; the torchax path takes the 5-bit ones as int8 blocks).
 
     Raises:
         ModelLoadError: the checkpoint was not converted from a GGUF file.
     """
     from registry.gguf import MARKER, is_current_conversion
-    from registry.weights import open_four_bit, open_q8_0
+    from registry.weights import open_five_bit, open_four_bit, open_q8_0, requantized_int8_blocks
 
     if not (resolved.path / MARKER).exists():
         raise ModelLoadError(
@@ -154,8 +155,12 @@ def _gguf_stored(resolved: ResolvedModel) -> dict:
             "quantized tensors as stored; delete that folder and it is converted again on the next start"
         )
     stored = open_q8_0(resolved.path)
-    if resolved.impl == "jax":  # the torchax path keeps Q8_0 only (4-bit types come dequantized)
-        stored.update(open_four_bit(resolved.path))
+    if resolved.impl == "jax":  # the torchax path keeps int8 blocks only (4-bit types come dequantized, 5-bit
+        stored.update(open_four_bit(resolved.path))  # ones requantized to int8 blocks)
+        stored.update(open_five_bit(resolved.path))
+    else:
+        stored.update({name: requantized_int8_blocks(*parts[:3])
+                       for name, parts in open_five_bit(resolved.path).items()})
     return stored
 
 

@@ -230,9 +230,11 @@ def q8_0_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.ndarray, np.n
 
 
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # kept as stored by quantization="gguf" (4-bit values, scale, offset)
+FIVE_BIT_TYPES = ("Q5_0", "Q5_1", "Q5_K")  # likewise, 5-bit values
 # Written as int8 blocks of 32 beside the Q8_0 tensors (requantized, not as stored): quantization="gguf" then
-# serves them as int8, ~1.06 bytes a weight instead of the dequantized float32's 4.
-REQUANTIZED_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
+# serves them as int8, ~1.06 bytes a weight instead of the dequantized float32's 4 (Q6_K's scales are per 16
+# inputs, which the kernels' groups of 32 do not hold).
+REQUANTIZED_TYPES = ("Q6_K",)
 
 
 def requantized_q8_0_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.ndarray, np.ndarray]:
@@ -260,7 +262,6 @@ def four_bit_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.ndarray, 
     [.., in] and a float32 scale and offset per 32 inputs [.., in / 32], value * scale + offset
     being what llama.cpp dequantizes (Q4_0: scale d, offset -8 d; Q4_1: d and m; Q4_K: each
     32-block's d * scale code and -dmin * min code from its 256-value super-block)."""
-    shape, _ = hf_shape_dtype(tensor)
     kind = tensor.tensor_type.name
     raw = np.asarray(tensor.data).reshape(-1)
     if kind in ("Q4_0", "Q4_1"):
@@ -273,17 +274,59 @@ def four_bit_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.ndarray, 
         scale, offset = d[:, None], m[:, None]
     elif kind == "Q4_K":
         blocks = raw.reshape(-1, 144)
-        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-        codes, qs = blocks[:, 4:16].astype(np.int32), blocks[:, 16:].reshape(-1, 4, 32)
-        low = [codes[:, j] & 63 for j in range(4)], [codes[:, j + 4] & 63 for j in range(4)]
-        high = ([(codes[:, j + 4] & 15) | ((codes[:, j - 4] >> 6) << 4) for j in range(4, 8)],
-                [(codes[:, j + 4] >> 4) | ((codes[:, j] >> 6) << 4) for j in range(4, 8)])
-        sc, mn = np.stack(low[0] + high[0], axis=1), np.stack(low[1] + high[1], axis=1)  # [blocks, 8]
+        scale, offset = _k_scales(blocks)
+        qs = blocks[:, 16:].reshape(-1, 4, 32)
         values = np.stack([qs & 15, qs >> 4], axis=2).reshape(-1, 256)  # 64-value chunks: low, then high nibbles
-        scale, offset = d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
     else:
         raise ValueError(f"{tensor.name}: {kind} is not a 4-bit type kept as stored ({', '.join(FOUR_BIT_TYPES)})")
+    return _parts_in_hf_layout(tensor, config, arch, values, scale, offset)
+
+
+def five_bit_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q5_0, Q5_1 or Q5_K tensor as stored, in Hugging Face layout: its 5-bit values as uint8
+    [.., in] (4 bits from the nibbles, the fifth from the block's high-bit field) and a float32
+    scale and offset per 32 inputs [.., in / 32], as `four_bit_parts` (Q5_0: d and -16 d; Q5_1: d
+    and m; Q5_K: each 32-block's d * scale code and -dmin * min code, coded as Q4_K's)."""
+    kind = tensor.tensor_type.name
+    raw = np.asarray(tensor.data).reshape(-1)
+    if kind in ("Q5_0", "Q5_1"):
+        head = 2 if kind == "Q5_0" else 4
+        blocks = raw.reshape(-1, head + 20)
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
+        m = -16 * d if kind == "Q5_0" else blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
+        high = blocks[:, head:head + 4].copy().view(np.uint32)  # bit j: value j's fifth bit
+        qs = blocks[:, head + 4:]
+        fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        values = np.concatenate([qs & 15, qs >> 4], axis=1) | (fifth << 4)  # values 0-15: low nibbles, 16-31: high
+        scale, offset = d[:, None], m[:, None]
+    elif kind == "Q5_K":
+        blocks = raw.reshape(-1, 176)
+        scale, offset = _k_scales(blocks)
+        qh, qs = blocks[:, 16:48], blocks[:, 48:].reshape(-1, 4, 32)
+        nibbles = np.stack([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)  # 32-value blocks: chunk c's low, high
+        fifth = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # block s: bit s of qh[l]
+        values = (nibbles | (fifth << 4)).reshape(-1, 256)
+    else:
+        raise ValueError(f"{tensor.name}: {kind} is not a 5-bit type kept as stored ({', '.join(FIVE_BIT_TYPES)})")
+    return _parts_in_hf_layout(tensor, config, arch, values, scale, offset)
+
+
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Scales and offsets [super-blocks, 8] of Q4_K / Q5_K super-blocks [n, bytes]: d and dmin
+    (float16) times the eight 32-value blocks' 6-bit scale and min codes packed in 12 bytes."""
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    codes = blocks[:, 4:16].astype(np.int32)
+    low = [codes[:, j] & 63 for j in range(4)], [codes[:, j + 4] & 63 for j in range(4)]
+    high = ([(codes[:, j + 4] & 15) | ((codes[:, j - 4] >> 6) << 4) for j in range(4, 8)],
+            [(codes[:, j + 4] >> 4) | ((codes[:, j] >> 6) << 4) for j in range(4, 8)])
+    sc, mn = np.stack(low[0] + high[0], axis=1), np.stack(low[1] + high[1], axis=1)  # [blocks, 8]
+    return d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+
+
+def _parts_in_hf_layout(tensor, config, arch: GGUFArchitecture, values: np.ndarray, scale: np.ndarray,
+                        offset: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    shape, _ = hf_shape_dtype(tensor)
     groups = (*shape[:-1], shape[-1] // 32)
     parts = (values.astype(np.uint8).reshape(shape), scale.reshape(groups), offset.reshape(groups))
     return tuple(_rows_in_hf_order(a, tensor, config, arch) for a in parts)

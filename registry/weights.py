@@ -73,18 +73,25 @@ def open_q8_0(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
 
 
 FOUR_BIT_FOLDER = "q4"  # a GGUF conversion's Q4_0 / Q4_1 / Q4_K tensors as stored (registry.gguf)
+FIVE_BIT_FOLDER = "q5"  # ... and its Q5_0 / Q5_1 / Q5_K ones
 
 
-def open_four_bit(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def open_four_bit(path: Path, folder: str = FOUR_BIT_FOLDER) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """A GGUF conversion's 4-bit tensors, as stored in the file: Hugging Face name -> (uint8
     values 0..15 [out, in], float32 scales and offsets [out, in / 32]), memory-mapped; the
     weight is value * scale + offset. Empty for any other folder."""
-    folder = Path(path) / FOUR_BIT_FOLDER
+    folder = Path(path) / folder
     if not folder.is_dir():
         return {}
     tensors = open_checkpoint(folder)
     return {name: (tensors[name], tensors[name + ".scale"], tensors[name + ".offset"])
             for name in tensors if not name.endswith((".scale", ".offset"))}
+
+
+def open_five_bit(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+    """A GGUF conversion's 5-bit tensors, as `open_four_bit` reads the 4-bit ones (values 0..31),
+    each marked 5: (values, scales, offsets, 5). Empty for any other folder."""
+    return {name: (*parts, 5) for name, parts in open_four_bit(path, FIVE_BIT_FOLDER).items()}
 
 
 def load_params(path: Path, table, mesh: Mesh, dtype,
@@ -98,7 +105,8 @@ def load_params(path: Path, table, mesh: Mesh, dtype,
     spec less the layer axis): no stack to assemble, for a runtime that would split it again.
 
     int8_groups: checkpoint tensors stored quantized in groups of 32 inputs: int8 with a scale
-    (`open_q8_0`), or 4-bit values with a scale and an offset (`open_four_bit`); a weight whose
+    (`open_q8_0`), or 4- or 5-bit values with a scale and an offset (`open_four_bit`,
+    `open_five_bit`; a weight mixing kinds is held in one, `_one_kind`); a weight whose
     every tensor is there (and whose layout keeps those groups whole) becomes a
     runtime.ops.quantization.QuantizedWeight instead of a float array.
 
@@ -125,17 +133,17 @@ def load_params(path: Path, table, mesh: Mesh, dtype,
     def place(w: WeightSpec) -> tuple[Any, Any]:
         scales = w.group_scales(Q8_0_GROUP)
         stored = [int8_groups.get(name) for name in w.hf_names]
-        if scales is not None and all(stored) and len({len(parts) for parts in stored}) > 1:
-            stored = _as_int8_blocks(w, stored)
         if scales is not None and all(stored):
+            stored = _one_kind(w, stored)
             q_spec, s_spec = w.partition_spec(mesh), scales.partition_spec(mesh)
-            four_bit = len(stored[0]) == 3
-            q = _place(w, [parts[0] for parts in stored], mesh, q_spec, np.uint8 if four_bit else np.int8)
-            s = _place(scales, [parts[1] for parts in stored], mesh, s_spec, np.float32 if four_bit else w.dtype or dtype)
-            o = _place(scales, [parts[2] for parts in stored], mesh, s_spec, np.float32) if four_bit else None
+            offsets, bits = len(stored[0]) >= 3, stored[0][3] if len(stored[0]) == 4 else 0
+            q = _place(w, [parts[0] for parts in stored], mesh, q_spec, np.uint8 if offsets else np.int8)
+            s_dtype = np.float32 if offsets else w.dtype or dtype
+            s = _place(scales, [parts[1] for parts in stored], mesh, s_spec, s_dtype)
+            o = _place(scales, [parts[2] for parts in stored], mesh, s_spec, np.float32) if offsets else None
             axis = w.group_axis()
-            return (QuantizedWeight(q, s, Q8_0_GROUP, axis, offset=o),
-                    QuantizedWeight(q_spec, s_spec, Q8_0_GROUP, axis, offset=s_spec if four_bit else None))
+            return (QuantizedWeight(q, s, Q8_0_GROUP, axis, offset=o, bits=bits),
+                    QuantizedWeight(q_spec, s_spec, Q8_0_GROUP, axis, offset=s_spec if offsets else None, bits=bits))
         spec = w.partition_spec(mesh)
         sources = [tensors[name] for name in w.hf_names]
         if per_layer and w.num_layers is not None:
@@ -154,20 +162,26 @@ def load_params(path: Path, table, mesh: Mesh, dtype,
     return params, shardings
 
 
-def _as_int8_blocks(w: WeightSpec, stored: list[tuple]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """A weight whose tensors were stored in different kinds (a GGUF file's layers mixing 4-bit
-    and int8-block types, as Q4_K_M files do: ffn_down Q6_K in some layers, Q4_K in the others),
-    every tensor as int8 blocks of 32: its 4-bit ones requantized (registry.gguf_tensors.q8_0_blocks:
-    each weight within 1/254 of its block's largest), so that the weight stays one quantized stack
-    rather than falling back to float (four times the bytes of int8 for every layer)."""
-    logger.info("%s: stored 4-bit in some layers and as int8 blocks in others; the 4-bit ones are requantized "
+def _one_kind(w: WeightSpec, stored: list[tuple]) -> list[tuple]:
+    """A weight's tensors as stored (int8 blocks (q, scale); 4-bit (q, scale, offset); 5-bit (q, scale,
+    offset, 5)) in one kind, so that the weight stays one quantized stack rather than falling back to
+    float (four times the bytes of int8): a GGUF file's layers may mix kinds, as Q4_K_M files do
+    (ffn_down Q6_K, held as int8 blocks, in some layers, Q4_K in the others). 4- and 5-bit values
+    are all 5-bit ones (exactly); with int8 blocks, every tensor is int8 blocks of 32, the others
+    requantized (registry.gguf_tensors.q8_0_blocks: each weight within 1/254 of its block's largest)."""
+    kinds = {len(parts) for parts in stored}
+    if len(kinds) == 1:
+        return stored
+    if 2 not in kinds:
+        return [(*parts[:3], 5) for parts in stored]
+    logger.info("%s: stored 4- or 5-bit in some layers and as int8 blocks in others; those are requantized "
                 "to int8 blocks", w.hf_name)
-    return [parts if len(parts) == 2 else _requantized(*parts) for parts in stored]
+    return [parts if len(parts) == 2 else requantized_int8_blocks(*parts[:3]) for parts in stored]
 
 
-def _requantized(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """4-bit values [.., in] with a scale and an offset per 32 inputs [.., in / 32] as int8 blocks
-    of 32 (values, float16 scales), a few million weights at a time (bounded temporaries)."""
+def requantized_int8_blocks(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """4- or 5-bit values [.., in] with a scale and an offset per 32 inputs [.., in / 32] as int8
+    blocks of 32 (values, float16 scales), a few million weights at a time (bounded temporaries)."""
     from registry.gguf_tensors import q8_0_blocks
 
     q2, s2, o2 = (a.reshape(-1, a.shape[-1]) for a in (q, scale, offset))

@@ -245,9 +245,33 @@ def test_q4_k_blocks_decode_as_llama_cpp_dequantizes_them():
     np.testing.assert_array_equal(dense.reshape(2, 1024), dequantize(raw, GGMLQuantizationType.Q4_K).reshape(2, 1024))
 
 
-@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K"])
-def test_q5_and_q6_blocks_are_requantized_to_int8_within_half_a_step(kind):
-    """Q5_K / Q6_K super-blocks requantized as Q8_0 stores its blocks: a float16 scale per 32
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q5_K"])
+def test_q5_blocks_decode_as_llama_cpp_dequantizes_them(kind):
+    """Q5_0 / Q5_1 blocks (a nibble and a bit of a 32-bit field per value) and Q5_K super-blocks
+    (256 values, Q4_K's scale codes, a byte of fifth bits per 8 blocks' values) as 5-bit values,
+    scales and offsets: the same weights as gguf's dequantize, exactly."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from registry.gguf_tensors import five_bit_parts
+
+    rng = np.random.default_rng(2)
+    size, blocks = {"Q5_0": (22, 64), "Q5_1": (24, 64), "Q5_K": (176, 8)}[kind]  # 2 rows of 1024 values
+    raw = rng.integers(0, 256, (blocks, size), dtype=np.uint8)
+    head = 2 if kind == "Q5_0" else 4  # d (and m, or dmin) lead each block
+    raw[:, :head] = np.frombuffer(rng.uniform(1e-3, 1e-2, blocks * head // 2).astype(np.float16).tobytes(),
+                                  np.uint8).reshape(blocks, head)
+    tensor = types.SimpleNamespace(tensor_type=GGMLQuantizationType[kind], data=raw, name="blk.0.ffn_up.weight",
+                                   shape=np.array([1024, 2]))
+    q, scale, offset = five_bit_parts(tensor, None, types.SimpleNamespace(permuted_qk=False))
+    assert q.dtype == np.uint8 and q.max() == 31 and q.shape == (2, 1024) and scale.shape == offset.shape == (2, 32)
+    dense = q.reshape(2, -1, 32).astype(np.float32) * scale[..., None] + offset[..., None]
+    np.testing.assert_allclose(dense.reshape(2, 1024), dequantize(raw, GGMLQuantizationType[kind]).reshape(2, 1024),
+                               rtol=1e-6, atol=1e-7)
+
+
+def test_q6_blocks_are_requantized_to_int8_within_half_a_step():
+    """Q6_K super-blocks requantized as Q8_0 stores its blocks: a float16 scale per 32
     values (their largest |value| / 127) and int8 values, each within half a step of what
     gguf's dequantize gives (and the step well below the source's own)."""
     from gguf import GGMLQuantizationType
@@ -255,14 +279,11 @@ def test_q5_and_q6_blocks_are_requantized_to_int8_within_half_a_step(kind):
 
     from registry.gguf_tensors import requantized_q8_0_parts
 
+    kind = "Q6_K"
     rng = np.random.default_rng(1)
-    size = {"Q6_K": 210, "Q5_K": 176}[kind]  # bytes per 256-value super-block
-    raw = rng.integers(0, 256, (8, size), dtype=np.uint8)  # 2 rows of 1024 values
+    raw = rng.integers(0, 256, (8, 210), dtype=np.uint8)  # 2 rows of 1024 values, 210 bytes a super-block
     d = np.frombuffer(rng.uniform(1e-3, 1e-2, 16).astype(np.float16).tobytes(), np.uint8).reshape(8, 4)
-    if kind == "Q6_K":  # d is the block's last 2 bytes
-        raw[:, -2:] = d[:, :2]
-    else:  # d and dmin lead the block
-        raw[:, :4] = d
+    raw[:, -2:] = d[:, :2]  # d is the block's last 2 bytes
     tensor = types.SimpleNamespace(tensor_type=GGMLQuantizationType[kind], data=raw, name="blk.0.ffn_down.weight",
                                    shape=np.array([1024, 2]))
     q, scale = requantized_q8_0_parts(tensor, None, types.SimpleNamespace(permuted_qk=False))
@@ -274,40 +295,52 @@ def test_q5_and_q6_blocks_are_requantized_to_int8_within_half_a_step(kind):
     assert np.abs(q).max() == 127  # each block's largest value lands on the grid's end (up to float16 rounding)
 
 
-def test_quantization_gguf_serves_q5_tensors_requantized_as_int8(tiny_checkpoint, gguf_dir):
-    """A Q5_0 file: conversion writes its matrices into q8_0/ requantized (recorded in the marker),
-    and quantization="gguf" serves them as int8 blocks of 32 (not as stored: teacher-forced
-    logprobs move by the requantization, a fraction of what the 5-bit quantization itself moved
-    them from the float checkpoint it was made from)."""
+@pytest.mark.parametrize("weight_type", quick_loop_keeps(["Q5_0", "Q5_1"], "Q5_0"))
+def test_quantization_gguf_serves_q5_tensors_as_stored(tiny_checkpoint, gguf_dir, weight_type):
+    """A Q5_0 / Q5_1 file: conversion writes its matrices into q5/ as stored (5-bit values, a scale
+    and an offset per 32 inputs: exactly the dequantized weights), and quantization="gguf" packs
+    them as 5-bit quads multiplied with int8 activations (logprobs close to the dequantized file's,
+    as for 4-bit weights); with int8_activations=False, requantized to int8 blocks of 32 (moving the
+    logprobs by a fraction of what the 5-bit quantization itself moved them from the source)."""
     from app import LLM, SamplingParams
-    from registry.weights import open_q8_0
+    from registry.weights import open_five_bit, open_q8_0
     from runtime.ops.matmul import PackedWeight
 
     checkpoint = tiny_checkpoint("llama")
-    gguf_file = write_gguf(checkpoint, gguf_dir / "tiny-Q5_0.gguf", weight_type="Q5_0")
+    gguf_file = write_gguf(checkpoint, gguf_dir / f"tiny-{weight_type}.gguf", weight_type=weight_type)
     path, converted = _converted(gguf_file)
-    stored = open_q8_0(path)
-    assert set(stored) == {name for name, array in converted.items() if array.ndim == 2}
+    stored = open_five_bit(path)
+    assert set(stored) == {name for name, array in converted.items() if array.ndim == 2} and not open_q8_0(path)
     marker = json.loads((path / "servax_gguf.json").read_text())
-    assert marker["requantized_tensors"] == marker["q8_0_tensors"] == len(stored)
-    for name, (q, scale) in stored.items():
-        step = scale.astype(np.float32)[..., None]
-        got = q.reshape(q.shape[0], -1, 32).astype(np.float32) * step
-        assert np.all(np.abs(got - converted[name].reshape(got.shape)) <= 0.5 * step * (1 + 1e-3) + 1e-9), name
+    assert marker["five_bit_tensors"] == len(stored) and marker["requantized_tensors"] == 0
+    for name, (q, scale, offset, bits) in stored.items():
+        assert bits == 5 and q.dtype == np.uint8 and q.max() <= 31
+        got = q.reshape(q.shape[0], -1, 32).astype(np.float32) * scale[..., None] + offset[..., None]
+        np.testing.assert_allclose(got.reshape(q.shape), converted[name], rtol=1e-6, atol=1e-7, err_msg=name)
     prompt = [(7 * i + 3) % 500 + 4 for i in range(60)]
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     runs = {}
-    for name, model, quantization in (("source", checkpoint, None), ("dequantized", gguf_file, None),
-                                      ("requantized", gguf_file, "gguf")):
+    for name, model, quantization, int8_activations in (
+            ("source", checkpoint, None, False), ("dequantized", gguf_file, None, False),
+            ("requantized", gguf_file, "gguf", False), ("5-bit", gguf_file, "gguf", None)):
         llm = LLM(model=str(model), quantization=quantization, max_model_len=128, max_num_seqs=4,
-                  max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="", int8_activations=False)
+                  max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="",
+                  int8_activations=int8_activations)
         (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
-        runs[name] = (llm, np.array([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]))
-    layer = runs["requantized"][0].engine.model.params["layers"][0]
-    assert isinstance(layer["mlp"]["gate_up"], PackedWeight) and layer["mlp"]["gate_up"].format == "int8"
+        lp = np.array([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+        top = [max(d, key=lambda t, d=d: d[t].logprob) for d in out.prompt_logprobs[1:]]
+        runs[name] = (llm, lp, top)
+        assert llm.engine.stats().compilations_since_warmup == 0
+    requantized = runs["requantized"][0].engine.model.params["layers"][0]["mlp"]["gate_up"]
+    assert isinstance(requantized, PackedWeight) and requantized.format == "int8" and not requantized.dot
     five_bit = np.abs(runs["dequantized"][1] - runs["source"][1]).mean()
     requantization = np.abs(runs["requantized"][1] - runs["dequantized"][1]).mean()
     assert 0 < requantization < five_bit / 3, (requantization, five_bit)
+    layers = runs["5-bit"][0].engine.model.params["layers"]
+    assert all(w.format == "uint5" and w.dot for layer in layers for w in (layer["qkv"], *layer["mlp"].values()))
+    diff = np.abs(runs["5-bit"][1] - runs["dequantized"][1])  # int8 activations: as for 4-bit weights
+    assert diff.max() < 0.3 and diff.mean() < 0.1, (diff.max(), diff.mean())
+    assert np.mean(np.array(runs["5-bit"][2]) == np.array(runs["dequantized"][2])) >= 0.7
 
 
 @pytest.mark.parametrize("weight_type", quick_loop_keeps(["Q4_0", "Q4_1"], "Q4_1"))
@@ -335,21 +368,24 @@ def test_quantization_gguf_serves_four_bit_weights_as_stored(tiny_checkpoint, gg
     assert llm.engine.stats().compilations_since_warmup == 0
 
 
-def test_quantization_gguf_keeps_a_weight_of_mixed_layer_types_as_one_int8_stack(tiny_checkpoint, gguf_dir):
+@pytest.mark.parametrize("base,held", [("Q8_0", "int8"), ("Q5_0", "uint5")])
+def test_quantization_gguf_keeps_a_weight_of_mixed_layer_types_as_one_stack(tiny_checkpoint, gguf_dir, base, held):
     """A file whose layers store one weight in different kinds (as Q4_K_M files keep ffn_down Q6_K
-    in some layers and Q4_K in the others): the 4-bit layers are requantized to int8 blocks at
-    load, so every layer's matrix is int8 (not float32, which a mix used to fall back to), and
-    the model computes what the dequantized file does within that requantization."""
+    in some layers and Q4_K in the others), here Q4_1 in layer 0 and `base` in the others: every
+    layer's matrix is held in one kind (not float32, which a mix used to fall back to): 4- and
+    5-bit values as 5-bit ones (exactly), 4-bit and int8 blocks as int8 blocks (the 4-bit layers
+    requantized at load); with float activations the model computes what the dequantized file
+    does within int8 requantization (5-bit values too are requantized for float activations)."""
     from app import LLM, SamplingParams
     from registry.gguf_tensors import q8_0_blocks
     from runtime.ops.matmul import PackedWeight
 
     checkpoint = tiny_checkpoint("llama")
     down = load_file(checkpoint / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
-    gguf_file = write_gguf(checkpoint, gguf_dir / "tiny-mixed.gguf", weight_type="Q8_0",
+    gguf_file = write_gguf(checkpoint, gguf_dir / f"tiny-mixed-{base}.gguf", weight_type=base,
                            raw_tensors={"blk.0.ffn_down.weight": (gguf.quants.quantize(down, T.Q4_1), T.Q4_1)})
     path, converted = _converted(gguf_file)
-    assert (path / "q4").is_dir() and (path / "q8_0").is_dir()
+    assert (path / "q4").is_dir() and (path / ("q8_0" if base == "Q8_0" else "q5")).is_dir()
     values, scales = q8_0_blocks(converted["model.layers.0.mlp.down_proj.weight"])
     step = scales.astype(np.float32)[..., None]
     got = values.reshape(*values.shape[:-1], -1, 32) * step
@@ -372,6 +408,10 @@ def test_quantization_gguf_keeps_a_weight_of_mixed_layer_types_as_one_int8_stack
     quantized = np.abs(runs["dequantized"][1] - runs["source"][1]).mean()
     requantization = np.abs(runs["gguf"][1] - runs["dequantized"][1]).mean()
     assert 0 < requantization < quantized / 2, (requantization, quantized)
+    llm = LLM(model=str(gguf_file), quantization="gguf", max_model_len=128, max_num_seqs=4,  # int8 activations
+              max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="")
+    assert all(layer["mlp"]["down"].format == held and layer["mlp"]["down"].dot
+               for layer in llm.engine.model.params["layers"])
 
 
 @pytest.mark.parametrize("model_impl", quick_loop_keeps(["jax", "torchax"], "jax"))

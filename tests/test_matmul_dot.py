@@ -2,8 +2,8 @@
 
 Against a NumPy oracle that quantizes each row of x per block of 32 inputs (d = max|x| / 127,
 round to nearest) and multiplies in float64: the kernel's integer dot products give exactly that
-product up to float32 rounding, for int8 weights with per-channel and grouped scales and 4-bit
-weights with scales and offsets, across the row blocks, padded panels and `valid_rows`, in each
+product up to float32 rounding, for int8 weights with per-channel and grouped scales and 4- and
+5-bit weights with scales and offsets (which multiply the rounded inputs too), across the row blocks, padded panels and `valid_rows`, in each
 form of the kernel the machine runs (VNNI's vpdpbusd in 512 or 256 bits where the CPU has it,
 AVX2's vpmaddubsw); the quads' column gather; and the engine: int8 activations on by default for
 a GGUF model's 4-bit weights, close to the float-activation run, and off when asked.
@@ -45,10 +45,11 @@ def _weights(fmt: str, d_in: int, d_out: int, groups: int, rng) -> tuple[PackedW
     if fmt == "int8":
         q = rng.integers(-128, 128, (d_in, d_out))
         return PackedWeight.pack_int8(jnp.asarray(q, jnp.int8), jnp.asarray(scales)), q * per_input(scales), None
-    q = rng.integers(0, 16, (d_in, d_out))
+    q = rng.integers(0, 32 if fmt == "uint5" else 16, (d_in, d_out))
     offsets = rng.uniform(-0.2, 0.0, (groups, d_out)).astype(np.float16 if groups > 1 else np.float32)
     offsets = offsets.astype(np.float32)
-    packed = PackedWeight.pack_uint4(jnp.asarray(q, jnp.uint8), jnp.asarray(scales), jnp.asarray(offsets))
+    pack = PackedWeight.pack_uint5 if fmt == "uint5" else PackedWeight.pack_uint4
+    packed = pack(jnp.asarray(q, jnp.uint8), jnp.asarray(scales), jnp.asarray(offsets))
     return packed, q * per_input(scales), per_input(offsets)
 
 
@@ -59,13 +60,15 @@ def _weights(fmt: str, d_in: int, d_out: int, groups: int, rng) -> tuple[PackedW
     ("int8", 96, 33, 3),  # groups of 32 (GGUF Q8_0)
     ("uint4", 128, 50, 4),  # groups of 32 with offsets (GGUF Q4_0 / Q4_1 / Q4_K)
     ("uint4", 64, 16, 1),  # one group of 64 (two blocks), one panel
+    ("uint5", 160, 50, 5),  # groups of 32 with offsets (GGUF Q5_0 / Q5_1 / Q5_K)
+    ("uint5", 64, 16, 1),  # one group of 64 (two blocks), one panel
 ])
 def test_int8_activation_products_match_the_quantized_oracle(fmt, d_in, d_out, groups, rows):
     rng = np.random.default_rng(rows * 7 + d_out)
     packed, scaled, offsets = _weights(fmt, d_in, d_out, groups, rng)
     dot = packed.for_int8_activations()
     assert dot.dot and dot.format == fmt and dot.shape == (d_in, d_out)
-    assert dot.panels.shape == (-(-d_out // 16), d_in // 4, 32 if fmt == "uint4" else 64)
+    assert dot.panels.shape == (-(-d_out // 16), d_in // 4, {"uint4": 32, "uint5": 40, "int8": 64}[fmt])
     # blocks of 32 keep their scales (and offsets) in half precision, per-channel scales in float32
     half = jnp.float16 if groups > 1 else jnp.float32
     assert dot.scales.dtype == half and (dot.offsets is None or dot.offsets.dtype == half)
@@ -73,27 +76,33 @@ def test_int8_activation_products_match_the_quantized_oracle(fmt, d_in, d_out, g
     valid = max(rows - 1, 1)
     got = np.asarray(jax.jit(lambda x, w: w.matmul(x, valid))(jnp.asarray(x), dot))
     block = 32 if d_in % 32 == 0 and (d_in // groups) % 32 == 0 else d_in
-    want = quantized_rows(x, block) @ scaled + (0 if offsets is None else x.astype(np.float64) @ offsets)
+    xq = quantized_rows(x, block)  # offsets too multiply the rounded inputs (their sum per block)
+    want = xq @ scaled + (0 if offsets is None else xq @ offsets)
     np.testing.assert_allclose(got[:valid], want[:valid], rtol=1e-4, atol=1e-4)
     assert not got[valid:].any()
     exact = x.astype(np.float64) @ (scaled if offsets is None else scaled + offsets)
     assert np.abs(got[:valid] - exact[:valid]).max() < 0.02 * np.abs(exact).max()  # ~1% of the scale
     # a tied head's embedding rows, gathered from the quads
+    rows_of_w = (scaled + (0 if offsets is None else offsets)).T
     np.testing.assert_allclose(np.asarray(dot.columns(jnp.arange(d_out))), np.asarray(packed.columns(jnp.arange(d_out))))
+    np.testing.assert_allclose(np.asarray(dot.columns(jnp.arange(d_out))), rows_of_w, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("sign", [1, -1])
-def test_4bit_sums_at_their_largest_do_not_saturate(sign):
-    """Every weight 15 and every input at the block's maximum: the int16 sums of a 4-bit block
-    reach their bound (8 quads x 2 x 15 x 127) and must still be exact."""
-    d_in, d_out, groups = 256, 32, 8
-    q = np.full((d_in, d_out), 15)
+@pytest.mark.parametrize("bits", [4, 5])
+def test_4_and_5bit_sums_at_their_largest_do_not_saturate(sign, bits):
+    """Every weight at its largest (15, or 31) and every input at the block's maximum: the int16
+    sums of a 4-bit block (8 quads x 2 x 15 x 127) and of a 5-bit one (4 quads x 2 x 31 x 127)
+    reach their bound and must still be exact."""
+    d_in, d_out, groups, top = 256, 32, 8, 2**bits - 1
+    q = np.full((d_in, d_out), top)
     scales = np.full((groups, d_out), 0.5, np.float32)
     offsets = np.full((groups, d_out), -0.25, np.float32)
-    packed = PackedWeight.pack_uint4(jnp.asarray(q, jnp.uint8), jnp.asarray(scales), jnp.asarray(offsets))
+    pack = PackedWeight.pack_uint5 if bits == 5 else PackedWeight.pack_uint4
+    packed = pack(jnp.asarray(q, jnp.uint8), jnp.asarray(scales), jnp.asarray(offsets))
     x = np.full((5, d_in), 3.0 * sign, np.float32)
     got = np.asarray(jax.jit(lambda x, w: w.matmul(x))(jnp.asarray(x), packed.for_int8_activations()))
-    np.testing.assert_allclose(got, np.full((5, d_out), sign * 3.0 * d_in * (15 * 0.5 - 0.25)), rtol=1e-6)
+    np.testing.assert_allclose(got, np.full((5, d_out), sign * 3.0 * d_in * (top * 0.5 - 0.25)), rtol=1e-6)
 
 
 _ORACLE_TESTS = """

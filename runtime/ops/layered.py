@@ -146,9 +146,15 @@ def _packed(layer: Any) -> bool:
 
 
 def _for_int8_activations(params: Any) -> Any:
-    """params with their packed int8 and 4-bit matrices laid out for int8 activations
+    """params with their packed int8, 4- and 5-bit matrices laid out for int8 activations
     (runtime.ops.matmul.PackedWeight.for_int8_activations); the rest as it is."""
     return jax.tree.map(lambda w: w.for_int8_activations() if is_packed(w) else w, params, is_leaf=is_packed)
+
+
+def _for_float_activations(params: Any) -> Any:
+    """params with their packed 5-bit matrices, which only int8 activations multiply, requantized
+    to int8 blocks (PackedWeight.for_float_activations); the rest as it is."""
+    return jax.tree.map(lambda w: w.for_float_activations() if is_packed(w) else w, params, is_leaf=is_packed)
 
 
 def _unpacking(stage: Any, batch_arg: int) -> Any:
@@ -273,8 +279,9 @@ class LayeredStep:
                 a.sharding.is_fully_replicated for a in jax.tree.leaves(self.outer)):
             if _fuse_changes(stages.pack_head, self.outer):
                 self.outer = jax.jit(stages.pack_head, out_shardings=replicated)(self.outer)
-            if int8_activations and _fuse_changes(_for_int8_activations, self.outer):
-                self.outer = jax.jit(_for_int8_activations, out_shardings=replicated)(self.outer)
+            activations = _for_int8_activations if int8_activations else _for_float_activations
+            if _fuse_changes(activations, self.outer):
+                self.outer = jax.jit(activations, out_shardings=replicated)(self.outer)
         for key, layers in self.stacks.items():  # changes of each layer's form, one pass (one program) a layer
             if isinstance(layers, StackedLayers):
                 continue
@@ -284,8 +291,7 @@ class LayeredStep:
             if pack and packed_matmul_available() and whole and stages.pack_layer is not None and _fuse_changes(
                     stages.pack_layer, jax.eval_shape(_chain(changes), layers[0])):
                 changes.append(stages.pack_layer)
-                if int8_activations:
-                    changes.append(_for_int8_activations)
+                changes.append(_for_int8_activations if int8_activations else _for_float_activations)
             if changes:
                 _fuse_in_place(layers, _chain(changes), replicated)
             if pack and _packed(layers[0]) and stackable(layers):  # a few arrays a step: runtime/ops/stacked.py

@@ -89,6 +89,15 @@ class PackedWeight:
         return cls(_panels(q), q.shape[1], _panels(scales.astype(jnp.float32)))
 
     @classmethod
+    def pack_uint5(cls, q: jax.Array, scales: jax.Array, offsets: jax.Array) -> "PackedWeight":
+        """q [in, out] holding values 0..31 (any integer dtype) with scales and offsets [G, out]:
+        w = q * scale + offset of its group (GGUF's Q5_0, Q5_1 and Q5_K as stored). One value a
+        byte until laid out for int8 activations (`for_int8_activations`), the only products
+        5-bit values have; `for_float_activations` requantizes them to int8 blocks of 32."""
+        return cls(_panels(q.astype(jnp.uint8)), q.shape[1], _panels(scales.astype(jnp.float32)),
+                   _panels(offsets.astype(jnp.float32)))
+
+    @classmethod
     def pack_uint4(cls, q: jax.Array, scales: jax.Array, offsets: jax.Array) -> "PackedWeight":
         """q [in, out] holding values 0..15 (any integer dtype) with scales and offsets [G, out]:
         w = q * scale + offset of its group."""
@@ -114,14 +123,38 @@ class PackedWeight:
         scaled = {"scales": self.scales.astype(jnp.float16)} if half_scales else {}
         if self.offsets is not None and half_scales:
             scaled["offsets"] = self.offsets.astype(jnp.float16)
-        values = self.panels if self.offsets is None else _nibbles(self.panels)  # [P, in, 16]
+        five = self.format == "uint5"
+        values = self.panels if self.offsets is None or five else _nibbles(self.panels)  # [P, in, 16]
         quads = values.reshape(values.shape[0], d_in // 4, 4, PANEL).transpose(0, 1, 3, 2)  # [P, in/4, 16, 4]
         if self.offsets is None:
             return self.replace(panels=quads.reshape(quads.shape[0], d_in // 4, 4 * PANEL), dot=True, **scaled)
         half = PANEL // 2
         low, high = (quads[:, :, :half].reshape(quads.shape[0], d_in // 4, 4 * half),
                      quads[:, :, half:].reshape(quads.shape[0], d_in // 4, 4 * half))
-        return self.replace(panels=low | (high << 4), dot=True, **scaled)
+        nibbles = (low & 15) | ((high & 15) << 4)
+        if not five:
+            return self.replace(panels=nibbles, dot=True, **scaled)
+        # each quad's fifth bits after its nibbles: bit b of 32 little-endian ones, low values then high
+        bits = [jnp.sum((half_values >> 4).astype(jnp.int32).reshape(*half_values.shape[:2], 4, 8)
+                        << jnp.arange(8, dtype=jnp.int32), axis=-1).astype(jnp.uint8) for half_values in (low, high)]
+        return self.replace(panels=jnp.concatenate([nibbles, *bits], axis=-1), dot=True, **scaled)
+
+    def for_float_activations(self) -> "PackedWeight":
+        """A matrix the float-activation kernels take: 5-bit values (which only the int8-activation
+        products read) requantized to int8 blocks of 32 inputs (a float32 scale each, the block's
+        largest |weight| / 127: each weight within 1/254 of it); any other as it is."""
+        if self.format != "uint5" or self.dot:
+            return self
+        assert self.panels.ndim == 3, "lay out each layer's matrices before stacking them"
+        d_in = self.shape[0]
+        group = d_in // self.scales.shape[1]
+        w = (self.panels.astype(jnp.float32) * jnp.repeat(self.scales, group, axis=1)
+             + jnp.repeat(self.offsets, group, axis=1))  # [P, in, 16]
+        blocks = w.reshape(w.shape[0], d_in // 32, 32, PANEL)
+        scales = jnp.max(jnp.abs(blocks), axis=2) / 127  # [P, in / 32, 16]
+        step = jnp.where(scales > 0, scales, 1.0)[:, :, None]
+        q = jnp.clip(jnp.round(blocks / step), -127, 127).astype(jnp.int8).reshape(w.shape)
+        return self.replace(panels=q, scales=scales, offsets=None)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -135,8 +168,11 @@ class PackedWeight:
 
     @property
     def format(self) -> str:
-        """"float32", "bfloat16", "int8" or "uint4"."""
-        return "uint4" if self.offsets is not None else str(self.panels.dtype)
+        """"float32", "bfloat16", "int8", "uint4" or "uint5" (panels of one value a byte, or quads of
+        40 bytes: 5-bit values have offsets and panels wider than 4-bit ones')."""
+        if self.offsets is None:
+            return str(self.panels.dtype)
+        return "uint5" if self.panels.shape[-1] == (40 if self.dot else PANEL) else "uint4"
 
     def __rmatmul__(self, x: jax.Array) -> jax.Array:
         """x [M, in] @ w -> [M, out] in x's dtype, by the C++ kernel."""
@@ -152,10 +188,13 @@ class PackedWeight:
             RuntimeError: the kernel is not available (`kernel_status(...)` says why).
         """
         kernel = "matmul_dot" if self.dot else "matmul" if self.format == "float32" else "matmul_formats"
+        if self.format == "uint5" and not self.dot:
+            raise ValueError("5-bit values are multiplied with int8 activations only: lay them out with "
+                             "for_int8_activations(), or requantize them with for_float_activations()")
         if not kernel_available(kernel):
             raise RuntimeError(f"the CPU {kernel} kernel is not available: {kernel_status(kernel)}")
         meta = _meta(x, valid_rows, self.layer)
-        target = ({"int8": INT8_DOT_TARGET, "uint4": UINT4_DOT_TARGET} if self.dot else
+        target = ({"int8": INT8_DOT_TARGET, "uint4": UINT4_DOT_TARGET, "uint5": UINT4_DOT_TARGET} if self.dot else
                   {"float32": MATMUL_TARGET, "bfloat16": BF16_MATMUL_TARGET, "int8": INT8_MATMUL_TARGET,
                    "uint4": UINT4_MATMUL_TARGET})[self.format]
         quantized = [a for a in (self.scales, self.offsets) if a is not None]
@@ -170,16 +209,23 @@ class PackedWeight:
         p, j = ids // PANEL, ids % PANEL
         if self.scales is None:
             return self.panels[p, :, j]
+        five, upper = self.format == "uint5", (j >= PANEL // 2)[:, None]
         if self.dot:  # column j's 4 bytes of each quad: [len(ids), in / 4, 4] -> [len(ids), in]
             at = (j % (PANEL // 2) if self.offsets is not None else j)[:, None, None] * 4 + jnp.arange(4)
-            byte = jnp.take_along_axis(self.panels[p], jnp.broadcast_to(at, (len(ids), self.panels.shape[1], 4)), axis=2)
+            quads = self.panels[p]
+            byte = jnp.take_along_axis(quads, jnp.broadcast_to(at, (len(ids), quads.shape[1], 4)), axis=2)
             byte = byte.reshape(len(ids), -1)
+            if five:  # the quad's 64 fifth bits: bit b of the low values' 32, then of the high ones'
+                bits = ((quads[:, :, 32:, None] >> jnp.arange(8, dtype=jnp.uint8)) & 1).reshape(len(ids), -1, 64)
+                fifth = jnp.take_along_axis(bits, jnp.broadcast_to(at + 32 * upper[:, :, None], (
+                    len(ids), quads.shape[1], 4)), axis=2).reshape(len(ids), -1)
         else:
-            byte = self.panels[p, :, j if self.offsets is None else j % (PANEL // 2)]
-        if self.offsets is None:
+            byte = self.panels[p, :, j if self.offsets is None or five else j % (PANEL // 2)]
+        if self.offsets is None or (five and not self.dot):
             q = byte.astype(jnp.float32)
         else:
-            q = jnp.where((j >= PANEL // 2)[:, None], byte >> 4, byte & 15).astype(jnp.float32)
+            q = jnp.where(upper, byte >> 4, byte & 15)
+            q = (q | (fifth << 4) if five else q).astype(jnp.float32)
         group = self.shape[0] // self.scales.shape[1]
         scale = jnp.repeat(self.scales[p, :, j].astype(jnp.float32), group, axis=1)
         if self.offsets is None:
@@ -198,7 +244,7 @@ def _fused_kernel_takes(matrices: tuple, rows: int) -> bool:
         return False
     if all(m.dot for m in matrices):
         return kernel_available("matmul_dot")
-    if any(m.dot or (m.format == "float32" and rows > 1) for m in matrices):
+    if any(m.dot or (m.format == "float32" and rows > 1) or m.format == "uint5" for m in matrices):
         return False
     return kernel_available("matmul_formats")
 
@@ -336,7 +382,8 @@ def pack_matrix(w: object, inputs: int = 1) -> object:
     scale = w.scale.reshape(groups, w.shape[-1])
     if w.offset is None:
         return PackedWeight.pack_int8(q, scale)
-    return PackedWeight.pack_uint4(q, scale, w.offset.reshape(groups, w.shape[-1]))
+    pack = PackedWeight.pack_uint5 if w.bits == 5 else PackedWeight.pack_uint4
+    return pack(q, scale, w.offset.reshape(groups, w.shape[-1]))
 
 
 def _input_groups(w: QuantizedWeight) -> int | None:

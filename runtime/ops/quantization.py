@@ -44,11 +44,12 @@ class QuantizedWeight:
     so slicing leading (layer) axes off both arrays keeps it valid.
     """
 
-    q: jax.Array  # int8 (uint8 4-bit values 0..15 where there is an offset), the weight's shape
+    q: jax.Array  # int8 (uint8 4-bit values 0..15 where there is an offset, 0..31 with bits=5), the weight's shape
     scale: jax.Array  # the weight's dtype
     group_size: int = flax.struct.field(pytree_node=False, default=0)
     group_axis: int = flax.struct.field(pytree_node=False, default=-1)  # negative
-    offset: jax.Array | None = None  # as scale: w ~= q * scale + offset (GGUF's 4-bit blocks)
+    offset: jax.Array | None = None  # as scale: w ~= q * scale + offset (GGUF's 4- and 5-bit blocks)
+    bits: int = flax.struct.field(pytree_node=False, default=0)  # 5: 5-bit values (GGUF's Q5 types); 0: as q says
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -72,7 +73,7 @@ def transpose_matrix(w: Any) -> Any:
     if not isinstance(w, QuantizedWeight):
         return w.T
     return QuantizedWeight(w.q.T, w.scale.T, group_size=w.group_size, group_axis=-1 - (w.group_axis % 2),
-                           offset=None if w.offset is None else w.offset.T)
+                           offset=None if w.offset is None else w.offset.T, bits=w.bits)
 
 
 def _is_quantized(x: Any) -> bool:

@@ -4,7 +4,7 @@
 //
 // y [M, N] float32 = x [M, K] float32 . W. Each row of x is quantized per block of `block`
 // inputs (32, or K where 32 does not divide K): xq = round(x / d), d = max|x| / 127, and the
-// block's float sum kept. W [K, N] is packed (runtime/ops/matmul.py PackedWeight.dot) in panels
+// block's sum d * sum(xq) kept. W [K, N] is packed (runtime/ops/matmul.py PackedWeight.dot) in panels
 // of 16 output columns whose k run in quads: a quad holds the 16 columns x 4 consecutive k,
 // column-major (byte 4 j + i: column j, input 4 q + i), so one 32-byte register holds 8
 // columns x 4 inputs, which vpmaddubsw multiplies with the row's 4 int8 inputs broadcast and
@@ -14,11 +14,12 @@
 //   vpmaddubsw's unsigned operand is |q|, its sign moved onto the inputs);
 // - u4 quads [N/16, K/4, 32] uint8: byte b holds element b of columns 0-7 in its low nibble and
 //   element b of columns 8-15 in its high one, with scales and offsets [N/16, G, 16]:
-//   w = q * scale + offset, so a block adds scale * d * sum(q xq) + offset * sum(x).
+//   w = q * scale + offset, so a block adds scale * d * sum(q xq) + offset * d * sum(xq);
+// - u5 quads [N/16, K/4, 40] uint8: a u4 quad and the values' fifth bits (struct U5), as u4.
 //
 // Scales and offsets are float32, or float16 where the blocks came so from a GGUF file (Q8_0,
 // Q4_0, Q4_1: the half scales as stored). Per block of inputs the integer partials become
-// float: y += d * scale * partial (+ offset * sum(x)). Weight groups must be whole blocks. No
+// float: y += d * scale * partial (+ offset * d * sum(xq)). Weight groups must be whole blocks. No
 // int16 sum can saturate: int8 weights (|q| <= 128 against |xq| <= 127) widen each quad's
 // pairs to int32 at once; 4-bit ones (q <= 15) sum 8 quads' pairs in int16 first, so a 4-bit
 // block costs one vpmaddwd a row and half of the quad's columns, not eight.
@@ -82,7 +83,7 @@ constexpr int kRows = 4;        // rows of x per block: 8 int32 accumulators
 #endif
 constexpr int64_t kPrefetchBytes = SERVAX_DOT_PREFETCH_BYTES;
 
-// x [M, K] quantized per block: q [M, K] int8, d and the float sum [M, blocks].
+// x [M, K] quantized per block: q [M, K] int8, d and the sum d * sum(q) [M, blocks].
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d, sum;
@@ -95,12 +96,17 @@ void Quantize(const float* x, int64_t M, int64_t K, int64_t block, QuantizedRows
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t b = 0; b < out.blocks; ++b) {
       const float* in = x + r * K + b * block;
-      float amax = 0.0f, sum = 0.0f;
-      for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(in[i])), sum += in[i];
+      float amax = 0.0f;
+      for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(in[i]));
       const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       int8_t* q = out.q.data() + r * K + b * block;
-      for (int64_t i = 0; i < block; ++i) q[i] = static_cast<int8_t>(std::nearbyint(in[i] * inv));
-      out.d[r * out.blocks + b] = d, out.sum[r * out.blocks + b] = sum;
+      int32_t qsum = 0;
+      for (int64_t i = 0; i < block; ++i) q[i] = static_cast<int8_t>(std::nearbyint(in[i] * inv)), qsum += q[i];
+      // The sum of the block as quantized (as llama.cpp's Q8_1 keeps it): the offsets then multiply
+      // the same inputs as the values do, and a block's error is that of the weights' products with
+      // the rounded inputs. With the float sum, the values' rounding error (their mean is far from
+      // zero, the offset holding the weights' centre) went uncancelled: ~3x the logprob error.
+      out.d[r * out.blocks + b] = d, out.sum[r * out.blocks + b] = d * static_cast<float>(qsum);
     }
   }
 }
@@ -196,6 +202,68 @@ struct U4 {
 #endif
 };
 
+// 5-bit values (GGUF's Q5_0, Q5_1 and Q5_K as stored; 4-bit ones where a weight mixes both): a U4
+// quad's 32 bytes of nibbles, then the values' fifth bits, 64 bits little-endian: bit b of the
+// first 32 the fifth bit of the low-nibble value of byte b, bit b of the next 32 the high one's.
+// Pairs of q <= 31 times |xq| <= 127 are at most 7874: 4 quads' sum in int16 (<= 31496).
+struct U5 {
+  using T = uint8_t;
+  static constexpr int64_t kQuad = 40;
+  static constexpr bool kOffset = true;
+  static constexpr bool kInt16 = true;
+  static constexpr int64_t kSpan = 4;
+  static int Value(const T* quad, int e) { return U4::Value(quad, e) | (((quad[32 + e / 8] >> (e % 8)) & 1) << 4); }
+  static uint32_t Bits(const T* p) {
+    uint32_t bits;
+    std::memcpy(&bits, p, 4);
+    return bits;
+  }
+#ifdef SERVAX_DOT_AVX2
+  // 16 at byte b of 32 where bit b of `bits` is set, else 0.
+  static __m256i Fifth(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int>(bits)),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(16));
+  }
+  static void Load(const T* quad, __m256i& w0, __m256i& w1) {
+    U4::Load(quad, w0, w1);
+    w0 = _mm256_or_si256(w0, Fifth(Bits(quad + 32))), w1 = _mm256_or_si256(w1, Fifth(Bits(quad + 36)));
+  }
+  static __m256i Products(__m256i w, __m256i x) { return _mm256_maddubs_epi16(w, x); }
+#ifdef SERVAX_DOT_VNNI
+  static __m256i Dot(__m256i acc, __m256i w, __m256i x) { return SERVAX_DOT_VNNI(acc, w, x); }
+#endif
+#ifdef SERVAX_DOT_512
+  // U4's step over two quads (no longer adjacent), the fifth bits added under their masks.
+  static constexpr int64_t kStepQuads = 2;
+  template <int MR>
+  static void Step(const T* quads, int64_t, const int8_t* const x8[MR], __m512i acc[MR][2]) {
+    const __m512i v = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quads))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quads + kQuad)), 1);
+    const __m512i nib = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
+    const __mmask64 low_fifth = Bits(quads + 32) | (uint64_t{Bits(quads + kQuad + 32)} << 32);
+    const __mmask64 high_fifth = Bits(quads + 36) | (uint64_t{Bits(quads + kQuad + 36)} << 32);
+    const __m512i lo4 = _mm512_and_si512(v, nib);
+    const __m512i lo5 = _mm512_mask_add_epi8(lo4, low_fifth, lo4, sixteen);
+    const __m512i hi4 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    const __m512i hi5 = _mm512_mask_add_epi8(hi4, high_fifth, hi4, sixteen);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      int32_t first, second;
+      std::memcpy(&first, x8[r], 4), std::memcpy(&second, x8[r] + 4, 4);
+      const __m512i x = _mm512_mask_set1_epi32(_mm512_set1_epi32(first), 0xFF00, second);
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], lo5, x);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], hi5, x);
+    }
+  }
+  static __m512i Columns(__m512i lo, __m512i hi) { return U4::Columns(lo, hi); }
+#endif
+#endif
+};
+
 // Scales and offsets as stored: float32, or float16 (GGUF's blocks keep their half-precision
 // scales: a quarter fewer bytes to read per 4-bit block than with float32 ones).
 struct F32Scales {
@@ -223,7 +291,7 @@ struct F16Scales {
 // c[r, 0:16] = x[r] . W[:, panel] for MR rows from row r0: integer dot products over the
 // quads of each run of W::kSpan quads (a 4-bit run sums its vpmaddubsw pairs in int16, one
 // vpmaddwd per run; int8 weights widen every quad's pairs to int32), each run then scaled
-// into float (d * scale; per block of inputs, + offset * sum(x)).
+// into float (d * scale; per block of inputs, + offset * d * sum(xq)).
 template <class W, class S, int MR>
 void DotRows(const QuantizedRows& x, int64_t r0, const typename W::T* panel, const typename S::T* scale,
              const typename S::T* offset, int64_t group, float* c, int64_t ldc) {
@@ -435,14 +503,16 @@ ffi::Error UInt4Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
                     ffi::AnyBuffer offsets, ffi::Buffer<ffi::S32> meta, ffi::ResultBuffer<ffi::F32> out) {
   servax::LayerView p, s;
   auto xd = x.dimensions(), sd = scales.dimensions(), od = offsets.dimensions();
-  if (!servax::ViewLayer(packed.dimensions(), meta, p) || !servax::ViewLayer(sd, meta, s) ||
-      !std::equal(sd.begin(), sd.end(), od.begin(), od.end()) ||
-      !Shaped(xd, p.dims, U4::kQuad, s.dims, out->dimensions()))
-    return ffi::Error::InvalidArgument("int8-activation 4-bit matmul: x [M, K], quads [N/16, K/4, 32], scales and "
-                                       "offsets [N/16, G, 16] with meta [rows] (or each [L, ...] with meta [rows, "
-                                       "layer < L]), out [M, N]");
-  return MultiplyScaled<U4>(pool, x.typed_data(), xd[0], meta.typed_data()[0], xd[1], packed.typed_data() + p.offset,
-                            p.dims[0], scales, &offsets, s.offset, s.dims[1], out->typed_data());
+  const bool ok = servax::ViewLayer(packed.dimensions(), meta, p) && servax::ViewLayer(sd, meta, s);
+  const bool five = ok && p.dims[2] == U5::kQuad;
+  if (!ok || !std::equal(sd.begin(), sd.end(), od.begin(), od.end()) ||
+      !Shaped(xd, p.dims, five ? U5::kQuad : U4::kQuad, s.dims, out->dimensions()))
+    return ffi::Error::InvalidArgument("int8-activation 4- or 5-bit matmul: x [M, K], quads [N/16, K/4, 32 or 40], "
+                                       "scales and offsets [N/16, G, 16] with meta [rows] (or each [L, ...] with "
+                                       "meta [rows, layer < L]), out [M, N]");
+  return (five ? MultiplyScaled<U5> : MultiplyScaled<U4>)(pool, x.typed_data(), xd[0], meta.typed_data()[0], xd[1],
+                                                          packed.typed_data() + p.offset, p.dims[0], scales, &offsets,
+                                                          s.offset, s.dims[1], out->typed_data());
 }
 
 // ---- a decoder layer's small operations between these products (layer_fusions.h) -------------
@@ -457,17 +527,20 @@ struct DotProducts {
                             ffi::AnyBuffer panels, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
                             ffi::Buffer<ffi::S32>& meta, float* c) {
     servax::LayerView p, s;
-    const bool u4 = panels.element_type() == ffi::DataType::U8;
-    if ((!u4 && panels.element_type() != ffi::DataType::S8) || !servax::ViewLayer(panels.dimensions(), meta, p) ||
-        !servax::ViewLayer(scales.dimensions(), meta, s) || !Panels(K, N, p.dims, u4 ? U4::kQuad : I8::kQuad, s.dims) ||
+    const bool u4 = panels.element_type() == ffi::DataType::U8;  // or 5-bit: quads of 40 bytes
+    const bool ok = servax::ViewLayer(panels.dimensions(), meta, p) && servax::ViewLayer(scales.dimensions(), meta, s);
+    const bool five = ok && u4 && p.dims[2] == U5::kQuad;
+    if ((!u4 && panels.element_type() != ffi::DataType::S8) || !ok ||
+        !Panels(K, N, p.dims, five ? U5::kQuad : u4 ? U4::kQuad : I8::kQuad, s.dims) ||
         (u4 && !std::equal(scales.dimensions().begin(), scales.dimensions().end(), offsets.dimensions().begin(),
                            offsets.dimensions().end())))
       return ffi::Error::InvalidArgument("int8-activation fused layer ops: each matrix as quads [(L,) N/16, K/4, 64] "
-                                         "int8 or [(L,) N/16, K/4, 32] uint8, scales (and a 4-bit one's offsets) "
-                                         "[(L,) N/16, G, 16], G dividing K");
+                                         "int8 or [(L,) N/16, K/4, 32 or 40] uint8 (4- or 5-bit), scales (and a 4- "
+                                         "or 5-bit one's offsets) [(L,) N/16, G, 16], G dividing K");
     if (u4)
-      return MultiplyScaled<U4>(pool, x, rows, valid, K, panels.reinterpret_data<uint8_t>() + p.offset, p.dims[0],
-                                scales, &offsets, s.offset, s.dims[1], c);
+      return (five ? MultiplyScaled<U5> : MultiplyScaled<U4>)(pool, x, rows, valid, K,
+                                                              panels.reinterpret_data<uint8_t>() + p.offset,
+                                                              p.dims[0], scales, &offsets, s.offset, s.dims[1], c);
     return MultiplyScaled<I8>(pool, x, rows, valid, K, panels.reinterpret_data<int8_t>() + p.offset, p.dims[0], scales,
                               nullptr, s.offset, s.dims[1], c);
   }
@@ -488,7 +561,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxUInt4DotMatmul, UInt4Dot,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::U8>>()  // quads [N / 16, K / 4, 32]: two columns a byte
+                                  .Arg<ffi::Buffer<ffi::U8>>()  // quads [N / 16, K / 4, 32 or 40]: 4- or 5-bit
                                   .Arg<ffi::AnyBuffer>()  // scales [N / 16, G, 16], float32 or float16
                                   .Arg<ffi::AnyBuffer>()  // offsets [N / 16, G, 16], as the scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // meta: [valid rows] or [valid rows, layer]
