@@ -221,13 +221,26 @@ def head_bias(hf_name: str, heads: int, head_dim: int, heads_axis: str, repeat: 
     )
 
 
+def _int8_blocks(w: QuantizedWeight, scale_dtype) -> QuantizedWeight:
+    """A grouped 4- or 5-bit QuantizedWeight as int8 values in the same groups: each group's
+    largest |weight| / 127 its scale (each weight within 1/254 of it)."""
+    shape, axis, group = w.q.shape, w.group_axis % w.q.ndim, w.group_size
+    grouped = w.dequantize().astype(jnp.float32).reshape(*shape[:axis], shape[axis] // group, group, *shape[axis + 1:])
+    scale = jnp.max(jnp.abs(grouped), axis=axis + 1) / 127
+    step = jnp.expand_dims(jnp.where(scale > 0, scale, 1.0), axis + 1)
+    q = jnp.clip(jnp.round(grouped / step), -127, 127).astype(jnp.int8).reshape(shape)
+    return QuantizedWeight(q, scale.astype(scale_dtype), group, w.group_axis)
+
+
 def join_outputs(weights: list[Any]) -> Any | None:
     """Matrices that read the same input, [D, *out_i] each, as one [D, sum_i prod(out_i)] with
     their outputs side by side in order: one wide matmul where there were several narrow ones.
 
     QuantizedWeights join values, scales and offsets alike (per-channel scales [1, *out_i], grouped
-    scales [D / group, *out_i] grouped along D). None where they cannot be one: float and
-    quantized mixed, different group sizes, or a grouping along another axis.
+    scales [D / group, *out_i] grouped along D); grouped int8 beside grouped 4- or 5-bit values (a
+    GGUF file's attn_v Q6_K or Q8_0 beside its Q4_K or Q5_0 q and k) as int8 blocks, the others
+    requantized (`_int8_blocks`). None where they cannot be one: float and quantized mixed,
+    different group sizes, or a grouping along another axis.
     """
     def flat(w: jax.Array) -> jax.Array:
         return w.reshape(w.shape[0], -1)
@@ -235,7 +248,12 @@ def join_outputs(weights: list[Any]) -> Any | None:
     quantized = [isinstance(w, QuantizedWeight) for w in weights]
     if not any(quantized):
         return jnp.concatenate([flat(w) for w in weights], axis=-1)
-    if not all(quantized) or len({(w.group_size, w.q.dtype, w.offset is None) for w in weights}) != 1:
+    if not all(quantized):
+        return None
+    int8 = [w for w in weights if w.offset is None and w.q.dtype == jnp.int8 and w.group_size]
+    if int8 and len(int8) < len(weights) and all(w.group_size == int8[0].group_size for w in weights):
+        weights = [w if w.offset is None else _int8_blocks(w, int8[0].scale.dtype) for w in weights]
+    if len({(w.group_size, w.q.dtype, w.offset is None) for w in weights}) != 1:
         return None
     group_size = weights[0].group_size
     if group_size and any(w.group_axis % w.q.ndim != 0 for w in weights):

@@ -379,11 +379,16 @@ def test_quantization_gguf_keeps_a_weight_of_mixed_layer_types_as_one_stack(tiny
     from app import LLM, SamplingParams
     from registry.gguf_tensors import q8_0_blocks
     from runtime.ops.matmul import PackedWeight
+    from runtime.ops.stacked import StackedLayers
 
     checkpoint = tiny_checkpoint("llama")
-    down = load_file(checkpoint / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
-    gguf_file = write_gguf(checkpoint, gguf_dir / f"tiny-mixed-{base}.gguf", weight_type=base,
-                           raw_tensors={"blk.0.ffn_down.weight": (gguf.quants.quantize(down, T.Q4_1), T.Q4_1)})
+    weights = load_file(checkpoint / "model.safetensors")
+    down = weights["model.layers.0.mlp.down_proj.weight"]
+    raw = {"blk.0.ffn_down.weight": (gguf.quants.quantize(down, T.Q4_1), T.Q4_1)}
+    if base != "Q8_0":  # attn_v Q8_0 beside 5-bit q and k (as Q4_K_M files keep it on 576-wide models)
+        raw.update({gguf_name(name): (gguf.quants.quantize(w, T.Q8_0), T.Q8_0) for name, w in weights.items()
+                    if name.endswith("v_proj.weight")})
+    gguf_file = write_gguf(checkpoint, gguf_dir / f"tiny-mixed-{base}.gguf", weight_type=base, raw_tensors=raw)
     path, converted = _converted(gguf_file)
     assert (path / "q4").is_dir() and (path / ("q8_0" if base == "Q8_0" else "q5")).is_dir()
     values, scales = q8_0_blocks(converted["model.layers.0.mlp.down_proj.weight"])
@@ -410,8 +415,11 @@ def test_quantization_gguf_keeps_a_weight_of_mixed_layer_types_as_one_stack(tiny
     assert 0 < requantization < quantized / 2, (requantization, quantized)
     llm = LLM(model=str(gguf_file), quantization="gguf", max_model_len=128, max_num_seqs=4,  # int8 activations
               max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="")
-    assert all(layer["mlp"]["down"].format == held and layer["mlp"]["down"].dot
-               for layer in llm.engine.model.params["layers"])
+    layers = llm.engine.model.params["layers"]
+    assert all(layer["mlp"]["down"].format == held and layer["mlp"]["down"].dot for layer in layers)
+    # q, k and v joined (as int8 blocks where v is int8 and q, k 5-bit): one packed matrix, layers stacked
+    assert all(layer["qkv"].format == "int8" and layer["qkv"].dot for layer in layers)
+    assert isinstance(layers, StackedLayers)
 
 
 @pytest.mark.parametrize("model_impl", quick_loop_keeps(["jax", "torchax"], "jax"))
