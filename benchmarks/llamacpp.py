@@ -12,6 +12,7 @@ report prompt processing of `--prompt` tokens (servax: one prefill step of that 
 
     BIN=$(../shared/tools/llamacpp-reference | tail -1)
     python benchmarks/llamacpp.py --llamacpp-bin "$BIN"
+    python benchmarks/llamacpp.py --llamacpp-bin "$BIN" --kinds "" --gguf llama-1b-Q4_K_M.gguf
 
 Run it with nothing else on the machine; compare only ratios from one run.
 """
@@ -85,16 +86,20 @@ def servax_speeds(gguf: Path, prompt: int, tokens: int, rounds: int, **settings)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llamacpp-bin", required=True, help="the folder of llama-bench (llamacpp-reference)")
-    parser.add_argument("--kinds", default="as shipped,Q8_0,Q4_K_M", help="the shipped file and requantized kinds")
+    parser.add_argument("--kinds", default="as shipped,Q8_0,Q4_K_M",
+                        help="the shipped file and requantized kinds of the demo model ('' for none)")
+    parser.add_argument("--gguf", nargs="*", default=[], type=Path,
+                        help="more GGUF files, compared as they are (e.g. a larger model's own Q4_K_M)")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     bin_dir, threads = Path(args.llamacpp_bin), os.cpu_count() or 1
-    shipped = demo_gguf()
+    kinds = [kind for kind in args.kinds.split(",") if kind]
+    shipped = demo_gguf() if kinds else None
+    files = [shipped if kind == "as shipped" else requantized(bin_dir, shipped, kind) for kind in kinds]
     rows = []
-    for kind in args.kinds.split(","):
-        gguf = shipped if kind == "as shipped" else requantized(bin_dir, shipped, kind)
+    for gguf in files + args.gguf:
         l_pp, l_tg = llama_bench(bin_dir, gguf, threads, args.prompt, args.tokens)
         s_pp, s_tg = servax_speeds(gguf, args.prompt, args.tokens, args.rounds)
         _, f_tg = servax_speeds(gguf, args.prompt, args.tokens, args.rounds, int8_activations=False)
