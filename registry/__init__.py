@@ -55,7 +55,8 @@ def load(
         quantization: None; "int8": the matrices stored as per-output-channel int8
             (runtime/ops/quantization.py), on either path; "gguf": a GGUF checkpoint's Q8_0
             tensors kept as stored (int8, a scale per 32 inputs), and natively its Q4_0 / Q4_1 /
-            Q4_K tensors (4-bit values, a scale and an offset per 32 inputs); other types dequantized.
+            Q4_K and Q5_0 / Q5_1 / Q5_K tensors (4- or 5-bit values, a scale and an offset per 32
+            inputs); Q6_K requantized to int8 blocks; other types dequantized.
         layered: native models with layer stages, unquantized: the decoder layers'
             weights as a list of per-layer weights, the form runtime/ops/layered.py steps (no
             stacked [num_layers, ...] arrays to assemble here and split there).

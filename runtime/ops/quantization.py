@@ -9,7 +9,8 @@ model path's to say (registry's `_native_quant_axes` / `_torchax_quant_axes`).
 `gguf`: a GGUF checkpoint's Q8_0 tensors are loaded as they are stored, int8 values with one
 scale per block of 32 along the input axis (`QuantizedWeight(q, scale, group_size=32,
 group_axis=...)`, read by registry.weights); no rounding beyond the file's own, so the
-weights equal the dequantized checkpoint exactly.
+weights equal the dequantized checkpoint exactly. Its 4- and 5-bit types likewise, uint8 values
+with a scale and an offset per block (`offset=...`, `bits=5` for 5-bit values).
 
 The step function dequantizes its weights as it uses them (`q.astype(dtype) * scale`, inside
 the jitted program, layer by layer when the runtime steps layer by layer), so both model
