@@ -265,13 +265,9 @@ def four_bit_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.ndarray, 
     kind = tensor.tensor_type.name
     raw = np.asarray(tensor.data).reshape(-1)
     if kind in ("Q4_0", "Q4_1"):
-        head = 2 if kind == "Q4_0" else 4
-        blocks = raw.reshape(-1, head + 16)
-        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
-        m = -8 * d if kind == "Q4_0" else blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
+        head, blocks, scale, offset = _block_scales(raw, kind == "Q4_1", 16, centre=8)
         qs = blocks[:, head:]
         values = np.concatenate([qs & 15, qs >> 4], axis=1)  # 32 values: low nibbles, then high ones
-        scale, offset = d[:, None], m[:, None]
     elif kind == "Q4_K":
         blocks = raw.reshape(-1, 144)
         scale, offset = _k_scales(blocks)
@@ -290,15 +286,11 @@ def five_bit_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.ndarray, 
     kind = tensor.tensor_type.name
     raw = np.asarray(tensor.data).reshape(-1)
     if kind in ("Q5_0", "Q5_1"):
-        head = 2 if kind == "Q5_0" else 4
-        blocks = raw.reshape(-1, head + 20)
-        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
-        m = -16 * d if kind == "Q5_0" else blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
+        head, blocks, scale, offset = _block_scales(raw, kind == "Q5_1", 20, centre=16)
         high = blocks[:, head:head + 4].copy().view(np.uint32)  # bit j: value j's fifth bit
         qs = blocks[:, head + 4:]
         fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
         values = np.concatenate([qs & 15, qs >> 4], axis=1) | (fifth << 4)  # values 0-15: low nibbles, 16-31: high
-        scale, offset = d[:, None], m[:, None]
     elif kind == "Q5_K":
         blocks = raw.reshape(-1, 176)
         scale, offset = _k_scales(blocks)
@@ -309,6 +301,17 @@ def five_bit_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.ndarray, 
     else:
         raise ValueError(f"{tensor.name}: {kind} is not a 5-bit type kept as stored ({', '.join(FIVE_BIT_TYPES)})")
     return _parts_in_hf_layout(tensor, config, arch, values, scale, offset)
+
+
+def _block_scales(raw: np.ndarray, with_min: bool, body: int, centre: int) -> tuple[int, np.ndarray, np.ndarray,
+                                                                                  np.ndarray]:
+    """The blocks of 32 values of a Q4_0/Q4_1/Q5_0/Q5_1 tensor: (header bytes, blocks [n, header + body],
+    scales [n, 1], offsets [n, 1]): a float16 scale d, then with_min a float16 offset m, else -centre d."""
+    head = 4 if with_min else 2
+    blocks = raw.reshape(-1, head + body)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32) if with_min else -centre * d
+    return head, blocks, d, m
 
 
 def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

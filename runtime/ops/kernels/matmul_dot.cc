@@ -185,7 +185,11 @@ struct U4 {
   template <int MR>
   static void Step(const T* quads, int64_t, const int8_t* const x8[MR], __m512i acc[MR][2]) {
     const __m512i v = _mm512_loadu_si512(quads), nib = _mm512_set1_epi8(15);
-    const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    Accumulate<MR>(_mm512_and_si512(v, nib), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib), x8, acc);
+  }
+  // acc[r][0] += the low values' partials, acc[r][1] the high ones', against row r's 8 inputs.
+  template <int MR>
+  static void Accumulate(__m512i lo, __m512i hi, const int8_t* const x8[MR], __m512i acc[MR][2]) {
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       int32_t first, second;
@@ -206,11 +210,8 @@ struct U4 {
 // quad's 32 bytes of nibbles, then the values' fifth bits, 64 bits little-endian: bit b of the
 // first 32 the fifth bit of the low-nibble value of byte b, bit b of the next 32 the high one's.
 // Pairs of q <= 31 times |xq| <= 127 are at most 7874: 4 quads' sum in int16 (<= 31496).
-struct U5 {
-  using T = uint8_t;
+struct U5 : U4 {  // T, kOffset, kInt16, Products, Dot and Columns as U4's
   static constexpr int64_t kQuad = 40;
-  static constexpr bool kOffset = true;
-  static constexpr bool kInt16 = true;
   static constexpr int64_t kSpan = 4;
   static int Value(const T* quad, int e) { return U4::Value(quad, e) | (((quad[32 + e / 8] >> (e % 8)) & 1) << 4); }
   static uint32_t Bits(const T* p) {
@@ -221,9 +222,9 @@ struct U5 {
 #ifdef SERVAX_DOT_AVX2
   // 16 at byte b of 32 where bit b of `bits` is set, else 0.
   static __m256i Fifth(uint32_t bits) {
-    const __m256i spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32(static_cast<int>(bits)),
-        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i spread = _mm256_shuffle_epi8(  // byte b of the result: byte b / 8 of `bits`
+        _mm256_set1_epi32(static_cast<int>(bits)), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                                    2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
     const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(16));
   }
@@ -231,13 +232,8 @@ struct U5 {
     U4::Load(quad, w0, w1);
     w0 = _mm256_or_si256(w0, Fifth(Bits(quad + 32))), w1 = _mm256_or_si256(w1, Fifth(Bits(quad + 36)));
   }
-  static __m256i Products(__m256i w, __m256i x) { return _mm256_maddubs_epi16(w, x); }
-#ifdef SERVAX_DOT_VNNI
-  static __m256i Dot(__m256i acc, __m256i w, __m256i x) { return SERVAX_DOT_VNNI(acc, w, x); }
-#endif
 #ifdef SERVAX_DOT_512
   // U4's step over two quads (no longer adjacent), the fifth bits added under their masks.
-  static constexpr int64_t kStepQuads = 2;
   template <int MR>
   static void Step(const T* quads, int64_t, const int8_t* const x8[MR], __m512i acc[MR][2]) {
     const __m512i v = _mm512_inserti64x4(
@@ -246,20 +242,10 @@ struct U5 {
     const __m512i nib = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
     const __mmask64 low_fifth = Bits(quads + 32) | (uint64_t{Bits(quads + kQuad + 32)} << 32);
     const __mmask64 high_fifth = Bits(quads + 36) | (uint64_t{Bits(quads + kQuad + 36)} << 32);
-    const __m512i lo4 = _mm512_and_si512(v, nib);
-    const __m512i lo5 = _mm512_mask_add_epi8(lo4, low_fifth, lo4, sixteen);
-    const __m512i hi4 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-    const __m512i hi5 = _mm512_mask_add_epi8(hi4, high_fifth, hi4, sixteen);
-#pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) {
-      int32_t first, second;
-      std::memcpy(&first, x8[r], 4), std::memcpy(&second, x8[r] + 4, 4);
-      const __m512i x = _mm512_mask_set1_epi32(_mm512_set1_epi32(first), 0xFF00, second);
-      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], lo5, x);
-      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], hi5, x);
-    }
+    const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    Accumulate<MR>(_mm512_mask_add_epi8(lo, low_fifth, lo, sixteen), _mm512_mask_add_epi8(hi, high_fifth, hi, sixteen),
+                   x8, acc);
   }
-  static __m512i Columns(__m512i lo, __m512i hi) { return U4::Columns(lo, hi); }
 #endif
 #endif
 };
