@@ -58,12 +58,16 @@ class PackedWeight:
       32: GGUF's Q8_0 as stored);
     - uint8 panels [.., in, 8] holding two 4-bit values a byte (column j in the low nibble of
       byte j, column j + 8 in its high one) with `scales` and `offsets`: w = q * scale + offset
-      (GGUF's Q4_0, Q4_1 and Q4_K as stored).
+      (GGUF's Q4_0, Q4_1 and Q4_K as stored);
+    - uint8 panels [.., in, 16] of 5-bit values, one a byte, with `scales` and `offsets` likewise
+      (GGUF's Q5_0, Q5_1 and Q5_K as stored): only laid out for int8 activations they multiply.
 
-    With `dot` (`for_int8_activations`), int8 and 4-bit panels are laid out for products with
+    With `dot` (`for_int8_activations`), int8, 4- and 5-bit panels are laid out for products with
     the activations quantized to int8 (runtime/ops/kernels/matmul_dot.cc): their inputs in
-    quads, panels [.., in / 4, 64] int8 (16 columns x 4 inputs, column-major) or [.., in / 4, 32]
-    uint8 (columns 0-7 in the low nibbles, 8-15 in the high ones), the same scales and offsets.
+    quads, panels [.., in / 4, 64] int8 (16 columns x 4 inputs, column-major), [.., in / 4, 32]
+    uint8 (columns 0-7 in the low nibbles, 8-15 in the high ones) or [.., in / 4, 40] uint8 (those
+    32 bytes, then the values' fifth bits, 32 for the low nibbles' and 32 for the high ones'), the
+    same scales and offsets.
 
     Stacked (runtime/ops/stacked.py), panels, scales and offsets have a leading layer axis
     [L, ...], and `at_layer(i)` is the matrix of layer i: `layer` set, which the kernels read
