@@ -10,6 +10,7 @@ model wrapped by torchax.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -120,9 +121,12 @@ def _load_weights(resolved: ResolvedModel, jdtype: Any, mesh: Mesh, info: Any, q
         from runtime.ops.quantization import count_quantized, serve_quantized
 
         serve_quantized(loaded)
-        logger.info("%s: %d weights kept as the GGUF file stores them (of %d Q8_0 / 4-bit tensors: int8 or 4-bit "
-                    "values with a scale per 32 inputs); other GGUF types were dequantized when converted",
-                    resolved.model_id, count_quantized(loaded.params), len(int8_groups))
+        kinds = collections.Counter({2: "int8 blocks", 3: "4-bit", 4: "5-bit"}[len(parts)]
+                                    for parts in int8_groups.values())
+        logger.info("%s: %d weights kept quantized as the GGUF file stores them (of %d tensors: %s; a scale per 32 "
+                    "inputs, Q6_K requantized to int8 blocks); other GGUF types were dequantized when converted",
+                    resolved.model_id, count_quantized(loaded.params), len(int8_groups),
+                    ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())))
     elif quantization is not None:
         from runtime.ops.quantization import quantize_model
 
