@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from runtime.ops.mesh import logical_to_spec
-from runtime.ops.quantization import QuantizedWeight
+from runtime.ops.quantization import QuantizedWeight, quantize_int8
 
 # (key, shape, dtype) -> array, as jax.nn.initializers.
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
@@ -226,10 +226,9 @@ def _int8_blocks(w: QuantizedWeight, scale_dtype) -> QuantizedWeight:
     largest |weight| / 127 its scale (each weight within 1/254 of it)."""
     shape, axis, group = w.q.shape, w.group_axis % w.q.ndim, w.group_size
     grouped = w.dequantize().astype(jnp.float32).reshape(*shape[:axis], shape[axis] // group, group, *shape[axis + 1:])
-    scale = jnp.max(jnp.abs(grouped), axis=axis + 1) / 127
-    step = jnp.expand_dims(jnp.where(scale > 0, scale, 1.0), axis + 1)
-    q = jnp.clip(jnp.round(grouped / step), -127, 127).astype(jnp.int8).reshape(shape)
-    return QuantizedWeight(q, scale.astype(scale_dtype), group, w.group_axis)
+    blocks = quantize_int8(grouped, reduce_axes=(axis + 1,))
+    return QuantizedWeight(blocks.q.reshape(shape), jnp.squeeze(blocks.scale, axis + 1).astype(scale_dtype), group,
+                           w.group_axis)
 
 
 def join_outputs(weights: list[Any]) -> Any | None:

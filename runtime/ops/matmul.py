@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runtime.ops.quantization import QuantizedWeight
+from runtime.ops.quantization import QuantizedWeight, quantize_int8
 from runtime.ops.cpu_kernels import (BF16_MATMUL_TARGET, DOT_MLP_BLOCK_TARGET, DOT_NORM_MATMUL_TARGET,
                                      GROUPED_MATMUL_TARGET, INT8_DOT_TARGET, INT8_MATMUL_TARGET, MATMUL_TARGET,
                                      MLP_BLOCK_TARGET, NORM_MATMUL_TARGET, UINT4_DOT_TARGET, UINT4_MATMUL_TARGET,
@@ -154,11 +154,8 @@ class PackedWeight:
         group = d_in // self.scales.shape[1]
         w = (self.panels.astype(jnp.float32) * jnp.repeat(self.scales, group, axis=1)
              + jnp.repeat(self.offsets, group, axis=1))  # [P, in, 16]
-        blocks = w.reshape(w.shape[0], d_in // 32, 32, PANEL)
-        scales = jnp.max(jnp.abs(blocks), axis=2) / 127  # [P, in / 32, 16]
-        step = jnp.where(scales > 0, scales, 1.0)[:, :, None]
-        q = jnp.clip(jnp.round(blocks / step), -127, 127).astype(jnp.int8).reshape(w.shape)
-        return self.replace(panels=q, scales=scales, offsets=None)
+        blocks = quantize_int8(w.reshape(w.shape[0], d_in // 32, 32, PANEL), reduce_axes=(2,))
+        return self.replace(panels=blocks.q.reshape(w.shape), scales=blocks.scale[:, :, 0], offsets=None)
 
     @property
     def shape(self) -> tuple[int, int]:
