@@ -4,8 +4,8 @@ The demo model's GGUF as the package ships it (Q8_0 embedding, Q4_1 layers) and 
 weights requantized by llama.cpp's own `llama-quantize` to Q8_0 and to Q4_K_M (the kind most
 GGUF downloads are; on this model's 576-wide rows, which K-quants' 256-value super-blocks do not
 divide, llama.cpp makes most of its tensors Q5_0, ffn_down Q4_K or Q6_K by layer and attn_v
-Q8_0); each served by servax with `quantization="gguf"` (Q8_0 and the 4-bit types multiplied as
-stored, Q5/Q6 requantized to int8 blocks) and by llama.cpp's `llama-bench`
+Q8_0); each served by servax with `quantization="gguf"` (Q8_0, Q4, Q5 and Q6_K multiplied as
+stored; a weight mixing kinds by layer in one kind) and by llama.cpp's `llama-bench`
 (`-t` threads = the machine's cores). servax's figure is the pure-decode engine step at
 batch 1 (host work included; min over `--rounds`), llama.cpp's its `tg` test; both also
 report prompt processing of `--prompt` tokens (servax: one prefill step of that many tokens).

@@ -221,10 +221,10 @@ def head_bias(hf_name: str, heads: int, head_dim: int, heads_axis: str, repeat: 
     )
 
 
-def _int8_blocks(w: QuantizedWeight, scale_dtype) -> QuantizedWeight:
-    """A grouped 4- or 5-bit QuantizedWeight as int8 values in the same groups: each group's
-    largest |weight| / 127 its scale (each weight within 1/254 of it)."""
-    shape, axis, group = w.q.shape, w.group_axis % w.q.ndim, w.group_size
+def _int8_blocks(w: QuantizedWeight, scale_dtype, group: int) -> QuantizedWeight:
+    """A grouped QuantizedWeight (4-, 5- or 6-bit values) as int8 values in groups of `group` along
+    its group axis: each group's largest |weight| / 127 its scale (each weight within 1/254 of it)."""
+    shape, axis = w.q.shape, w.group_axis % w.q.ndim
     grouped = w.dequantize().astype(jnp.float32).reshape(*shape[:axis], shape[axis] // group, group, *shape[axis + 1:])
     blocks = quantize_int8(grouped, reduce_axes=(axis + 1,))
     return QuantizedWeight(blocks.q.reshape(shape), jnp.squeeze(blocks.scale, axis + 1).astype(scale_dtype), group,
@@ -236,10 +236,10 @@ def join_outputs(weights: list[Any]) -> Any | None:
     their outputs side by side in order: one wide matmul where there were several narrow ones.
 
     QuantizedWeights join values, scales and offsets alike (per-channel scales [1, *out_i], grouped
-    scales [D / group, *out_i] grouped along D); grouped int8 beside grouped 4- or 5-bit values (a
-    GGUF file's attn_v Q6_K or Q8_0 beside its Q4_K or Q5_0 q and k) as int8 blocks, the others
-    requantized (`_int8_blocks`). None where they cannot be one: float and quantized mixed,
-    different group sizes, or a grouping along another axis.
+    scales [D / group, *out_i] grouped along D); 4- beside 5-bit values as 5-bit ones; grouped
+    values of other kinds side by side (a GGUF file's attn_v Q6_K or Q8_0 beside its Q4_K or Q5_0 q
+    and k) as int8 blocks of the largest group, the others requantized (`_int8_blocks`). None where
+    they cannot be one: float and quantized mixed, or a grouping along another axis.
     """
     def flat(w: jax.Array) -> jax.Array:
         return w.reshape(w.shape[0], -1)
@@ -249,9 +249,12 @@ def join_outputs(weights: list[Any]) -> Any | None:
         return jnp.concatenate([flat(w) for w in weights], axis=-1)
     if not all(quantized):
         return None
-    int8 = [w for w in weights if w.offset is None and w.q.dtype == jnp.int8 and w.group_size]
-    if int8 and len(int8) < len(weights) and all(w.group_size == int8[0].group_size for w in weights):
-        weights = [w if w.offset is None else _int8_blocks(w, int8[0].scale.dtype) for w in weights]
+    kinds = {(w.group_size, w.q.dtype, w.offset is None, w.bits) for w in weights}
+    if len(kinds) > 1 and all(w.group_size for w in weights) and any(w.offset is None for w in weights):
+        group = max(w.group_size for w in weights)
+        blocks = lambda w: w.offset is None and not w.bits and w.group_size == group  # noqa: E731 (int8 blocks)
+        dtype = next((w.scale.dtype for w in weights if blocks(w)), jnp.float32)
+        weights = [w if blocks(w) else _int8_blocks(w, dtype, group) for w in weights]
     if len({(w.group_size, w.q.dtype, w.offset is None) for w in weights}) != 1:
         return None
     group_size = weights[0].group_size
@@ -262,5 +265,5 @@ def join_outputs(weights: list[Any]) -> Any | None:
         jnp.concatenate([flat(w.scale) for w in weights], axis=-1),
         group_size=group_size, group_axis=-2 if group_size else -1,
         offset=None if weights[0].offset is None else jnp.concatenate([flat(w.offset) for w in weights], axis=-1),
-        bits=max(w.bits for w in weights),  # 4-bit values are 5-bit ones too
+        bits=max(w.bits for w in weights),  # 4-bit values are 5-bit ones too (6-bit ones join only their own)
     )

@@ -57,7 +57,8 @@ def load(
             (runtime/ops/quantization.py), on either path; "gguf": a GGUF checkpoint's Q8_0
             tensors kept as stored (int8, a scale per 32 inputs), and natively its Q4_0 / Q4_1 /
             Q4_K and Q5_0 / Q5_1 / Q5_K tensors (4- or 5-bit values, a scale and an offset per 32
-            inputs); Q6_K requantized to int8 blocks; other types dequantized.
+            inputs) and Q6_K ones (6-bit values, a scale per 16 inputs; the torchax path takes the
+            5- and 6-bit ones as int8 blocks); other types dequantized.
         layered: native models with layer stages, unquantized: the decoder layers'
             weights as a list of per-layer weights, the form runtime/ops/layered.py steps (no
             stacked [num_layers, ...] arrays to assemble here and split there).
@@ -118,13 +119,14 @@ def _load_weights(resolved: ResolvedModel, jdtype: Any, mesh: Mesh, info: Any, q
                              layered=layered and quantization is None, expert_parallel=expert_parallel)
         reduce_axes = _native_quant_axes
     if quantization == "gguf":
+        from registry.weights import stored_bits
         from runtime.ops.quantization import count_quantized, serve_quantized
 
         serve_quantized(loaded)
-        kinds = collections.Counter({2: "int8 blocks", 3: "4-bit", 4: "5-bit"}[len(parts)]
+        kinds = collections.Counter({8: "int8 blocks", 4: "4-bit", 5: "5-bit", 6: "6-bit"}[stored_bits(parts)]
                                     for parts in int8_groups.values())
         logger.info("%s: %d weights kept quantized as the GGUF file stores them (of %d tensors: %s; a scale per 32 "
-                    "inputs, Q6_K requantized to int8 blocks); other GGUF types were dequantized when converted",
+                    "inputs, per 16 for 6-bit); other GGUF types were dequantized when converted",
                     resolved.model_id, count_quantized(loaded.params), len(int8_groups),
                     ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())))
     elif quantization is not None:
@@ -140,14 +142,15 @@ def _load_weights(resolved: ResolvedModel, jdtype: Any, mesh: Mesh, info: Any, q
 
 def _gguf_stored(resolved: ResolvedModel) -> dict:
     """The quantized tensors of a converted GGUF checkpoint, as stored: Q8_0
-    (registry.weights.open_q8_0) and, for native models, Q4_0 / Q4_1 / Q4_K and Q5_0 / Q5_1 /
-    Q5_K (open_four_bit, open_five_bit; the torchax path takes the 5-bit ones as int8 blocks).
+    (registry.weights.open_q8_0) and, for native models, Q4_0 / Q4_1 / Q4_K, Q5_0 / Q5_1 / Q5_K
+    and Q6_K (open_four_bit, open_five_bit, open_six_bit; the torchax path takes the 5- and 6-bit
+    ones as int8 blocks).
 
     Raises:
         ModelLoadError: the checkpoint was not converted from a GGUF file.
     """
     from registry.gguf import MARKER, is_current_conversion
-    from registry.weights import open_five_bit, open_four_bit, open_q8_0, requantized_int8_blocks
+    from registry.weights import open_five_bit, open_four_bit, open_q8_0, open_six_bit, requantized_int8_blocks
 
     if not (resolved.path / MARKER).exists():
         raise ModelLoadError(
@@ -160,12 +163,12 @@ def _gguf_stored(resolved: ResolvedModel) -> dict:
             "quantized tensors as stored; delete that folder and it is converted again on the next start"
         )
     stored = open_q8_0(resolved.path)
-    if resolved.impl == "jax":  # the torchax path keeps int8 blocks only (4-bit types come dequantized, 5-bit
-        stored.update(open_four_bit(resolved.path))  # ones requantized to int8 blocks)
-        stored.update(open_five_bit(resolved.path))
+    wider = {**open_five_bit(resolved.path), **open_six_bit(resolved.path)}
+    if resolved.impl == "jax":  # the torchax path keeps int8 blocks only (4-bit types come dequantized, 5- and
+        stored.update(open_four_bit(resolved.path))  # 6-bit ones requantized to int8 blocks)
+        stored.update(wider)
     else:
-        stored.update({name: requantized_int8_blocks(*parts[:3])
-                       for name, parts in open_five_bit(resolved.path).items()})
+        stored.update({name: requantized_int8_blocks(*parts[:3]) for name, parts in wider.items()})
     return stored
 
 

@@ -14,10 +14,9 @@ Quantized tensors become float32 (dequantization is exact in float32: each weigh
 float16 scale times a small integer, plus an offset); F16 and BF16 tensors keep their
 dtype. Q8_0 tensors are also written as stored, int8 values and a float16 scale per block of
 32, under `q8_0/` (registry.weights.open_q8_0), which `quantization="gguf"` serves as int8;
-Q6_K tensors are written there too, requantized to int8 blocks of 32
-(registry.gguf_tensors.requantized_q8_0_parts: not as stored, each weight within 1/254 of its
-block's largest), Q4_0, Q4_1 and Q4_K as stored under `q4/`, and Q5_0, Q5_1 and Q5_K as stored
-under `q5/` (5-bit values, a scale and an offset per 32 inputs).
+Q4_0, Q4_1 and Q4_K as stored under `q4/`, Q5_0, Q5_1 and Q5_K as stored under `q5/` (5-bit
+values, a scale and an offset per 32 inputs), and Q6_K as stored under `q6/` (6-bit values less
+32 as int8, a scale per 16 inputs).
 
     python -m registry.gguf model.Q4_K_M.gguf            # convert now, print the folder
 """
@@ -36,16 +35,16 @@ from typing import Any
 
 from registry.errors import ModelLoadError
 from registry.gguf_tensors import (
-    ARCHITECTURES, FIVE_BIT_TYPES, FOUR_BIT_TYPES, REQUANTIZED_TYPES, GGUFArchitecture, architecture,
-    check_tensor_types, five_bit_parts, four_bit_parts, hf_names, hf_shape_dtype, hf_tensor, q8_0_parts,
-    requantized_q8_0_parts, write_safetensors,
+    ARCHITECTURES, FIVE_BIT_TYPES, FOUR_BIT_TYPES, SIX_BIT_TYPES, GGUFArchitecture, architecture, check_tensor_types,
+    five_bit_parts, four_bit_parts, hf_names, hf_shape_dtype, hf_tensor, q8_0_parts, six_bit_parts,
+    write_safetensors,
 )
 
 GGUF_SUFFIX = ".gguf"
 MARKER = "servax_gguf.json"  # written last: a folder without it is incomplete
 # the folder's layout; a folder of another format is converted again (2: q8_0/ added, 3: q4/, 4: Q5/Q6
-# tensors requantized into q8_0/, 5: Q5 tensors as stored in q5/, only Q6_K requantized)
-FORMAT = 5
+# tensors requantized into q8_0/, 5: Q5 tensors as stored in q5/, only Q6_K requantized, 6: Q6_K as stored in q6/)
+FORMAT = 6
 _MAGIC = b"GGUF"
 
 
@@ -156,7 +155,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, source: dict | None = None) 
         for hf_name, tensor in names.items()
     ])
     q8_0 = [(hf_name, tensor) for hf_name, tensor in names.items()
-            if tensor.tensor_type.name in ("Q8_0", *REQUANTIZED_TYPES) and len(tensor.shape) >= 2]
+            if tensor.tensor_type.name == "Q8_0" and len(tensor.shape) >= 2]
     if q8_0:
         from registry.weights import Q8_0_FOLDER
 
@@ -164,29 +163,30 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, source: dict | None = None) 
         entries = []
         for hf_name, tensor in q8_0:
             shape, _ = hf_shape_dtype(tensor)
-            parts = q8_0_parts if tensor.tensor_type.name == "Q8_0" else requantized_q8_0_parts
-            part = functools.lru_cache(1)(functools.partial(parts, tensor, config, arch))
+            part = functools.lru_cache(1)(functools.partial(q8_0_parts, tensor, config, arch))
             entries.append((hf_name, shape, "I8", lambda part=part: part()[0]))
             entries.append((hf_name + ".scale", (*shape[:-1], shape[-1] // 32), "F16", lambda part=part: part()[1]))
         write_safetensors(out_dir / Q8_0_FOLDER / "model.safetensors", entries)
-    from registry.weights import FIVE_BIT_FOLDER, FOUR_BIT_FOLDER
+    from registry.weights import FIVE_BIT_FOLDER, FOUR_BIT_FOLDER, SIX_BIT_FOLDER
 
-    four_bit = _write_with_offsets(out_dir / FOUR_BIT_FOLDER, names, FOUR_BIT_TYPES, four_bit_parts, config, arch)
-    five_bit = _write_with_offsets(out_dir / FIVE_BIT_FOLDER, names, FIVE_BIT_TYPES, five_bit_parts, config, arch)
+    four_bit = _write_as_stored(out_dir / FOUR_BIT_FOLDER, names, FOUR_BIT_TYPES, four_bit_parts, config, arch)
+    five_bit = _write_as_stored(out_dir / FIVE_BIT_FOLDER, names, FIVE_BIT_TYPES, five_bit_parts, config, arch)
+    six_bit = _write_as_stored(out_dir / SIX_BIT_FOLDER, names, SIX_BIT_TYPES, six_bit_parts, config, arch, group=16)
     _save_tokenizer(gguf_file, out_dir)
     types = sorted({t.tensor_type.name for t in reader.tensors})
     (out_dir / MARKER).write_text(json.dumps(
         {"format": FORMAT, "source": source or {"file": str(gguf_file)}, "architecture": arch_name,
          "tensor_types": types, "q8_0_tensors": len(q8_0), "four_bit_tensors": four_bit, "five_bit_tensors": five_bit,
-         "requantized_tensors": sum(t.tensor_type.name in REQUANTIZED_TYPES for _, t in q8_0)}, indent=2,
+         "six_bit_tensors": six_bit}, indent=2,
     ) + "\n")
     return out_dir
 
 
-def _write_with_offsets(folder: Path, names: dict, kinds: tuple[str, ...], parts: Callable, config,
-                        arch: GGUFArchitecture) -> int:
+def _write_as_stored(folder: Path, names: dict, kinds: tuple[str, ...], parts: Callable, config,
+                     arch: GGUFArchitecture, group: int = 32) -> int:
     """The matrices of `names` stored in one of `kinds` written as stored into folder/model.safetensors:
-    values (uint8), a float32 scale and offset per 32 inputs (`parts` decodes them). Returns how many."""
+    values (uint8), a float32 scale and offset per 32 inputs (`parts` decodes them); with `group` 16
+    (Q6_K) int8 values and a scale per 16 inputs, no offsets. Returns how many."""
     chosen = [(hf_name, tensor) for hf_name, tensor in names.items()
               if tensor.tensor_type.name in kinds and len(tensor.shape) >= 2]
     if chosen:
@@ -194,11 +194,12 @@ def _write_with_offsets(folder: Path, names: dict, kinds: tuple[str, ...], parts
         entries = []
         for hf_name, tensor in chosen:
             shape, _ = hf_shape_dtype(tensor)
-            groups = (*shape[:-1], shape[-1] // 32)
+            groups = (*shape[:-1], shape[-1] // group)
             part = functools.lru_cache(1)(functools.partial(parts, tensor, config, arch))
-            entries += [(hf_name, shape, "U8", lambda part=part: part()[0]),
-                        (hf_name + ".scale", groups, "F32", lambda part=part: part()[1]),
-                        (hf_name + ".offset", groups, "F32", lambda part=part: part()[2])]
+            entries += [(hf_name, shape, "U8" if group == 32 else "I8", lambda part=part: part()[0]),
+                        (hf_name + ".scale", groups, "F32", lambda part=part: part()[1])]
+            if group == 32:
+                entries.append((hf_name + ".offset", groups, "F32", lambda part=part: part()[2]))
         write_safetensors(folder / "model.safetensors", entries)
     return len(chosen)
 

@@ -231,19 +231,7 @@ def q8_0_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.ndarray, np.n
 
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # kept as stored by quantization="gguf" (4-bit values, scale, offset)
 FIVE_BIT_TYPES = ("Q5_0", "Q5_1", "Q5_K")  # likewise, 5-bit values
-# Written as int8 blocks of 32 beside the Q8_0 tensors (requantized, not as stored): quantization="gguf" then
-# serves them as int8, ~1.06 bytes a weight instead of the dequantized float32's 4 (Q6_K's scales are per 16
-# inputs, which the kernels' groups of 32 do not hold).
-REQUANTIZED_TYPES = ("Q6_K",)
-
-
-def requantized_q8_0_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.ndarray, np.ndarray]:
-    """A Q5_0, Q5_1, Q5_K or Q6_K tensor requantized as Q8_0 stores its blocks, in Hugging Face
-    layout: int8 values [.., in] and a float16 scale per 32 inputs [.., in / 32] (the block's
-    largest |weight| / 127, rounded to float16; values rounded against that scale). Each weight
-    moves by at most half a step, 1/254 of its block's largest: a fraction of the 5- or 6-bit
-    source's own step (1/31 or 1/63 of its block's range)."""
-    return q8_0_blocks(hf_tensor(tensor, config, arch))  # dequantized, rows in HF order
+SIX_BIT_TYPES = ("Q6_K",)  # likewise, 6-bit values -32..31 and a scale per 16 inputs
 
 
 def q8_0_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -303,6 +291,21 @@ def five_bit_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.ndarray, 
     return _parts_in_hf_layout(tensor, config, arch, values, scale, offset)
 
 
+def six_bit_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.ndarray, np.ndarray]:
+    """A Q6_K tensor as stored, in Hugging Face layout: its 6-bit values less 32 as int8 [.., in]
+    (4 bits from ql, 2 from qh) and a float32 scale per 16 inputs [.., in / 16] (the super-block's
+    float16 d times the 16-value block's int8 scale), value * scale being what llama.cpp dequantizes."""
+    if tensor.tensor_type.name not in SIX_BIT_TYPES:
+        raise ValueError(f"{tensor.name}: {tensor.tensor_type.name} is not a 6-bit type kept as stored (Q6_K)")
+    blocks = np.asarray(tensor.data).reshape(-1, 210)
+    ql, qh = blocks[:, :128].reshape(-1, 2, 64), blocks[:, 128:192].reshape(-1, 2, 32)  # two halves of 128 values
+    sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
+    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+    low = (ql[:, :, :32] & 15, ql[:, :, 32:] & 15, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4)  # values l, l + 32, ...
+    values = np.stack([low[c] | (((qh >> (2 * c)) & 3) << 4) for c in range(4)], axis=2).reshape(-1, 256)
+    return _parts_in_hf_layout(tensor, config, arch, values.astype(np.int16) - 32, d * sc, None)
+
+
 def _block_scales(raw: np.ndarray, with_min: bool, body: int, centre: int) -> tuple[int, np.ndarray, np.ndarray,
                                                                                   np.ndarray]:
     """The blocks of 32 values of a Q4_0/Q4_1/Q5_0/Q5_1 tensor: (header bytes, blocks [n, header + body],
@@ -328,10 +331,13 @@ def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _parts_in_hf_layout(tensor, config, arch: GGUFArchitecture, values: np.ndarray, scale: np.ndarray,
-                        offset: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                        offset: np.ndarray | None) -> tuple[np.ndarray, ...]:
+    """Blocks' values [n, v] and their scales (and offsets) [n, g] as Hugging Face's [.., in] and
+    [.., in / (v / g)]: uint8 values where there are offsets, else int8 ones (no offsets)."""
     shape, _ = hf_shape_dtype(tensor)
-    groups = (*shape[:-1], shape[-1] // 32)
-    parts = (values.astype(np.uint8).reshape(shape), scale.reshape(groups), offset.reshape(groups))
+    groups = (*shape[:-1], shape[-1] // (values.shape[-1] // scale.shape[-1]))
+    parts = (values.astype(np.int8 if offset is None else np.uint8).reshape(shape), scale.reshape(groups),
+             *(() if offset is None else (offset.reshape(groups),)))
     return tuple(_rows_in_hf_order(a, tensor, config, arch) for a in parts)
 
 

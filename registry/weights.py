@@ -73,7 +73,8 @@ def open_q8_0(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
 
 
 FOUR_BIT_FOLDER = "q4"  # a GGUF conversion's Q4_0 / Q4_1 / Q4_K tensors as stored (registry.gguf)
-FIVE_BIT_FOLDER = "q5"  # ... and its Q5_0 / Q5_1 / Q5_K ones
+FIVE_BIT_FOLDER = "q5"  # ... its Q5_0 / Q5_1 / Q5_K ones
+SIX_BIT_FOLDER = "q6"  # ... and its Q6_K ones
 
 
 def open_four_bit(path: Path, folder: str = FOUR_BIT_FOLDER) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -84,7 +85,7 @@ def open_four_bit(path: Path, folder: str = FOUR_BIT_FOLDER) -> dict[str, tuple[
     if not folder.is_dir():
         return {}
     tensors = open_checkpoint(folder)
-    return {name: (tensors[name], tensors[name + ".scale"], tensors[name + ".offset"])
+    return {name: (tensors[name], tensors[name + ".scale"], tensors.get(name + ".offset"))
             for name in tensors if not name.endswith((".scale", ".offset"))}
 
 
@@ -92,6 +93,18 @@ def open_five_bit(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndar
     """A GGUF conversion's 5-bit tensors, as `open_four_bit` reads the 4-bit ones (values 0..31),
     each marked 5: (values, scales, offsets, 5). Empty for any other folder."""
     return {name: (*parts, 5) for name, parts in open_four_bit(path, FIVE_BIT_FOLDER).items()}
+
+
+def open_six_bit(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray, None, int]]:
+    """A GGUF conversion's Q6_K tensors, as stored in the file: Hugging Face name -> (int8 values
+    -32..31 [out, in], float32 scales [out, in / 16], None, 6), memory-mapped; the weight is value
+    * scale. Empty for any other folder."""
+    return {name: (*parts, 6) for name, parts in open_four_bit(path, SIX_BIT_FOLDER).items()}
+
+
+def stored_bits(parts: tuple) -> int:
+    """The bits of a tensor as stored (`open_q8_0` 8, `open_four_bit` 4, `open_five_bit` 5, `open_six_bit` 6)."""
+    return {2: 8, 3: 4}.get(len(parts)) or parts[3]
 
 
 def load_params(path: Path, table, mesh: Mesh, dtype,
@@ -106,7 +119,8 @@ def load_params(path: Path, table, mesh: Mesh, dtype,
 
     int8_groups: checkpoint tensors stored quantized in groups of 32 inputs: int8 with a scale
     (`open_q8_0`), or 4- or 5-bit values with a scale and an offset (`open_four_bit`,
-    `open_five_bit`; a weight mixing kinds is held in one, `_one_kind`); a weight whose
+    `open_five_bit`), or of 16: 6-bit values with a scale (`open_six_bit`); a weight mixing kinds
+    is held in one (`_one_kind`); a weight whose
     every tensor is there (and whose layout keeps those groups whole) becomes a
     runtime.ops.quantization.QuantizedWeight instead of a float array.
 
@@ -131,19 +145,21 @@ def load_params(path: Path, table, mesh: Mesh, dtype,
     int8_groups = int8_groups or {}
 
     def place(w: WeightSpec) -> tuple[Any, Any]:
-        scales = w.group_scales(Q8_0_GROUP)
         stored = [int8_groups.get(name) for name in w.hf_names]
+        stored = _one_kind(w, stored) if all(stored) else stored
+        bits = stored_bits(stored[0]) if all(stored) else 8
+        group = 16 if bits == 6 else Q8_0_GROUP
+        scales = w.group_scales(group)
         if scales is not None and all(stored):
-            stored = _one_kind(w, stored)
             q_spec, s_spec = w.partition_spec(mesh), scales.partition_spec(mesh)
-            offsets, bits = len(stored[0]) >= 3, stored[0][3] if len(stored[0]) == 4 else 0
+            offsets = bits in (4, 5)
             q = _place(w, [parts[0] for parts in stored], mesh, q_spec, np.uint8 if offsets else np.int8)
-            s_dtype = np.float32 if offsets else w.dtype or dtype
+            s_dtype = np.float32 if bits != 8 else w.dtype or dtype
             s = _place(scales, [parts[1] for parts in stored], mesh, s_spec, s_dtype)
             o = _place(scales, [parts[2] for parts in stored], mesh, s_spec, np.float32) if offsets else None
-            axis = w.group_axis()
-            return (QuantizedWeight(q, s, Q8_0_GROUP, axis, offset=o, bits=bits),
-                    QuantizedWeight(q_spec, s_spec, Q8_0_GROUP, axis, offset=s_spec if offsets else None, bits=bits))
+            axis, bits = w.group_axis(), 0 if bits in (4, 8) else bits  # QuantizedWeight.bits: 5 or 6 only
+            return (QuantizedWeight(q, s, group, axis, offset=o, bits=bits),
+                    QuantizedWeight(q_spec, s_spec, group, axis, offset=s_spec if offsets else None, bits=bits))
         spec = w.partition_spec(mesh)
         sources = [tensors[name] for name in w.hf_names]
         if per_layer and w.num_layers is not None:
@@ -163,35 +179,40 @@ def load_params(path: Path, table, mesh: Mesh, dtype,
 
 
 def _one_kind(w: WeightSpec, stored: list[tuple]) -> list[tuple]:
-    """A weight's tensors as stored (int8 blocks (q, scale); 4-bit (q, scale, offset); 5-bit (q, scale,
-    offset, 5)) in one kind, so that the weight stays one quantized stack rather than falling back to
-    float (four times the bytes of int8): a GGUF file's layers may mix kinds, as Q4_K_M files do
-    (ffn_down Q6_K, held as int8 blocks, in some layers, Q4_K in the others). 4- and 5-bit values
-    are all 5-bit ones (exactly); with int8 blocks, every tensor is int8 blocks of 32, the others
-    requantized (registry.gguf_tensors.q8_0_blocks: each weight within 1/254 of its block's largest)."""
-    kinds = {len(parts) for parts in stored}
+    """A weight's tensors as stored (int8 blocks (q, scale); 4-bit (q, scale, offset); 5- and 6-bit
+    (q, scale, offset or None, bits)) in one kind, so that the weight stays one quantized stack
+    rather than falling back to float (four times the bytes of int8): a GGUF file's layers may mix
+    kinds, as Q4_K_M files do (ffn_down Q6_K in some layers, Q4_K in the others). 4- and 5-bit
+    values are all 5-bit ones (exactly); with int8 blocks or 6-bit values, every tensor is int8
+    blocks of 32, the others requantized (registry.gguf_tensors.q8_0_blocks: each weight within
+    1/254 of its block's largest)."""
+    kinds = {stored_bits(parts) for parts in stored}
     if len(kinds) == 1:
         return stored
-    if 2 not in kinds:
+    if kinds <= {4, 5}:
         return [(*parts[:3], 5) for parts in stored]
-    logger.info("%s: stored 4- or 5-bit in some layers and as int8 blocks in others; those are requantized "
-                "to int8 blocks", w.hf_name)
+    logger.info("%s: stored in different kinds by layer (%s bits); those not int8 blocks are requantized "
+                "to int8 blocks", w.hf_name, ", ".join(map(str, sorted(kinds))))
     return [parts if len(parts) == 2 else requantized_int8_blocks(*parts[:3]) for parts in stored]
 
 
-def requantized_int8_blocks(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """4- or 5-bit values [.., in] with a scale and an offset per 32 inputs [.., in / 32] as int8
-    blocks of 32 (values, float16 scales), a few million weights at a time (bounded temporaries)."""
+def requantized_int8_blocks(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None
+                            ) -> tuple[np.ndarray, np.ndarray]:
+    """Values [.., in] with a scale (and an offset) per group of inputs [.., groups] (4- and 5-bit:
+    groups of 32 with offsets; 6-bit: of 16 without) as int8 blocks of 32 (values, float16 scales
+    [.., in / 32]), a few million weights at a time (bounded temporaries)."""
     from registry.gguf_tensors import q8_0_blocks
 
-    q2, s2, o2 = (a.reshape(-1, a.shape[-1]) for a in (q, scale, offset))
-    values, scales = np.empty(q2.shape, np.int8), np.empty(s2.shape, np.float16)
+    q2, s2 = q.reshape(-1, q.shape[-1]), scale.reshape(-1, scale.shape[-1])
+    o2 = None if offset is None else offset.reshape(s2.shape)
+    group = q2.shape[1] // s2.shape[1]
+    values, scales = np.empty(q2.shape, np.int8), np.empty((q2.shape[0], q2.shape[1] // Q8_0_GROUP), np.float16)
     step = max(1, (1 << 22) // q2.shape[1])
     for r in range(0, q2.shape[0], step):
-        blocks = q2[r:r + step].reshape(-1, s2.shape[1], Q8_0_GROUP).astype(np.float32)
-        w = blocks * s2[r:r + step, :, None] + o2[r:r + step, :, None]
+        blocks = q2[r:r + step].reshape(-1, s2.shape[1], group).astype(np.float32)
+        w = blocks * s2[r:r + step, :, None] + (0 if o2 is None else o2[r:r + step, :, None])
         values[r:r + step], scales[r:r + step] = q8_0_blocks(w.reshape(-1, q2.shape[1]))
-    return values.reshape(q.shape), scales.reshape(scale.shape)
+    return values.reshape(q.shape), scales.reshape(*q.shape[:-1], q.shape[-1] // Q8_0_GROUP)
 
 
 def place_int8_groups(name: str, q: np.ndarray, scale: np.ndarray, mesh: Mesh, spec: P,

@@ -84,6 +84,8 @@ def write_gguf(checkpoint: Path, out: Path, *, weight_type: str = "F32", arch: s
             array = llama_cpp_permute(array, heads if ".attn_q." in name else kv_heads)
         if array.ndim == 2 and weight_type == "F16":
             w.add_tensor(name, array.astype(np.float16))
+        elif array.ndim == 2 and weight_type == "Q6_K":  # which gguf's quantize does not write
+            w.add_tensor(name, q6_k_bytes(array), raw_dtype=T.Q6_K)
         elif array.ndim == 2 and weight_type != "F32":
             w.add_tensor(name, gguf.quants.quantize(array, T[weight_type]), raw_dtype=T[weight_type])
         else:
@@ -93,6 +95,24 @@ def write_gguf(checkpoint: Path, out: Path, *, weight_type: str = "F32", arch: s
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def q6_k_bytes(w: np.ndarray) -> np.ndarray:
+    """w [rows, in] (in a multiple of 256) as Q6_K super-blocks [rows, in / 256 * 210] uint8 in
+    llama.cpp's layout (ql nibbles, qh pairs of bits, 16 int8 scales, float16 d), by a plain
+    quantizer: each 16 values' scale their largest |w| / 31, coded under d = the largest / 127."""
+    blocks = w.reshape(-1, 16, 16).astype(np.float32)
+    d = (np.abs(blocks).max(-1).max(-1) / 31 / 127).astype(np.float16)
+    d32 = np.where(d > 0, d.astype(np.float32), 1)[:, None]
+    sc = np.clip(np.rint(np.abs(blocks).max(-1) / 31 / d32), 1, 127).astype(np.int8)
+    q = np.clip(np.rint(blocks / (d32 * sc)[..., None]), -32, 31).astype(np.int16) + 32
+    q = q.reshape(-1, 2, 4, 32)  # halves of 128: values l, l + 32, l + 64, l + 96
+    ql = np.concatenate([(q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4), (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)],
+                        axis=2)
+    qh = sum((q[:, :, c] >> 4) << (2 * c) for c in range(4))
+    raw = np.concatenate([ql.reshape(-1, 128).astype(np.uint8), qh.reshape(-1, 64).astype(np.uint8), sc.view(np.uint8),
+                          d.view(np.uint8).reshape(-1, 2)], axis=1)
+    return raw.reshape(w.shape[0], -1)
 
 
 def _add_tokenizer(w, checkpoint: Path) -> None:
@@ -270,29 +290,86 @@ def test_q5_blocks_decode_as_llama_cpp_dequantizes_them(kind):
                                rtol=1e-6, atol=1e-7)
 
 
-def test_q6_blocks_are_requantized_to_int8_within_half_a_step():
-    """Q6_K super-blocks requantized as Q8_0 stores its blocks: a float16 scale per 32
-    values (their largest |value| / 127) and int8 values, each within half a step of what
-    gguf's dequantize gives (and the step well below the source's own)."""
-    from gguf import GGMLQuantizationType
+def test_q6_k_blocks_decode_as_llama_cpp_dequantizes_them():
+    """Q6_K super-blocks (256 values: 4 bits each in ql, 2 in qh, an int8 scale per 16 under a
+    float16 d) as int8 values -32..31 and a scale per 16: the same weights as gguf's dequantize;
+    and the test's own Q6_K writer within half a step of what it quantized."""
     from gguf.quants import dequantize
 
-    from registry.gguf_tensors import requantized_q8_0_parts
+    from registry.gguf_tensors import six_bit_parts
 
-    kind = "Q6_K"
     rng = np.random.default_rng(1)
     raw = rng.integers(0, 256, (8, 210), dtype=np.uint8)  # 2 rows of 1024 values, 210 bytes a super-block
-    d = np.frombuffer(rng.uniform(1e-3, 1e-2, 16).astype(np.float16).tobytes(), np.uint8).reshape(8, 4)
-    raw[:, -2:] = d[:, :2]  # d is the block's last 2 bytes
-    tensor = types.SimpleNamespace(tensor_type=GGMLQuantizationType[kind], data=raw, name="blk.0.ffn_down.weight",
-                                   shape=np.array([1024, 2]))
-    q, scale = requantized_q8_0_parts(tensor, None, types.SimpleNamespace(permuted_qk=False))
-    assert q.dtype == np.int8 and q.shape == (2, 1024) and scale.dtype == np.float16 and scale.shape == (2, 32)
-    want = dequantize(raw, GGMLQuantizationType[kind]).reshape(2, 32, 32)
-    step = scale.astype(np.float32)[..., None]
-    got = q.reshape(2, 32, 32).astype(np.float32) * step
-    assert np.all(np.abs(got - want) <= 0.5 * step * (1 + 1e-3) + 1e-9)
-    assert np.abs(q).max() == 127  # each block's largest value lands on the grid's end (up to float16 rounding)
+    raw[:, -2:] = np.frombuffer(rng.uniform(1e-4, 1e-3, 8).astype(np.float16).tobytes(), np.uint8).reshape(8, 2)
+    tensor = types.SimpleNamespace(tensor_type=T.Q6_K, data=raw, name="blk.0.ffn_down.weight", shape=np.array([1024, 2]))
+    q, scale = six_bit_parts(tensor, None, types.SimpleNamespace(permuted_qk=False))
+    assert q.dtype == np.int8 and q.min() == -32 and q.max() == 31 and q.shape == (2, 1024) and scale.shape == (2, 64)
+    dense = q.reshape(2, -1, 16).astype(np.float32) * scale[..., None]
+    np.testing.assert_allclose(dense.reshape(2, 1024), dequantize(raw, T.Q6_K).reshape(2, 1024), rtol=1e-6, atol=1e-9)
+    w = rng.standard_normal((3, 512)).astype(np.float32)
+    back = dequantize(q6_k_bytes(w), T.Q6_K).reshape(w.shape)
+    step = np.repeat(np.abs(w.reshape(-1, 16)).max(-1) / 31, 16).reshape(w.shape)
+    assert np.all(np.abs(back - w) <= 0.6 * step + 1e-6)
+
+
+@pytest.mark.parametrize("mixed", quick_loop_keeps([False, True], False))
+def test_quantization_gguf_serves_q6_k_as_stored(tmp_path_factory, gguf_dir, mixed):
+    """A Q6_K file (a 256-wide Llama, its embedding tied to the head): conversion writes its
+    matrices into q6/ as stored (int8 values, a scale per 16 inputs: exactly the dequantized
+    weights); quantization="gguf" packs them as 6-bit quads multiplied with int8 activations
+    (logprobs close to the dequantized file's, the tied head's rows read from the quads) and, with
+    int8_activations=False, as int8 values and the same scales (the dequantized file's logprobs).
+    `mixed`: attn_v and layer 0's ffn_down Q4_1 (as Q4_K_M files mix kinds): those weights and the
+    joined q/k/v are held as int8 blocks of 32, the 6-bit layers requantized."""
+    from app import LLM, SamplingParams
+    from registry.tiny import make_tiny_checkpoint
+    from registry.weights import open_six_bit
+    from runtime.ops.stacked import StackedLayers
+
+    # Q6_K's super-blocks need rows of 256; weights of std 0.1 keep this wider random model's
+    # activations growing as the 64-wide tiny models' do (at 0.2 it turns chaotic: any rounding moves it)
+    checkpoint = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("wide") / "llama", hidden_size=256,
+                                      intermediate_size=512, tie_word_embeddings=True, initializer_range=0.1)
+    weights = load_file(checkpoint / "model.safetensors")
+    raw = {}
+    if mixed:
+        raw = {gguf_name(name): (gguf.quants.quantize(w, T.Q4_1), T.Q4_1) for name, w in weights.items()
+               if name.endswith("v_proj.weight") or name == "model.layers.0.mlp.down_proj.weight"}
+    gguf_file = write_gguf(checkpoint, gguf_dir / f"wide-Q6_K{'-mixed' * mixed}.gguf", weight_type="Q6_K",
+                           raw_tensors=raw)
+    path, converted = _converted(gguf_file)
+    stored = open_six_bit(path)
+    assert set(stored) == {name for name, array in converted.items() if array.ndim == 2 and gguf_name(name) not in raw}
+    assert json.loads((path / "servax_gguf.json").read_text())["six_bit_tensors"] == len(stored)
+    for name, (q, scale, offset, bits) in stored.items():
+        assert bits == 6 and offset is None and q.dtype == np.int8 and scale.shape[-1] * 16 == q.shape[-1]
+        got = q.reshape(q.shape[0], -1, 16).astype(np.float32) * scale[..., None]
+        np.testing.assert_allclose(got.reshape(q.shape), converted[name], rtol=1e-6, atol=1e-9, err_msg=name)
+    prompt = [(7 * i + 3) % 500 + 4 for i in range(60)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    runs = {}
+    for name, quantization, int8_activations in (("dequantized", None, False), ("float", "gguf", False),
+                                                 ("6-bit", "gguf", None)):
+        llm = LLM(model=str(gguf_file), quantization=quantization, max_model_len=128, max_num_seqs=4,
+                  max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="",
+                  int8_activations=int8_activations)
+        (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        lp = np.array([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+        top = [max(d, key=lambda t, d=d: d[t].logprob) for d in out.prompt_logprobs[1:]]
+        runs[name] = (llm, lp, top)
+        assert llm.engine.stats().compilations_since_warmup == 0
+    float_layers, layers = (runs[name][0].engine.model.params["layers"] for name in ("float", "6-bit"))
+    assert isinstance(layers, StackedLayers)
+    if not mixed:  # the same weights, multiplied with float activations: the dequantized file's logprobs
+        assert all(w.format == "int8" and not w.dot for w in (float_layers[0]["qkv"], float_layers[0]["mlp"]["down"]))
+        np.testing.assert_allclose(runs["float"][1], runs["dequantized"][1], atol=2e-4)
+        assert all(w.format == "uint6" and w.dot for layer in layers for w in (layer["qkv"], *layer["mlp"].values()))
+    else:
+        assert all(w.format == "int8" and w.dot for layer in layers for w in (layer["qkv"], layer["mlp"]["down"]))
+        assert all(layer["mlp"]["gate_up"].format == "uint6" for layer in layers)
+    diff = np.abs(runs["6-bit"][1] - runs["dequantized"][1])  # int8 activations: as for 4- and 5-bit weights
+    assert diff.max() < 0.3 and diff.mean() < 0.1, (diff.max(), diff.mean())
+    assert np.mean(np.array(runs["6-bit"][2]) == np.array(runs["dequantized"][2])) >= 0.7
 
 
 @pytest.mark.parametrize("weight_type", quick_loop_keeps(["Q5_0", "Q5_1"], "Q5_0"))
@@ -312,7 +389,7 @@ def test_quantization_gguf_serves_q5_tensors_as_stored(tiny_checkpoint, gguf_dir
     stored = open_five_bit(path)
     assert set(stored) == {name for name, array in converted.items() if array.ndim == 2} and not open_q8_0(path)
     marker = json.loads((path / "servax_gguf.json").read_text())
-    assert marker["five_bit_tensors"] == len(stored) and marker["requantized_tensors"] == 0
+    assert marker["five_bit_tensors"] == len(stored) and marker["six_bit_tensors"] == 0
     for name, (q, scale, offset, bits) in stored.items():
         assert bits == 5 and q.dtype == np.uint8 and q.max() <= 31
         got = q.reshape(q.shape[0], -1, 32).astype(np.float32) * scale[..., None] + offset[..., None]

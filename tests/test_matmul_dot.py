@@ -2,8 +2,9 @@
 
 Against a NumPy oracle that quantizes each row of x per block of 32 inputs (d = max|x| / 127,
 round to nearest) and multiplies in float64: the kernel's integer dot products give exactly that
-product up to float32 rounding, for int8 weights with per-channel and grouped scales and 4- and
-5-bit weights with scales and offsets (which multiply the rounded inputs too), across the row blocks, padded panels and `valid_rows`, in each
+product up to float32 rounding, for int8 weights with per-channel and grouped scales, 4- and
+5-bit weights with scales and offsets (which multiply the rounded inputs too) and 6-bit ones with
+a scale per 16 inputs, across the row blocks, padded panels and `valid_rows`, in each
 form of the kernel the machine runs (VNNI's vpdpbusd in 512 or 256 bits where the CPU has it,
 AVX2's vpmaddubsw); the quads' column gather; and the engine: int8 activations on by default for
 a GGUF model's 4-bit weights, close to the float-activation run, and off when asked.
@@ -45,6 +46,9 @@ def _weights(fmt: str, d_in: int, d_out: int, groups: int, rng) -> tuple[PackedW
     if fmt == "int8":
         q = rng.integers(-128, 128, (d_in, d_out))
         return PackedWeight.pack_int8(jnp.asarray(q, jnp.int8), jnp.asarray(scales)), q * per_input(scales), None
+    if fmt == "uint6":  # values -32..31 with a scale per 16 inputs (GGUF Q6_K)
+        q = rng.integers(-32, 32, (d_in, d_out))
+        return PackedWeight.pack_uint6(jnp.asarray(q, jnp.int8), jnp.asarray(scales)), q * per_input(scales), None
     q = rng.integers(0, 32 if fmt == "uint5" else 16, (d_in, d_out))
     offsets = rng.uniform(-0.2, 0.0, (groups, d_out)).astype(np.float16 if groups > 1 else np.float32)
     offsets = offsets.astype(np.float32)
@@ -62,20 +66,22 @@ def _weights(fmt: str, d_in: int, d_out: int, groups: int, rng) -> tuple[PackedW
     ("uint4", 64, 16, 1),  # one group of 64 (two blocks), one panel
     ("uint5", 160, 50, 5),  # groups of 32 with offsets (GGUF Q5_0 / Q5_1 / Q5_K)
     ("uint5", 64, 16, 1),  # one group of 64 (two blocks), one panel
+    ("uint6", 128, 50, 8),  # groups of 16 (GGUF Q6_K): two scales a block of 32
+    ("uint6", 48, 20, 3),  # 32 does not divide the inputs: one block of 48, three scales
 ])
 def test_int8_activation_products_match_the_quantized_oracle(fmt, d_in, d_out, groups, rows):
     rng = np.random.default_rng(rows * 7 + d_out)
     packed, scaled, offsets = _weights(fmt, d_in, d_out, groups, rng)
     dot = packed.for_int8_activations()
     assert dot.dot and dot.format == fmt and dot.shape == (d_in, d_out)
-    assert dot.panels.shape == (-(-d_out // 16), d_in // 4, {"uint4": 32, "uint5": 40, "int8": 64}[fmt])
+    assert dot.panels.shape == (-(-d_out // 16), d_in // 4, {"uint4": 32, "uint5": 40, "uint6": 48, "int8": 64}[fmt])
     # blocks of 32 keep their scales (and offsets) in half precision, per-channel scales in float32
     half = jnp.float16 if groups > 1 else jnp.float32
     assert dot.scales.dtype == half and (dot.offsets is None or dot.offsets.dtype == half)
     x = rng.standard_normal((rows, d_in)).astype(np.float32)
     valid = max(rows - 1, 1)
     got = np.asarray(jax.jit(lambda x, w: w.matmul(x, valid))(jnp.asarray(x), dot))
-    block = 32 if d_in % 32 == 0 and (d_in // groups) % 32 == 0 else d_in
+    block = 32 if d_in % 32 == 0 and (d_in // groups) % (16 if fmt == "uint6" else 32) == 0 else d_in
     xq = quantized_rows(x, block)  # offsets too multiply the rounded inputs (their sum per block)
     want = xq @ scaled + (0 if offsets is None else xq @ offsets)
     np.testing.assert_allclose(got[:valid], want[:valid], rtol=1e-4, atol=1e-4)
@@ -89,20 +95,24 @@ def test_int8_activation_products_match_the_quantized_oracle(fmt, d_in, d_out, g
 
 
 @pytest.mark.parametrize("sign", [1, -1])
-@pytest.mark.parametrize("bits", [4, 5])
-def test_4_and_5bit_sums_at_their_largest_do_not_saturate(sign, bits):
-    """Every weight at its largest (15, or 31) and every input at the block's maximum: the int16
-    sums of a 4-bit block (8 quads x 2 x 15 x 127) and of a 5-bit one (4 quads x 2 x 31 x 127)
-    reach their bound and must still be exact."""
-    d_in, d_out, groups, top = 256, 32, 8, 2**bits - 1
-    q = np.full((d_in, d_out), top)
+@pytest.mark.parametrize("bits", [4, 5, 6])
+def test_4_to_6bit_sums_at_their_largest_do_not_saturate(sign, bits):
+    """Every weight at its largest (15, 31, or 63 stored: 31 after 6-bit values' centre) and every
+    input at the block's maximum: the int16 sums of a 4-bit block (8 quads x 2 x 15 x 127), of a
+    5-bit one (4 quads x 2 x 31 x 127) and a 6-bit quad's (2 x 63 x 127) reach their bound and must
+    still be exact."""
+    d_in, d_out, top = 256, 32, 2**bits - 1
+    groups = d_in // (16 if bits == 6 else 32)
     scales = np.full((groups, d_out), 0.5, np.float32)
-    offsets = np.full((groups, d_out), -0.25, np.float32)
-    pack = PackedWeight.pack_uint5 if bits == 5 else PackedWeight.pack_uint4
-    packed = pack(jnp.asarray(q, jnp.uint8), jnp.asarray(scales), jnp.asarray(offsets))
+    offsets = np.full((groups, d_out), -0.25 if bits < 6 else 0.0, np.float32)
+    if bits == 6:
+        packed, top = PackedWeight.pack_uint6(jnp.full((d_in, d_out), 31, jnp.int8), jnp.asarray(scales)), 31
+    else:
+        pack = PackedWeight.pack_uint5 if bits == 5 else PackedWeight.pack_uint4
+        packed = pack(jnp.full((d_in, d_out), top, jnp.uint8), jnp.asarray(scales), jnp.asarray(offsets))
     x = np.full((5, d_in), 3.0 * sign, np.float32)
     got = np.asarray(jax.jit(lambda x, w: w.matmul(x))(jnp.asarray(x), packed.for_int8_activations()))
-    np.testing.assert_allclose(got, np.full((5, d_out), sign * 3.0 * d_in * (top * 0.5 - 0.25)), rtol=1e-6)
+    np.testing.assert_allclose(got, np.full((5, d_out), sign * 3.0 * d_in * (top * 0.5 + offsets[0, 0])), rtol=1e-6)
 
 
 _ORACLE_TESTS = """

@@ -134,10 +134,11 @@ def _chain(changes: list) -> Any:
 
 
 def _fuse_changes(fuse: Any, layer: Any) -> bool:
-    """Whether `fuse` would change the form of anything in `layer` (False for weights joined,
-    or packed, already)."""
+    """Whether `fuse` would change the form of anything in `layer`, its structure or an array's
+    shape or dtype (False for weights joined, or packed, already)."""
     joined = jax.eval_shape(fuse, layer)
-    return jax.tree.structure(joined) != jax.tree.structure(layer)
+    return jax.tree.structure(joined) != jax.tree.structure(layer) or any(
+        (a.shape, a.dtype) != (b.shape, b.dtype) for a, b in zip(jax.tree.leaves(joined), jax.tree.leaves(layer)))
 
 
 def _packed(layer: Any) -> bool:

@@ -60,14 +60,16 @@ class PackedWeight:
       byte j, column j + 8 in its high one) with `scales` and `offsets`: w = q * scale + offset
       (GGUF's Q4_0, Q4_1 and Q4_K as stored);
     - uint8 panels [.., in, 16] of 5-bit values, one a byte, with `scales` and `offsets` likewise
-      (GGUF's Q5_0, Q5_1 and Q5_K as stored): only laid out for int8 activations they multiply.
+      (GGUF's Q5_0, Q5_1 and Q5_K as stored): only laid out for int8 activations they multiply;
+    - uint8 panels [.., in, 16] of 6-bit values q, one a byte, with `scales` and no offsets:
+      w = (q - 32) * scale, a scale per 16 inputs (GGUF's Q6_K as stored), likewise.
 
     With `dot` (`for_int8_activations`), int8, 4- and 5-bit panels are laid out for products with
     the activations quantized to int8 (runtime/ops/kernels/matmul_dot.cc): their inputs in
     quads, panels [.., in / 4, 64] int8 (16 columns x 4 inputs, column-major), [.., in / 4, 32]
-    uint8 (columns 0-7 in the low nibbles, 8-15 in the high ones) or [.., in / 4, 40] uint8 (those
-    32 bytes, then the values' fifth bits, 32 for the low nibbles' and 32 for the high ones'), the
-    same scales and offsets.
+    uint8 (columns 0-7 in the low nibbles, 8-15 in the high ones), [.., in / 4, 40] uint8 (those
+    32 bytes, then the values' fifth bits, 32 for the low nibbles' and 32 for the high ones') or
+    [.., in / 4, 48] uint8 (then their sixth bits likewise), the same scales and offsets.
 
     Stacked (runtime/ops/stacked.py), panels, scales and offsets have a leading layer axis
     [L, ...], and `at_layer(i)` is the matrix of layer i: `layer` set, which the kernels read
@@ -102,6 +104,13 @@ class PackedWeight:
                    _panels(offsets.astype(jnp.float32)))
 
     @classmethod
+    def pack_uint6(cls, q: jax.Array, scales: jax.Array) -> "PackedWeight":
+        """q [in, out] holding values -32..31 (any integer dtype) with scales [G, out]: w = q * scale
+        of its group (GGUF's Q6_K as stored, groups of 16), kept as q + 32. Multiplied as 5-bit
+        values are (`pack_uint5`); `for_float_activations` gives them as int8 panels."""
+        return cls(_panels((q.astype(jnp.int16) + 32).astype(jnp.uint8)), q.shape[1], _panels(scales.astype(jnp.float32)))
+
+    @classmethod
     def pack_uint4(cls, q: jax.Array, scales: jax.Array, offsets: jax.Array) -> "PackedWeight":
         """q [in, out] holding values 0..15 (any integer dtype) with scales and offsets [G, out]:
         w = q * scale + offset of its group."""
@@ -111,8 +120,8 @@ class PackedWeight:
 
     def for_int8_activations(self) -> "PackedWeight":
         """The same weights laid out for products with int8-quantized activations (`dot`), where
-        they are int8 or 4-bit values whose groups are whole blocks of 32 inputs (or per-channel
-        scales on inputs in quads); else self.
+        they are int8, 4- or 5-bit values whose groups are whole blocks of 32 inputs (6-bit ones:
+        of 16), or per-channel scales on inputs in quads; else self.
 
         Scales and offsets of blocks of 32 inputs (GGUF's Q8_0, Q4_0, Q4_1 and Q4_K) are kept in
         float16, as the file stores them (Q4_K's, products of a half scale and a 6-bit code, are
@@ -121,35 +130,38 @@ class PackedWeight:
         assert self.panels.ndim == 3, "lay out each layer's matrices before stacking them"
         d_in = self.shape[0]
         group = d_in // self.scales.shape[1] if self.scales is not None else 0
-        if self.dot or self.scales is None or d_in % 4 or (group % 32 and self.scales.shape[1] != 1):
+        fmt = self.format
+        if self.dot or self.scales is None or d_in % 4 or (group % (16 if fmt == "uint6" else 32)
+                                                             and self.scales.shape[1] != 1):
             return self
         half_scales = self.scales.shape[1] > 1  # groups of whole 32-input blocks
         scaled = {"scales": self.scales.astype(jnp.float16)} if half_scales else {}
         if self.offsets is not None and half_scales:
             scaled["offsets"] = self.offsets.astype(jnp.float16)
-        five = self.format == "uint5"
-        values = self.panels if self.offsets is None or five else _nibbles(self.panels)  # [P, in, 16]
+        values = _nibbles(self.panels) if fmt == "uint4" else self.panels  # [P, in, 16]
         quads = values.reshape(values.shape[0], d_in // 4, 4, PANEL).transpose(0, 1, 3, 2)  # [P, in/4, 16, 4]
-        if self.offsets is None:
+        if fmt == "int8":
             return self.replace(panels=quads.reshape(quads.shape[0], d_in // 4, 4 * PANEL), dot=True, **scaled)
         half = PANEL // 2
         low, high = (quads[:, :, :half].reshape(quads.shape[0], d_in // 4, 4 * half),
                      quads[:, :, half:].reshape(quads.shape[0], d_in // 4, 4 * half))
-        nibbles = (low & 15) | ((high & 15) << 4)
-        if not five:
-            return self.replace(panels=nibbles, dot=True, **scaled)
-        # each quad's fifth bits after its nibbles: bit b of 32 little-endian ones, low values then high
-        bits = [jnp.sum((half_values >> 4).astype(jnp.int32).reshape(*half_values.shape[:2], 4, 8)
-                        << jnp.arange(8, dtype=jnp.int32), axis=-1).astype(jnp.uint8) for half_values in (low, high)]
-        return self.replace(panels=jnp.concatenate([nibbles, *bits], axis=-1), dot=True, **scaled)
+        # after the nibbles, each higher bit of the quad's values: bit b of 32 little-endian ones, low values then high
+        planes = [jnp.sum(((half_values >> bit) & 1).astype(jnp.int32).reshape(*half_values.shape[:2], 4, 8)
+                          << jnp.arange(8, dtype=jnp.int32), axis=-1).astype(jnp.uint8)
+                  for bit in range(4, {"uint4": 4, "uint5": 5, "uint6": 6}[fmt]) for half_values in (low, high)]
+        return self.replace(panels=jnp.concatenate([(low & 15) | ((high & 15) << 4), *planes], axis=-1), dot=True,
+                            **scaled)
 
     def for_float_activations(self) -> "PackedWeight":
         """A matrix the float-activation kernels take: 5-bit values (which only the int8-activation
         products read) requantized to int8 blocks of 32 inputs (a float32 scale each, the block's
-        largest |weight| / 127: each weight within 1/254 of it); any other as it is."""
-        if self.format != "uint5" or self.dot:
+        largest |weight| / 127: each weight within 1/254 of it), 6-bit ones as int8 values (exactly);
+        any other as it is."""
+        if self.format not in ("uint5", "uint6") or self.dot:
             return self
         assert self.panels.ndim == 3, "lay out each layer's matrices before stacking them"
+        if self.format == "uint6":
+            return self.replace(panels=(self.panels.astype(jnp.int16) - 32).astype(jnp.int8))
         d_in = self.shape[0]
         group = d_in // self.scales.shape[1]
         w = (self.panels.astype(jnp.float32) * jnp.repeat(self.scales, group, axis=1)
@@ -169,10 +181,10 @@ class PackedWeight:
 
     @property
     def format(self) -> str:
-        """"float32", "bfloat16", "int8", "uint4" or "uint5" (panels of one value a byte, or quads of
-        40 bytes: 5-bit values have offsets and panels wider than 4-bit ones')."""
+        """"float32", "bfloat16", "int8", "uint4", "uint5" or "uint6" (5-bit values have offsets and
+        panels wider than 4-bit ones', 6-bit ones uint8 panels and no offsets)."""
         if self.offsets is None:
-            return str(self.panels.dtype)
+            return "uint6" if self.panels.dtype == jnp.uint8 else str(self.panels.dtype)
         return "uint5" if self.panels.shape[-1] == (40 if self.dot else PANEL) else "uint4"
 
     def __rmatmul__(self, x: jax.Array) -> jax.Array:
@@ -189,16 +201,19 @@ class PackedWeight:
             RuntimeError: the kernel is not available (`kernel_status(...)` says why).
         """
         kernel = "matmul_dot" if self.dot else "matmul" if self.format == "float32" else "matmul_formats"
-        if self.format == "uint5" and not self.dot:
-            raise ValueError("5-bit values are multiplied with int8 activations only: lay them out with "
-                             "for_int8_activations(), or requantize them with for_float_activations()")
+        if self.format in ("uint5", "uint6") and not self.dot:
+            raise ValueError("5- and 6-bit values are multiplied with int8 activations only: lay them out with "
+                             "for_int8_activations(), or convert them with for_float_activations()")
         if not kernel_available(kernel):
             raise RuntimeError(f"the CPU {kernel} kernel is not available: {kernel_status(kernel)}")
         meta = _meta(x, valid_rows, self.layer)
-        target = ({"int8": INT8_DOT_TARGET, "uint4": UINT4_DOT_TARGET, "uint5": UINT4_DOT_TARGET} if self.dot else
+        target = ({"int8": INT8_DOT_TARGET, "uint4": UINT4_DOT_TARGET, "uint5": UINT4_DOT_TARGET,
+                   "uint6": UINT4_DOT_TARGET} if self.dot else
                   {"float32": MATMUL_TARGET, "bfloat16": BF16_MATMUL_TARGET, "int8": INT8_MATMUL_TARGET,
                    "uint4": UINT4_MATMUL_TARGET})[self.format]
         quantized = [a for a in (self.scales, self.offsets) if a is not None]
+        if self.format == "uint6":  # the 4-bit call's offsets operand, unread
+            quantized.append(jnp.zeros((0,), jnp.float32))
         call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], self.panels.shape[-3] * PANEL), jnp.float32))
         y = call(x.astype(jnp.float32), self.panels, *quantized, meta)
         return (y if y.shape[1] == self.out_features else y[:, :self.out_features]).astype(dtype or x.dtype)
@@ -210,23 +225,25 @@ class PackedWeight:
         p, j = ids // PANEL, ids % PANEL
         if self.scales is None:
             return self.panels[p, :, j]
-        five, upper = self.format == "uint5", (j >= PANEL // 2)[:, None]
-        if self.dot:  # column j's 4 bytes of each quad: [len(ids), in / 4, 4] -> [len(ids), in]
-            at = (j % (PANEL // 2) if self.offsets is not None else j)[:, None, None] * 4 + jnp.arange(4)
+        fmt, upper = self.format, (j >= PANEL // 2)[:, None]
+        if not self.dot:  # one value a byte (two for 4-bit ones)
+            byte = self.panels[p, :, j % (PANEL // 2) if fmt == "uint4" else j]
+            q = jnp.where(upper, byte >> 4, byte & 15) if fmt == "uint4" else byte
+        else:  # column j's 4 bytes of each quad: [len(ids), in / 4, 4] -> [len(ids), in]
             quads = self.panels[p]
-            byte = jnp.take_along_axis(quads, jnp.broadcast_to(at, (len(ids), quads.shape[1], 4)), axis=2)
-            byte = byte.reshape(len(ids), -1)
-            if five:  # the quad's 64 fifth bits: bit b of the low values' 32, then of the high ones'
-                bits = ((quads[:, :, 32:, None] >> jnp.arange(8, dtype=jnp.uint8)) & 1).reshape(len(ids), -1, 64)
-                fifth = jnp.take_along_axis(bits, jnp.broadcast_to(at + 32 * upper[:, :, None], (
-                    len(ids), quads.shape[1], 4)), axis=2).reshape(len(ids), -1)
-        else:
-            byte = self.panels[p, :, j if self.offsets is None or five else j % (PANEL // 2)]
-        if self.offsets is None or (five and not self.dot):
-            q = byte.astype(jnp.float32)
-        else:
-            q = jnp.where(upper, byte >> 4, byte & 15)
-            q = (q | (fifth << 4) if five else q).astype(jnp.float32)
+            at = (j if fmt == "int8" else j % (PANEL // 2))[:, None, None] * 4 + jnp.arange(4)
+
+            def gather(a: jax.Array, at: jax.Array) -> jax.Array:
+                return jnp.take_along_axis(a, jnp.broadcast_to(at, (len(ids), quads.shape[1], 4)), axis=2).reshape(
+                    len(ids), -1)
+
+            byte = gather(quads, at)
+            q = byte if fmt == "int8" else jnp.where(upper, byte >> 4, byte & 15)
+            # 5- and 6-bit values' higher bits, 64 a bit: the low values' 32, then the high ones'
+            bits = ((quads[:, :, 32:, None] >> jnp.arange(8, dtype=jnp.uint8)) & 1).reshape(len(ids), quads.shape[1], -1)
+            for plane in range(bits.shape[-1] // 64 if fmt in ("uint5", "uint6") else 0):
+                q = q | (gather(bits, at + 32 * upper[:, :, None] + 64 * plane) << (4 + plane))
+        q = q.astype(jnp.float32) - (32 if fmt == "uint6" else 0)
         group = self.shape[0] // self.scales.shape[1]
         scale = jnp.repeat(self.scales[p, :, j].astype(jnp.float32), group, axis=1)
         if self.offsets is None:
@@ -245,7 +262,7 @@ def _fused_kernel_takes(matrices: tuple, rows: int) -> bool:
         return False
     if all(m.dot for m in matrices):
         return kernel_available("matmul_dot")
-    if any(m.dot or (m.format == "float32" and rows > 1) or m.format == "uint5" for m in matrices):
+    if any(m.dot or (m.format == "float32" and rows > 1) or m.format in ("uint5", "uint6") for m in matrices):
         return False
     return kernel_available("matmul_formats")
 
@@ -382,7 +399,7 @@ def pack_matrix(w: object, inputs: int = 1) -> object:
     q, groups = w.q.reshape(-1, w.shape[-1]), _input_groups(w)
     scale = w.scale.reshape(groups, w.shape[-1])
     if w.offset is None:
-        return PackedWeight.pack_int8(q, scale)
+        return PackedWeight.pack_uint6(q, scale) if w.bits == 6 else PackedWeight.pack_int8(q, scale)
     pack = PackedWeight.pack_uint5 if w.bits == 5 else PackedWeight.pack_uint4
     return pack(q, scale, w.offset.reshape(groups, w.shape[-1]))
 

@@ -50,7 +50,8 @@ class QuantizedWeight:
     group_size: int = flax.struct.field(pytree_node=False, default=0)
     group_axis: int = flax.struct.field(pytree_node=False, default=-1)  # negative
     offset: jax.Array | None = None  # as scale: w ~= q * scale + offset (GGUF's 4- and 5-bit blocks)
-    bits: int = flax.struct.field(pytree_node=False, default=0)  # 5: 5-bit values (GGUF's Q5 types); 0: as q says
+    # 5: 5-bit values (GGUF's Q5 types); 6: int8 values -32..31 (GGUF's Q6_K, groups of 16); 0: as q says
+    bits: int = flax.struct.field(pytree_node=False, default=0)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -15,7 +15,9 @@
 // - u4 quads [N/16, K/4, 32] uint8: byte b holds element b of columns 0-7 in its low nibble and
 //   element b of columns 8-15 in its high one, with scales and offsets [N/16, G, 16]:
 //   w = q * scale + offset, so a block adds scale * d * sum(q xq) + offset * d * sum(xq);
-// - u5 quads [N/16, K/4, 40] uint8: a u4 quad and the values' fifth bits (struct U5), as u4.
+// - u5 quads [N/16, K/4, 40] uint8: a u4 quad and the values' fifth bits (struct U5), as u4;
+// - u6 quads [N/16, K/4, 48] uint8: a u5 quad and the values' sixth bits (struct U6), with scales
+//   [N/16, K/16, 16] and no offsets: w = (q - 32) * scale, a scale per 16 inputs (GGUF's Q6_K).
 //
 // Scales and offsets are float32, or float16 where the blocks came so from a GGUF file (Q8_0,
 // Q4_0, Q4_1: the half scales as stored). Per block of inputs the integer partials become
@@ -83,16 +85,19 @@ constexpr int kRows = 4;        // rows of x per block: 8 int32 accumulators
 #endif
 constexpr int64_t kPrefetchBytes = SERVAX_DOT_PREFETCH_BYTES;
 
-// x [M, K] quantized per block: q [M, K] int8, d and the sum d * sum(q) [M, blocks].
+// x [M, K] quantized per block: q [M, K] int8, d and the sum d * sum(q) [M, blocks]; where 16
+// divides K, the integer sums of q per 16 inputs [M, K / 16] (what U6's centre multiplies).
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d, sum;
+  std::vector<int32_t> sum16;
   int64_t K = 0, block = 0, blocks = 0;
 };
 
 void Quantize(const float* x, int64_t M, int64_t K, int64_t block, QuantizedRows& out) {
   out.K = K, out.block = block, out.blocks = K / block;
   out.q.resize(M * K), out.d.resize(M * out.blocks), out.sum.resize(M * out.blocks);
+  out.sum16.resize(K % 16 == 0 ? M * K / 16 : 0);
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t b = 0; b < out.blocks; ++b) {
       const float* in = x + r * K + b * block;
@@ -108,6 +113,13 @@ void Quantize(const float* x, int64_t M, int64_t K, int64_t block, QuantizedRows
       // zero, the offset holding the weights' centre) went uncancelled: ~3x the logprob error.
       out.d[r * out.blocks + b] = d, out.sum[r * out.blocks + b] = d * static_cast<float>(qsum);
     }
+    if (K % 16 != 0) continue;
+    for (int64_t i = 0; i < K / 16; ++i) {
+      const int8_t* q = out.q.data() + r * K + 16 * i;
+      int32_t s = 0;
+      for (int k = 0; k < 16; ++k) s += q[k];
+      out.sum16[r * (K / 16) + i] = s;
+    }
   }
 }
 
@@ -119,6 +131,10 @@ struct I8 {
   // are widened to int32 (a run is the whole block).
   static constexpr bool kInt16 = false;
   static constexpr int64_t kSpan = int64_t{1} << 40;
+  // Inputs per scale within a block (a block's quads are multiplied in runs of kSub / 4 at most,
+  // each scaled on its own), and the value subtracted from each weight (U6's 32).
+  static constexpr int64_t kSub = kBlock;
+  static constexpr int kCentre = 0;
   static int Value(const T* quad, int e) { return quad[e]; }  // element e = 4 j + i
 #ifdef SERVAX_DOT_AVX2
   // The quad's two halves (columns 0-7, 8-15), and what each row's inputs are multiplied with.
@@ -165,6 +181,8 @@ struct U4 {
   // Pairs of q <= 15 times |xq| <= 127 are at most 3810: 8 quads' sum in int16 (<= 30480).
   static constexpr bool kInt16 = true;
   static constexpr int64_t kSpan = 8;
+  static constexpr int64_t kSub = kBlock;
+  static constexpr int kCentre = 0;
   static int Value(const T* quad, int e) { return e < 32 ? quad[e] & 15 : quad[e - 32] >> 4; }
 #ifdef SERVAX_DOT_AVX2
   static void Load(const T* quad, __m256i& w0, __m256i& w1) {
@@ -220,35 +238,85 @@ struct U5 : U4 {  // T, kOffset, kInt16, Products, Dot and Columns as U4's
     return bits;
   }
 #ifdef SERVAX_DOT_AVX2
-  // 16 at byte b of 32 where bit b of `bits` is set, else 0.
-  static __m256i Fifth(uint32_t bits) {
+  // `value` at byte b of 32 where bit b of `bits` is set, else 0.
+  static __m256i Plane(uint32_t bits, char value) {
     const __m256i spread = _mm256_shuffle_epi8(  // byte b of the result: byte b / 8 of `bits`
         _mm256_set1_epi32(static_cast<int>(bits)), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                                                     2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
     const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(16));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(value));
   }
   static void Load(const T* quad, __m256i& w0, __m256i& w1) {
     U4::Load(quad, w0, w1);
-    w0 = _mm256_or_si256(w0, Fifth(Bits(quad + 32))), w1 = _mm256_or_si256(w1, Fifth(Bits(quad + 36)));
+    w0 = _mm256_or_si256(w0, Plane(Bits(quad + 32), 16)), w1 = _mm256_or_si256(w1, Plane(Bits(quad + 36), 16));
   }
 #ifdef SERVAX_DOT_512
+  // `value` added to lo and hi (as Values gives them) under the bit planes at byte `plane` of two
+  // quads kStride bytes apart (4 bytes for each quad's low-nibble values, then 4 for its high ones).
+  template <int64_t kStride>
+  static void AddPlane(const T* quads, int plane, char value, __m512i& lo, __m512i& hi) {
+    const __m512i add = _mm512_set1_epi8(value);
+    const __mmask64 low = Bits(quads + plane) | (uint64_t{Bits(quads + kStride + plane)} << 32);
+    const __mmask64 high = Bits(quads + plane + 4) | (uint64_t{Bits(quads + kStride + plane + 4)} << 32);
+    lo = _mm512_mask_add_epi8(lo, low, lo, add), hi = _mm512_mask_add_epi8(hi, high, hi, add);
+  }
+  // The 5-bit values of two quads kStride bytes apart as U4's step takes them (lo: the low nibbles'
+  // values, quad q's in lanes 0-7 and quad q + 1's in 8-15; hi: the high ones').
+  template <int64_t kStride>
+  static void Values(const T* quads, __m512i& lo, __m512i& hi) {
+    const __m512i v = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quads))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quads + kStride)), 1);
+    const __m512i nib = _mm512_set1_epi8(15);
+    lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    AddPlane<kStride>(quads, 32, 16, lo, hi);
+  }
   // U4's step over two quads (no longer adjacent), the fifth bits added under their masks.
   template <int MR>
   static void Step(const T* quads, int64_t, const int8_t* const x8[MR], __m512i acc[MR][2]) {
-    const __m512i v = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quads))),
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quads + kQuad)), 1);
-    const __m512i nib = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
-    const __mmask64 low_fifth = Bits(quads + 32) | (uint64_t{Bits(quads + kQuad + 32)} << 32);
-    const __mmask64 high_fifth = Bits(quads + 36) | (uint64_t{Bits(quads + kQuad + 36)} << 32);
-    const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-    Accumulate<MR>(_mm512_mask_add_epi8(lo, low_fifth, lo, sixteen), _mm512_mask_add_epi8(hi, high_fifth, hi, sixteen),
-                   x8, acc);
+    __m512i lo, hi;
+    Values<kQuad>(quads, lo, hi);
+    Accumulate<MR>(lo, hi, x8, acc);
   }
 #endif
 #endif
 };
+
+// 6-bit values (GGUF's Q6_K as stored): a U5 quad, then the values' sixth bits as the fifth ones
+// (bytes 40-43 the low nibbles' values', 44-47 the high ones'). A weight is (q - 32) * scale, a scale
+// per 16 inputs: each run of 4 quads is scaled on its own, 32 times its inputs' sum taken off its
+// integer partials first (no offsets to read). Pairs of q <= 63 times |xq| <= 127 are at most
+// 16002: AVX2 widens each quad's pairs to int32.
+struct U6 : U5 {
+  static constexpr int64_t kQuad = 48;
+  static constexpr bool kOffset = false;
+  static constexpr bool kInt16 = false;
+  static constexpr int64_t kSpan = 4;
+  static constexpr int64_t kSub = 16;
+  static constexpr int kCentre = 32;
+  static int Value(const T* quad, int e) { return U5::Value(quad, e) | (((quad[40 + e / 8] >> (e % 8)) & 1) << 5); }
+#ifdef SERVAX_DOT_AVX2
+  static void Load(const T* quad, __m256i& w0, __m256i& w1) {
+    U5::Load(quad, w0, w1);
+    w0 = _mm256_or_si256(w0, Plane(Bits(quad + 40), 32)), w1 = _mm256_or_si256(w1, Plane(Bits(quad + 44), 32));
+  }
+#ifdef SERVAX_DOT_512
+  template <int MR>
+  static void Step(const T* quads, int64_t, const int8_t* const x8[MR], __m512i acc[MR][2]) {
+    __m512i lo, hi;
+    Values<kQuad>(quads, lo, hi);
+    AddPlane<kQuad>(quads, 40, 32, lo, hi);
+    Accumulate<MR>(lo, hi, x8, acc);
+  }
+#endif
+#endif
+};
+
+// Inputs per scale within a block of `block` inputs: W::kSub for 6-bit values, else the block.
+template <class W>
+constexpr int64_t Sub(int64_t block) {
+  return W::kSub < kBlock ? W::kSub : block;
+}
 
 // Scales and offsets as stored: float32, or float16 (GGUF's blocks keep their half-precision
 // scales: a quarter fewer bytes to read per 4-bit block than with float32 ones).
@@ -276,8 +344,9 @@ struct F16Scales {
 
 // c[r, 0:16] = x[r] . W[:, panel] for MR rows from row r0: integer dot products over the
 // quads of each run of W::kSpan quads (a 4-bit run sums its vpmaddubsw pairs in int16, one
-// vpmaddwd per run; int8 weights widen every quad's pairs to int32), each run then scaled
-// into float (d * scale; per block of inputs, + offset * d * sum(xq)).
+// vpmaddwd per run; int8 and 6-bit weights widen every quad's pairs to int32), each run then
+// scaled into float (d * scale, its centre's products taken off first; per block of inputs,
+// + offset * d * sum(xq)).
 template <class W, class S, int MR>
 void DotRows(const QuantizedRows& x, int64_t r0, const typename W::T* panel, const typename S::T* scale,
              const typename S::T* offset, int64_t group, float* c, int64_t ldc) {
@@ -285,14 +354,14 @@ void DotRows(const QuantizedRows& x, int64_t r0, const typename W::T* panel, con
   for (int r = 0; r < MR; ++r) std::fill(c + r * ldc, c + r * ldc + kPanel, 0.0f);
   for (int64_t b = 0; b < x.blocks; ++b) {
     const int64_t g = b * block / group;
-    const typename S::T* s = scale + g * kPanel;
     const typename S::T* o = W::kOffset ? offset + g * kPanel : nullptr;
     const typename W::T* quads = panel + (b * block / 4) * W::kQuad;
 #ifdef SERVAX_DOT_AVX2
     const __m256i ones = _mm256_set1_epi16(1);
-    const __m256 s_lo = S::Load8(s), s_hi = S::Load8(s + 8);
-    for (int64_t q0 = 0; q0 < block_quads; q0 += W::kSpan) {
-      const int64_t q1 = std::min(block_quads, q0 + W::kSpan);
+    for (int64_t q0 = 0; q0 < block_quads; q0 += W::kSpan) {  // a run lies in one group (Multiply)
+      const int64_t q1 = std::min(block_quads, q0 + W::kSpan), at = b * block + 4 * q0;
+      const typename S::T* s = scale + (at / group) * kPanel;
+      const __m256 s_lo = S::Load8(s), s_hi = S::Load8(s + 8);
       __m256i acc[MR][2];
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
@@ -321,6 +390,10 @@ void DotRows(const QuantizedRows& x, int64_t r0, const typename W::T* panel, con
       for (int r = 0; r < MR; ++r) {
         __m256i lo = acc[r][0], hi = acc[r][1];
         if constexpr (W::kInt16 && !kVnni) lo = _mm256_madd_epi16(lo, ones), hi = _mm256_madd_epi16(hi, ones);
+        if constexpr (W::kCentre != 0) {  // the run is 16 inputs (W::kSpan quads)
+          const __m256i centre = _mm256_set1_epi32(W::kCentre * x.sum16[(r0 + r) * (K / 16) + at / 16]);
+          lo = _mm256_sub_epi32(lo, centre), hi = _mm256_sub_epi32(hi, centre);
+        }
         const __m256 d = _mm256_set1_ps(x.d[(r0 + r) * x.blocks + b]);
         float* out = c + r * ldc;
         _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s_lo, d), _mm256_loadu_ps(out)));
@@ -340,13 +413,18 @@ void DotRows(const QuantizedRows& x, int64_t r0, const typename W::T* panel, con
     }
 #else
     // Portable loops (runtime/ops/matmul.py uses the kernel only where AVX2 and FMA are there).
+    const int64_t sub = Sub<W>(block);
     for (int r = 0; r < MR; ++r) {
       const int64_t at = (r0 + r) * x.blocks + b;
       const int8_t* xq = x.q.data() + (r0 + r) * K + b * block;
       for (int j = 0; j < kPanel; ++j) {
-        int32_t dot = 0;
-        for (int64_t i = 0; i < block; ++i) dot += W::Value(quads + (i / 4) * W::kQuad, 4 * j + i % 4) * xq[i];
-        c[r * ldc + j] += x.d[at] * S::At(s, j) * dot + (W::kOffset ? S::At(o, j) * x.sum[at] : 0.0f);
+        for (int64_t i0 = 0; i0 < block; i0 += sub) {
+          int32_t dot = 0;
+          for (int64_t i = i0; i < i0 + sub; ++i)
+            dot += (W::Value(quads + (i / 4) * W::kQuad, 4 * j + i % 4) - W::kCentre) * xq[i];
+          c[r * ldc + j] += x.d[at] * S::At(scale + ((b * block + i0) / group) * kPanel, j) * dot;
+        }
+        if constexpr (W::kOffset) c[r * ldc + j] += S::At(o, j) * x.sum[at];
       }
     }
 #endif
@@ -368,22 +446,28 @@ void DotRows512(const QuantizedRows& x, int64_t r0, const typename W::T* panel, 
   for (int64_t b = 0; b < x.blocks; ++b) {
     const int64_t g = b * kBlock / group;
     const typename W::T* quads = panel + b * kBlockQuads * W::kQuad;
-    __m512i acc[MR][2];
+    for (int64_t q0 = 0; q0 < kBlockQuads; q0 += W::kSub / 4) {  // a sub-block: its own scale
+      __m512i acc[MR][2];
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+      for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-    for (int64_t q = 0; q < kBlockQuads; q += W::kStepQuads) {
-      if (r0 == 0) _mm_prefetch(reinterpret_cast<const char*>(quads + q * W::kQuad) + kPrefetchBytes, _MM_HINT_T0);
-      const int8_t* xs[MR];
+      for (int64_t q = q0; q < q0 + W::kSub / 4; q += W::kStepQuads) {
+        if (r0 == 0) _mm_prefetch(reinterpret_cast<const char*>(quads + q * W::kQuad) + kPrefetchBytes, _MM_HINT_T0);
+        const int8_t* xs[MR];
 #pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r) xs[r] = x.q.data() + (r0 + r) * K + b * kBlock + 4 * q;
-      W::template Step<MR>(quads + q * W::kQuad, q, xs, acc);
-    }
-    const __m512 s = S::Load16(scale + g * kPanel);
+        for (int r = 0; r < MR; ++r) xs[r] = x.q.data() + (r0 + r) * K + b * kBlock + 4 * q;
+        W::template Step<MR>(quads + q * W::kQuad, q, xs, acc);
+      }
+      const int64_t at = b * kBlock + 4 * q0;
+      const __m512 s = S::Load16(scale + (at / group) * kPanel);
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) {
-      const __m512 d = _mm512_set1_ps(x.d[(r0 + r) * x.blocks + b]);
-      sums[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(W::Columns(acc[r][0], acc[r][1])), _mm512_mul_ps(s, d), sums[r]);
+      for (int r = 0; r < MR; ++r) {
+        const __m512 d = _mm512_set1_ps(x.d[(r0 + r) * x.blocks + b]);
+        __m512i columns = W::Columns(acc[r][0], acc[r][1]);
+        if constexpr (W::kCentre != 0)
+          columns = _mm512_sub_epi32(columns, _mm512_set1_epi32(W::kCentre * x.sum16[(r0 + r) * (K / 16) + at / 16]));
+        sums[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(columns), _mm512_mul_ps(s, d), sums[r]);
+      }
     }
     if constexpr (W::kOffset) {
       const __m512 o = S::Load16(offset + g * kPanel);
@@ -409,9 +493,10 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
                                                  DotRows<W, S, 4>};
   const int64_t N = panels * kPanel, M = servax::ValidRows(rows, valid, N, c);
   if (M == 0 || panels == 0) return ffi::Error::Success();
-  const int64_t group = K / groups, block = K % kBlock == 0 && group % kBlock == 0 ? kBlock : K;
-  if (group % block != 0)
-    return ffi::Error::InvalidArgument("int8-activation matmul: weight groups must be whole blocks of 32 inputs");
+  const int64_t group = K / groups, block = K % kBlock == 0 && group % Sub<W>(kBlock) == 0 ? kBlock : K;
+  if (group % Sub<W>(block) != 0 || (W::kCentre != 0 && K % 16 != 0))
+    return ffi::Error::InvalidArgument("int8-activation matmul: weight groups must be whole blocks of 32 inputs "
+                                       "(of 16 for 6-bit values, whose inputs must be a multiple of 16)");
   const DotRowsFn<W, S>* rows_fns = fns;
 #ifdef SERVAX_DOT_512
   static const DotRowsFn<W, S> fns512[kRows + 1] = {nullptr, DotRows512<W, S, 1>, DotRows512<W, S, 2>,
@@ -485,27 +570,38 @@ ffi::Error Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
                             p.dims[0], scales, nullptr, s.offset, s.dims[1], out->typed_data());
 }
 
+// 4-, 5- or 6-bit quads (of `bytes` each) as MultiplyScaled<U4, U5 or U6> multiplies them.
+ffi::Error MultiplyUnsigned(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t valid, int64_t K,
+                            const uint8_t* packed, int64_t panels, int64_t bytes, ffi::AnyBuffer scales,
+                            ffi::AnyBuffer& offsets, int64_t at, int64_t groups, float* c) {
+  if (bytes == U6::kQuad)
+    return MultiplyScaled<U6>(pool, x, rows, valid, K, packed, panels, scales, nullptr, at, groups, c);
+  return (bytes == U5::kQuad ? MultiplyScaled<U5> : MultiplyScaled<U4>)(pool, x, rows, valid, K, packed, panels,
+                                                                        scales, &offsets, at, groups, c);
+}
+
 ffi::Error UInt4Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer scales,
                     ffi::AnyBuffer offsets, ffi::Buffer<ffi::S32> meta, ffi::ResultBuffer<ffi::F32> out) {
   servax::LayerView p, s;
   auto xd = x.dimensions(), sd = scales.dimensions(), od = offsets.dimensions();
   const bool ok = servax::ViewLayer(packed.dimensions(), meta, p) && servax::ViewLayer(sd, meta, s);
-  const bool five = ok && p.dims[2] == U5::kQuad;
-  if (!ok || !std::equal(sd.begin(), sd.end(), od.begin(), od.end()) ||
-      !Shaped(xd, p.dims, five ? U5::kQuad : U4::kQuad, s.dims, out->dimensions()))
-    return ffi::Error::InvalidArgument("int8-activation 4- or 5-bit matmul: x [M, K], quads [N/16, K/4, 32 or 40], "
-                                       "scales and offsets [N/16, G, 16] with meta [rows] (or each [L, ...] with "
-                                       "meta [rows, layer < L]), out [M, N]");
-  return (five ? MultiplyScaled<U5> : MultiplyScaled<U4>)(pool, x.typed_data(), xd[0], meta.typed_data()[0], xd[1],
-                                                          packed.typed_data() + p.offset, p.dims[0], scales, &offsets,
-                                                          s.offset, s.dims[1], out->typed_data());
+  const int64_t bytes = ok ? p.dims[2] : 0;
+  if (!ok || (bytes != U6::kQuad && !std::equal(sd.begin(), sd.end(), od.begin(), od.end())) ||
+      (bytes != U4::kQuad && bytes != U5::kQuad && bytes != U6::kQuad) ||
+      !Shaped(xd, p.dims, bytes, s.dims, out->dimensions()))
+    return ffi::Error::InvalidArgument("int8-activation 4-, 5- or 6-bit matmul: x [M, K], quads [N/16, K/4, 32, 40 "
+                                       "or 48], scales and offsets [N/16, G, 16] (6-bit: offsets ignored) with meta "
+                                       "[rows] (or each [L, ...] with meta [rows, layer < L]), out [M, N]");
+  return MultiplyUnsigned(pool, x.typed_data(), xd[0], meta.typed_data()[0], xd[1], packed.typed_data() + p.offset,
+                          p.dims[0], bytes, scales, offsets, s.offset, s.dims[1], out->typed_data());
 }
 
 // ---- a decoder layer's small operations between these products (layer_fusions.h) -------------
 
 // The fused handlers' products (layer_fusions.h): one matrix of a fused call as int8 quads (S8, 64
-// bytes a quad) or 4-bit ones (U8, 32 bytes a quad, with offsets), scales and offsets as this
-// file's products take them; `offsets` of an int8 matrix is ignored (an empty array).
+// bytes a quad) or 4-, 5- or 6-bit ones (U8, 32, 40 or 48 bytes a quad, the first two with
+// offsets), scales and offsets as this file's products take them; `offsets` of an int8 or 6-bit
+// matrix is ignored (an empty array).
 struct DotProducts {
   static constexpr const char* kName = "int8-activation";
 
@@ -513,20 +609,20 @@ struct DotProducts {
                             ffi::AnyBuffer panels, ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
                             ffi::Buffer<ffi::S32>& meta, float* c) {
     servax::LayerView p, s;
-    const bool u4 = panels.element_type() == ffi::DataType::U8;  // or 5-bit: quads of 40 bytes
+    const bool u4 = panels.element_type() == ffi::DataType::U8;  // or 5- or 6-bit: quads of 40 or 48 bytes
     const bool ok = servax::ViewLayer(panels.dimensions(), meta, p) && servax::ViewLayer(scales.dimensions(), meta, s);
-    const bool five = ok && u4 && p.dims[2] == U5::kQuad;
+    const int64_t bytes = !ok ? 0 : u4 ? p.dims[2] : I8::kQuad;
     if ((!u4 && panels.element_type() != ffi::DataType::S8) || !ok ||
-        !Panels(K, N, p.dims, five ? U5::kQuad : u4 ? U4::kQuad : I8::kQuad, s.dims) ||
-        (u4 && !std::equal(scales.dimensions().begin(), scales.dimensions().end(), offsets.dimensions().begin(),
-                           offsets.dimensions().end())))
+        (u4 && bytes != U4::kQuad && bytes != U5::kQuad && bytes != U6::kQuad) || !Panels(K, N, p.dims, bytes, s.dims) ||
+        (u4 && bytes != U6::kQuad &&
+         !std::equal(scales.dimensions().begin(), scales.dimensions().end(), offsets.dimensions().begin(),
+                     offsets.dimensions().end())))
       return ffi::Error::InvalidArgument("int8-activation fused layer ops: each matrix as quads [(L,) N/16, K/4, 64] "
-                                         "int8 or [(L,) N/16, K/4, 32 or 40] uint8 (4- or 5-bit), scales (and a 4- "
-                                         "or 5-bit one's offsets) [(L,) N/16, G, 16], G dividing K");
+                                         "int8 or [(L,) N/16, K/4, 32, 40 or 48] uint8 (4-, 5- or 6-bit), scales "
+                                         "(and a 4- or 5-bit one's offsets) [(L,) N/16, G, 16], G dividing K");
     if (u4)
-      return (five ? MultiplyScaled<U5> : MultiplyScaled<U4>)(pool, x, rows, valid, K,
-                                                              panels.reinterpret_data<uint8_t>() + p.offset,
-                                                              p.dims[0], scales, &offsets, s.offset, s.dims[1], c);
+      return MultiplyUnsigned(pool, x, rows, valid, K, panels.reinterpret_data<uint8_t>() + p.offset, p.dims[0], bytes,
+                              scales, offsets, s.offset, s.dims[1], c);
     return MultiplyScaled<I8>(pool, x, rows, valid, K, panels.reinterpret_data<int8_t>() + p.offset, p.dims[0], scales,
                               nullptr, s.offset, s.dims[1], c);
   }
@@ -547,9 +643,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxUInt4DotMatmul, UInt4Dot,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::U8>>()  // quads [N / 16, K / 4, 32 or 40]: 4- or 5-bit
+                                  .Arg<ffi::Buffer<ffi::U8>>()  // quads [N / 16, K / 4, 32, 40 or 48]: 4-6 bits
                                   .Arg<ffi::AnyBuffer>()  // scales [N / 16, G, 16], float32 or float16
-                                  .Arg<ffi::AnyBuffer>()  // offsets [N / 16, G, 16], as the scales
+                                  .Arg<ffi::AnyBuffer>()  // offsets [N / 16, G, 16], as the scales (6-bit: any)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // meta: [valid rows] or [valid rows, layer]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
