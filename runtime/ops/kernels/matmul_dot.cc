@@ -228,7 +228,7 @@ struct U4 {
 // quad's 32 bytes of nibbles, then the values' fifth bits, 64 bits little-endian: bit b of the
 // first 32 the fifth bit of the low-nibble value of byte b, bit b of the next 32 the high one's.
 // Pairs of q <= 31 times |xq| <= 127 are at most 7874: 4 quads' sum in int16 (<= 31496).
-struct U5 : U4 {  // T, kOffset, kInt16, Products, Dot and Columns as U4's
+struct U5 : U4 {  // T, kOffset, kInt16, Products and Dot as U4's
   static constexpr int64_t kQuad = 40;
   static constexpr int64_t kSpan = 4;
   static int Value(const T* quad, int e) { return U4::Value(quad, e) | (((quad[32 + e / 8] >> (e % 8)) & 1) << 4); }
@@ -251,33 +251,31 @@ struct U5 : U4 {  // T, kOffset, kInt16, Products, Dot and Columns as U4's
     w0 = _mm256_or_si256(w0, Plane(Bits(quad + 32), 16)), w1 = _mm256_or_si256(w1, Plane(Bits(quad + 36), 16));
   }
 #ifdef SERVAX_DOT_512
-  // `value` added to lo and hi (as Values gives them) under the bit planes at byte `plane` of two
-  // quads kStride bytes apart (4 bytes for each quad's low-nibble values, then 4 for its high ones).
-  template <int64_t kStride>
-  static void AddPlane(const T* quads, int plane, char value, __m512i& lo, __m512i& hi) {
-    const __m512i add = _mm512_set1_epi8(value);
-    const __mmask64 low = Bits(quads + plane) | (uint64_t{Bits(quads + kStride + plane)} << 32);
-    const __mmask64 high = Bits(quads + plane + 4) | (uint64_t{Bits(quads + kStride + plane + 4)} << 32);
-    lo = _mm512_mask_add_epi8(lo, low, lo, add), hi = _mm512_mask_add_epi8(hi, high, hi, add);
+  // A step is one quad, as I8's: its low nibbles (columns 0-7) in bytes 0-31, its high ones
+  // (columns 8-15) in 32-63, each higher bit added under its 64-bit mask (the fields after the
+  // nibbles, kPlanes of them): each accumulator lane one column (Columns adds the even and odd
+  // quads' accumulators). U4's two quads a register would leave lanes to fold for every scale
+  // (U6's every 16 inputs); one quad measured faster for 5- and 6-bit values (RESULTS.md, stop 58).
+  static constexpr int64_t kStepQuads = 1;
+  template <int MR, int kPlanes = 1>
+  static void Step(const T* quad, int64_t q, const int8_t* const x4[MR], __m512i acc[MR][2]) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad)), nib = _mm256_set1_epi8(15);
+    __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, nib)),
+                                   _mm256_and_si256(_mm256_srli_epi16(v, 4), nib), 1);
+#pragma GCC unroll 2
+    for (int plane = 0; plane < kPlanes; ++plane) {
+      uint64_t bits;
+      std::memcpy(&bits, quad + 32 + 8 * plane, 8);
+      w = _mm512_mask_add_epi8(w, bits, w, _mm512_set1_epi8(static_cast<char>(16 << plane)));
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      int32_t four;
+      std::memcpy(&four, x4[r], 4);
+      acc[r][q & 1] = _mm512_dpbusd_epi32(acc[r][q & 1], w, _mm512_set1_epi32(four));
+    }
   }
-  // The 5-bit values of two quads kStride bytes apart as U4's step takes them (lo: the low nibbles'
-  // values, quad q's in lanes 0-7 and quad q + 1's in 8-15; hi: the high ones').
-  template <int64_t kStride>
-  static void Values(const T* quads, __m512i& lo, __m512i& hi) {
-    const __m512i v = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quads))),
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quads + kStride)), 1);
-    const __m512i nib = _mm512_set1_epi8(15);
-    lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-    AddPlane<kStride>(quads, 32, 16, lo, hi);
-  }
-  // U4's step over two quads (no longer adjacent), the fifth bits added under their masks.
-  template <int MR>
-  static void Step(const T* quads, int64_t, const int8_t* const x8[MR], __m512i acc[MR][2]) {
-    __m512i lo, hi;
-    Values<kQuad>(quads, lo, hi);
-    Accumulate<MR>(lo, hi, x8, acc);
-  }
+  static __m512i Columns(__m512i even, __m512i odd) { return _mm512_add_epi32(even, odd); }
 #endif
 #endif
 };
@@ -302,11 +300,8 @@ struct U6 : U5 {
   }
 #ifdef SERVAX_DOT_512
   template <int MR>
-  static void Step(const T* quads, int64_t, const int8_t* const x8[MR], __m512i acc[MR][2]) {
-    __m512i lo, hi;
-    Values<kQuad>(quads, lo, hi);
-    AddPlane<kQuad>(quads, 40, 32, lo, hi);
-    Accumulate<MR>(lo, hi, x8, acc);
+  static void Step(const T* quad, int64_t q, const int8_t* const x4[MR], __m512i acc[MR][2]) {
+    U5::Step<MR, 2>(quad, q, x4, acc);
   }
 #endif
 #endif
