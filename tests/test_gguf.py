@@ -348,11 +348,12 @@ def test_quantization_gguf_serves_q6_k_as_stored(tmp_path_factory, gguf_dir, mix
     prompt = [(7 * i + 3) % 500 + 4 for i in range(60)]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     runs = {}
-    for name, quantization, int8_activations in (("dequantized", None, False), ("float", "gguf", False),
-                                                 ("6-bit", "gguf", None)):
+    for name, quantization, int8_activations, impl in (
+            ("dequantized", None, False, "auto"), ("float", "gguf", False, "auto"), ("6-bit", "gguf", None, "auto"),
+            *([("torchax", "gguf", None, "torchax")] if not mixed else [])):  # torchax: requantized to int8 blocks
         llm = LLM(model=str(gguf_file), quantization=quantization, max_model_len=128, max_num_seqs=4,
                   max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="",
-                  int8_activations=int8_activations)
+                  int8_activations=int8_activations, model_impl=impl)
         (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
         lp = np.array([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])])
         top = [max(d, key=lambda t, d=d: d[t].logprob) for d in out.prompt_logprobs[1:]]
@@ -367,9 +368,10 @@ def test_quantization_gguf_serves_q6_k_as_stored(tmp_path_factory, gguf_dir, mix
     else:
         assert all(w.format == "int8" and w.dot for layer in layers for w in (layer["qkv"], layer["mlp"]["down"]))
         assert all(layer["mlp"]["gate_up"].format == "uint6" for layer in layers)
-    diff = np.abs(runs["6-bit"][1] - runs["dequantized"][1])  # int8 activations: as for 4- and 5-bit weights
-    assert diff.max() < 0.3 and diff.mean() < 0.1, (diff.max(), diff.mean())
-    assert np.mean(np.array(runs["6-bit"][2]) == np.array(runs["dequantized"][2])) >= 0.7
+    for name in ("6-bit", "torchax") if not mixed else ("6-bit",):  # int8 activations or blocks: as for 4-bit weights
+        diff = np.abs(runs[name][1] - runs["dequantized"][1])
+        assert diff.max() < 0.3 and diff.mean() < 0.1, (name, diff.max(), diff.mean())
+        assert np.mean(np.array(runs[name][2]) == np.array(runs["dequantized"][2])) >= 0.7, name
 
 
 @pytest.mark.parametrize("weight_type", quick_loop_keeps(["Q5_0", "Q5_1"], "Q5_0"))

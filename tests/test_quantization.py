@@ -69,7 +69,7 @@ import json, sys
 from app import LLM, SamplingParams
 prompt, models = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 out = {}
-for model, quantization in models:
+for model, quantization, label in models:
     for tp in (1, 2):
         llm = LLM(model=model, quantization=quantization, tensor_parallel_size=tp, max_model_len=128,
                   max_num_seqs=4, max_num_batched_tokens=64, show_progress=False, compilation_cache_dir="",
@@ -79,7 +79,7 @@ for model, quantization in models:
         layer = llm.engine.model.params["layers"][0]
         q = layer["q"] if "q" in layer else layer["qkv"]  # joined where the weights are whole (tp 1)
         gate_up = layer["mlp"].get("gate_up")
-        out[f"{quantization} tp{tp}"] = {"tokens": o.outputs[0].token_ids, "joined": "qkv" in layer,
+        out[f"{label} tp{tp}"] = {"tokens": o.outputs[0].token_ids, "joined": "qkv" in layer,
                                         "q": str((q.panels if hasattr(q, "panels") else q.q).sharding.spec),
                                         "scale": str((q.scales if hasattr(q, "scales") else q.scale).sharding.spec),
                                         "gate_up": f"{type(gate_up).__name__}:{getattr(gate_up, 'format', '')}"}
@@ -89,18 +89,23 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_int8_under_tensor_parallelism_gives_the_same_tokens(tiny_checkpoint, tmp_path):
-    """Per-channel int8 and GGUF's Q8_0 kept as int8 (scales per 32 inputs), each at tp=1 and tp=2."""
+    """Per-channel int8, GGUF's Q8_0 kept as int8 (scales per 32 inputs) and Q6_K kept as 6-bit values
+    (scales per 16 inputs; a 256-wide Llama, as Q6_K's super-blocks need), each at tp=1 and tp=2."""
+    from registry.tiny import make_tiny_checkpoint
     from test_gguf import write_gguf
 
     gguf_file = write_gguf(tiny_checkpoint("llama"), tmp_path / "tiny-Q8_0.gguf", weight_type="Q8_0")
-    models = [("servax-tiny/llama", "int8"), (str(gguf_file), "gguf")]
+    wide = make_tiny_checkpoint("llama", tmp_path / "wide", hidden_size=256, intermediate_size=512,
+                                initializer_range=0.1)
+    q6_k = write_gguf(wide, tmp_path / "wide-Q6_K.gguf", weight_type="Q6_K")
+    models = [("servax-tiny/llama", "int8", "int8"), (str(gguf_file), "gguf", "Q8_0"), (str(q6_k), "gguf", "Q6_K")]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-c", _TP, json.dumps(PROMPT), json.dumps(models)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    for quantization in ("int8", "gguf"):
+    for quantization in ("int8", "Q8_0", "Q6_K"):  # (6-bit values multiply float activations as int8 ones)
         # tp 1 serves q/k/v and gate/up joined and packed for the CPU kernel (still int8), tp 2 split
         # by heads: the same tokens
         assert out[f"{quantization} tp1"]["joined"] and out[f"{quantization} tp1"]["gate_up"] == "PackedWeight:int8"
