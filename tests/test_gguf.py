@@ -301,7 +301,8 @@ def test_q6_k_blocks_decode_as_llama_cpp_dequantizes_them():
     rng = np.random.default_rng(1)
     raw = rng.integers(0, 256, (8, 210), dtype=np.uint8)  # 2 rows of 1024 values, 210 bytes a super-block
     raw[:, -2:] = np.frombuffer(rng.uniform(1e-4, 1e-3, 8).astype(np.float16).tobytes(), np.uint8).reshape(8, 2)
-    tensor = types.SimpleNamespace(tensor_type=T.Q6_K, data=raw, name="blk.0.ffn_down.weight", shape=np.array([1024, 2]))
+    tensor = types.SimpleNamespace(tensor_type=T.Q6_K, data=raw, name="blk.0.ffn_down.weight",
+                                   shape=np.array([1024, 2]))
     q, scale = six_bit_parts(tensor, None, types.SimpleNamespace(permuted_qk=False))
     assert q.dtype == np.int8 and q.min() == -32 and q.max() == 31 and q.shape == (2, 1024) and scale.shape == (2, 64)
     dense = q.reshape(2, -1, 16).astype(np.float32) * scale[..., None]

@@ -108,7 +108,8 @@ class PackedWeight:
         """q [in, out] holding values -32..31 (any integer dtype) with scales [G, out]: w = q * scale
         of its group (GGUF's Q6_K as stored, groups of 16), kept as q + 32. Multiplied as 5-bit
         values are (`pack_uint5`); `for_float_activations` gives them as int8 panels."""
-        return cls(_panels((q.astype(jnp.int16) + 32).astype(jnp.uint8)), q.shape[1], _panels(scales.astype(jnp.float32)))
+        values = (q.astype(jnp.int16) + 32).astype(jnp.uint8)
+        return cls(_panels(values), q.shape[1], _panels(scales.astype(jnp.float32)))
 
     @classmethod
     def pack_uint4(cls, q: jax.Array, scales: jax.Array, offsets: jax.Array) -> "PackedWeight":
@@ -240,7 +241,8 @@ class PackedWeight:
             byte = gather(quads, at)
             q = byte if fmt == "int8" else jnp.where(upper, byte >> 4, byte & 15)
             # 5- and 6-bit values' higher bits, 64 a bit: the low values' 32, then the high ones'
-            bits = ((quads[:, :, 32:, None] >> jnp.arange(8, dtype=jnp.uint8)) & 1).reshape(len(ids), quads.shape[1], -1)
+            bits = (quads[:, :, 32:, None] >> jnp.arange(8, dtype=jnp.uint8)) & 1
+            bits = bits.reshape(len(ids), quads.shape[1], -1)
             for plane in range(bits.shape[-1] // 64 if fmt in ("uint5", "uint6") else 0):
                 q = q | (gather(bits, at + 32 * upper[:, :, None] + 64 * plane) << (4 + plane))
         q = q.astype(jnp.float32) - (32 if fmt == "uint6" else 0)
