@@ -124,10 +124,10 @@ class PackedWeight:
         they are int8, 4- or 5-bit values whose groups are whole blocks of 32 inputs (6-bit ones:
         of 16), or per-channel scales on inputs in quads; else self.
 
-        Scales and offsets of blocks of 32 inputs (GGUF's Q8_0, Q4_0, Q4_1 and Q4_K) are kept in
-        float16, as the file stores them (Q4_K's, products of a half scale and a 6-bit code, are
-        rounded to the nearest half: below the int8 activations' own rounding); per-channel
-        scales stay float32."""
+        Grouped scales and offsets (GGUF's blocks: Q8_0, Q4 and Q5 types per 32 inputs, Q6_K per
+        16) are kept in float16, as the file stores them (Q4_K's, Q5_K's and Q6_K's, products of a
+        half scale and a small code, rounded to the nearest half: below the int8 activations' own
+        rounding); per-channel scales stay float32."""
         assert self.panels.ndim == 3, "lay out each layer's matrices before stacking them"
         d_in = self.shape[0]
         group = d_in // self.scales.shape[1] if self.scales is not None else 0
@@ -135,7 +135,7 @@ class PackedWeight:
         if self.dot or self.scales is None or d_in % 4 or (group % (16 if fmt == "uint6" else 32)
                                                              and self.scales.shape[1] != 1):
             return self
-        half_scales = self.scales.shape[1] > 1  # groups of whole 32-input blocks
+        half_scales = self.scales.shape[1] > 1  # grouped: GGUF's blocks
         scaled = {"scales": self.scales.astype(jnp.float16)} if half_scales else {}
         if self.offsets is not None and half_scales:
             scaled["offsets"] = self.offsets.astype(jnp.float16)
@@ -240,11 +240,11 @@ class PackedWeight:
 
             byte = gather(quads, at)
             q = byte if fmt == "int8" else jnp.where(upper, byte >> 4, byte & 15)
-            # 5- and 6-bit values' higher bits, 64 a bit: the low values' 32, then the high ones'
-            bits = (quads[:, :, 32:, None] >> jnp.arange(8, dtype=jnp.uint8)) & 1
-            bits = bits.reshape(len(ids), quads.shape[1], -1)
-            for plane in range(bits.shape[-1] // 64 if fmt in ("uint5", "uint6") else 0):
-                q = q | (gather(bits, at + 32 * upper[:, :, None] + 64 * plane) << (4 + plane))
+            if fmt in ("uint5", "uint6"):  # their higher bits, 64 a bit: the low values' 32, then the high ones'
+                bits = (quads[:, :, 32:, None] >> jnp.arange(8, dtype=jnp.uint8)) & 1
+                bits = bits.reshape(len(ids), quads.shape[1], -1)
+                for plane in range(bits.shape[-1] // 64):
+                    q = q | (gather(bits, at + 32 * upper[:, :, None] + 64 * plane) << (4 + plane))
         q = q.astype(jnp.float32) - (32 if fmt == "uint6" else 0)
         group = self.shape[0] // self.scales.shape[1]
         scale = jnp.repeat(self.scales[p, :, j].astype(jnp.float32), group, axis=1)
