@@ -85,8 +85,8 @@ constexpr int kRows = 4;        // rows of x per block: 8 int32 accumulators
 #endif
 constexpr int64_t kPrefetchBytes = SERVAX_DOT_PREFETCH_BYTES;
 
-// x [M, K] quantized per block: q [M, K] int8, d and the sum d * sum(q) [M, blocks]; where 16
-// divides K, the integer sums of q per 16 inputs [M, K / 16] (what U6's centre multiplies).
+// x [M, K] quantized per block: q [M, K] int8, d and the sum d * sum(q) [M, blocks]; for centred
+// weights (U6), the integer sums of q per 16 inputs [M, K / 16] (what the centre multiplies).
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d, sum;
@@ -94,10 +94,11 @@ struct QuantizedRows {
   int64_t K = 0, block = 0, blocks = 0;
 };
 
-void Quantize(const float* x, int64_t M, int64_t K, int64_t block, QuantizedRows& out) {
+void Quantize(const float* x, int64_t M, int64_t K, int64_t block, bool sums16, QuantizedRows& out) {
   out.K = K, out.block = block, out.blocks = K / block;
   out.q.resize(M * K), out.d.resize(M * out.blocks), out.sum.resize(M * out.blocks);
-  out.sum16.resize(K % 16 == 0 ? M * K / 16 : 0);
+  sums16 = sums16 && K % 16 == 0;
+  out.sum16.resize(sums16 ? M * K / 16 : 0);
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t b = 0; b < out.blocks; ++b) {
       const float* in = x + r * K + b * block;
@@ -113,7 +114,7 @@ void Quantize(const float* x, int64_t M, int64_t K, int64_t block, QuantizedRows
       // zero, the offset holding the weights' centre) went uncancelled: ~3x the logprob error.
       out.d[r * out.blocks + b] = d, out.sum[r * out.blocks + b] = d * static_cast<float>(qsum);
     }
-    if (K % 16 != 0) continue;
+    if (!sums16) continue;
     for (int64_t i = 0; i < K / 16; ++i) {
       const int8_t* q = out.q.data() + r * K + 16 * i;
       int32_t s = 0;
@@ -203,11 +204,7 @@ struct U4 {
   template <int MR>
   static void Step(const T* quads, int64_t, const int8_t* const x8[MR], __m512i acc[MR][2]) {
     const __m512i v = _mm512_loadu_si512(quads), nib = _mm512_set1_epi8(15);
-    Accumulate<MR>(_mm512_and_si512(v, nib), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib), x8, acc);
-  }
-  // acc[r][0] += the low values' partials, acc[r][1] the high ones', against row r's 8 inputs.
-  template <int MR>
-  static void Accumulate(__m512i lo, __m512i hi, const int8_t* const x8[MR], __m512i acc[MR][2]) {
+    const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       int32_t first, second;
@@ -499,7 +496,7 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
   if (block == kBlock) rows_fns = fns512;
 #endif
   thread_local QuantizedRows xq;  // the calling thread's; the pool's threads only read it
-  Quantize(x, M, K, block, xq);
+  Quantize(x, M, K, block, W::kCentre != 0, xq);
   const int64_t row_blocks = (M + kRows - 1) / kRows;
   const QuantizedRows& shared = xq;
   servax::ForPanelRanges(pool, panels, 1, [&](int64_t first, int64_t last) {
@@ -565,6 +562,13 @@ ffi::Error Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
                             p.dims[0], scales, nullptr, s.offset, s.dims[1], out->typed_data());
 }
 
+// Whether quads of `bytes` are 4-, 5- or 6-bit ones, with offsets shaped as the scales where they
+// are read (not for 6-bit values).
+bool UnsignedQuads(int64_t bytes, ffi::Span<const int64_t> scales, ffi::Span<const int64_t> offsets) {
+  if (bytes != U4::kQuad && bytes != U5::kQuad && bytes != U6::kQuad) return false;
+  return bytes == U6::kQuad || std::equal(scales.begin(), scales.end(), offsets.begin(), offsets.end());
+}
+
 // 4-, 5- or 6-bit quads (of `bytes` each) as MultiplyScaled<U4, U5 or U6> multiplies them.
 ffi::Error MultiplyUnsigned(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t valid, int64_t K,
                             const uint8_t* packed, int64_t panels, int64_t bytes, ffi::AnyBuffer scales,
@@ -581,9 +585,7 @@ ffi::Error UInt4Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   auto xd = x.dimensions(), sd = scales.dimensions(), od = offsets.dimensions();
   const bool ok = servax::ViewLayer(packed.dimensions(), meta, p) && servax::ViewLayer(sd, meta, s);
   const int64_t bytes = ok ? p.dims[2] : 0;
-  if (!ok || (bytes != U6::kQuad && !std::equal(sd.begin(), sd.end(), od.begin(), od.end())) ||
-      (bytes != U4::kQuad && bytes != U5::kQuad && bytes != U6::kQuad) ||
-      !Shaped(xd, p.dims, bytes, s.dims, out->dimensions()))
+  if (!ok || !UnsignedQuads(bytes, sd, od) || !Shaped(xd, p.dims, bytes, s.dims, out->dimensions()))
     return ffi::Error::InvalidArgument("int8-activation 4-, 5- or 6-bit matmul: x [M, K], quads [N/16, K/4, 32, 40 "
                                        "or 48], scales and offsets [N/16, G, 16] (6-bit: offsets ignored) with meta "
                                        "[rows] (or each [L, ...] with meta [rows, layer < L]), out [M, N]");
@@ -607,11 +609,8 @@ struct DotProducts {
     const bool u4 = panels.element_type() == ffi::DataType::U8;  // or 5- or 6-bit: quads of 40 or 48 bytes
     const bool ok = servax::ViewLayer(panels.dimensions(), meta, p) && servax::ViewLayer(scales.dimensions(), meta, s);
     const int64_t bytes = !ok ? 0 : u4 ? p.dims[2] : I8::kQuad;
-    if ((!u4 && panels.element_type() != ffi::DataType::S8) || !ok ||
-        (u4 && bytes != U4::kQuad && bytes != U5::kQuad && bytes != U6::kQuad) || !Panels(K, N, p.dims, bytes, s.dims) ||
-        (u4 && bytes != U6::kQuad &&
-         !std::equal(scales.dimensions().begin(), scales.dimensions().end(), offsets.dimensions().begin(),
-                     offsets.dimensions().end())))
+    if ((!u4 && panels.element_type() != ffi::DataType::S8) || !ok || !Panels(K, N, p.dims, bytes, s.dims) ||
+        (u4 && !UnsignedQuads(bytes, scales.dimensions(), offsets.dimensions())))
       return ffi::Error::InvalidArgument("int8-activation fused layer ops: each matrix as quads [(L,) N/16, K/4, 64] "
                                          "int8 or [(L,) N/16, K/4, 32, 40 or 48] uint8 (4-, 5- or 6-bit), scales "
                                          "(and a 4- or 5-bit one's offsets) [(L,) N/16, G, 16], G dividing K");
