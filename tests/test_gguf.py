@@ -115,6 +115,17 @@ def q6_k_bytes(w: np.ndarray) -> np.ndarray:
     return raw.reshape(w.shape[0], -1)
 
 
+def teacher_forced(llm, prompt: list[int]) -> tuple[np.ndarray, list[int]]:
+    """`llm`'s logprob of each of `prompt`'s tokens after the first, and its top token at each
+    position (prompt logprobs: every position teacher-forced, nothing generated diverges)."""
+    from app import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    lp = np.array([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+    return lp, [max(d, key=lambda t, d=d: d[t].logprob) for d in out.prompt_logprobs[1:]]
+
+
 def _add_tokenizer(w, checkpoint: Path) -> None:
     """The tiny byte-level BPE as llama.cpp stores a "gpt2" tokenizer."""
     tok = json.loads((checkpoint / "tokenizer.json").read_text())
@@ -322,7 +333,7 @@ def test_quantization_gguf_serves_q6_k_as_stored(tmp_path_factory, gguf_dir, mix
     int8_activations=False, as int8 values and the same scales (the dequantized file's logprobs).
     `mixed`: attn_v and layer 0's ffn_down Q4_1 (as Q4_K_M files mix kinds): those weights and the
     joined q/k/v are held as int8 blocks of 32, the 6-bit layers requantized."""
-    from app import LLM, SamplingParams
+    from app import LLM
     from registry.tiny import make_tiny_checkpoint
     from registry.weights import open_six_bit
     from runtime.ops.stacked import StackedLayers
@@ -347,7 +358,6 @@ def test_quantization_gguf_serves_q6_k_as_stored(tmp_path_factory, gguf_dir, mix
         got = q.reshape(q.shape[0], -1, 16).astype(np.float32) * scale[..., None]
         np.testing.assert_allclose(got.reshape(q.shape), converted[name], rtol=1e-6, atol=1e-9, err_msg=name)
     prompt = [(7 * i + 3) % 500 + 4 for i in range(60)]
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     runs = {}
     for name, quantization, int8_activations, impl in (
             ("dequantized", None, False, "auto"), ("float", "gguf", False, "auto"), ("6-bit", "gguf", None, "auto"),
@@ -355,10 +365,7 @@ def test_quantization_gguf_serves_q6_k_as_stored(tmp_path_factory, gguf_dir, mix
         llm = LLM(model=str(gguf_file), quantization=quantization, max_model_len=128, max_num_seqs=4,
                   max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="",
                   int8_activations=int8_activations, model_impl=impl)
-        (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
-        lp = np.array([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])])
-        top = [max(d, key=lambda t, d=d: d[t].logprob) for d in out.prompt_logprobs[1:]]
-        runs[name] = (llm, lp, top)
+        runs[name] = (llm, *teacher_forced(llm, prompt))
         assert llm.engine.stats().compilations_since_warmup == 0
     float_layers, layers = (runs[name][0].engine.model.params["layers"] for name in ("float", "6-bit"))
     assert isinstance(layers, StackedLayers)
@@ -382,7 +389,7 @@ def test_quantization_gguf_serves_q5_tensors_as_stored(tiny_checkpoint, gguf_dir
     them as 5-bit quads multiplied with int8 activations (logprobs close to the dequantized file's,
     as for 4-bit weights); with int8_activations=False, requantized to int8 blocks of 32 (moving the
     logprobs by a fraction of what the 5-bit quantization itself moved them from the source)."""
-    from app import LLM, SamplingParams
+    from app import LLM
     from registry.weights import open_five_bit, open_q8_0
     from runtime.ops.matmul import PackedWeight
 
@@ -398,7 +405,6 @@ def test_quantization_gguf_serves_q5_tensors_as_stored(tiny_checkpoint, gguf_dir
         got = q.reshape(q.shape[0], -1, 32).astype(np.float32) * scale[..., None] + offset[..., None]
         np.testing.assert_allclose(got.reshape(q.shape), converted[name], rtol=1e-6, atol=1e-7, err_msg=name)
     prompt = [(7 * i + 3) % 500 + 4 for i in range(60)]
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     runs = {}
     for name, model, quantization, int8_activations in (
             ("source", checkpoint, None, False), ("dequantized", gguf_file, None, False),
@@ -406,10 +412,7 @@ def test_quantization_gguf_serves_q5_tensors_as_stored(tiny_checkpoint, gguf_dir
         llm = LLM(model=str(model), quantization=quantization, max_model_len=128, max_num_seqs=4,
                   max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="",
                   int8_activations=int8_activations)
-        (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
-        lp = np.array([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])])
-        top = [max(d, key=lambda t, d=d: d[t].logprob) for d in out.prompt_logprobs[1:]]
-        runs[name] = (llm, lp, top)
+        runs[name] = (llm, *teacher_forced(llm, prompt))
         assert llm.engine.stats().compilations_since_warmup == 0
     requantized = runs["requantized"][0].engine.model.params["layers"][0]["mlp"]["gate_up"]
     assert isinstance(requantized, PackedWeight) and requantized.format == "int8" and not requantized.dot

@@ -155,20 +155,16 @@ def test_gguf_model_multiplies_int8_activations_by_default(tiny_checkpoint, tmp_
     """quantization="gguf" packs its int8/4-bit matrices for int8 activations unless asked not to;
     greedy tokens and logprobs close to the float-activation products of the same weights, and
     nothing compiles while serving."""
-    from app import LLM, SamplingParams
-    from test_gguf import write_gguf
+    from app import LLM
+    from test_gguf import teacher_forced, write_gguf
 
     gguf_file = write_gguf(tiny_checkpoint("llama"), tmp_path / f"tiny-{weight_type}.gguf", weight_type=weight_type)
     prompt = [(7 * i + 3) % 500 + 4 for i in range(40)]
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)  # teacher-forced: no divergence
     runs = {}
     for int8_activations in (None, False):
         llm = LLM(model=str(gguf_file), quantization="gguf", max_model_len=128, max_num_seqs=4, show_progress=False,
                   max_num_batched_tokens=32, compilation_cache_dir="", int8_activations=int8_activations)
-        (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)  # chunked: 2 prefill steps
-        lp = np.array([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])])
-        top = [max(d, key=lambda t, d=d: d[t].logprob) for d in out.prompt_logprobs[1:]]
-        runs[int8_activations] = (llm, lp, top)
+        runs[int8_activations] = (llm, *teacher_forced(llm, prompt))  # chunked: 2 prefill steps
         assert llm.engine.stats().compilations_since_warmup == 0
     (llm, lp, top), (float_llm, float_lp, float_top) = runs[None], runs[False]
     assert llm.engine.plan.int8_activations and not float_llm.engine.plan.int8_activations
