@@ -4,11 +4,12 @@ Multiplies x [rows, in] by enough distinct packed matrices of each shape (the de
 the 1B Llama's layer shapes) that they do not fit the caches, chained in one program, as a
 decode or prefill step meets them; best of N runs. Formats: float32 (runtime/ops/kernels/
 matmul.cc), bfloat16 (matmul_formats.cc), and int8 or 4-bit weights with int8 activations
-(matmul_dot.cc, GGUF's Q8_0 and Q4_1 as servax serves them). Beside each rate, the machine's float32 peak: NumPy's BLAS on a
+(matmul_dot.cc, GGUF's Q8_0, Q4_1, Q5_1 and Q6_K as servax serves them). Beside each rate, the machine's float32 peak: NumPy's BLAS on a
 large square product (benchmarks/common.py matmul_flops_per_s).
 
     python benchmarks/matmul.py                      # float32 at 1, 8 and 32 rows
     python benchmarks/matmul.py --formats float32,q4_1,q8_0 --rows 1,32
+    python benchmarks/matmul.py --formats q8_0,q4_1,q5_1,q6_k --rows 1,8,32 --shapes 2048x16384,8192x2048
 """
 
 from __future__ import annotations
@@ -42,15 +43,22 @@ def packed(fmt: str, d_in: int, d_out: int, rng):
     if fmt == "q8_0":
         q = jnp.asarray(rng.integers(-127, 128, (d_in, d_out)), jnp.int8)
         return PackedWeight.pack_int8(q, scales).for_int8_activations()
+    if fmt == "q6_k":
+        q = jnp.asarray(rng.integers(-32, 32, (d_in, d_out)), jnp.int8)
+        return PackedWeight.pack_uint6(q, jnp.repeat(scales, 2, axis=0)).for_int8_activations()
+    if fmt == "q5_1":
+        q = jnp.asarray(rng.integers(0, 32, (d_in, d_out)), jnp.uint8)
+        return PackedWeight.pack_uint5(q, scales, -16 * scales).for_int8_activations()
     q = jnp.asarray(rng.integers(0, 16, (d_in, d_out)), jnp.uint8)
     return PackedWeight.pack_uint4(q, scales, -8 * scales).for_int8_activations()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--formats", default="float32", help="comma-separated: float32, bfloat16, q8_0, q4_1")
+    parser.add_argument("--formats", default="float32", help="comma-separated: float32, bfloat16, q8_0, q4_1, q5_1, q6_k")
     parser.add_argument("--rows", default="1,8,32", help="comma-separated rows of x (sequences of a decode step)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--shapes", default="", help="comma-separated INxOUT (default: the demo's and the 1B's layers)")
     args = parser.parse_args()
 
     import jax
@@ -60,7 +68,8 @@ def main() -> None:
     peak = matmul_flops_per_s()
     rows_out = []
     for fmt in args.formats.split(","):
-        for d_in, d_out in SHAPES:
+        shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES
+        for d_in, d_out in shapes:
             ws = []
             while not ws or sum(a.nbytes for w in ws for a in jax.tree.leaves(w)) < WORKING_SET:
                 ws.append(packed(fmt, d_in, d_out, rng))

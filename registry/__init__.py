@@ -59,9 +59,10 @@ def load(
             Q4_K and Q5_0 / Q5_1 / Q5_K tensors (4- or 5-bit values, a scale and an offset per 32
             inputs) and Q6_K ones (6-bit values, a scale per 16 inputs; the torchax path takes the
             5- and 6-bit ones as int8 blocks); other types dequantized.
-        layered: native models with layer stages, unquantized: the decoder layers'
+        layered: native models with layer stages, unquantized or GGUF: the decoder layers'
             weights as a list of per-layer weights, the form runtime/ops/layered.py steps (no
-            stacked [num_layers, ...] arrays to assemble here and split there).
+            stacked [num_layers, ...] arrays to assemble here and split there; a GGUF file's
+            layers each in the kind it stores them in).
         expert_parallel: a mixture-of-experts model's experts split over the mesh's model axis
             (whole experts per device) instead of each expert's features (vLLM's
             enable_expert_parallel); native MoE models only.
@@ -116,7 +117,8 @@ def _load_weights(resolved: ResolvedModel, jdtype: Any, mesh: Mesh, info: Any, q
         reduce_axes = _torchax_quant_axes
     else:
         loaded = load_native(resolved, dtype=jdtype, mesh=mesh, info=info, int8_groups=int8_groups,
-                             layered=layered and quantization is None, expert_parallel=expert_parallel)
+                             layered=layered and quantization in (None, "gguf"),
+                             expert_parallel=expert_parallel)
         reduce_axes = _native_quant_axes
     if quantization == "gguf":
         from registry.weights import stored_bits

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 import models_jax
 from models_jax import ModelEntry
@@ -57,9 +57,9 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: 
     """Build the native model, its params read from the checkpoint onto `mesh`.
 
     int8_groups: weights to keep as int8 with a scale per 32 inputs (registry.weights.load_params).
-    layered: for a model with layer stages and no int8 groups, params["layers"] as a
-        list of per-layer weights (the form runtime/ops/layered.py steps; step_fn then calls the
-        layer stage once per layer) instead of arrays stacked [num_layers, ...].
+    layered: for a model with layer stages, params["layers"] as a list of per-layer weights,
+        quantized ones each in its own kind (the form runtime/ops/layered.py steps; step_fn then
+        calls the layer stage once per layer) instead of arrays stacked [num_layers, ...].
 
     Raises:
         ModelLoadError: unsupported config features, missing or misshapen weights.
@@ -81,7 +81,7 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: 
                                                                                                          mesh)))
             kv_spec = entry.kv_spec(args, dtype)
     args = _place_experts(args, mesh, expert_parallel, resolved)
-    layered = layered and entry.stages is not None and not int8_groups
+    layered = layered and entry.stages is not None
     params, shardings = load_params(resolved.path, entry.weight_table(args), mesh, dtype, int8_groups,
                                     per_layer=layered)
     stages = None
@@ -92,11 +92,13 @@ def load_native(resolved: ResolvedModel, *, dtype: jnp.dtype, mesh: Mesh, info: 
                              stacks=entry.layer_stacks(args) if entry.layer_stacks is not None else (),
                              fuse=entry.fuse_layer, pack_layer=entry.pack_layer, pack_head=pack_head,
                              hidden=functools.partial(entry.hidden, args=args) if entry.hidden is not None else None)
-    if layered:  # {name: [per-layer arrays]} -> [{name: array} per layer]
+    if layered:  # {name: [per-layer arrays]} -> [{name: array} per layer] (a quantized weight's specs per layer too)
         is_parts = lambda x: isinstance(x, list)  # noqa: E731
+        is_spec = lambda x: isinstance(x, (list, PartitionSpec))  # noqa: E731
         for key, n in stages.stack_sizes.items():
             params[key] = [jax.tree.map(lambda parts, i=i: parts[i], params[key], is_leaf=is_parts) for i in range(n)]
-            shardings[key] = [shardings[key]] * n
+            shardings[key] = [jax.tree.map(lambda s, i=i: s[i] if isinstance(s, list) else s, shardings[key],
+                                           is_leaf=is_spec) for i in range(n)]
         step_fn = functools.partial(layered_forward, stages=stages)
     targets = entry.lora_targets(args) if entry.lora_targets is not None else None
     read_adapter = None if targets is None else functools.partial(

@@ -114,15 +114,17 @@ def load_params(path: Path, table, mesh: Mesh, dtype,
 
     A stacked weight (WeightSpec.num_layers) is assembled from its per-layer tensors;
     each device still reads only its own slice of each. With `per_layer`, a stacked weight
-    that is not kept as int8 groups comes instead as a list of per-layer arrays (and its
-    spec less the layer axis): no stack to assemble, for a runtime that would split it again.
+    comes instead as a list of per-layer arrays (and its spec less the layer axis; a list of
+    per-layer specs where it is quantized): no stack to assemble, for a runtime that would split
+    it again.
 
     int8_groups: checkpoint tensors stored quantized in groups of 32 inputs: int8 with a scale
     (`open_q8_0`), or 4- or 5-bit values with a scale and an offset (`open_four_bit`,
-    `open_five_bit`), or of 16: 6-bit values with a scale (`open_six_bit`); a weight mixing kinds
-    is held in one (`_one_kind`); a weight whose
-    every tensor is there (and whose layout keeps those groups whole) becomes a
-    runtime.ops.quantization.QuantizedWeight instead of a float array.
+    `open_five_bit`), or of 16: 6-bit values with a scale (`open_six_bit`). A weight whose every
+    tensor is there (and whose layout keeps those groups whole) becomes a
+    runtime.ops.quantization.QuantizedWeight instead of a float array: with `per_layer` each
+    layer in its own kind (GGUF files mix kinds by layer: a Q4_K_M file's ffn_down is Q6_K in
+    some layers, Q4_K in the others), stacked in one kind (`_one_kind`).
 
     Returns (params, param_shardings): jax.Arrays of `dtype` (or a weight's own dtype)
     placed on `mesh`, and their PartitionSpecs (WeightSpec.partition_spec: the logical
@@ -146,36 +148,59 @@ def load_params(path: Path, table, mesh: Mesh, dtype,
 
     def place(w: WeightSpec) -> tuple[Any, Any]:
         stored = [int8_groups.get(name) for name in w.hf_names]
-        stored = _one_kind(w, stored) if all(stored) else stored
-        bits = stored_bits(stored[0]) if all(stored) else 8
-        group = 16 if bits == 6 else Q8_0_GROUP
-        scales = w.group_scales(group)
-        if scales is not None and all(stored):
-            q_spec, s_spec = w.partition_spec(mesh), scales.partition_spec(mesh)
-            offsets = bits in (4, 5)
-            q = _place(w, [parts[0] for parts in stored], mesh, q_spec, np.uint8 if offsets else np.int8)
-            s_dtype = np.float32 if bits != 8 else w.dtype or dtype
-            s = _place(scales, [parts[1] for parts in stored], mesh, s_spec, s_dtype)
-            o = _place(scales, [parts[2] for parts in stored], mesh, s_spec, np.float32) if offsets else None
-            axis, bits = w.group_axis(), 0 if bits in (4, 8) else bits  # QuantizedWeight.bits: 5 or 6 only
-            return (QuantizedWeight(q, s, group, axis, offset=o, bits=bits),
-                    QuantizedWeight(q_spec, s_spec, group, axis, offset=s_spec if offsets else None, bits=bits))
+        per_layer_weight = per_layer and w.num_layers is not None
+        if all(stored) and per_layer_weight:  # each layer in its own kind, as stored
+            layer, per = _one_layer(w), len(stored) // w.num_layers
+            placed = [_quantized(layer, _one_kind(layer, stored[i * per:(i + 1) * per]), mesh, w.dtype or dtype)
+                      for i in range(w.num_layers)]
+            if all(placed):
+                return [p[0] for p in placed], [p[1] for p in placed]
+        elif all(stored):
+            quantized = _quantized(w, _one_kind(w, stored), mesh, w.dtype or dtype)
+            if quantized is not None:
+                return quantized
         spec = w.partition_spec(mesh)
         sources = [tensors[name] for name in w.hf_names]
-        if per_layer and w.num_layers is not None:
-            layer = dataclasses.replace(w, hf_name=w.hf_name.replace("{layer}", "0"), logical_axes=w.logical_axes[1:],
-                                        num_layers=None)
-            layer_spec = P(*tuple(spec)[1:])
+        if per_layer_weight:
+            layer, layer_spec = _one_layer(w), P(*tuple(spec)[1:])
             per = len(sources) // w.num_layers  # tensors of one layer (its experts)
             return [_place(layer, sources[i * per:(i + 1) * per], mesh, layer_spec, w.dtype or dtype)
                     for i in range(w.num_layers)], layer_spec
         return _place(w, sources, mesh, spec, w.dtype or dtype), spec
 
     placed = jax.tree.map(place, table, is_leaf=is_weight_spec)
-    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], (P, QuantizedWeight))  # noqa: E731
+    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(  # noqa: E731
+        x[1], (P, QuantizedWeight, list))
     params = jax.tree.map(lambda x: x[0], placed, is_leaf=is_pair)
     shardings = jax.tree.map(lambda x: x[1], placed, is_leaf=is_pair)
     return params, shardings
+
+
+def _one_layer(w: WeightSpec) -> WeightSpec:
+    """One layer of a stacked weight: its first layer's names, no layer axis."""
+    return dataclasses.replace(w, hf_name=w.hf_name.replace("{layer}", "0"), logical_axes=w.logical_axes[1:],
+                               num_layers=None)
+
+
+def _quantized(w: WeightSpec, stored: list[tuple], mesh: Mesh, dtype: Any
+               ) -> tuple[QuantizedWeight, QuantizedWeight] | None:
+    """`w` from its tensors as stored, all of one kind (int8 blocks (q, scale); 4-bit (q, scale,
+    offset); 5- and 6-bit (q, scale, offset or None, bits)), as a QuantizedWeight and its partition
+    specs (int8 blocks' scales in `dtype`); None where the layout does not keep the groups whole (the
+    weight is then read as float)."""
+    bits = stored_bits(stored[0])
+    group = 16 if bits == 6 else Q8_0_GROUP
+    scales = w.group_scales(group)
+    if scales is None:
+        return None
+    q_spec, s_spec = w.partition_spec(mesh), scales.partition_spec(mesh)
+    offsets = bits in (4, 5)
+    q = _place(w, [parts[0] for parts in stored], mesh, q_spec, np.uint8 if offsets else np.int8)
+    s = _place(scales, [parts[1] for parts in stored], mesh, s_spec, np.float32 if bits != 8 else dtype)
+    o = _place(scales, [parts[2] for parts in stored], mesh, s_spec, np.float32) if offsets else None
+    axis, bits = w.group_axis(), 0 if bits in (4, 8) else bits  # QuantizedWeight.bits: 5 or 6 only
+    return (QuantizedWeight(q, s, group, axis, offset=o, bits=bits),
+            QuantizedWeight(q_spec, s_spec, group, axis, offset=s_spec if offsets else None, bits=bits))
 
 
 def _one_kind(w: WeightSpec, stored: list[tuple]) -> list[tuple]:

@@ -331,12 +331,13 @@ def test_quantization_gguf_serves_q6_k_as_stored(tmp_path_factory, gguf_dir, mix
     weights); quantization="gguf" packs them as 6-bit quads multiplied with int8 activations
     (logprobs close to the dequantized file's, the tied head's rows read from the quads) and, with
     int8_activations=False, as int8 values and the same scales (the dequantized file's logprobs).
-    `mixed`: attn_v and layer 0's ffn_down Q4_1 (as Q4_K_M files mix kinds): those weights and the
-    joined q/k/v are held as int8 blocks of 32, the 6-bit layers requantized."""
+    `mixed`: attn_v and layer 0's ffn_down Q4_1 (as Q4_K_M files mix kinds): each layer's ffn_down
+    kept in its own kind (the layers then in two forms, runtime.ops.stacked.MixedLayers), the joined
+    q/k/v held as int8 blocks of 32 (6-bit q and k requantized)."""
     from app import LLM
     from registry.tiny import make_tiny_checkpoint
     from registry.weights import open_six_bit
-    from runtime.ops.stacked import StackedLayers
+    from runtime.ops.stacked import MixedLayers, StackedLayers
 
     # Q6_K's super-blocks need rows of 256; weights of std 0.1 keep this wider random model's
     # activations growing as the 64-wide tiny models' do (at 0.2 it turns chaotic: any rounding moves it)
@@ -368,14 +369,17 @@ def test_quantization_gguf_serves_q6_k_as_stored(tmp_path_factory, gguf_dir, mix
         runs[name] = (llm, *teacher_forced(llm, prompt))
         assert llm.engine.stats().compilations_since_warmup == 0
     float_layers, layers = (runs[name][0].engine.model.params["layers"] for name in ("float", "6-bit"))
-    assert isinstance(layers, StackedLayers)
+    assert isinstance(layers, MixedLayers if mixed else StackedLayers)
     if not mixed:  # the same weights, multiplied with float activations: the dequantized file's logprobs
         assert all(w.format == "int8" and not w.dot for w in (float_layers[0]["qkv"], float_layers[0]["mlp"]["down"]))
         np.testing.assert_allclose(runs["float"][1], runs["dequantized"][1], atol=2e-4)
         assert all(w.format == "uint6" and w.dot for layer in layers for w in (layer["qkv"], *layer["mlp"].values()))
-    else:
-        assert all(w.format == "int8" and w.dot for layer in layers for w in (layer["qkv"], layer["mlp"]["down"]))
-        assert all(layer["mlp"]["gate_up"].format == "uint6" for layer in layers)
+    else:  # layer 0 and layer 1 in forms of their own, each form a stack
+        assert all(isinstance(stack, StackedLayers) for stack in layers.stacks) and layers.where == ((0, 0), (1, 0))
+        assert [layer["mlp"]["down"].format for layer in layers] == ["uint4", "uint6"]
+        assert all(layer["mlp"]["down"].dot and layer["mlp"]["gate_up"].format == "uint6" for layer in layers)
+        assert all(layer["qkv"].format == "int8" and layer["qkv"].dot for layer in layers)  # q, k 6-bit, v 4-bit
+        assert [layer["mlp"]["down"].format for layer in float_layers] == ["uint4", "int8"]
     for name in ("6-bit", "torchax") if not mixed else ("6-bit",):  # int8 activations or blocks: as for 4-bit weights
         diff = np.abs(runs[name][1] - runs["dequantized"][1])
         assert diff.max() < 0.3 and diff.mean() < 0.1, (name, diff.max(), diff.mean())
@@ -452,17 +456,20 @@ def test_quantization_gguf_serves_four_bit_weights_as_stored(tiny_checkpoint, gg
 
 
 @pytest.mark.parametrize("base,held", [("Q8_0", "int8"), ("Q5_0", "uint5")])
-def test_quantization_gguf_keeps_a_weight_of_mixed_layer_types_as_one_stack(tiny_checkpoint, gguf_dir, base, held):
+def test_quantization_gguf_keeps_each_layer_of_a_mixed_weight_in_its_kind(tiny_checkpoint, gguf_dir, base, held):
     """A file whose layers store one weight in different kinds (as Q4_K_M files keep ffn_down Q6_K
-    in some layers and Q4_K in the others), here Q4_1 in layer 0 and `base` in the others: every
-    layer's matrix is held in one kind (not float32, which a mix used to fall back to): 4- and
-    5-bit values as 5-bit ones (exactly), 4-bit and int8 blocks as int8 blocks (the 4-bit layers
-    requantized at load); with float activations the model computes what the dequantized file
-    does within int8 requantization (5-bit values too are requantized for float activations)."""
+    in some layers and Q4_K in the others), here Q4_1 in layer 0 and `base` in the others: the
+    layered step keeps each layer's matrix as stored (layer 0 4-bit, the others `held`; the layers
+    in two forms, each form a stack: runtime.ops.stacked.MixedLayers), and with float activations
+    computes what the dequantized file does (5-bit values requantized to int8 blocks for them). A
+    step of one program (layered=False) holds the weight in one kind (not float32, which a mix used
+    to fall back to): 4- and 5-bit values as 5-bit ones (exactly), 4-bit and int8 blocks as int8
+    blocks (the 4-bit layers requantized at load)."""
     from app import LLM, SamplingParams
     from registry.gguf_tensors import q8_0_blocks
     from runtime.ops.matmul import PackedWeight
-    from runtime.ops.stacked import StackedLayers
+    from runtime.ops.quantization import QuantizedWeight
+    from runtime.ops.stacked import MixedLayers, StackedLayers
 
     checkpoint = tiny_checkpoint("llama")
     weights = load_file(checkpoint / "model.safetensors")
@@ -483,26 +490,32 @@ def test_quantization_gguf_keeps_a_weight_of_mixed_layer_types_as_one_stack(tiny
     prompt = [(7 * i + 3) % 500 + 4 for i in range(60)]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     runs = {}
-    for name, model, quantization in (("source", checkpoint, None), ("dequantized", gguf_file, None),
-                                      ("gguf", gguf_file, "gguf")):
-        llm = LLM(model=str(model), quantization=quantization, max_model_len=128, max_num_seqs=4,
+    for name, model, quantization, layered in (("source", checkpoint, None, True),
+                                               ("dequantized", gguf_file, None, True),
+                                               ("gguf", gguf_file, "gguf", True), ("one", gguf_file, "gguf", False)):
+        llm = LLM(model=str(model), quantization=quantization, max_model_len=128, max_num_seqs=4, layered=layered,
                   max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="", int8_activations=False)
         (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
         runs[name] = (llm, np.array([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]))
     layers = runs["gguf"][0].engine.model.params["layers"]
-    assert len(layers) > 1
-    assert all(isinstance(layer["mlp"]["down"], PackedWeight) and layer["mlp"]["down"].format == "int8"
-               for layer in layers)
+    assert isinstance(layers, MixedLayers) and len(layers) > 1 and layers.where[:2] == ((0, 0), (1, 0))
+    downs = [layer["mlp"]["down"] for layer in layers]
+    assert all(isinstance(w, PackedWeight) for w in downs)
+    assert [w.format for w in downs] == ["uint4"] + ["int8"] * (len(downs) - 1)
+    one = runs["one"][0].engine.model.params["layers"]["mlp"]["down"]
+    assert isinstance(one, QuantizedWeight) and one.bits == (5 if base == "Q5_0" else 0)
     quantized = np.abs(runs["dequantized"][1] - runs["source"][1]).mean()
-    requantization = np.abs(runs["gguf"][1] - runs["dequantized"][1]).mean()
-    assert 0 < requantization < quantized / 2, (requantization, quantized)
+    for name in ("gguf", "one"):
+        requantization = np.abs(runs[name][1] - runs["dequantized"][1]).mean()
+        assert requantization < quantized / 2, (name, requantization, quantized)
     llm = LLM(model=str(gguf_file), quantization="gguf", max_model_len=128, max_num_seqs=4,  # int8 activations
               max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="")
     layers = llm.engine.model.params["layers"]
-    assert all(layer["mlp"]["down"].format == held and layer["mlp"]["down"].dot for layer in layers)
-    # q, k and v joined (as int8 blocks where v is int8 and q, k 5-bit): one packed matrix, layers stacked
+    assert isinstance(layers, MixedLayers) and all(isinstance(stack, StackedLayers) for stack in layers.stacks)
+    assert [layer["mlp"]["down"].format for layer in layers] == ["uint4"] + [held] * (len(layers) - 1)
+    assert all(layer["mlp"]["down"].dot for layer in layers)
+    # q, k and v joined (as int8 blocks where v is int8 and q, k 5-bit): one packed matrix
     assert all(layer["qkv"].format == "int8" and layer["qkv"].dot for layer in layers)
-    assert isinstance(layers, StackedLayers)
 
 
 @pytest.mark.parametrize("model_impl", quick_loop_keeps(["jax", "torchax"], "jax"))

@@ -22,6 +22,7 @@ import re
 import types
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -438,6 +439,70 @@ def test_layers_in_interleaved_stacks_equal_the_scan(tmp_path):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(layered_cache.k), np.asarray(scan_cache.k), atol=1e-4, rtol=1e-4)
     assert len(layered.lower(layered_cache, batch)) == 4  # prologue, the two layer programs, epilogue
+
+
+def test_layers_of_one_stack_in_different_forms_equal_the_scan(tmp_path):
+    """A stack whose layers' weights differ in form (here layers 2, 4 and 5's MLP in bfloat16, as a
+    GGUF file keeps some layers' ffn_down Q6_K and the others Q4_K): LayeredStep holds it as
+    MixedLayers (a stack per form) and runs the pattern of forms in one program; the logits (prefill,
+    then a one-token step: the whole-step program) and cache equal the scan over the same values."""
+    from registry.tiny import make_tiny_checkpoint
+    from runtime.ops.layered import LayeredStep
+    from runtime.ops.mesh import make_mesh
+    from runtime.ops.stacked import MixedLayers
+
+    bf16 = lambda tree: jax.tree.map(lambda w: w.astype(jax.numpy.bfloat16), tree)  # noqa: E731
+    path = make_tiny_checkpoint("llama", tmp_path / "ckpt", num_hidden_layers=6)
+    scan_model, model = registry.load(str(path)), registry.load(str(path), layered=True)
+    half = [2, 4, 5]
+    for i in half:
+        model.params["layers"][i]["mlp"] = bf16(model.params["layers"][i]["mlp"])
+    rows = np.isin(np.arange(6), half)[:, None, None]
+    scan_model.params["layers"]["mlp"] = jax.tree.map(
+        lambda w: np.where(rows, np.asarray(w).astype(ml_dtypes.bfloat16).astype(w.dtype), w),
+        scan_model.params["layers"]["mlp"])
+    layered = LayeredStep(model, make_mesh(), jax.tree.map(
+        lambda a: a.sharding, allocate_kv_cache(model.kv_spec, NUM_BLOCKS, BLOCK_SIZE)))
+    layers = model.params["layers"]
+    assert isinstance(layers, MixedLayers) and layers.where == ((0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (1, 2))
+    assert [(c.start, c.per_call) for c in layered.calls] == [(0, 6)]  # one call, one program
+    assert layers[4]["mlp"]["gate_up"].dtype == ml_dtypes.bfloat16 and layers[3]["mlp"]["gate_up"].dtype == np.float32
+    scan_step = jax.jit(scan_model.step_fn, donate_argnums=1)
+    scan_cache = allocate_kv_cache(scan_model.kv_spec, NUM_BLOCKS, BLOCK_SIZE)
+    layered_cache = allocate_kv_cache(model.kv_spec, NUM_BLOCKS, BLOCK_SIZE)
+    prompt = PROMPTS[0]
+    for batch in (step_input([(prompt, 0)]), step_input([([7], len(prompt))])):
+        want, scan_cache = scan_step(scan_model.params, scan_cache, batch)
+        got, layered_cache = layered(layered_cache, batch)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(layered_cache.k), np.asarray(scan_cache.k), atol=1e-4, rtol=1e-4)
+    # The model left behind computes the same as one program (as the whole-step program reads its layers)
+    cache = lambda: allocate_kv_cache(model.kv_spec, NUM_BLOCKS, BLOCK_SIZE)  # noqa: E731
+    whole, _ = jax.jit(model.step_fn)(model.params, cache(), step_input([(prompt, 0)]))
+    first, _ = jax.jit(scan_model.step_fn)(scan_model.params, cache(), step_input([(prompt, 0)]))
+    np.testing.assert_allclose(np.asarray(whole), np.asarray(first), atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_layers_take_fewer_per_call_where_their_patterns_would_compile_more():
+    """MixedLayers.per_call: the most layers per call (dividing the uniform count) whose distinct
+    patterns of forms trace no more layers than one program per form would: a Q4_K_M-like
+    pattern of 30 layers (forms by llama.cpp's use_more_bits) runs 3 a call (2 patterns), not 6
+    (3 patterns of 6); 16 layers 2 a call; a stack of one form in each half keeps 4."""
+    from runtime.ops.stacked import MixedLayers
+
+    def mixed(forms):
+        taken = [0, 0]
+        where = []
+        for f in forms:
+            where.append((f, taken[f]))
+            taken[f] += 1
+        return MixedLayers(([], []), tuple(where))
+
+    more_bits = lambda i, n: int(i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2)  # noqa: E731
+    demo, one_b = mixed([more_bits(i, 30) for i in range(30)]), mixed([more_bits(i, 16) for i in range(16)])
+    assert demo.per_call(0, 30, 6) == 3 and len({demo.pattern(i, 3) for i in range(0, 30, 3)}) == 2
+    assert one_b.per_call(0, 16, 4) == 2
+    assert mixed([0] * 8 + [1] * 8).per_call(0, 16, 4) == 4
 
 
 def test_layers_in_several_calls_with_wide_sequences_equal_the_scan(tmp_path):

@@ -56,7 +56,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from runtime.ops.host_batch import HostBatch, widen_seqs  # noqa: F401 - widen_seqs: part of this module's API
 from runtime.ops.matmul import is_packed, packed_matmul_available
-from runtime.ops.stacked import StackedLayers, stack, stackable
+from runtime.ops.stacked import MixedLayers, StackedLayers, by_form, form, mixed_in_order, stack, stackable
 from runtime.ops.step import KVCache, LayerStages, LoadedModel, StepInput
 
 # Decoder layers one program runs (unrolled), at most: the largest divisor of the depth up to this.
@@ -139,6 +139,13 @@ def _fuse_changes(fuse: Any, layer: Any) -> bool:
     joined = jax.eval_shape(fuse, layer)
     return jax.tree.structure(joined) != jax.tree.structure(layer) or any(
         (a.shape, a.dtype) != (b.shape, b.dtype) for a, b in zip(jax.tree.leaves(joined), jax.tree.leaves(layer)))
+
+
+def _some_layer(layers: list | StackedLayers | MixedLayers) -> Any:
+    """A stack's first layer's weights, or (stacked) all of them: what `_packed` looks at."""
+    if isinstance(layers, MixedLayers):
+        return _some_layer(layers.stacks[0])
+    return layers.params if isinstance(layers, StackedLayers) else layers[0]
 
 
 def _packed(layer: Any) -> bool:
@@ -238,13 +245,14 @@ def _stacked_in_order(layer: Any, per_call: int) -> Any:
 class _Call:
     """One call of a layer program: `per_call` layers of stack `key` from its layer `start`,
     the first of them layer `first` of the model (an int32 already on the device; of a
-    StackedLayers, [first, start])."""
+    StackedLayers, [first, start]; of a MixedLayers, [first, each layer's index in its form])."""
 
     program: Any
     key: str
     start: int
     per_call: int
     first: jax.Array
+    forms: tuple | None = None  # of a MixedLayers: what the call takes (MixedLayers.for_call)
 
 
 class LayeredStep:
@@ -256,7 +264,9 @@ class LayeredStep:
     model.step_fn by `layered_forward`, which computes the same from that form. A model
     already in that form (a second engine on the same LoadedModel) is used as it is. A model
     whose layers lie in several stacks (LayerStages.stacks) gets a layer program per stack
-    (and per layers-per-call its runs need).
+    (and per layers-per-call its runs need). A stack whose layers come in different forms (a
+    GGUF file's layers in different kinds) is held as runtime.ops.stacked.MixedLayers, one stack
+    per form, with a program per pattern of forms its calls run.
     """
 
     def __init__(self, model: LoadedModel, mesh: Mesh, kv_sharding: NamedSharding | KVCache,
@@ -270,7 +280,7 @@ class LayeredStep:
         self.outer = {k: v for k, v in model.params.items() if k not in sizes}
         self.stacks: dict[str, list | StackedLayers] = {}  # each stack's per-layer weights
         for key, n in sizes.items():
-            if isinstance(model.params[key], (list, StackedLayers)):  # per-layer (torchax) or another engine's
+            if isinstance(model.params[key], (list, StackedLayers, MixedLayers)):  # per layer, or another engine's
                 self.stacks[key] = model.params[key]
             else:
                 self.stacks[key] = _unstack(model.params[key], model.param_shardings[key], n, mesh)
@@ -284,26 +294,29 @@ class LayeredStep:
             if _fuse_changes(activations, self.outer):
                 self.outer = jax.jit(activations, out_shardings=replicated)(self.outer)
         for key, layers in self.stacks.items():  # changes of each layer's form, one pass (one program) a layer
-            if isinstance(layers, StackedLayers):
+            if not isinstance(layers, list):  # another engine's final form
                 continue
+            forms = list({form(layer): layer for layer in layers}.values())  # a layer of each form
             changes = []
-            if stages.fuse is not None and whole and _fuse_changes(stages.fuse, layers[0]):
+            if stages.fuse is not None and whole and any(_fuse_changes(stages.fuse, layer) for layer in forms):
                 changes.append(stages.fuse)
-            if pack and packed_matmul_available() and whole and stages.pack_layer is not None and _fuse_changes(
-                    stages.pack_layer, jax.eval_shape(_chain(changes), layers[0])):
+            if pack and packed_matmul_available() and whole and stages.pack_layer is not None and any(
+                    _fuse_changes(stages.pack_layer, jax.eval_shape(_chain(changes), layer)) for layer in forms):
                 changes.append(stages.pack_layer)
                 changes.append(_for_int8_activations if int8_activations else _for_float_activations)
             if changes:
                 _fuse_in_place(layers, _chain(changes), replicated)
-            if pack and _packed(layers[0]) and stackable(layers):  # a few arrays a step: runtime/ops/stacked.py
-                self.stacks[key] = stack(layers)
+            # a few arrays a step (runtime/ops/stacked.py): a stack per form of layer
+            stacked = lambda ls: stack(ls) if pack and _packed(ls[0]) and stackable(ls) else ls  # noqa: E731
+            mixed = by_form(layers)
+            self.stacks[key] = (MixedLayers(tuple(map(stacked, mixed.stacks)), mixed.where)
+                                if isinstance(mixed, MixedLayers) else stacked(layers))
         # Whether the layers' products run on packed weights (here or by an earlier engine).
-        first = next(iter(self.stacks.values()))
-        self.packed = _packed(first.params if isinstance(first, StackedLayers) else first[0])
+        self.packed = _packed(_some_layer(next(iter(self.stacks.values()))))
         model.params = {**self.outer, **self.stacks}
         model.param_shardings = {**jax.tree.map(lambda a: a.sharding.spec, self.outer),
                                  **{key: jax.tree.map(lambda a: a.sharding.spec, layers)
-                                    if isinstance(layers, StackedLayers) else
+                                    if not isinstance(layers, list) else
                                     [jax.tree.map(lambda a: a.sharding.spec, layer) for layer in layers]
                                     for key, layers in self.stacks.items()}}
         model.step_fn = functools.partial(layered_forward, stages=stages)
@@ -322,6 +335,11 @@ class LayeredStep:
         self.calls: list[_Call] = []
         taken, first_layer = dict.fromkeys(sizes, 0), 0
         for key, n in stages.layer_runs:
+            if isinstance(self.stacks[key], MixedLayers):
+                self.calls += self._mixed_calls(stages, key, taken[key], n, first_layer, programs, kv)
+                taken[key] += n
+                first_layer += n
+                continue
             k, stacked = layers_per_call(n), isinstance(self.stacks[key], StackedLayers)
             if (key, k) not in programs:
                 if stacked:
@@ -346,6 +364,24 @@ class LayeredStep:
             out_shardings=(rep, kv), donate_argnums=(2,))
         self.wide_seqs = wide_seqs  # see the module docstring
 
+    def _mixed_calls(self, stages: LayerStages, key: str, start: int, n: int, first_layer: int, programs: dict,
+                     kv: KVCache) -> list[_Call]:
+        """The calls running layers start .. start + n - 1 of MixedLayers stack `key` (layer
+        first_layer of the model the first of them), a program per pattern of forms (in `programs`)."""
+        layers, calls = self.stacks[key], []
+        k = layers.per_call(start, n, layers_per_call(n))
+        for i in range(start, start + n, k):
+            pattern, forms = layers.pattern(i, k), layers.for_call(i, k)
+            if (key, k, pattern) not in programs:
+                run = mixed_in_order(_layers_in_order(stages.layer), pattern)
+                programs[key, k, pattern] = jax.jit(
+                    _unpacking(run, 4), in_shardings=(jax.tree.map(lambda a: a.sharding, forms), self.replicated,
+                                                      kv, self.replicated, self.replicated),
+                    out_shardings=(self.replicated, kv), donate_argnums=(2,))
+            first = np.array([first_layer + i - start, *layers.indices(i, k)], np.int32)
+            calls.append(_Call(programs[key, k, pattern], key, i, k, jax.device_put(first, self.replicated), forms))
+        return calls
+
     @property
     def layers(self) -> list:
         """Every layer's weights, in layer order."""
@@ -353,6 +389,8 @@ class LayeredStep:
 
     def _weights(self, c: _Call) -> Any:
         """What call c's program takes as its layers' weights: their list, or the whole stack."""
+        if c.forms is not None:
+            return c.forms
         layers = self.stacks[c.key]
         return layers if isinstance(layers, StackedLayers) else layers[c.start:c.start + c.per_call]
 

@@ -13,6 +13,11 @@ biases) are sliced per layer inside the program, which costs nothing to speak of
 Only layers whose every array is a PackedWeight or small (SMALL_BYTES) are stacked: slicing a
 large plain array out of a stack would copy it every step (why runtime/ops/layered.py keeps
 per-layer arrays at all).
+
+Layers of one stack whose weights differ in form (a GGUF file keeps some layers' ffn_down in
+Q6_K, the others' in Q4_K: `registry.weights.load_params` hands each layer over in its own kind)
+are held as `MixedLayers`: one stack per form (`by_form`), each stacked where it can be, and
+which of them holds each layer; a layer program then runs a given pattern of forms.
 """
 
 from __future__ import annotations
@@ -93,3 +98,86 @@ def stack(layers: list) -> StackedLayers:
         stacked.append(jax.device_put(host, first.sharding))
         del host
     return StackedLayers(jax.tree.unflatten(treedef, stacked), n)
+
+
+def form(layer: Any) -> tuple:
+    """What a layer program's trace depends on: the structure, shapes and dtypes of a layer's weights."""
+    leaves, treedef = jax.tree.flatten(layer)
+    return treedef, tuple((a.shape, a.dtype) for a in leaves)
+
+
+@flax.struct.dataclass
+class MixedLayers:
+    """The layers of one stack in several forms: `stacks[s]` holds the layers of form s (a
+    StackedLayers, or a list of per-layer weights), `where[i]` = (s, index in stacks[s]) for
+    layer i of the stack. `mixed[i]` reads layer i like a list (Python ints)."""
+
+    stacks: tuple
+    where: tuple[tuple[int, int], ...] = flax.struct.field(pytree_node=False)
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def __getitem__(self, i: int) -> Any:
+        s, j = self.where[i]
+        return self.stacks[s][j]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def pattern(self, start: int, count: int) -> tuple[int, ...]:
+        """The form of each of layers start .. start + count - 1."""
+        return tuple(s for s, _ in self.where[start:start + count])
+
+    def per_call(self, start: int, n: int, uniform: int) -> int:
+        """Layers per call over layers start .. start + n - 1: the most, dividing `uniform` (what a
+        stack of one form runs per call), whose calls' patterns of forms trace no more layers
+        (patterns times layers per call) than a program of `uniform` layers per form would:
+        compile time as for one form, at the cost of a few more calls."""
+        return next(k for k in range(uniform, 0, -1) if uniform % k == 0 and k * len(
+            {self.pattern(i, k) for i in range(start, start + n, k)}) <= len(self.stacks) * uniform)
+
+    def for_call(self, start: int, count: int) -> tuple:
+        """What a call running layers start .. start + count - 1 takes: each form's StackedLayers
+        whole, a list form's layers of this call only (in order)."""
+        return tuple(stack if isinstance(stack, StackedLayers) else
+                     [stack[j] for s2, j in self.where[start:start + count] if s2 == s]
+                     for s, stack in enumerate(self.stacks))
+
+    def indices(self, start: int, count: int) -> list[int]:
+        """Each of layers start .. start + count - 1's index in its form's stack."""
+        return [j for _, j in self.where[start:start + count]]
+
+
+def by_form(layers: list) -> list | MixedLayers:
+    """`layers` as they are where all share one form, else as MixedLayers (one list per form, in
+    the order the forms first appear)."""
+    forms: dict[tuple, int] = {}
+    stacks: list[list] = []
+    where = []
+    for layer in layers:
+        s = forms.setdefault(form(layer), len(forms))
+        if s == len(stacks):
+            stacks.append([])
+        where.append((s, len(stacks[s])))
+        stacks[s].append(layer)
+    return layers if len(stacks) == 1 else MixedLayers(tuple(stacks), tuple(where))
+
+
+def mixed_in_order(run: Any, pattern: tuple[int, ...]) -> Any:
+    """A layer program for `len(pattern)` layers of a MixedLayers, layer j of form pattern[j]:
+    (each form's weights (MixedLayers.for_call), carry, kv_cache, first, batch), `first` [1 + k]
+    int32 the first layer's index in the model, then each layer's index in its form's stack.
+    `run`: runtime.ops.layered's (list of layer weights, carry, kv_cache, first index, batch) program."""
+    def program(forms: tuple, carry: Any, kv_cache: Any, first: jax.Array, batch: Any):
+        taken = [0] * len(forms)
+        layers = []
+        for j, s in enumerate(pattern):
+            if isinstance(forms[s], StackedLayers):
+                layers.append(forms[s].layer(first[1 + j]))
+            else:
+                layers.append(forms[s][taken[s]])
+                taken[s] += 1
+        return run(layers, carry, kv_cache, first[0], batch)
+
+    return program
