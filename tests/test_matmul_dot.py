@@ -28,13 +28,14 @@ def _kernel():
 
 
 def quantized_rows(x: np.ndarray, block: int) -> np.ndarray:
-    """x as the kernel sees it: each row's blocks of `block` inputs rounded to 255 levels."""
+    """x as the kernel sees it: each row's blocks of `block` inputs rounded to 255 levels (in
+    float32, as the kernel scales them: in float64 an input near a half step could round the other way)."""
     m, k = x.shape
-    blocks = x.reshape(m, k // block, block).astype(np.float64)
+    blocks = x.reshape(m, k // block, block).astype(np.float32)
     amax = np.abs(blocks).max(-1, keepdims=True)
-    d = amax / 127
-    q = np.rint(blocks * np.divide(127, amax, out=np.zeros_like(amax), where=amax > 0))
-    return (q * d).reshape(m, k)
+    d = amax / np.float32(127)
+    q = np.rint(blocks * np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0))
+    return (q.astype(np.float64) * d).reshape(m, k)
 
 
 def _weights(fmt: str, d_in: int, d_out: int, groups: int, rng) -> tuple[PackedWeight, np.ndarray, np.ndarray | None]:
@@ -68,6 +69,7 @@ def _weights(fmt: str, d_in: int, d_out: int, groups: int, rng) -> tuple[PackedW
     ("uint5", 64, 16, 1),  # one group of 64 (two blocks), one panel
     ("uint6", 128, 50, 8),  # groups of 16 (GGUF Q6_K): two scales a block of 32
     ("uint6", 48, 20, 3),  # 32 does not divide the inputs: one block of 48, three scales
+    ("int8", 1056, 17, 33), ("uint4", 2080, 24, 65), ("uint6", 2112, 20, 132),  # the inputs of real layers
 ])
 def test_int8_activation_products_match_the_quantized_oracle(fmt, d_in, d_out, groups, rows):
     rng = np.random.default_rng(rows * 7 + d_out)
