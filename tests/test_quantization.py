@@ -82,7 +82,8 @@ for model, quantization, label in models:
         out[f"{label} tp{tp}"] = {"tokens": o.outputs[0].token_ids, "joined": "qkv" in layer,
                                         "q": str((q.panels if hasattr(q, "panels") else q.q).sharding.spec),
                                         "scale": str((q.scales if hasattr(q, "scales") else q.scale).sharding.spec),
-                                        "gate_up": f"{type(gate_up).__name__}:{getattr(gate_up, 'format', '')}"}
+                                        "gate_up": f"{type(gate_up).__name__}:{getattr(gate_up, 'format', '')}",
+                                        "layers": type(llm.engine.model.params["layers"]).__name__}
 print(json.dumps(out))
 """
 
@@ -90,7 +91,11 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_int8_under_tensor_parallelism_gives_the_same_tokens(tiny_checkpoint, tmp_path):
     """Per-channel int8, GGUF's Q8_0 kept as int8 (scales per 32 inputs) and Q6_K kept as 6-bit values
-    (scales per 16 inputs; a 256-wide Llama, as Q6_K's super-blocks need), each at tp=1 and tp=2."""
+    (scales per 16 inputs; a 256-wide Llama, as Q6_K's super-blocks need), each at tp=1 and tp=2; and
+    the Q6_K file with layer 0's ffn_down Q4_1 (each layer in its own kind: the layers in two forms)."""
+    import gguf
+    from safetensors.numpy import load_file
+
     from registry.tiny import make_tiny_checkpoint
     from test_gguf import write_gguf
 
@@ -98,14 +103,19 @@ def test_int8_under_tensor_parallelism_gives_the_same_tokens(tiny_checkpoint, tm
     wide = make_tiny_checkpoint("llama", tmp_path / "wide", hidden_size=256, intermediate_size=512,
                                 initializer_range=0.1)
     q6_k = write_gguf(wide, tmp_path / "wide-Q6_K.gguf", weight_type="Q6_K")
-    models = [("servax-tiny/llama", "int8", "int8"), (str(gguf_file), "gguf", "Q8_0"), (str(q6_k), "gguf", "Q6_K")]
+    down = load_file(wide / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
+    mixed = write_gguf(wide, tmp_path / "wide-Q6_K-mixed.gguf", weight_type="Q6_K", raw_tensors={  # as Q4_K_M's
+        "blk.0.ffn_down.weight": (gguf.quants.quantize(down, gguf.GGMLQuantizationType.Q4_1),
+                                  gguf.GGMLQuantizationType.Q4_1)})
+    models = [("servax-tiny/llama", "int8", "int8"), (str(gguf_file), "gguf", "Q8_0"), (str(q6_k), "gguf", "Q6_K"),
+              (str(mixed), "gguf", "mixed")]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-c", _TP, json.dumps(PROMPT), json.dumps(models)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    for quantization in ("int8", "Q8_0", "Q6_K"):  # (6-bit values multiply float activations as int8 ones)
+    for quantization in ("int8", "Q8_0", "Q6_K", "mixed"):  # (6-bit values multiply float activations as int8 ones)
         # tp 1 serves q/k/v and gate/up joined and packed for the CPU kernel (still int8), tp 2 split
         # by heads: the same tokens
         assert out[f"{quantization} tp1"]["joined"] and out[f"{quantization} tp1"]["gate_up"] == "PackedWeight:int8"
@@ -113,6 +123,7 @@ def test_int8_under_tensor_parallelism_gives_the_same_tokens(tiny_checkpoint, tm
         assert out[f"{quantization} tp1"]["tokens"] == out[f"{quantization} tp2"]["tokens"], quantization
         # split by heads, as the float weight
         assert "model" in out[f"{quantization} tp2"]["q"] and "model" in out[f"{quantization} tp2"]["scale"]
+    assert out["mixed tp1"]["layers"] == out["mixed tp2"]["layers"] == "MixedLayers"
 
 
 # ---- mixture-of-experts weights -------------------------------------------------------------

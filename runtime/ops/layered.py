@@ -278,7 +278,7 @@ class LayeredStep:
             model.stages = stages = dataclasses.replace(stages, prologue=_float32_carry(stages.prologue))
         sizes = stages.stack_sizes
         self.outer = {k: v for k, v in model.params.items() if k not in sizes}
-        self.stacks: dict[str, list | StackedLayers] = {}  # each stack's per-layer weights
+        self.stacks: dict[str, list | StackedLayers | MixedLayers] = {}  # each stack's per-layer weights
         for key, n in sizes.items():
             if isinstance(model.params[key], (list, StackedLayers, MixedLayers)):  # per layer, or another engine's
                 self.stacks[key] = model.params[key]
