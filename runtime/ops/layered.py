@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any
 
 import jax
@@ -56,8 +57,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from runtime.ops.host_batch import HostBatch, widen_seqs  # noqa: F401 - widen_seqs: part of this module's API
 from runtime.ops.matmul import is_packed, packed_matmul_available
-from runtime.ops.stacked import MixedLayers, StackedLayers, by_form, form, mixed_in_order, stack, stackable
+from runtime.ops.stacked import (MixedLayers, StackedLayers, by_form, form, mixed_in_order, some_layer, stack,
+                                 stackable)
 from runtime.ops.step import KVCache, LayerStages, LoadedModel, StepInput
+
+logger = logging.getLogger("servax.engine")
 
 # Decoder layers one program runs (unrolled), at most: the largest divisor of the depth up to this.
 MAX_LAYERS_PER_CALL = 6
@@ -139,13 +143,6 @@ def _fuse_changes(fuse: Any, layer: Any) -> bool:
     joined = jax.eval_shape(fuse, layer)
     return jax.tree.structure(joined) != jax.tree.structure(layer) or any(
         (a.shape, a.dtype) != (b.shape, b.dtype) for a, b in zip(jax.tree.leaves(joined), jax.tree.leaves(layer)))
-
-
-def _some_layer(layers: list | StackedLayers | MixedLayers) -> Any:
-    """A stack's first layer's weights, or (stacked) all of them: what `_packed` looks at."""
-    if isinstance(layers, MixedLayers):
-        return _some_layer(layers.stacks[0])
-    return layers.params if isinstance(layers, StackedLayers) else layers[0]
 
 
 def _packed(layer: Any) -> bool:
@@ -312,7 +309,7 @@ class LayeredStep:
             self.stacks[key] = (MixedLayers(tuple(map(stacked, mixed.stacks)), mixed.where)
                                 if isinstance(mixed, MixedLayers) else stacked(layers))
         # Whether the layers' products run on packed weights (here or by an earlier engine).
-        self.packed = _packed(_some_layer(next(iter(self.stacks.values()))))
+        self.packed = _packed(some_layer(next(iter(self.stacks.values()))))
         model.params = {**self.outer, **self.stacks}
         model.param_shardings = {**jax.tree.map(lambda a: a.sharding.spec, self.outer),
                                  **{key: jax.tree.map(lambda a: a.sharding.spec, layers)
@@ -380,6 +377,8 @@ class LayeredStep:
                     out_shardings=(self.replicated, kv), donate_argnums=(2,))
             first = np.array([first_layer + i - start, *layers.indices(i, k)], np.int32)
             calls.append(_Call(programs[key, k, pattern], key, i, k, jax.device_put(first, self.replicated), forms))
+        logger.info("%s: %d layers in %d forms of weights (a stack each), %d a call, %d layer programs", key, n,
+                    len(layers.stacks), k, len({id(c.program) for c in calls}))
         return calls
 
     @property

@@ -181,3 +181,10 @@ def mixed_in_order(run: Any, pattern: tuple[int, ...]) -> Any:
         return run(layers, carry, kv_cache, first[0], batch)
 
     return program
+
+
+def some_layer(layers: list | StackedLayers | MixedLayers) -> Any:
+    """A stack's first layer's weights, or (stacked) all of them: what tells whether it is packed."""
+    if isinstance(layers, MixedLayers):
+        return some_layer(layers.stacks[0])
+    return layers.params if isinstance(layers, StackedLayers) else layers[0]
