@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "half.h"
@@ -86,17 +87,21 @@ constexpr int kRows = 4;        // rows of x per block: 8 int32 accumulators
 constexpr int64_t kPrefetchBytes = SERVAX_DOT_PREFETCH_BYTES;
 
 // x [M, K] quantized per block: q [M, K] int8, d and the sum d * sum(q) [M, blocks]; for centred
-// weights (U6), the integer sums of q per 16 inputs [M, K / 16] (what the centre multiplies).
+// weights (U6), the integer sums of q per 16 inputs [M, K / 16] (what the centre multiplies); for
+// signed weights in 512-bit registers (I8), q + 128 as unsigned bytes (`shifted`, vpdpbusd's
+// unsigned operand).
 struct QuantizedRows {
   std::vector<int8_t> q;
+  std::vector<uint8_t> shifted;
   std::vector<float> d, sum;
   std::vector<int32_t> sum16;
   int64_t K = 0, block = 0, blocks = 0;
 };
 
-void Quantize(const float* x, int64_t M, int64_t K, int64_t block, bool sums16, QuantizedRows& out) {
+void Quantize(const float* x, int64_t M, int64_t K, int64_t block, bool sums16, bool shifted, QuantizedRows& out) {
   out.K = K, out.block = block, out.blocks = K / block;
   out.q.resize(M * K), out.d.resize(M * out.blocks), out.sum.resize(M * out.blocks);
+  out.shifted.resize(shifted ? M * K : 0);
   sums16 = sums16 && K % 16 == 0;
   out.sum16.resize(sums16 ? M * K / 16 : 0);
   for (int64_t r = 0; r < M; ++r) {
@@ -114,6 +119,7 @@ void Quantize(const float* x, int64_t M, int64_t K, int64_t block, bool sums16, 
       // zero, the offset holding the weights' centre) went uncancelled: ~3x the logprob error.
       out.d[r * out.blocks + b] = d, out.sum[r * out.blocks + b] = d * static_cast<float>(qsum);
     }
+    for (int64_t i = 0; shifted && i < K; ++i) out.shifted[r * K + i] = static_cast<uint8_t>(out.q[r * K + i]) ^ 0x80;
     if (!sums16) continue;
     for (int64_t i = 0; i < K / 16; ++i) {
       const int8_t* q = out.q.data() + r * K + 16 * i;
@@ -128,6 +134,11 @@ struct I8 {
   using T = int8_t;
   static constexpr int64_t kQuad = 64;  // bytes per quad
   static constexpr bool kOffset = false;
+#ifdef SERVAX_DOT_512
+  static constexpr bool kShifted = true;  // the 512-bit Step multiplies the inputs shifted to unsigned bytes
+#else
+  static constexpr bool kShifted = false;
+#endif
   // Quads per run: pairs of |q| <= 128 times |xq| <= 127 fill an int16 lane, so every quad's
   // are widened to int32 (a run is the whole block).
   static constexpr bool kInt16 = false;
@@ -154,20 +165,21 @@ struct I8 {
 #ifdef SERVAX_DOT_512
   // A step is one quad (16 columns x 4 inputs, 64 bytes): acc[0] (even quads) and acc[1] (odd
   // ones) each gain 16 int32 column partials, two chains of half the block's length. x4: the
-  // row's 4 inputs of the quad, the sign of each weight moved onto them (AVX-512 has no
-  // vpsignb: they are negated under the weights' sign mask).
+  // row's 4 inputs of the quad shifted to unsigned (QuantizedRows::shifted, x + 128: vpdpbusd
+  // multiplies unsigned bytes with signed ones), so row r gains x . w + 128 * sum(w); acc[MR]
+  // gains the sums of the weights (times ones), which DotRows512 takes off 128 times per block:
+  // one instruction a quad for all rows where moving the weights' signs onto each row's inputs
+  // took one a row.
   static constexpr int64_t kStepQuads = 1;
   template <int MR>
-  static void Step(const T* quad, int64_t q, const int8_t* const x4[MR], __m512i acc[MR][2]) {
-    const __m512i w = _mm512_loadu_si512(quad), u = _mm512_abs_epi8(w);
-    const __mmask64 negative = _mm512_movepi8_mask(w);
+  static void Step(const T* quad, int64_t q, const uint8_t* const x4[MR], __m512i acc[][2]) {
+    const __m512i w = _mm512_loadu_si512(quad);
+    acc[MR][q & 1] = _mm512_dpbusd_epi32(acc[MR][q & 1], _mm512_set1_epi8(1), w);
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       int32_t four;
       std::memcpy(&four, x4[r], 4);
-      const __m512i x = _mm512_set1_epi32(four);
-      const __m512i signed_x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
-      acc[r][q & 1] = _mm512_dpbusd_epi32(acc[r][q & 1], u, signed_x);
+      acc[r][q & 1] = _mm512_dpbusd_epi32(acc[r][q & 1], _mm512_set1_epi32(four), w);
     }
   }
   static __m512i Columns(__m512i even, __m512i odd) { return _mm512_add_epi32(even, odd); }
@@ -179,6 +191,7 @@ struct U4 {
   using T = uint8_t;
   static constexpr int64_t kQuad = 32;
   static constexpr bool kOffset = true;
+  static constexpr bool kShifted = false;
   // Pairs of q <= 15 times |xq| <= 127 are at most 3810: 8 quads' sum in int16 (<= 30480).
   static constexpr bool kInt16 = true;
   static constexpr int64_t kSpan = 8;
@@ -432,6 +445,9 @@ void DotRows512(const QuantizedRows& x, int64_t r0, const typename W::T* panel, 
                 const typename S::T* offset, int64_t group, float* c, int64_t ldc) {
   const int64_t K = x.K;
   constexpr int64_t kBlockQuads = kBlock / 4;
+  using Row = std::conditional_t<W::kShifted, uint8_t, int8_t>;  // the inputs as Step multiplies them
+  const Row* rows;
+  if constexpr (W::kShifted) rows = x.shifted.data(); else rows = x.q.data();
   __m512 sums[MR];
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) sums[r] = _mm512_setzero_ps();
@@ -439,23 +455,26 @@ void DotRows512(const QuantizedRows& x, int64_t r0, const typename W::T* panel, 
     const int64_t g = b * kBlock / group;
     const typename W::T* quads = panel + b * kBlockQuads * W::kQuad;
     for (int64_t q0 = 0; q0 < kBlockQuads; q0 += W::kSub / 4) {  // a sub-block: its own scale
-      __m512i acc[MR][2];
-#pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+      __m512i acc[MR + W::kShifted][2];  // (shifted inputs: the weights' sums after the rows')
+#pragma GCC unroll 5
+      for (int r = 0; r < MR + W::kShifted; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int64_t q = q0; q < q0 + W::kSub / 4; q += W::kStepQuads) {
         if (r0 == 0) _mm_prefetch(reinterpret_cast<const char*>(quads + q * W::kQuad) + kPrefetchBytes, _MM_HINT_T0);
-        const int8_t* xs[MR];
+        const Row* xs[MR];
 #pragma GCC unroll 4
-        for (int r = 0; r < MR; ++r) xs[r] = x.q.data() + (r0 + r) * K + b * kBlock + 4 * q;
+        for (int r = 0; r < MR; ++r) xs[r] = rows + (r0 + r) * K + b * kBlock + 4 * q;
         W::template Step<MR>(quads + q * W::kQuad, q, xs, acc);
       }
       const int64_t at = b * kBlock + 4 * q0;
       const __m512 s = S::Load16(scale + (at / group) * kPanel);
+      __m512i shift = _mm512_setzero_si512();  // 128 times the weights' sums, what shifted inputs added
+      if constexpr (W::kShifted) shift = _mm512_slli_epi32(W::Columns(acc[MR][0], acc[MR][1]), 7);
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
         const __m512 d = _mm512_set1_ps(x.d[(r0 + r) * x.blocks + b]);
         __m512i columns = W::Columns(acc[r][0], acc[r][1]);
+        if constexpr (W::kShifted) columns = _mm512_sub_epi32(columns, shift);
         if constexpr (W::kCentre != 0)
           columns = _mm512_sub_epi32(columns, _mm512_set1_epi32(W::kCentre * x.sum16[(r0 + r) * (K / 16) + at / 16]));
         sums[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(columns), _mm512_mul_ps(s, d), sums[r]);
@@ -496,7 +515,7 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
   if (block == kBlock) rows_fns = fns512;
 #endif
   thread_local QuantizedRows xq;  // the calling thread's; the pool's threads only read it
-  Quantize(x, M, K, block, W::kCentre != 0, xq);
+  Quantize(x, M, K, block, W::kCentre != 0, W::kShifted && rows_fns != fns, xq);
   const int64_t row_blocks = (M + kRows - 1) / kRows;
   const QuantizedRows& shared = xq;
   servax::ForPanelRanges(pool, panels, 1, [&](int64_t first, int64_t last) {
