@@ -4,8 +4,8 @@ Multiplies x [rows, in] by enough distinct packed matrices of each shape (the de
 the 1B Llama's layer shapes) that they do not fit the caches, chained in one program, as a
 decode or prefill step meets them; best of N runs. Formats: float32 (runtime/ops/kernels/
 matmul.cc), bfloat16 (matmul_formats.cc), and int8 or 4-bit weights with int8 activations
-(matmul_dot.cc, GGUF's Q8_0, Q4_1, Q5_1 and Q6_K as servax serves them). Beside each rate, the machine's float32 peak: NumPy's BLAS on a
-large square product (benchmarks/common.py matmul_flops_per_s).
+(matmul_dot.cc, GGUF's Q8_0, Q4_1, Q5_1 and Q6_K as servax serves them). Beside each rate, the
+machine's float32 peak: NumPy's BLAS on a large square product (benchmarks/common.py matmul_flops_per_s).
 
     python benchmarks/matmul.py                      # float32 at 1, 8 and 32 rows
     python benchmarks/matmul.py --formats float32,q4_1,q8_0 --rows 1,32
@@ -55,7 +55,8 @@ def packed(fmt: str, d_in: int, d_out: int, rng):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--formats", default="float32", help="comma-separated: float32, bfloat16, q8_0, q4_1, q5_1, q6_k")
+    parser.add_argument("--formats", default="float32",
+                        help="comma-separated: float32, bfloat16, q8_0, q4_1, q5_1, q6_k")
     parser.add_argument("--rows", default="1,8,32", help="comma-separated rows of x (sequences of a decode step)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--shapes", default="", help="comma-separated INxOUT (default: the demo's and the 1B's layers)")
