@@ -328,28 +328,23 @@ class LayeredStep:
         # previous step's samples are padded to that many rows) and -1 for every token.
         self._no_feed = jax.device_put(np.zeros(feed_rows, np.int32), rep)
         self._own_ids: dict[int, np.ndarray] = {}
-        programs: dict[tuple[str, int], Any] = {}  # (stack, layers per call) -> its program
+        # (stack, layers per call[, pattern of forms]) -> its program
+        programs: dict[tuple, Any] = {}
         self.calls: list[_Call] = []
         taken, first_layer = dict.fromkeys(sizes, 0), 0
         for key, n in stages.layer_runs:
-            if isinstance(self.stacks[key], MixedLayers):
-                self.calls += self._mixed_calls(stages, key, taken[key], n, first_layer, programs, kv)
-                taken[key] += n
-                first_layer += n
-                continue
-            k, stacked = layers_per_call(n), isinstance(self.stacks[key], StackedLayers)
-            if (key, k) not in programs:
-                if stacked:
-                    run, weights = _stacked_in_order(stages.layer, k), jax.tree.map(lambda a: a.sharding,
-                                                                                     self.stacks[key])
-                else:
-                    run, weights = _layers_in_order(stages.layer), [jax.tree.map(lambda a: a.sharding,
-                                                                                 self.stacks[key][0])] * k
-                programs[key, k] = jax.jit(_unpacking(run, 4), in_shardings=(weights, rep, kv, rep, rep),
-                                           out_shardings=(rep, kv), donate_argnums=(2,))
-            self.calls += [_Call(programs[key, k], key, taken[key] + i, k, jax.device_put(
-                np.array([first_layer + i, taken[key] + i], np.int32) if stacked else np.int32(first_layer + i), rep))
-                for i in range(0, n, k)]
+            layers, k = self.stacks[key], layers_per_call(n)
+            if isinstance(layers, MixedLayers):
+                self.calls += self._mixed_calls(stages, key, taken[key], n, k, first_layer, programs, kv)
+            else:
+                stacked = isinstance(layers, StackedLayers)
+                if (key, k) not in programs:
+                    programs[key, k] = self._layer_program(
+                        _stacked_in_order(stages.layer, k) if stacked else _layers_in_order(stages.layer),
+                        layers if stacked else layers[:k], kv)
+                self.calls += [_Call(programs[key, k], key, taken[key] + i, k, jax.device_put(
+                    np.array([first_layer + i, taken[key] + i], np.int32) if stacked else np.int32(first_layer + i),
+                    rep)) for i in range(0, n, k)]
             taken[key] += n
             first_layer += n
         # The first call of each program: what lowering a bucket compiles.
@@ -361,20 +356,25 @@ class LayeredStep:
             out_shardings=(rep, kv), donate_argnums=(2,))
         self.wide_seqs = wide_seqs  # see the module docstring
 
-    def _mixed_calls(self, stages: LayerStages, key: str, start: int, n: int, first_layer: int, programs: dict,
-                     kv: KVCache) -> list[_Call]:
+    def _layer_program(self, run: Any, weights: Any, kv: KVCache) -> Any:
+        """`run` (weights, carry, kv_cache, first, batch) jitted for weights placed as `weights` are,
+        the carry, `first` and the batch replicated, the cache donated."""
+        rep, placed = self.replicated, jax.tree.map(lambda a: a.sharding, weights)
+        return jax.jit(_unpacking(run, 4), in_shardings=(placed, rep, kv, rep, rep), out_shardings=(rep, kv),
+                       donate_argnums=(2,))
+
+    def _mixed_calls(self, stages: LayerStages, key: str, start: int, n: int, uniform: int, first_layer: int,
+                     programs: dict, kv: KVCache) -> list[_Call]:
         """The calls running layers start .. start + n - 1 of MixedLayers stack `key` (layer
-        first_layer of the model the first of them), a program per pattern of forms (in `programs`)."""
+        first_layer of the model the first of them; `uniform` layers a call in one form), a program
+        per pattern of forms (in `programs`)."""
         layers, calls = self.stacks[key], []
-        k = layers.per_call(start, n, layers_per_call(n))
+        k = layers.per_call(start, n, uniform)
         for i in range(start, start + n, k):
             pattern, forms = layers.pattern(i, k), layers.for_call(i, k)
             if (key, k, pattern) not in programs:
-                run = mixed_in_order(_layers_in_order(stages.layer), pattern)
-                programs[key, k, pattern] = jax.jit(
-                    _unpacking(run, 4), in_shardings=(jax.tree.map(lambda a: a.sharding, forms), self.replicated,
-                                                      kv, self.replicated, self.replicated),
-                    out_shardings=(self.replicated, kv), donate_argnums=(2,))
+                programs[key, k, pattern] = self._layer_program(
+                    mixed_in_order(_layers_in_order(stages.layer), pattern), forms, kv)
             first = np.array([first_layer + i - start, *layers.indices(i, k)], np.int32)
             calls.append(_Call(programs[key, k, pattern], key, i, k, jax.device_put(first, self.replicated), forms))
         logger.info("%s: %d layers in %d forms of weights (a stack each), %d a call, %d layer programs", key, n,

@@ -111,15 +111,18 @@ void Quantize(const float* x, int64_t M, int64_t K, int64_t block, bool sums16, 
       for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(in[i]));
       const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       int8_t* q = out.q.data() + r * K + b * block;
+      uint8_t* u = shifted ? out.shifted.data() + r * K + b * block : nullptr;
       int32_t qsum = 0;
-      for (int64_t i = 0; i < block; ++i) q[i] = static_cast<int8_t>(std::nearbyint(in[i] * inv)), qsum += q[i];
+      for (int64_t i = 0; i < block; ++i) {
+        q[i] = static_cast<int8_t>(std::nearbyint(in[i] * inv)), qsum += q[i];
+        if (u != nullptr) u[i] = static_cast<uint8_t>(q[i]) ^ 0x80;
+      }
       // The sum of the block as quantized (as llama.cpp's Q8_1 keeps it): the offsets then multiply
       // the same inputs as the values do, and a block's error is that of the weights' products with
       // the rounded inputs. With the float sum, the values' rounding error (their mean is far from
       // zero, the offset holding the weights' centre) went uncancelled: ~3x the logprob error.
       out.d[r * out.blocks + b] = d, out.sum[r * out.blocks + b] = d * static_cast<float>(qsum);
     }
-    for (int64_t i = 0; shifted && i < K; ++i) out.shifted[r * K + i] = static_cast<uint8_t>(out.q[r * K + i]) ^ 0x80;
     if (!sums16) continue;
     for (int64_t i = 0; i < K / 16; ++i) {
       const int8_t* q = out.q.data() + r * K + 16 * i;
