@@ -4,7 +4,7 @@ Multiplies x [rows, in] by enough distinct packed matrices of each shape (the de
 the 1B Llama's layer shapes) that they do not fit the caches, chained in one program, as a
 decode or prefill step meets them; best of N runs. Formats: float32 (runtime/ops/kernels/
 matmul.cc), bfloat16 (matmul_formats.cc), and int8 or 4-bit weights with int8 activations
-(matmul_dot.cc, GGUF's Q8_0, Q4_1, Q5_1 and Q6_K as servax serves them). Beside each rate, the
+(matmul_dot.cc, GGUF's Q8_0, Q4_1, Q4_K, Q5_1 and Q6_K as servax serves them). Beside each rate, the
 machine's float32 peak: NumPy's BLAS on a large square product (benchmarks/common.py matmul_flops_per_s).
 
     python benchmarks/matmul.py                      # float32 at 1, 8 and 32 rows
@@ -43,9 +43,16 @@ def packed(fmt: str, d_in: int, d_out: int, rng):
     if fmt == "q8_0":
         q = jnp.asarray(rng.integers(-127, 128, (d_in, d_out)), jnp.int8)
         return PackedWeight.pack_int8(q, scales).for_int8_activations()
-    if fmt == "q6_k":
-        q = jnp.asarray(rng.integers(-32, 32, (d_in, d_out)), jnp.int8)
-        return PackedWeight.pack_uint6(q, jnp.repeat(scales, 2, axis=0)).for_int8_activations()
+    if fmt in ("q4_k", "q6_k"):  # scales (offsets) as codes under a float16 super-scale per 256 inputs
+        per = 8 if fmt == "q4_k" else 16
+        d = jnp.asarray(rng.random((d_in // 256, d_out), dtype=np.float32) * 1e-3, jnp.float16).astype(jnp.float32)
+        codes = lambda low: jnp.asarray(rng.integers(low, 64, (d_in * per // 256, d_out)), jnp.float32)  # noqa: E731
+        if fmt == "q6_k":
+            q = jnp.asarray(rng.integers(-32, 32, (d_in, d_out)), jnp.int8)
+            return PackedWeight.pack_uint6(q, jnp.repeat(d, per, axis=0) * codes(-64), d).for_int8_activations()
+        q = jnp.asarray(rng.integers(0, 16, (d_in, d_out)), jnp.uint8)
+        return PackedWeight.pack_uint4(q, jnp.repeat(d, per, axis=0) * codes(0), -jnp.repeat(d, per, axis=0) * codes(0),
+                                       d, -d).for_int8_activations()
     if fmt == "q5_1":
         q = jnp.asarray(rng.integers(0, 32, (d_in, d_out)), jnp.uint8)
         return PackedWeight.pack_uint5(q, scales, -16 * scales).for_int8_activations()
@@ -56,7 +63,7 @@ def packed(fmt: str, d_in: int, d_out: int, rng):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", default="float32",
-                        help="comma-separated: float32, bfloat16, q8_0, q4_1, q5_1, q6_k")
+                        help="comma-separated: float32, bfloat16, q8_0, q4_1, q4_k, q5_1, q6_k")
     parser.add_argument("--rows", default="1,8,32", help="comma-separated rows of x (sequences of a decode step)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--shapes", default="", help="comma-separated INxOUT (default: the demo's and the 1B's layers)")

@@ -28,8 +28,8 @@ from models_jax.weights import (
     embedding, head_bias, join_outputs, linear, linear_from_heads, linear_to_heads, stacked, vector, zeros,
 )
 from runtime.ops.attention import NO_SLIDING_WINDOW, paged_attention
-from runtime.ops.matmul import (PackedWeight, mlp_block, mlp_block_fusable, norm_matmul, norm_matmul_fusable,
-                                pack_matrix)
+from runtime.ops.layer_fusions import mlp_block, mlp_block_fusable, norm_matmul, norm_matmul_fusable
+from runtime.ops.matmul import PackedWeight, pack_matrix
 from runtime.ops.quantization import transpose_matrix
 from runtime.ops.lora import LoRATarget
 from runtime.ops.step import KVCache, StepInput
@@ -220,7 +220,7 @@ def layer(
     fused_qkv, fused_block = _fusions(x, p, batch)
     h = x if fused_qkv else layers.rms_norm(x, p["input_norm"], a.rms_norm_eps)
     norm = p["input_norm"] if fused_qkv else None
-    if fused_block:  # o to the layer's end in one kernel call (runtime/ops/matmul.py)
+    if fused_block:  # o to the layer's end in one kernel call (runtime/ops/layer_fusions.py)
         out, kv_cache = attention_block(h, p, kv_cache, i, batch, cos, sin, a, window, project=False, norm=norm)
         mlp = p["mlp"]
         with jax.named_scope("o_mlp"):
@@ -238,10 +238,10 @@ FUSED_MAX_TOKENS = 16  # the largest step (padded tokens) that runs `_fusions`
 
 
 def _fusions(x: jax.Array, p: dict, batch: StepInput) -> tuple[bool, bool]:
-    """Which of the layer's ops run fused into the packed products' kernels (runtime/ops/matmul.py):
+    """Which of the layer's ops run fused into the packed products' kernels (runtime/ops/layer_fusions.py):
     (the input norm with the joined qkv projection: norm_matmul; o to the layer's end: mlp_block).
     Each needs its matrices packed for int8 activations, or taking float ones (float32 panels in a
-    one-token step only; see runtime.ops.matmul._fused_kernel_takes); neither runs with LoRA, the
+    one-token step only; see runtime.ops.layer_fusions._fused_kernel_takes); neither runs with LoRA, the
     block not with biases. Only for steps of at most FUSED_MAX_TOKENS tokens (decodes): with more
     rows XLA's own programs share the small ops over the cores, which the kernel's calling thread
     runs alone (benchmarks/RESULTS.md, stop 55)."""

@@ -260,10 +260,14 @@ def join_outputs(weights: list[Any]) -> Any | None:
     group_size = weights[0].group_size
     if group_size and any(w.group_axis % w.q.ndim != 0 for w in weights):
         return None
+    def joined(field: str) -> jax.Array | None:  # None unless every weight has it
+        parts = [getattr(w, field) for w in weights]
+        return None if any(a is None for a in parts) else jnp.concatenate([flat(a) for a in parts], axis=-1)
+
+    supers = all(w.super_scale is not None for w in weights)  # K-quants' codes (the offsets' too, if any)
     return QuantizedWeight(
-        jnp.concatenate([flat(w.q) for w in weights], axis=-1),
-        jnp.concatenate([flat(w.scale) for w in weights], axis=-1),
-        group_size=group_size, group_axis=-2 if group_size else -1,
-        offset=None if weights[0].offset is None else jnp.concatenate([flat(w.offset) for w in weights], axis=-1),
-        bits=max(w.bits for w in weights),  # 4-bit values are 5-bit ones too (6-bit ones join only their own)
+        joined("q"), joined("scale"), group_size=group_size, group_axis=-2 if group_size else -1,
+        offset=joined("offset"), bits=max(w.bits for w in weights),  # 4-bit values are 5-bit ones too (6-bit ones
+        super_scale=joined("super_scale") if supers else None,      # join only their own)
+        super_offset=joined("super_offset") if supers else None,
     )

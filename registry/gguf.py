@@ -36,15 +36,16 @@ from typing import Any
 from registry.errors import ModelLoadError
 from registry.gguf_tensors import (
     ARCHITECTURES, FIVE_BIT_TYPES, FOUR_BIT_TYPES, SIX_BIT_TYPES, GGUFArchitecture, architecture, check_tensor_types,
-    five_bit_parts, four_bit_parts, hf_names, hf_shape_dtype, hf_tensor, q8_0_parts, six_bit_parts,
-    write_safetensors,
+    K_QUANT_SUPERS, five_bit_parts, four_bit_parts, hf_names, hf_shape_dtype, hf_tensor, q8_0_parts, six_bit_parts,
+    super_scale_parts, write_safetensors,
 )
 
 GGUF_SUFFIX = ".gguf"
 MARKER = "servax_gguf.json"  # written last: a folder without it is incomplete
 # the folder's layout; a folder of another format is converted again (2: q8_0/ added, 3: q4/, 4: Q5/Q6
-# tensors requantized into q8_0/, 5: Q5 tensors as stored in q5/, only Q6_K requantized, 6: Q6_K as stored in q6/)
-FORMAT = 6
+# tensors requantized into q8_0/, 5: Q5 tensors as stored in q5/, only Q6_K requantized, 6: Q6_K as stored in q6/,
+# 7: K-quants' super-scales beside their scales)
+FORMAT = 7
 _MAGIC = b"GGUF"
 
 
@@ -123,7 +124,9 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, source: dict | None = None) 
     Writes config.json, generation_config.json, model.safetensors, the Q8_0 tensors as stored
     (q8_0/model.safetensors), the Q4_0 / Q4_1 / Q4_K tensors as stored (q4/model.safetensors:
     4-bit values one a byte, a scale and an offset per 32 inputs), the Q5_0 / Q5_1 / Q5_K ones
-    likewise (q5/), the tokenizer files (with the chat template) and, last, MARKER
+    likewise (q5/), the Q6_K ones (q6/: int8 values, a scale per 16 inputs; each K-quant with its
+    float16 super-scales per 256 inputs, `.super_scale` and `.super_offset`), the tokenizer files
+    (with the chat template) and, last, MARKER
     (a JSON note of the format, the source and the tensor types found).
 
     Raises:
@@ -186,7 +189,8 @@ def _write_as_stored(folder: Path, names: dict, kinds: tuple[str, ...], parts: C
                      arch: GGUFArchitecture, group: int = 32) -> int:
     """The matrices of `names` stored in one of `kinds` written as stored into folder/model.safetensors:
     values (uint8), a float32 scale and offset per 32 inputs (`parts` decodes them); with `group` 16
-    (Q6_K) int8 values and a scale per 16 inputs, no offsets. Returns how many."""
+    (Q6_K) int8 values and a scale per 16 inputs, no offsets; K-quants' float16 super-scales per 256
+    inputs too (their scales' and offsets' codes times them). Returns how many."""
     chosen = [(hf_name, tensor) for hf_name, tensor in names.items()
               if tensor.tensor_type.name in kinds and len(tensor.shape) >= 2]
     if chosen:
@@ -200,6 +204,12 @@ def _write_as_stored(folder: Path, names: dict, kinds: tuple[str, ...], parts: C
                         (hf_name + ".scale", groups, "F32", lambda part=part: part()[1])]
             if group == 32:
                 entries.append((hf_name + ".offset", groups, "F32", lambda part=part: part()[2]))
+            if tensor.tensor_type.name in K_QUANT_SUPERS:  # their scales' (offsets') super-scales
+                supers = (*shape[:-1], shape[-1] // 256)
+                sup = functools.lru_cache(1)(functools.partial(super_scale_parts, tensor, config, arch))
+                entries.append((hf_name + ".super_scale", supers, "F16", lambda sup=sup: sup()[0]))
+                if group == 32:
+                    entries.append((hf_name + ".super_offset", supers, "F16", lambda sup=sup: sup()[1]))
         write_safetensors(folder / "model.safetensors", entries)
     return len(chosen)
 

@@ -306,6 +306,22 @@ def six_bit_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.ndarray, n
     return _parts_in_hf_layout(tensor, config, arch, values.astype(np.int16) - 32, d * sc, None)
 
 
+K_QUANT_SUPERS = {"Q4_K": (144, 0, 2), "Q5_K": (176, 0, 2), "Q6_K": (210, 208, None)}  # bytes, d's and dmin's at
+
+
+def super_scale_parts(tensor, config, arch: GGUFArchitecture) -> tuple[np.ndarray, np.ndarray | None]:
+    """A K-quant tensor's float16 super-scales in Hugging Face layout [.., in / 256]: d, of which its
+    scales are the integer codes' multiples (`four_bit_parts`, `five_bit_parts`, `six_bit_parts`),
+    and -dmin likewise of its offsets (None for Q6_K, which has none)."""
+    size, at_d, at_dmin = K_QUANT_SUPERS[tensor.tensor_type.name]
+    blocks = np.asarray(tensor.data).reshape(-1, size)
+    shape, _ = hf_shape_dtype(tensor)
+    supers = (*shape[:-1], shape[-1] // 256)
+    d = blocks[:, at_d:at_d + 2].copy().view(np.float16).reshape(supers)
+    dmin = None if at_dmin is None else -blocks[:, at_dmin:at_dmin + 2].copy().view(np.float16).reshape(supers)
+    return tuple(None if a is None else _rows_in_hf_order(a, tensor, config, arch) for a in (d, dmin))
+
+
 def _block_scales(raw: np.ndarray, with_min: bool, body: int, centre: int) -> tuple[int, np.ndarray, np.ndarray,
                                                                                   np.ndarray]:
     """The blocks of 32 values of a Q4_0/Q4_1/Q5_0/Q5_1 tensor: (header bytes, blocks [n, header + body],

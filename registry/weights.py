@@ -77,34 +77,39 @@ FIVE_BIT_FOLDER = "q5"  # ... its Q5_0 / Q5_1 / Q5_K ones
 SIX_BIT_FOLDER = "q6"  # ... and its Q6_K ones
 
 
-def open_four_bit(path: Path, folder: str = FOUR_BIT_FOLDER) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def open_four_bit(path: Path, folder: str = FOUR_BIT_FOLDER, bits: int = 4) -> dict[str, tuple]:
     """A GGUF conversion's 4-bit tensors, as stored in the file: Hugging Face name -> (uint8
-    values 0..15 [out, in], float32 scales and offsets [out, in / 32]), memory-mapped; the
-    weight is value * scale + offset. Empty for any other folder."""
+    values 0..15 [out, in], float32 scales and offsets [out, in / 32], 4, supers), memory-mapped;
+    the weight is value * scale + offset. `supers`: a K-quant's float16 super-scales of its scales
+    and offsets [out, in / 256] (of which they are integer multiples), else None. Empty for any
+    other folder."""
     folder = Path(path) / folder
     if not folder.is_dir():
         return {}
     tensors = open_checkpoint(folder)
-    return {name: (tensors[name], tensors[name + ".scale"], tensors.get(name + ".offset"))
-            for name in tensors if not name.endswith((".scale", ".offset"))}
+    parts = (".scale", ".offset", ".super_scale", ".super_offset")
+    return {name: (tensors[name], tensors[name + ".scale"], tensors.get(name + ".offset"), bits,
+                   (tensors[name + ".super_scale"], tensors.get(name + ".super_offset"))
+                   if name + ".super_scale" in tensors else None)
+            for name in tensors if not name.endswith(parts)}
 
 
-def open_five_bit(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+def open_five_bit(path: Path) -> dict[str, tuple]:
     """A GGUF conversion's 5-bit tensors, as `open_four_bit` reads the 4-bit ones (values 0..31),
-    each marked 5: (values, scales, offsets, 5). Empty for any other folder."""
-    return {name: (*parts, 5) for name, parts in open_four_bit(path, FIVE_BIT_FOLDER).items()}
+    each marked 5: (values, scales, offsets, 5, supers). Empty for any other folder."""
+    return open_four_bit(path, FIVE_BIT_FOLDER, 5)
 
 
-def open_six_bit(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray, None, int]]:
+def open_six_bit(path: Path) -> dict[str, tuple]:
     """A GGUF conversion's Q6_K tensors, as stored in the file: Hugging Face name -> (int8 values
-    -32..31 [out, in], float32 scales [out, in / 16], None, 6), memory-mapped; the weight is value
-    * scale. Empty for any other folder."""
-    return {name: (*parts, 6) for name, parts in open_four_bit(path, SIX_BIT_FOLDER).items()}
+    -32..31 [out, in], float32 scales [out, in / 16], None, 6, (super-scales [out, in / 256],
+    None)), memory-mapped; the weight is value * scale. Empty for any other folder."""
+    return open_four_bit(path, SIX_BIT_FOLDER, 6)
 
 
 def stored_bits(parts: tuple) -> int:
     """The bits of a tensor as stored (`open_q8_0` 8, `open_four_bit` 4, `open_five_bit` 5, `open_six_bit` 6)."""
-    return {2: 8, 3: 4}.get(len(parts)) or parts[3]
+    return 8 if len(parts) == 2 else parts[3]
 
 
 def load_params(path: Path, table, mesh: Mesh, dtype,
@@ -184,10 +189,11 @@ def _one_layer(w: WeightSpec) -> WeightSpec:
 
 def _quantized(w: WeightSpec, stored: list[tuple], mesh: Mesh, dtype: Any
                ) -> tuple[QuantizedWeight, QuantizedWeight] | None:
-    """`w` from its tensors as stored, all of one kind (int8 blocks (q, scale); 4-bit (q, scale,
-    offset); 5- and 6-bit (q, scale, offset or None, bits)), as a QuantizedWeight and its partition
-    specs (int8 blocks' scales in `dtype`); None where the layout does not keep the groups whole (the
-    weight is then read as float)."""
+    """`w` from its tensors as stored, all of one kind (int8 blocks (q, scale); 4- to 6-bit (q,
+    scale, offset or None, bits, supers)), as a QuantizedWeight and its partition specs (int8 blocks'
+    scales in `dtype`; K-quants' super-scales where every tensor has them and the layout keeps
+    their 256 inputs whole); None where the layout does not keep the groups whole (the weight is
+    then read as float)."""
     bits = stored_bits(stored[0])
     group = 16 if bits == 6 else Q8_0_GROUP
     scales = w.group_scales(group)
@@ -199,8 +205,28 @@ def _quantized(w: WeightSpec, stored: list[tuple], mesh: Mesh, dtype: Any
     s = _place(scales, [parts[1] for parts in stored], mesh, s_spec, np.float32 if bits != 8 else dtype)
     o = _place(scales, [parts[2] for parts in stored], mesh, s_spec, np.float32) if offsets else None
     axis, bits = w.group_axis(), 0 if bits in (4, 8) else bits  # QuantizedWeight.bits: 5 or 6 only
-    return (QuantizedWeight(q, s, group, axis, offset=o, bits=bits),
-            QuantizedWeight(q_spec, s_spec, group, axis, offset=s_spec if offsets else None, bits=bits))
+    supers, super_specs = [None, None], [None, None]
+    spec_256 = w.group_scales(256) or _flat_super_scales(w)
+    if spec_256 is not None and all(len(parts) > 4 and parts[4] is not None for parts in stored):
+        super_specs[0] = super_specs[1] = spec_256.partition_spec(mesh)
+        for i in range(1 + offsets):
+            supers[i] = _place(spec_256, [parts[4][i] for parts in stored], mesh, super_specs[i], np.float32)
+        super_specs[1] = super_specs[1] if offsets else None
+    return (QuantizedWeight(q, s, group, axis, offset=o, bits=bits, super_scale=supers[0], super_offset=supers[1]),
+            QuantizedWeight(q_spec, s_spec, group, axis, offset=s_spec if offsets else None, bits=bits,
+                            super_scale=super_specs[0], super_offset=super_specs[1]))
+
+
+def _flat_super_scales(w: WeightSpec) -> WeightSpec | None:
+    """The spec of a matrix's K-quant super-scales where its native layout splits the inputs over
+    several axes and super-blocks across them (o_proj's [heads, head_dim, out] with heads of fewer
+    than 256 inputs): [in / 256, out], the inputs in the checkpoint's order (as runtime.ops.matmul's
+    pack_matrix flattens them), whole on every device (a few bytes a column). None where the
+    native layout's last axis is not the checkpoint's output axis."""
+    if len(w.hf_shape) != 2 or w.hf_shape[1] % 256 or w.repeat or not w.perm or w.perm[-1] != 0:
+        return None
+    return dataclasses.replace(w, hf_shape=(w.hf_shape[0], w.hf_shape[1] // 256), view=None, perm=(1, 0),
+                               logical_axes=(*w.logical_axes[:len(w.stacked_shape)], None, None))
 
 
 def _one_kind(w: WeightSpec, stored: list[tuple]) -> list[tuple]:
@@ -215,7 +241,7 @@ def _one_kind(w: WeightSpec, stored: list[tuple]) -> list[tuple]:
     if len(kinds) == 1:
         return stored
     if kinds <= {4, 5}:
-        return [(*parts[:3], 5) for parts in stored]
+        return [(*parts[:3], 5, *parts[4:]) for parts in stored]
     logger.info("%s: stored in different kinds by layer (%s bits); those not int8 blocks are requantized "
                 "to int8 blocks", w.hf_name, ", ".join(map(str, sorted(kinds))))
     return [parts if len(parts) == 2 else requantized_int8_blocks(*parts[:3]) for parts in stored]

@@ -84,8 +84,8 @@ def write_gguf(checkpoint: Path, out: Path, *, weight_type: str = "F32", arch: s
             array = llama_cpp_permute(array, heads if ".attn_q." in name else kv_heads)
         if array.ndim == 2 and weight_type == "F16":
             w.add_tensor(name, array.astype(np.float16))
-        elif array.ndim == 2 and weight_type == "Q6_K":  # which gguf's quantize does not write
-            w.add_tensor(name, q6_k_bytes(array), raw_dtype=T.Q6_K)
+        elif array.ndim == 2 and weight_type in ("Q4_K", "Q6_K"):  # which gguf's quantize does not write
+            w.add_tensor(name, (q4_k_bytes if weight_type == "Q4_K" else q6_k_bytes)(array), raw_dtype=T[weight_type])
         elif array.ndim == 2 and weight_type != "F32":
             w.add_tensor(name, gguf.quants.quantize(array, T[weight_type]), raw_dtype=T[weight_type])
         else:
@@ -112,6 +112,29 @@ def q6_k_bytes(w: np.ndarray) -> np.ndarray:
     qh = sum((q[:, :, c] >> 4) << (2 * c) for c in range(4))
     raw = np.concatenate([ql.reshape(-1, 128).astype(np.uint8), qh.reshape(-1, 64).astype(np.uint8), sc.view(np.uint8),
                           d.view(np.uint8).reshape(-1, 2)], axis=1)
+    return raw.reshape(w.shape[0], -1)
+
+
+def q4_k_bytes(w: np.ndarray) -> np.ndarray:
+    """w [rows, in] (in a multiple of 256) as Q4_K super-blocks [rows, in / 256 * 144] uint8 in
+    llama.cpp's layout (float16 d and dmin, 8 scale and 8 min codes of 6 bits in 12 bytes, 128
+    bytes of nibbles), by a plain quantizer: each 32 values' offset -min(0, their least) and scale
+    their span / 15, coded under d and dmin = the largest of each / 63."""
+    blocks = w.reshape(-1, 8, 32).astype(np.float32)
+    mins = np.maximum(0, -blocks.min(-1))
+    spans = (blocks.max(-1) + mins) / 15
+    d, dmin = ((a.max(-1) / 63).astype(np.float16) for a in (spans, mins))
+    def code(a: np.ndarray, under: np.ndarray) -> np.ndarray:
+        return np.clip(np.rint(a / np.where(under > 0, under.astype(np.float32), 1)[:, None]), 0, 63).astype(np.uint8)
+
+    sc, m = code(spans, d), code(mins, dmin)
+    step = np.where(sc > 0, d.astype(np.float32)[:, None] * sc, 1)[..., None]
+    q = np.clip(np.rint((blocks + (dmin.astype(np.float32)[:, None] * m)[..., None]) / step), 0, 15).astype(np.uint8)
+    codes = np.concatenate([(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
+                            (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], axis=1)
+    chunks = q.reshape(-1, 4, 2, 32)  # 64-value chunks: the low nibbles' 32 values, then the high ones'
+    qs = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(-1, 128)
+    raw = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), codes, qs], axis=1)
     return raw.reshape(w.shape[0], -1)
 
 
@@ -251,7 +274,8 @@ def test_four_bit_tensors_are_also_written_as_stored(tiny_checkpoint, gguf_dir, 
                                             weight_type=weight_type))
     stored = open_four_bit(path)
     assert set(stored) == {name for name, array in converted.items() if array.ndim == 2}
-    for name, (q, scale, offset) in stored.items():
+    for name, (q, scale, offset, _, supers) in stored.items():
+        assert supers is None  # Q4_0 / Q4_1: no super-blocks
         assert q.dtype == np.uint8 and q.max() <= 15 and scale.shape == offset.shape == (q.shape[0], q.shape[1] // 32)
         groups = q.reshape(q.shape[0], -1, 32).astype(np.float32)
         assert np.array_equal((groups * scale[..., None] + offset[..., None]).reshape(q.shape), converted[name]), name
@@ -264,7 +288,7 @@ def test_q4_k_blocks_decode_as_llama_cpp_dequantizes_them():
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from registry.gguf_tensors import four_bit_parts
+    from registry.gguf_tensors import four_bit_parts, super_scale_parts
 
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, (8, 144), dtype=np.uint8)  # 2 rows of 1024 values
@@ -274,6 +298,12 @@ def test_q4_k_blocks_decode_as_llama_cpp_dequantizes_them():
     q, scale, offset = four_bit_parts(tensor, None, types.SimpleNamespace(permuted_qk=False))
     dense = q.reshape(2, -1, 32).astype(np.float32) * scale[..., None] + offset[..., None]
     np.testing.assert_array_equal(dense.reshape(2, 1024), dequantize(raw, GGMLQuantizationType.Q4_K).reshape(2, 1024))
+    # the super-scales d and -dmin, of which the scales and offsets are the 6-bit codes' multiples
+    d, neg_dmin = super_scale_parts(tensor, None, types.SimpleNamespace(permuted_qk=False))
+    assert d.dtype == neg_dmin.dtype == np.float16 and d.shape == (2, 4) and (neg_dmin < 0).all()
+    for part, under in ((scale, d), (offset, neg_dmin)):
+        codes = part.reshape(2, 4, 8) / under.astype(np.float32)[..., None]
+        assert np.array_equal(codes, np.rint(codes)) and codes.min() >= 0 and codes.max() <= 63
 
 
 @pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q5_K"])
@@ -354,7 +384,7 @@ def test_quantization_gguf_serves_q6_k_as_stored(tmp_path_factory, gguf_dir, mix
     stored = open_six_bit(path)
     assert set(stored) == {name for name, array in converted.items() if array.ndim == 2 and gguf_name(name) not in raw}
     assert json.loads((path / "servax_gguf.json").read_text())["six_bit_tensors"] == len(stored)
-    for name, (q, scale, offset, bits) in stored.items():
+    for name, (q, scale, offset, bits, supers) in stored.items():
         assert bits == 6 and offset is None and q.dtype == np.int8 and scale.shape[-1] * 16 == q.shape[-1]
         got = q.reshape(q.shape[0], -1, 16).astype(np.float32) * scale[..., None]
         np.testing.assert_allclose(got.reshape(q.shape), converted[name], rtol=1e-6, atol=1e-9, err_msg=name)
@@ -386,6 +416,53 @@ def test_quantization_gguf_serves_q6_k_as_stored(tmp_path_factory, gguf_dir, mix
         assert np.mean(np.array(runs[name][2]) == np.array(runs["dequantized"][2])) >= 0.7, name
 
 
+def test_quantization_gguf_serves_k_quants_by_their_scale_codes(tmp_path_factory, gguf_dir):
+    """A Q4_K file (a 256-wide Llama, its embedding tied to the head; the test's own Q4_K writer,
+    within half a step of gguf's dequantization): conversion writes each matrix's float16 d and
+    -dmin per 256 inputs beside its scales and offsets, and quantization="gguf" packs the scale and
+    min codes under them (matmul_dot.cc CodedScales: uint8) wherever a matrix's inputs keep
+    super-blocks (q/k/v, gate/up, down, the tied head, and o, whose heads of 64 inputs split them, by
+    super-scales over its inputs flattened):
+    logprobs close to the dequantized file's as for any 4-bit weights; with int8_activations=False
+    the float-activation kernel's (float32 scales, the super-scales dropped) equal to them."""
+    from app import LLM
+    from registry.tiny import make_tiny_checkpoint
+    from registry.weights import open_four_bit
+
+    checkpoint = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("wide") / "llama", hidden_size=256,
+                                      intermediate_size=512, tie_word_embeddings=True, initializer_range=0.1)
+    gguf_file = write_gguf(checkpoint, gguf_dir / "wide-Q4_K.gguf", weight_type="Q4_K")
+    path, converted = _converted(gguf_file)
+    stored = open_four_bit(path)
+    assert set(stored) == {name for name, array in converted.items() if array.ndim == 2}
+    for name, (q, scale, offset, bits, (d, neg_dmin)) in stored.items():
+        assert d.shape == neg_dmin.shape == (q.shape[0], q.shape[1] // 256)
+        for part, under in ((scale, d), (offset, neg_dmin)):
+            under = np.broadcast_to(under.astype(np.float32)[..., None], (q.shape[0], q.shape[1] // 256, 8))
+            codes = np.divide(part.reshape(under.shape), under, out=np.zeros(under.shape, np.float32), where=under != 0)
+            assert np.array_equal(codes, np.rint(codes)) and codes.max() <= 63, name  # (zero rows: d = 0)
+    prompt = [(7 * i + 3) % 500 + 4 for i in range(60)]
+    runs = {}
+    for name, quantization, int8_activations in (("dequantized", None, False), ("float", "gguf", False),
+                                                 ("4-bit", "gguf", None)):
+        llm = LLM(model=str(gguf_file), quantization=quantization, max_model_len=128, max_num_seqs=4,
+                  max_num_batched_tokens=32, show_progress=False, compilation_cache_dir="",
+                  int8_activations=int8_activations)
+        runs[name] = (llm, *teacher_forced(llm, prompt))
+        assert llm.engine.stats().compilations_since_warmup == 0
+    params = runs["4-bit"][0].engine.model.params
+    for layer in params["layers"]:
+        coded = (layer["qkv"], layer["o"], *layer["mlp"].values())
+        assert all(w.format == "uint4" and w.dot and w.scales.dtype == w.offsets.dtype == np.uint8 for w in coded)
+    assert params["embed"].scales.dtype == np.uint8  # tied: the embedding's rows decoded from the codes
+    float_params = runs["float"][0].engine.model.params
+    assert float_params["layers"][0]["mlp"]["gate_up"].super_scales is None
+    np.testing.assert_allclose(runs["float"][1], runs["dequantized"][1], atol=2e-4)
+    diff = np.abs(runs["4-bit"][1] - runs["dequantized"][1])  # int8 activations
+    assert diff.max() < 0.3 and diff.mean() < 0.1, (diff.max(), diff.mean())
+    assert np.mean(np.array(runs["4-bit"][2]) == np.array(runs["dequantized"][2])) >= 0.7
+
+
 @pytest.mark.parametrize("weight_type", quick_loop_keeps(["Q5_0", "Q5_1"], "Q5_0"))
 def test_quantization_gguf_serves_q5_tensors_as_stored(tiny_checkpoint, gguf_dir, weight_type):
     """A Q5_0 / Q5_1 file: conversion writes its matrices into q5/ as stored (5-bit values, a scale
@@ -404,7 +481,7 @@ def test_quantization_gguf_serves_q5_tensors_as_stored(tiny_checkpoint, gguf_dir
     assert set(stored) == {name for name, array in converted.items() if array.ndim == 2} and not open_q8_0(path)
     marker = json.loads((path / "servax_gguf.json").read_text())
     assert marker["five_bit_tensors"] == len(stored) and marker["six_bit_tensors"] == 0
-    for name, (q, scale, offset, bits) in stored.items():
+    for name, (q, scale, offset, bits, supers) in stored.items():
         assert bits == 5 and q.dtype == np.uint8 and q.max() <= 31
         got = q.reshape(q.shape[0], -1, 32).astype(np.float32) * scale[..., None] + offset[..., None]
         np.testing.assert_allclose(got.reshape(q.shape), converted[name], rtol=1e-6, atol=1e-7, err_msg=name)

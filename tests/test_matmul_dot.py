@@ -39,7 +39,11 @@ def quantized_rows(x: np.ndarray, block: int) -> np.ndarray:
 
 
 def _weights(fmt: str, d_in: int, d_out: int, groups: int, rng) -> tuple[PackedWeight, np.ndarray, np.ndarray | None]:
-    """(packed weight, its scaled values without offsets [in, out] float64, offsets per input or None)."""
+    """(packed weight, its scaled values without offsets [in, out] float64, offsets per input or None).
+    fmt "<format>-k": a K-quant's, scales (and offsets) integer codes times a float16 super-scale per
+    256 inputs (Q4_K's and Q5_K's 6-bit codes, Q6_K's int8 ones under a super-scale of either sign)."""
+    if fmt.endswith("-k"):
+        return _k_quant_weights(fmt[:-2], d_in, d_out, groups, rng)
     scales = rng.uniform(0.001, 0.02, (groups, d_out)).astype(np.float32)
     if groups > 1:  # blocks of 32 inputs, as a GGUF file stores them: half-precision scales
         scales = scales.astype(np.float16).astype(np.float32)
@@ -58,6 +62,26 @@ def _weights(fmt: str, d_in: int, d_out: int, groups: int, rng) -> tuple[PackedW
     return packed, q * per_input(scales), per_input(offsets)
 
 
+def _k_quant_weights(fmt: str, d_in: int, d_out: int, groups: int, rng) -> tuple[PackedWeight, np.ndarray,
+                                                                                  np.ndarray | None]:
+    supers = d_in // 256
+    super_scale = lambda: rng.uniform(2e-4, 1e-3, (supers, d_out)).astype(np.float16)  # noqa: E731
+    under = lambda d, codes: np.repeat(d.astype(np.float32), groups // supers, axis=0) * codes  # noqa: E731
+    per_input = lambda a: np.repeat(a, d_in // groups, axis=0).astype(np.float64)  # noqa: E731
+    if fmt == "uint6":
+        d = super_scale() * rng.choice(np.array([-1, 1], np.float16), (supers, d_out))
+        q, scales = rng.integers(-32, 32, (d_in, d_out)), under(d, rng.integers(-128, 128, (groups, d_out)))
+        packed = PackedWeight.pack_uint6(jnp.asarray(q, jnp.int8), jnp.asarray(scales), jnp.asarray(d))
+        return packed, q * per_input(scales), None
+    d, dmin = super_scale(), super_scale()
+    q = rng.integers(0, 32 if fmt == "uint5" else 16, (d_in, d_out))
+    scales, offsets = under(d, rng.integers(0, 64, (groups, d_out))), -under(dmin, rng.integers(0, 64, (groups, d_out)))
+    pack = PackedWeight.pack_uint5 if fmt == "uint5" else PackedWeight.pack_uint4
+    packed = pack(jnp.asarray(q, jnp.uint8), jnp.asarray(scales), jnp.asarray(offsets), jnp.asarray(d),
+                  jnp.asarray(-dmin))
+    return packed, q * per_input(scales), per_input(offsets)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 70])
 @pytest.mark.parametrize("fmt,d_in,d_out,groups", [
     ("int8", 64, 1000, 1),  # per output channel: blocks of 32
@@ -70,16 +94,21 @@ def _weights(fmt: str, d_in: int, d_out: int, groups: int, rng) -> tuple[PackedW
     ("uint6", 128, 50, 8),  # groups of 16 (GGUF Q6_K): two scales a block of 32
     ("uint6", 48, 20, 3),  # 32 does not divide the inputs: one block of 48, three scales
     ("int8", 1056, 17, 33), ("uint4", 2080, 24, 65), ("uint6", 2112, 20, 132),  # the inputs of real layers
+    # K-quants (Q4_K, Q5_K, Q6_K): their scales (offsets) as codes under a super-scale per 256 inputs
+    ("uint4-k", 512, 50, 16), ("uint5-k", 768, 33, 24), ("uint6-k", 512, 40, 32), ("uint4-k", 2048, 24, 64),
 ])
 def test_int8_activation_products_match_the_quantized_oracle(fmt, d_in, d_out, groups, rows):
     rng = np.random.default_rng(rows * 7 + d_out)
     packed, scaled, offsets = _weights(fmt, d_in, d_out, groups, rng)
-    dot = packed.for_int8_activations()
+    dot, fmt = packed.for_int8_activations(), fmt.removesuffix("-k")
     assert dot.dot and dot.format == fmt and dot.shape == (d_in, d_out)
     assert dot.panels.shape == (-(-d_out // 16), d_in // 4, {"uint4": 32, "uint5": 40, "uint6": 48, "int8": 64}[fmt])
-    # blocks of 32 keep their scales (and offsets) in half precision, per-channel scales in float32
-    half = jnp.float16 if groups > 1 else jnp.float32
-    assert dot.scales.dtype == half and (dot.offsets is None or dot.offsets.dtype == half)
+    # blocks of 32 keep their scales (and offsets) in half precision, per-channel scales in float32, K-quants codes
+    half = (jnp.int8 if fmt == "uint6" else jnp.uint8) if packed.super_scales is not None else (
+        jnp.float16 if groups > 1 else jnp.float32)
+    assert dot.scales.dtype == half and (dot.offsets is None or dot.offsets.dtype == half) and dot.super_scales is None
+    for stored, kept in zip(dot.group_scales(), (packed.scales, packed.offsets)):  # exactly, codes or halves
+        assert kept is None if stored is None else np.array_equal(np.asarray(stored), np.asarray(kept))
     x = rng.standard_normal((rows, d_in)).astype(np.float32)
     valid = max(rows - 1, 1)
     got = np.asarray(jax.jit(lambda x, w: w.matmul(x, valid))(jnp.asarray(x), dot))

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from runtime.ops.cpu_kernels import kernel_status
-from runtime.ops.matmul import PackedWeight, mlp_block, mlp_block_fusable, norm_matmul, norm_matmul_fusable
+from runtime.ops.layer_fusions import mlp_block, mlp_block_fusable, norm_matmul, norm_matmul_fusable
+from runtime.ops.matmul import PackedWeight
 from runtime.ops.stacked import stack
 from test_matmul_dot import _weights
 

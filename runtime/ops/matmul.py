@@ -24,10 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from runtime.ops.quantization import QuantizedWeight, quantize_int8
-from runtime.ops.cpu_kernels import (BF16_MATMUL_TARGET, DOT_MLP_BLOCK_TARGET, DOT_NORM_MATMUL_TARGET,
-                                     GROUPED_MATMUL_TARGET, INT8_DOT_TARGET, INT8_MATMUL_TARGET, MATMUL_TARGET,
-                                     MLP_BLOCK_TARGET, NORM_MATMUL_TARGET, UINT4_DOT_TARGET, UINT4_MATMUL_TARGET,
-                                     cpu_flags, kernel_available, kernel_library, kernel_status)
+from runtime.ops.cpu_kernels import (BF16_MATMUL_TARGET, GROUPED_MATMUL_TARGET, INT8_DOT_TARGET, INT8_MATMUL_TARGET,
+                                     MATMUL_TARGET, UINT4_DOT_TARGET, UINT4_MATMUL_TARGET, cpu_flags, kernel_available,
+                                     kernel_library, kernel_status)
 
 PANEL = 16  # output columns per packed panel (runtime/ops/kernels/matmul.cc kPanel)
 
@@ -64,12 +63,19 @@ class PackedWeight:
     - uint8 panels [.., in, 16] of 6-bit values q, one a byte, with `scales` and no offsets:
       w = (q - 32) * scale, a scale per 16 inputs (GGUF's Q6_K as stored), likewise.
 
+    GGUF's K-quants (Q4_K, Q5_K, Q6_K) also keep the super-scales their scales (and offsets) are
+    integer multiples of, `super_scales` (`super_offsets`) [panels, G / per, 16] for `per` groups a
+    super-block of 256 inputs.
+
     With `dot` (`for_int8_activations`), int8, 4- and 5-bit panels are laid out for products with
     the activations quantized to int8 (runtime/ops/kernels/matmul_dot.cc): their inputs in
     quads, panels [.., in / 4, 64] int8 (16 columns x 4 inputs, column-major), [.., in / 4, 32]
     uint8 (columns 0-7 in the low nibbles, 8-15 in the high ones), [.., in / 4, 40] uint8 (those
     32 bytes, then the values' fifth bits, 32 for the low nibbles' and 32 for the high ones') or
-    [.., in / 4, 48] uint8 (then their sixth bits likewise), the same scales and offsets.
+    [.., in / 4, 48] uint8 (then their sixth bits likewise), the same scales and offsets; K-quants'
+    scales and offsets become their codes, uint8 (int8 for Q6_K) [.., G / per * (per + 2), 16]: each
+    super-block's `per` rows of 16 codes, then its 16 float16 super-scales as 32 bytes
+    (matmul_dot.cc CodedScales; `group_scales` decodes them).
 
     Stacked (runtime/ops/stacked.py), panels, scales and offsets have a leading layer axis
     [L, ...], and `at_layer(i)` is the matrix of layer i: `layer` set, which the kernels read
@@ -82,6 +88,8 @@ class PackedWeight:
     offsets: jax.Array | None = None
     dot: bool = flax.struct.field(pytree_node=False, default=False)
     layer: jax.Array | None = None  # of stacked panels: the layer this matrix is (int32 scalar)
+    super_scales: jax.Array | None = None  # K-quants' until laid out for int8 activations
+    super_offsets: jax.Array | None = None
 
     @classmethod
     def pack(cls, w: jax.Array) -> "PackedWeight":
@@ -95,29 +103,34 @@ class PackedWeight:
         return cls(_panels(q), q.shape[1], _panels(scales.astype(jnp.float32)))
 
     @classmethod
-    def pack_uint5(cls, q: jax.Array, scales: jax.Array, offsets: jax.Array) -> "PackedWeight":
+    def pack_uint5(cls, q: jax.Array, scales: jax.Array, offsets: jax.Array, super_scales: jax.Array | None = None,
+                   super_offsets: jax.Array | None = None) -> "PackedWeight":
         """q [in, out] holding values 0..31 (any integer dtype) with scales and offsets [G, out]:
-        w = q * scale + offset of its group (GGUF's Q5_0, Q5_1 and Q5_K as stored). One value a
-        byte until laid out for int8 activations (`for_int8_activations`), the only products
-        5-bit values have; `for_float_activations` requantizes them to int8 blocks of 32."""
+        w = q * scale + offset of its group (GGUF's Q5_0, Q5_1 and Q5_K as stored; Q5_K's
+        super-scales [in / 256, out], see the class). One value a byte until laid out for int8
+        activations (`for_int8_activations`), the only products 5-bit values have;
+        `for_float_activations` requantizes them to int8 blocks of 32."""
         return cls(_panels(q.astype(jnp.uint8)), q.shape[1], _panels(scales.astype(jnp.float32)),
-                   _panels(offsets.astype(jnp.float32)))
+                   _panels(offsets.astype(jnp.float32)), **_super_panels(super_scales, super_offsets))
 
     @classmethod
-    def pack_uint6(cls, q: jax.Array, scales: jax.Array) -> "PackedWeight":
+    def pack_uint6(cls, q: jax.Array, scales: jax.Array, super_scales: jax.Array | None = None) -> "PackedWeight":
         """q [in, out] holding values -32..31 (any integer dtype) with scales [G, out]: w = q * scale
-        of its group (GGUF's Q6_K as stored, groups of 16), kept as q + 32. Multiplied as 5-bit
-        values are (`pack_uint5`); `for_float_activations` gives them as int8 panels."""
+        of its group (GGUF's Q6_K as stored, groups of 16, super-scales [in / 256, out]), kept as q +
+        32. Multiplied as 5-bit values are (`pack_uint5`); `for_float_activations` gives them as
+        int8 panels."""
         values = (q.astype(jnp.int16) + 32).astype(jnp.uint8)
-        return cls(_panels(values), q.shape[1], _panels(scales.astype(jnp.float32)))
+        return cls(_panels(values), q.shape[1], _panels(scales.astype(jnp.float32)), **_super_panels(super_scales))
 
     @classmethod
-    def pack_uint4(cls, q: jax.Array, scales: jax.Array, offsets: jax.Array) -> "PackedWeight":
+    def pack_uint4(cls, q: jax.Array, scales: jax.Array, offsets: jax.Array, super_scales: jax.Array | None = None,
+                   super_offsets: jax.Array | None = None) -> "PackedWeight":
         """q [in, out] holding values 0..15 (any integer dtype) with scales and offsets [G, out]:
-        w = q * scale + offset of its group."""
+        w = q * scale + offset of its group (Q4_K's super-scales [in / 256, out], see the class)."""
         panels = _panels(q.astype(jnp.uint8))
         nibbles = panels[..., :PANEL // 2] | (panels[..., PANEL // 2:] << 4)
-        return cls(nibbles, q.shape[1], _panels(scales.astype(jnp.float32)), _panels(offsets.astype(jnp.float32)))
+        return cls(nibbles, q.shape[1], _panels(scales.astype(jnp.float32)), _panels(offsets.astype(jnp.float32)),
+                   **_super_panels(super_scales, super_offsets))
 
     def for_int8_activations(self) -> "PackedWeight":
         """The same weights laid out for products with int8-quantized activations (`dot`), where
@@ -125,9 +138,9 @@ class PackedWeight:
         of 16), or per-channel scales on inputs in quads; else self.
 
         Grouped scales and offsets (GGUF's blocks: Q8_0, Q4 and Q5 types per 32 inputs, Q6_K per
-        16) are kept in float16, as the file stores them (Q4_K's, Q5_K's and Q6_K's, products of a
-        half scale and a small code, rounded to the nearest half: below the int8 activations' own
-        rounding); per-channel scales stay float32."""
+        16) are kept in float16, as the file stores them, or where they come with super-scales
+        (K-quants, inputs a multiple of 256) as the file's codes under them (exactly); per-channel
+        scales stay float32."""
         assert self.panels.ndim == 3, "lay out each layer's matrices before stacking them"
         d_in = self.shape[0]
         group = d_in // self.scales.shape[1] if self.scales is not None else 0
@@ -139,6 +152,11 @@ class PackedWeight:
         scaled = {"scales": self.scales.astype(jnp.float16)} if half_scales else {}
         if self.offsets is not None and half_scales:
             scaled["offsets"] = self.offsets.astype(jnp.float16)
+        if self.super_scales is not None and d_in % SUPER_BLOCK == 0 and half_scales:  # K-quants: their codes
+            scaled = {"scales": _coded(self.scales, self.super_scales, jnp.int8 if fmt == "uint6" else jnp.uint8),
+                      "super_scales": None, "super_offsets": None}
+            if self.offsets is not None:
+                scaled["offsets"] = _coded(self.offsets, self.super_offsets, jnp.uint8)
         values = _nibbles(self.panels) if fmt == "uint4" else self.panels  # [P, in, 16]
         quads = values.reshape(values.shape[0], d_in // 4, 4, PANEL).transpose(0, 1, 3, 2)  # [P, in/4, 16, 4]
         if fmt == "int8":
@@ -158,6 +176,8 @@ class PackedWeight:
         products read) requantized to int8 blocks of 32 inputs (a float32 scale each, the block's
         largest |weight| / 127: each weight within 1/254 of it), 6-bit ones as int8 values (exactly);
         any other as it is."""
+        if self.super_scales is not None and not self.dot:  # read by the int8-activation products only
+            return self.replace(super_scales=None, super_offsets=None).for_float_activations()
         if self.format not in ("uint5", "uint6") or self.dot:
             return self
         assert self.panels.ndim == 3, "lay out each layer's matrices before stacking them"
@@ -207,7 +227,7 @@ class PackedWeight:
                              "for_int8_activations(), or convert them with for_float_activations()")
         if not kernel_available(kernel):
             raise RuntimeError(f"the CPU {kernel} kernel is not available: {kernel_status(kernel)}")
-        meta = _meta(x, valid_rows, self.layer)
+        meta = kernel_meta(x, valid_rows, self.layer)
         target = ({"int8": INT8_DOT_TARGET, "uint4": UINT4_DOT_TARGET, "uint5": UINT4_DOT_TARGET,
                    "uint6": UINT4_DOT_TARGET} if self.dot else
                   {"float32": MATMUL_TARGET, "bfloat16": BF16_MATMUL_TARGET, "int8": INT8_MATMUL_TARGET,
@@ -246,85 +266,23 @@ class PackedWeight:
                 for plane in range(bits.shape[-1] // 64):
                     q = q | (gather(bits, at + 32 * upper[:, :, None] + 64 * plane) << (4 + plane))
         q = q.astype(jnp.float32) - (32 if fmt == "uint6" else 0)
-        group = self.shape[0] // self.scales.shape[1]
-        scale = jnp.repeat(self.scales[p, :, j].astype(jnp.float32), group, axis=1)
-        if self.offsets is None:
+        scales, offsets = self.group_scales()
+        group = self.shape[0] // scales.shape[1]
+        scale = jnp.repeat(scales[p, :, j], group, axis=1)
+        if offsets is None:
             return q * scale
-        return q * scale + jnp.repeat(self.offsets[p, :, j].astype(jnp.float32), group, axis=1)
+        return q * scale + jnp.repeat(offsets[p, :, j], group, axis=1)
+
+    def group_scales(self) -> tuple[jax.Array, jax.Array | None]:
+        """The scales and offsets (None where there are none) as float32 [(L,) panels, G, 16],
+        K-quant codes multiplied out."""
+        return tuple(None if a is None else _decoded(a, self.shape[0]) for a in (self.scales, self.offsets))
 
 
-def _fused_kernel_takes(matrices: tuple, rows: int) -> bool:
-    """Whether a kernel's fused calls (`mlp_block`, `norm_matmul`) take these matrices for `rows` rows
-    of activations: matmul_dot's where every one is packed for int8 activations (PackedWeight.dot),
-    matmul_formats' where every one takes float activations (bfloat16, int8 or 4-bit panels; and
-    float32 ones for a single row: with more, matmul.cc's own float32 products, 512-bit where the
-    CPU has AVX-512, beat the formats kernel's: benchmarks/RESULTS.md, stop 56); not a mix of the
-    two layouts, a matrix not packed, or a kernel not built."""
-    if not all(isinstance(m, PackedWeight) for m in matrices):
-        return False
-    if all(m.dot for m in matrices):
-        return kernel_available("matmul_dot")
-    if any(m.dot or (m.format == "float32" and rows > 1) or m.format in ("uint5", "uint6") for m in matrices):
-        return False
-    return kernel_available("matmul_formats")
-
-
-def _operands(m: PackedWeight) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A packed matrix as the fused calls take it: panels, scales, offsets (empty where it has none)."""
-    none = jnp.zeros((0,), jnp.float32)
-    return m.panels, none if m.scales is None else m.scales, none if m.offsets is None else m.offsets
-
-
-def mlp_block_fusable(x: jax.Array, o: object, gate_up: object, down: object) -> bool:
-    """Whether `mlp_block` takes this layer: float32 activations, and o, gate_up (gate and up side
-    by side) and down packed for one of its kernels (all for int8 activations, or all taking float
-    ones; see _fused_kernel_takes) with matching shapes, either all of one stacked layer or none stacked."""
-    w = (o, gate_up, down)
-    if x.dtype != jnp.float32 or not _fused_kernel_takes(w, x.shape[0]):
-        return False
-    if len({m.layer is None for m in w}) != 1 or len({m.panels.ndim for m in w}) != 1:
-        return False
-    d, f = o.shape[1], gate_up.shape[1] // 2
-    return x.shape[-1] == d and gate_up.shape == (d, 2 * f) and down.shape == (f, d)
-
-
-def mlp_block(attn: jax.Array, x: jax.Array, o: PackedWeight, norm: jax.Array, eps: float,
-              gate_up: PackedWeight, down: PackedWeight, valid_rows: jax.Array | int | None = None) -> jax.Array:
-    """The second half of a pre-norm decoder layer in one call of a C++ kernel
-    (runtime/ops/kernels/layer_fusions.h): x1 = x + attn @ o, then x1 + down(silu(gate) * up) with
-    [gate, up] = rms_norm(x1) @ gate_up: what the layer computes op by op, each product as
-    PackedWeight.matmul computes it (with int8 activations where the matrices are laid out for
-    them). attn [M, in of o] and x [M, D] float32; norm [D]; with `valid_rows` only that many
-    leading rows are multiplied (the rest come out as x). Only where `mlp_block_fusable`."""
-    meta = _meta(x, valid_rows, o.layer)
-    operands = [attn.astype(jnp.float32), x, *_operands(o), norm.astype(jnp.float32), *_operands(gate_up),
-                *_operands(down), meta]
-    target = DOT_MLP_BLOCK_TARGET if o.dot else MLP_BLOCK_TARGET
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, jnp.float32))
-    return call(*operands, eps=np.float32(eps), intermediate=np.int64(down.shape[0]))
-
-
-def norm_matmul_fusable(x: jax.Array, w: object) -> bool:
-    """Whether `norm_matmul` takes x and w: float32 x [M, in of w], w packed for one of its kernels
-    (see _fused_kernel_takes)."""
-    return x.dtype == jnp.float32 and _fused_kernel_takes((w,), x.shape[0]) and x.shape[-1] == w.shape[0]
-
-
-def norm_matmul(x: jax.Array, norm: jax.Array, eps: float, w: PackedWeight,
-                valid_rows: jax.Array | int | None = None) -> jax.Array:
-    """rms_norm(x, norm, eps) @ w in one call of a C++ kernel (runtime/ops/kernels/layer_fusions.h):
-    what the norm and `w.matmul` compute, without the norm's small programs between. Rows past
-    `valid_rows` give zeros. Only where `norm_matmul_fusable`."""
-    meta = _meta(x, valid_rows, w.layer)
-    target = DOT_NORM_MATMUL_TARGET if w.dot else NORM_MATMUL_TARGET
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.panels.shape[-3] * PANEL), jnp.float32))
-    y = call(x, norm.astype(jnp.float32), *_operands(w), meta, eps=np.float32(eps))
-    return y if y.shape[1] == w.out_features else y[:, :w.out_features]
-
-
-def _meta(x: jax.Array, valid_rows: jax.Array | int | None, layer: jax.Array | None) -> jax.Array:
-    """The kernels' int32 operand `meta`: [valid rows] (x's rows where None), and the layer of a
-    stacked operand after it (runtime/ops/kernels/panels.h ViewLayer)."""
+def kernel_meta(x: jax.Array, valid_rows: jax.Array | int | None, layer: jax.Array | None) -> jax.Array:
+    """The kernels' int32 operand `meta` (here and in runtime/ops/layer_fusions.py): [valid rows]
+    (x's rows where None), and the layer of a stacked operand after it (runtime/ops/kernels/panels.h
+    ViewLayer)."""
     rows = jnp.reshape(jnp.asarray(x.shape[0] if valid_rows is None else valid_rows, jnp.int32), (1,))
     return rows if layer is None else jnp.concatenate([rows, jnp.reshape(layer, (1,))])
 
@@ -332,6 +290,41 @@ def _meta(x: jax.Array, valid_rows: jax.Array | int | None, layer: jax.Array | N
 def is_packed(x: object) -> bool:
     """Whether x is a PackedWeight (an `is_leaf` for tree functions that treat one as a whole)."""
     return isinstance(x, PackedWeight)
+
+
+SUPER_BLOCK = 256  # inputs per K-quant super-scale (matmul_dot.cc kSuperBlock)
+
+
+def _super_panels(super_scales: jax.Array | None, super_offsets: jax.Array | None = None) -> dict:
+    """K-quants' super-scales (and offsets') [in / 256, out] as PackedWeight's fields (panels)."""
+    return {name: _panels(a.astype(jnp.float32)) for name, a in
+            (("super_scales", super_scales), ("super_offsets", super_offsets)) if a is not None}
+
+
+def _coded(scales: jax.Array, supers: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Scales [P, G, 16] that are integer multiples of their super-scales [P, S, 16] (a super-block
+    of per = G / S groups) as matmul_dot.cc's CodedScales: [P, S * (per + 2), 16] of `dtype`, each
+    super-block's per rows of codes, then its float16 super-scales' 32 bytes."""
+    p, groups, _ = scales.shape
+    blocks = supers.shape[1]
+    per, under = groups // blocks, supers.reshape(p, blocks, 1, PANEL)
+    codes = jnp.round(scales.reshape(p, blocks, per, PANEL) / jnp.where(under == 0, 1, under))
+    halves = jax.lax.bitcast_convert_type(supers.astype(jnp.float16), dtype)  # [P, S, 16, 2]: the bytes in order
+    return jnp.concatenate([codes.astype(dtype), halves.reshape(p, blocks, 2, PANEL)], axis=2).reshape(
+        p, blocks * (per + 2), PANEL)
+
+
+def _decoded(scales: jax.Array, d_in: int) -> jax.Array:
+    """Scales or offsets [.., rows, 16] as float32 [.., G, 16]: K-quant codes (`_coded`) multiplied
+    out, any other as it is."""
+    if scales.dtype not in (jnp.uint8, jnp.int8):
+        return scales.astype(jnp.float32)
+    lead, blocks = scales.shape[:-2], d_in // SUPER_BLOCK
+    per = scales.shape[-2] // blocks - 2
+    rows = scales.reshape(*lead, blocks, per + 2, PANEL)
+    supers = jax.lax.bitcast_convert_type(rows[..., per:, :].reshape(*lead, blocks, PANEL, 2), jnp.float16)
+    return (rows[..., :per, :].astype(jnp.float32) * supers[..., None, :].astype(jnp.float32)).reshape(
+        *lead, blocks * per, PANEL)
 
 
 def _nibbles(packed: jax.Array) -> jax.Array:
@@ -400,10 +393,11 @@ def pack_matrix(w: object, inputs: int = 1) -> object:
         return PackedWeight.pack(w.reshape(-1, w.shape[-1]))
     q, groups = w.q.reshape(-1, w.shape[-1]), _input_groups(w)
     scale = w.scale.reshape(groups, w.shape[-1])
+    supers = [None if a is None else a.reshape(-1, w.shape[-1]) for a in (w.super_scale, w.super_offset)]
     if w.offset is None:
-        return PackedWeight.pack_uint6(q, scale) if w.bits == 6 else PackedWeight.pack_int8(q, scale)
+        return PackedWeight.pack_uint6(q, scale, supers[0]) if w.bits == 6 else PackedWeight.pack_int8(q, scale)
     pack = PackedWeight.pack_uint5 if w.bits == 5 else PackedWeight.pack_uint4
-    return pack(q, scale, w.offset.reshape(groups, w.shape[-1]))
+    return pack(q, scale, w.offset.reshape(groups, w.shape[-1]), *supers)
 
 
 def _input_groups(w: QuantizedWeight) -> int | None:

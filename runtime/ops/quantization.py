@@ -52,6 +52,13 @@ class QuantizedWeight:
     offset: jax.Array | None = None  # as scale: w ~= q * scale + offset (GGUF's 4- and 5-bit blocks)
     # 5: 5-bit values (GGUF's Q5 types); 6: int8 values -32..31 (GGUF's Q6_K, groups of 16); 0: as q says
     bits: int = flax.struct.field(pytree_node=False, default=0)
+    # GGUF's K-quants: the float16 super-scale of each 256 inputs (scale's shape, its group axis 256 /
+    # group_size times shorter; or [in / 256, out], the input axes flattened, where they split the
+    # super-blocks) of which each group's scale is an integer multiple, the file's code (Q4_K, Q5_K:
+    # d, codes 0..63; Q6_K: d, codes -128..127), and likewise the offsets' (-dmin);
+    # runtime.ops.matmul packs the codes rather than the scales
+    super_scale: jax.Array | None = None
+    super_offset: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -74,8 +81,10 @@ def transpose_matrix(w: Any) -> Any:
     grouping axis moving with them)."""
     if not isinstance(w, QuantizedWeight):
         return w.T
+    transposed = lambda a: None if a is None else a.T  # noqa: E731
     return QuantizedWeight(w.q.T, w.scale.T, group_size=w.group_size, group_axis=-1 - (w.group_axis % 2),
-                           offset=None if w.offset is None else w.offset.T, bits=w.bits)
+                           offset=transposed(w.offset), bits=w.bits, super_scale=transposed(w.super_scale),
+                           super_offset=transposed(w.super_offset))
 
 
 def _is_quantized(x: Any) -> bool:

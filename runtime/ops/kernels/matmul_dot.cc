@@ -20,7 +20,9 @@
 //   [N/16, K/16, 16] and no offsets: w = (q - 32) * scale, a scale per 16 inputs (GGUF's Q6_K).
 //
 // Scales and offsets are float32, or float16 where the blocks came so from a GGUF file (Q8_0,
-// Q4_0, Q4_1: the half scales as stored). Per block of inputs the integer partials become
+// Q4_0, Q4_1: the half scales as stored), or a K-quant's codes under its float16 super-scales
+// (Q4_K, Q5_K, Q6_K: uint8 or int8 [N/16, G + 2 K / 256, 16], CodedScales), as the file keeps
+// them. Per block of inputs the integer partials become
 // float: y += d * scale * partial (+ offset * d * sum(xq)). Weight groups must be whole blocks. No
 // int16 sum can saturate: int8 weights (|q| <= 128 against |xq| <= 127) widen each quad's
 // pairs to int32 at once; 4-bit ones (q <= 15) sum 8 quads' pairs in int16 first, so a 4-bit
@@ -327,27 +329,99 @@ constexpr int64_t Sub(int64_t block) {
 }
 
 // Scales and offsets as stored: float32, or float16 (GGUF's blocks keep their half-precision
-// scales: a quarter fewer bytes to read per 4-bit block than with float32 ones).
+// scales: a quarter fewer bytes to read per 4-bit block than with float32 ones), or the codes of
+// GGUF's K-quants (CodedScales). Each reads group g of a panel's scales.
 struct F32Scales {
   using T = float;
-  static float At(const T* p, int j) { return p[j]; }
+  static constexpr bool kCoded = false;
+  static int64_t PanelSize(int64_t groups) { return groups * kPanel; }
+  static float At(const T* p, int64_t g, int j) { return p[g * kPanel + j]; }
 #ifdef SERVAX_DOT_AVX2
-  static __m256 Load8(const T* p) { return _mm256_loadu_ps(p); }
+  static __m256 Load8(const T* p, int64_t g, int half) { return _mm256_loadu_ps(p + g * kPanel + 8 * half); }
 #endif
 #ifdef SERVAX_DOT_512
-  static __m512 Load16(const T* p) { return _mm512_loadu_ps(p); }
+  static __m512 Load16(const T* p, int64_t g) { return _mm512_loadu_ps(p + g * kPanel); }
+  static __m512 Super16(const T*, int64_t) { return _mm512_setzero_ps(); }  // (no super-scales)
+  static __m512 Load16(const T* p, int64_t g, __m512) { return Load16(p, g); }
 #endif
 };
 
 struct F16Scales {
   using T = uint16_t;
-  static float At(const T* p, int j) { return servax::HalfToFloat(p[j]); }  // the portable loops only
+  static constexpr bool kCoded = false;
+  static int64_t PanelSize(int64_t groups) { return groups * kPanel; }
+  static float At(const T* p, int64_t g, int j) { return servax::HalfToFloat(p[g * kPanel + j]); }
 #ifdef SERVAX_DOT_AVX2
-  static __m256 Load8(const T* p) { return servax::Load8Half(p); }
+  static __m256 Load8(const T* p, int64_t g, int half) { return servax::Load8Half(p + g * kPanel + 8 * half); }
 #endif
 #ifdef SERVAX_DOT_512
-  static __m512 Load16(const T* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static __m512 Load16(const T* p, int64_t g) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + g * kPanel)));
+  }
+  static __m512 Super16(const T*, int64_t) { return _mm512_setzero_ps(); }
+  static __m512 Load16(const T* p, int64_t g, __m512) { return Load16(p, g); }
 #endif
+};
+
+// GGUF's K-quant scales (and offsets) as the file codes them: an integer code per group (Q4_K's
+// and Q5_K's 6-bit scale and min codes per 32 inputs as uint8, Q6_K's int8 scales per 16) under a
+// float16 super-scale per 256 inputs, scale = code * super. A panel holds, for each super-block,
+// its kPer groups' rows of 16 codes, then the 16 columns' super-scales (32 bytes): 1.06 bytes a
+// column per 32 inputs where float16 scales take 2.
+constexpr int64_t kSuperBlock = 256;  // inputs per super-scale
+
+template <class C, int64_t kPer>
+struct CodedScales {
+  using T = C;
+  static constexpr bool kCoded = true;
+  static int64_t PanelSize(int64_t groups) { return groups / kPer * (kPer + 2) * kPanel; }
+  static const T* Super(const T* p, int64_t g) { return p + g / kPer * (kPer + 2) * kPanel; }
+  static float At(const T* p, int64_t g, int j) {
+    const T* s = Super(p, g);
+    uint16_t half;
+    std::memcpy(&half, s + kPer * kPanel + 2 * j, 2);
+    return static_cast<float>(s[(g % kPer) * kPanel + j]) * servax::HalfToFloat(half);
+  }
+#ifdef SERVAX_DOT_AVX2
+  static __m256 Load8(const T* p, int64_t g, int half) {
+    const T* s = Super(p, g);
+    const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + (g % kPer) * kPanel + 8 * half));
+    const __m256i wide = std::is_signed_v<C> ? _mm256_cvtepi8_epi32(codes) : _mm256_cvtepu8_epi32(codes);
+    const __m128i supers = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + kPer * kPanel + 16 * half));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(wide), _mm256_cvtph_ps(supers));
+  }
+#endif
+#ifdef SERVAX_DOT_512
+  // Group g's super-scales, then its scales given them (DotRows512 converts each super-block's once).
+  static __m512 Super16(const T* p, int64_t g) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(Super(p, g) + kPer * kPanel)));
+  }
+  static __m512 Load16(const T* p, int64_t g, __m512 super) {
+    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(Super(p, g) + (g % kPer) * kPanel));
+    const __m512i wide = std::is_signed_v<C> ? _mm512_cvtepi8_epi32(codes) : _mm512_cvtepu8_epi32(codes);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(wide), super);
+  }
+  static __m512 Load16(const T* p, int64_t g) { return Load16(p, g, Super16(p, g)); }
+#endif
+  // The panel's `groups` scales as float32 [groups, 16], for the row blocks that share them: each
+  // super-block's super-scales converted once, its codes widened and multiplied.
+  static void Decode(const T* p, int64_t groups, float* out) {
+    for (int64_t g0 = 0; g0 < groups; g0 += kPer) {
+      const T* s = Super(p, g0);
+#if defined(SERVAX_DOT_512)
+      const __m512 super = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kPer * kPanel)));
+#pragma GCC unroll 16
+      for (int64_t g = 0; g < kPer; ++g) {
+        const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * kPanel));
+        const __m512i wide = std::is_signed_v<C> ? _mm512_cvtepi8_epi32(codes) : _mm512_cvtepu8_epi32(codes);
+        _mm512_storeu_ps(out + (g0 + g) * kPanel, _mm512_mul_ps(_mm512_cvtepi32_ps(wide), super));
+      }
+#else
+      for (int64_t g = 0; g < kPer; ++g)
+        for (int j = 0; j < kPanel; ++j) out[(g0 + g) * kPanel + j] = At(p, g0 + g, j);
+#endif
+    }
+  }
 };
 
 // c[r, 0:16] = x[r] . W[:, panel] for MR rows from row r0: integer dot products over the
@@ -362,14 +436,12 @@ void DotRows(const QuantizedRows& x, int64_t r0, const typename W::T* panel, con
   for (int r = 0; r < MR; ++r) std::fill(c + r * ldc, c + r * ldc + kPanel, 0.0f);
   for (int64_t b = 0; b < x.blocks; ++b) {
     const int64_t g = b * block / group;
-    const typename S::T* o = W::kOffset ? offset + g * kPanel : nullptr;
     const typename W::T* quads = panel + (b * block / 4) * W::kQuad;
 #ifdef SERVAX_DOT_AVX2
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t q0 = 0; q0 < block_quads; q0 += W::kSpan) {  // a run lies in one group (Multiply)
       const int64_t q1 = std::min(block_quads, q0 + W::kSpan), at = b * block + 4 * q0;
-      const typename S::T* s = scale + (at / group) * kPanel;
-      const __m256 s_lo = S::Load8(s), s_hi = S::Load8(s + 8);
+      const __m256 s_lo = S::Load8(scale, at / group, 0), s_hi = S::Load8(scale, at / group, 1);
       __m256i acc[MR][2];
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
@@ -410,7 +482,7 @@ void DotRows(const QuantizedRows& x, int64_t r0, const typename W::T* panel, con
       }
     }
     if constexpr (W::kOffset) {
-      const __m256 o_lo = S::Load8(o), o_hi = S::Load8(o + 8);
+      const __m256 o_lo = S::Load8(offset, g, 0), o_hi = S::Load8(offset, g, 1);
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
         const __m256 sum = _mm256_set1_ps(x.sum[(r0 + r) * x.blocks + b]);
@@ -430,9 +502,9 @@ void DotRows(const QuantizedRows& x, int64_t r0, const typename W::T* panel, con
           int32_t dot = 0;
           for (int64_t i = i0; i < i0 + sub; ++i)
             dot += (W::Value(quads + (i / 4) * W::kQuad, 4 * j + i % 4) - W::kCentre) * xq[i];
-          c[r * ldc + j] += x.d[at] * S::At(scale + ((b * block + i0) / group) * kPanel, j) * dot;
+          c[r * ldc + j] += x.d[at] * S::At(scale, (b * block + i0) / group, j) * dot;
         }
-        if constexpr (W::kOffset) c[r * ldc + j] += S::At(o, j) * x.sum[at];
+        if constexpr (W::kOffset) c[r * ldc + j] += S::At(offset, g, j) * x.sum[at];
       }
     }
 #endif
@@ -454,8 +526,13 @@ void DotRows512(const QuantizedRows& x, int64_t r0, const typename W::T* panel, 
   __m512 sums[MR];
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) sums[r] = _mm512_setzero_ps();
+  __m512 super = _mm512_setzero_ps(), super_offset = _mm512_setzero_ps();  // K-quants': this super-block's
   for (int64_t b = 0; b < x.blocks; ++b) {
     const int64_t g = b * kBlock / group;
+    if (S::kCoded && b % (kSuperBlock / kBlock) == 0) {
+      super = S::Super16(scale, g);
+      if constexpr (W::kOffset) super_offset = S::Super16(offset, g);
+    }
     const typename W::T* quads = panel + b * kBlockQuads * W::kQuad;
     for (int64_t q0 = 0; q0 < kBlockQuads; q0 += W::kSub / 4) {  // a sub-block: its own scale
       __m512i acc[MR + W::kShifted][2];  // (shifted inputs: the weights' sums after the rows')
@@ -470,7 +547,7 @@ void DotRows512(const QuantizedRows& x, int64_t r0, const typename W::T* panel, 
         W::template Step<MR>(quads + q * W::kQuad, q, xs, acc);
       }
       const int64_t at = b * kBlock + 4 * q0;
-      const __m512 s = S::Load16(scale + (at / group) * kPanel);
+      const __m512 s = S::Load16(scale, at / group, super);
       __m512i shift = _mm512_setzero_si512();  // 128 times the weights' sums, what shifted inputs added
       if constexpr (W::kShifted) shift = _mm512_slli_epi32(W::Columns(acc[MR][0], acc[MR][1]), 7);
 #pragma GCC unroll 4
@@ -484,7 +561,7 @@ void DotRows512(const QuantizedRows& x, int64_t r0, const typename W::T* panel, 
       }
     }
     if constexpr (W::kOffset) {
-      const __m512 o = S::Load16(offset + g * kPanel);
+      const __m512 o = S::Load16(offset, g, super_offset);
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r)
         sums[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(x.sum[(r0 + r) * x.blocks + b]), sums[r]);
@@ -499,36 +576,65 @@ template <class W, class S>
 using DotRowsFn = void (*)(const QuantizedRows&, int64_t, const typename W::T*, const typename S::T*,
                            const typename S::T*, int64_t, float*, int64_t);
 
+// Whether blocks of `block` inputs are multiplied by DotRows512.
+constexpr bool Uses512(int64_t block) {
+#ifdef SERVAX_DOT_512
+  return block == kBlock;
+#else
+  return false;
+#endif
+}
+
+// The rows functions of DotRows, or of DotRows512 where it multiplies the blocks.
+template <class W, class S>
+const DotRowsFn<W, S>* RowsFns(int64_t block) {
+  static const DotRowsFn<W, S> fns[kRows + 1] = {nullptr, DotRows<W, S, 1>, DotRows<W, S, 2>, DotRows<W, S, 3>,
+                                                 DotRows<W, S, 4>};
+#ifdef SERVAX_DOT_512
+  static const DotRowsFn<W, S> fns512[kRows + 1] = {nullptr, DotRows512<W, S, 1>, DotRows512<W, S, 2>,
+                                                    DotRows512<W, S, 3>, DotRows512<W, S, 4>};
+  if (Uses512(block)) return fns512;
+#endif
+  return fns;
+}
+
 template <class W, class S>
 ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t valid, int64_t K,
                     const typename W::T* packed, int64_t panels, const typename S::T* scales,
                     const typename S::T* offsets, int64_t groups, float* c) {
-  static const DotRowsFn<W, S> fns[kRows + 1] = {nullptr, DotRows<W, S, 1>, DotRows<W, S, 2>, DotRows<W, S, 3>,
-                                                 DotRows<W, S, 4>};
   const int64_t N = panels * kPanel, M = servax::ValidRows(rows, valid, N, c);
   if (M == 0 || panels == 0) return ffi::Error::Success();
   const int64_t group = K / groups, block = K % kBlock == 0 && group % Sub<W>(kBlock) == 0 ? kBlock : K;
   if (group % Sub<W>(block) != 0 || (W::kCentre != 0 && K % 16 != 0))
     return ffi::Error::InvalidArgument("int8-activation matmul: weight groups must be whole blocks of 32 inputs "
                                        "(of 16 for 6-bit values, whose inputs must be a multiple of 16)");
-  const DotRowsFn<W, S>* rows_fns = fns;
-#ifdef SERVAX_DOT_512
-  static const DotRowsFn<W, S> fns512[kRows + 1] = {nullptr, DotRows512<W, S, 1>, DotRows512<W, S, 2>,
-                                                    DotRows512<W, S, 3>, DotRows512<W, S, 4>};
-  if (block == kBlock) rows_fns = fns512;
-#endif
+  const DotRowsFn<W, S>* rows_fns = RowsFns<W, S>(block);
+  const DotRowsFn<W, F32Scales>* decoded_fns = RowsFns<W, F32Scales>(block);
   thread_local QuantizedRows xq;  // the calling thread's; the pool's threads only read it
-  Quantize(x, M, K, block, W::kCentre != 0, W::kShifted && rows_fns != fns, xq);
+  Quantize(x, M, K, block, W::kCentre != 0, W::kShifted && Uses512(block), xq);
   const int64_t row_blocks = (M + kRows - 1) / kRows;
   const QuantizedRows& shared = xq;
   servax::ForPanelRanges(pool, panels, 1, [&](int64_t first, int64_t last) {
+    thread_local std::vector<float> decoded;  // codes multiplied out where several row blocks read them
+    const bool decode = S::kCoded && row_blocks > 2;
+    if (decode) decoded.resize(2 * groups * kPanel);
     for (int64_t p = first; p < last; ++p) {
       const typename W::T* panel = packed + p * (K / 4) * W::kQuad;
-      const typename S::T* s = scales + p * groups * kPanel;
-      const typename S::T* o = W::kOffset ? offsets + p * groups * kPanel : nullptr;
+      const typename S::T* s = scales + p * S::PanelSize(groups);
+      const typename S::T* o = W::kOffset ? offsets + p * S::PanelSize(groups) : nullptr;
+      if constexpr (S::kCoded) {
+        if (decode) {
+          S::Decode(s, groups, decoded.data());
+          if (W::kOffset) S::Decode(o, groups, decoded.data() + groups * kPanel);
+        }
+      }
       for (int64_t blk = 0, r0 = 0; blk < row_blocks; ++blk) {
         const int64_t n = M / row_blocks + (blk < M % row_blocks);
-        rows_fns[n](shared, r0, panel, s, o, group, c + r0 * N + p * kPanel, N);
+        if (decode)
+          decoded_fns[n](shared, r0, panel, decoded.data(), decoded.data() + groups * kPanel, group,
+                         c + r0 * N + p * kPanel, N);
+        else
+          rows_fns[n](shared, r0, panel, s, o, group, c + r0 * N + p * kPanel, N);
         r0 += n;
       }
     }
@@ -536,12 +642,23 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
   return ffi::Error::Success();
 }
 
-// Scales (and offsets) of either stored dtype: the products of Multiply<W, S> for the matching S.
+// Groups of inputs that a panel's `rows` of scales cover: the rows themselves, or for K-quant
+// codes (uint8 or int8, CodedScales) the rows less the super-scales' two a super-block; 0 where
+// they do not divide K (in whole super-blocks for codes).
+int64_t ScaleGroups(ffi::DataType type, int64_t K, int64_t rows) {
+  const bool coded = type == ffi::DataType::U8 || type == ffi::DataType::S8;
+  const int64_t supers = K / kSuperBlock, groups = coded ? rows - 2 * supers : rows;
+  if (groups <= 0 || K % groups != 0 || (coded && (K % kSuperBlock != 0 || groups % supers != 0))) return 0;
+  return groups;
+}
+
+// Scales (and offsets) of any stored dtype: the products of Multiply<W, S> for the matching S.
 template <class W>
 ffi::Error MultiplyScaled(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t valid, int64_t K,
                           const typename W::T* packed, int64_t panels, ffi::AnyBuffer scales,
                           const ffi::AnyBuffer* offsets, int64_t at, int64_t groups, float* c) {
-  // `at`: the elements of scales (and offsets) before the layer's (panels.h LayerView).
+  // `at`: the elements of scales (and offsets) before the layer's (panels.h LayerView); `groups`:
+  // ScaleGroups'.
   if (offsets != nullptr && offsets->element_type() != scales.element_type())
     return ffi::Error::InvalidArgument("int8-activation matmul: scales and offsets of different dtypes");
   switch (scales.element_type()) {
@@ -553,22 +670,35 @@ ffi::Error MultiplyScaled(ffi::ThreadPool& pool, const float* x, int64_t rows, i
                                     scales.reinterpret_data<uint16_t>() + at,
                                     offsets ? offsets->reinterpret_data<uint16_t>() + at : nullptr, groups, c);
     default:
-      return ffi::Error::InvalidArgument("int8-activation matmul: scales must be float32 or float16");
+      break;
   }
+  // K-quant codes: a code per W::kSub inputs (Q4_K's and Q5_K's uint8 per 32, Q6_K's int8 per 16)
+  constexpr int64_t kPer = kSuperBlock / W::kSub;
+  const bool coded = scales.element_type() == (W::kCentre != 0 ? ffi::DataType::S8 : ffi::DataType::U8);
+  if constexpr (!std::is_same_v<W, I8>) {
+    using C = std::conditional_t<W::kCentre != 0, int8_t, uint8_t>;
+    if (coded && groups * W::kSub == K)
+      return Multiply<W, CodedScales<C, kPer>>(pool, x, rows, valid, K, packed, panels,
+                                               scales.reinterpret_data<C>() + at,
+                                               offsets ? offsets->reinterpret_data<C>() + at : nullptr, groups, c);
+  }
+  return ffi::Error::InvalidArgument("int8-activation matmul: scales must be float32 or float16, or a K-quant's "
+                                     "codes (4- and 5-bit values' uint8 per 32 inputs, 6-bit ones' int8 per 16)");
 }
 
 // A K x N matrix as quads [N/16, K/4, bytes] and scales (offsets) [N/16, G, 16], G dividing K (one
-// layer's dimensions where stacked: panels.h LayerView).
-bool Panels(int64_t K, int64_t N, ffi::Span<const int64_t> pd, int64_t bytes, ffi::Span<const int64_t> sd) {
-  return pd[2] == bytes && pd[1] * 4 == K && sd[0] == pd[0] && sd[2] == kPanel && sd[1] > 0 && K % sd[1] == 0 &&
-         N == pd[0] * kPanel;
+// layer's dimensions where stacked: panels.h LayerView); K-quant codes [N/16, G + 2 K / 256, 16].
+bool Panels(int64_t K, int64_t N, ffi::Span<const int64_t> pd, int64_t bytes, ffi::Span<const int64_t> sd,
+            ffi::DataType scale_type) {
+  return pd[2] == bytes && pd[1] * 4 == K && sd[0] == pd[0] && sd[2] == kPanel &&
+         ScaleGroups(scale_type, K, sd[1]) > 0 && N == pd[0] * kPanel;
 }
 
 // Shapes: x [M, K]; quads [N/16, K/4, bytes]; scales (offsets) [N/16, G, 16], G dividing K; out [M, N];
 // quads, scales and offsets each also as one layer of a stack [L, ...] (panels.h LayerView).
 bool Shaped(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> pd, int64_t bytes, ffi::Span<const int64_t> sd,
-            ffi::Span<const int64_t> od) {
-  return xd.size() == 2 && od.size() == 2 && od[0] == xd[0] && Panels(xd[1], od[1], pd, bytes, sd);
+            ffi::DataType scale_type, ffi::Span<const int64_t> od) {
+  return xd.size() == 2 && od.size() == 2 && od[0] == xd[0] && Panels(xd[1], od[1], pd, bytes, sd, scale_type);
 }
 
 ffi::Error Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed, ffi::AnyBuffer scales,
@@ -576,7 +706,7 @@ ffi::Error Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   servax::LayerView p, s;
   auto xd = x.dimensions();
   if (!servax::ViewLayer(packed.dimensions(), meta, p) || !servax::ViewLayer(scales.dimensions(), meta, s) ||
-      !Shaped(xd, p.dims, I8::kQuad, s.dims, out->dimensions()))
+      !Shaped(xd, p.dims, I8::kQuad, s.dims, scales.element_type(), out->dimensions()))
     return ffi::Error::InvalidArgument(
         "int8-activation int8 matmul: x [M, K], quads [N/16, K/4, 64], scales [N/16, G, 16] with meta [rows] (or "
         "each [L, ...] with meta [rows, layer < L]), out [M, N]");
@@ -607,12 +737,14 @@ ffi::Error UInt4Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   auto xd = x.dimensions(), sd = scales.dimensions(), od = offsets.dimensions();
   const bool ok = servax::ViewLayer(packed.dimensions(), meta, p) && servax::ViewLayer(sd, meta, s);
   const int64_t bytes = ok ? p.dims[2] : 0;
-  if (!ok || !UnsignedQuads(bytes, sd, od) || !Shaped(xd, p.dims, bytes, s.dims, out->dimensions()))
+  if (!ok || !UnsignedQuads(bytes, sd, od) ||
+      !Shaped(xd, p.dims, bytes, s.dims, scales.element_type(), out->dimensions()))
     return ffi::Error::InvalidArgument("int8-activation 4-, 5- or 6-bit matmul: x [M, K], quads [N/16, K/4, 32, 40 "
                                        "or 48], scales and offsets [N/16, G, 16] (6-bit: offsets ignored) with meta "
                                        "[rows] (or each [L, ...] with meta [rows, layer < L]), out [M, N]");
   return MultiplyUnsigned(pool, x.typed_data(), xd[0], meta.typed_data()[0], xd[1], packed.typed_data() + p.offset,
-                          p.dims[0], bytes, scales, offsets, s.offset, s.dims[1], out->typed_data());
+                          p.dims[0], bytes, scales, offsets, s.offset,
+                          ScaleGroups(scales.element_type(), xd[1], s.dims[1]), out->typed_data());
 }
 
 // ---- a decoder layer's small operations between these products (layer_fusions.h) -------------
@@ -631,14 +763,15 @@ struct DotProducts {
     const bool u4 = panels.element_type() == ffi::DataType::U8;  // or 5- or 6-bit: quads of 40 or 48 bytes
     const bool ok = servax::ViewLayer(panels.dimensions(), meta, p) && servax::ViewLayer(scales.dimensions(), meta, s);
     const int64_t bytes = !ok ? 0 : u4 ? p.dims[2] : I8::kQuad;
-    if ((!u4 && panels.element_type() != ffi::DataType::S8) || !ok || !Panels(K, N, p.dims, bytes, s.dims) ||
+    if ((!u4 && panels.element_type() != ffi::DataType::S8) || !ok ||
+        !Panels(K, N, p.dims, bytes, s.dims, scales.element_type()) ||
         (u4 && !UnsignedQuads(bytes, scales.dimensions(), offsets.dimensions())))
       return ffi::Error::InvalidArgument("int8-activation fused layer ops: each matrix as quads [(L,) N/16, K/4, 64] "
                                          "int8 or [(L,) N/16, K/4, 32, 40 or 48] uint8 (4-, 5- or 6-bit), scales "
                                          "(and a 4- or 5-bit one's offsets) [(L,) N/16, G, 16], G dividing K");
     if (u4)
       return MultiplyUnsigned(pool, x, rows, valid, K, panels.reinterpret_data<uint8_t>() + p.offset, p.dims[0], bytes,
-                              scales, offsets, s.offset, s.dims[1], c);
+                              scales, offsets, s.offset, ScaleGroups(scales.element_type(), K, s.dims[1]), c);
     return MultiplyScaled<I8>(pool, x, rows, valid, K, panels.reinterpret_data<int8_t>() + p.offset, p.dims[0], scales,
                               nullptr, s.offset, s.dims[1], c);
   }
