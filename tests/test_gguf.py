@@ -314,7 +314,7 @@ def test_q5_blocks_decode_as_llama_cpp_dequantizes_them(kind):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from registry.gguf_tensors import five_bit_parts
+    from registry.gguf_tensors import five_bit_parts, super_scale_parts
 
     rng = np.random.default_rng(2)
     size, blocks = {"Q5_0": (22, 64), "Q5_1": (24, 64), "Q5_K": (176, 8)}[kind]  # 2 rows of 1024 values
@@ -329,6 +329,11 @@ def test_q5_blocks_decode_as_llama_cpp_dequantizes_them(kind):
     dense = q.reshape(2, -1, 32).astype(np.float32) * scale[..., None] + offset[..., None]
     np.testing.assert_allclose(dense.reshape(2, 1024), dequantize(raw, GGMLQuantizationType[kind]).reshape(2, 1024),
                                rtol=1e-6, atol=1e-7)
+    if kind == "Q5_K":  # Q4_K's codes: integer multiples of d and -dmin
+        supers = super_scale_parts(tensor, None, types.SimpleNamespace(permuted_qk=False))
+        for part, under in zip((scale, offset), supers):
+            codes = part.reshape(2, 4, 8) / under.astype(np.float32)[..., None]
+            assert np.array_equal(codes, np.rint(codes)) and codes.min() >= 0 and codes.max() <= 63
 
 
 def test_q6_k_blocks_decode_as_llama_cpp_dequantizes_them():
@@ -337,7 +342,7 @@ def test_q6_k_blocks_decode_as_llama_cpp_dequantizes_them():
     and the test's own Q6_K writer within half a step of what it quantized."""
     from gguf.quants import dequantize
 
-    from registry.gguf_tensors import six_bit_parts
+    from registry.gguf_tensors import six_bit_parts, super_scale_parts
 
     rng = np.random.default_rng(1)
     raw = rng.integers(0, 256, (8, 210), dtype=np.uint8)  # 2 rows of 1024 values, 210 bytes a super-block
@@ -348,6 +353,9 @@ def test_q6_k_blocks_decode_as_llama_cpp_dequantizes_them():
     assert q.dtype == np.int8 and q.min() == -32 and q.max() == 31 and q.shape == (2, 1024) and scale.shape == (2, 64)
     dense = q.reshape(2, -1, 16).astype(np.float32) * scale[..., None]
     np.testing.assert_allclose(dense.reshape(2, 1024), dequantize(raw, T.Q6_K).reshape(2, 1024), rtol=1e-6, atol=1e-9)
+    d, none = super_scale_parts(tensor, None, types.SimpleNamespace(permuted_qk=False))
+    codes = scale.reshape(2, 4, 16) / d.astype(np.float32)[..., None]  # the int8 scales under d
+    assert none is None and np.array_equal(codes, raw[:, 192:208].view(np.int8).reshape(2, 4, 16))
     w = rng.standard_normal((3, 512)).astype(np.float32)
     back = dequantize(q6_k_bytes(w), T.Q6_K).reshape(w.shape)
     step = np.repeat(np.abs(w.reshape(-1, 16)).max(-1) / 31, 16).reshape(w.shape)
