@@ -38,6 +38,13 @@ BENCH_MODELS = {
         head_dim=64, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=500000.0,
         initializer_range=0.02,
     )),
+    # Llama-3.2-3B's body (28 layers of 3072, GQA 24/8 heads of 128, the tied 128k vocabulary), in
+    # bfloat16 (~6.4 GB; 12.8 GB in float32, which writing and loading it would hold twice).
+    "bench/llama-3b": ("llama", dict(
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+        head_dim=128, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=500000.0,
+        initializer_range=0.02, dtype="bfloat16",
+    )),
     "bench/qwen3-moe": ("qwen3_moe", dict(
         hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
         head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=True,

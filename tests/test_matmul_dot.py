@@ -179,6 +179,10 @@ def test_weights_the_kernel_cannot_take_keep_their_layout():
         assert w.for_int8_activations() is w
     dot = PackedWeight.pack_int8(jnp.ones((64, 16), jnp.int8), jnp.ones((2, 16))).for_int8_activations()
     assert dot.for_int8_activations() is dot
+    # super-scales whose codes the kernel would not read as such (groups of 64 inputs): float16 scales
+    wide_groups = PackedWeight.pack_uint4(jnp.ones((256, 16), jnp.uint8), jnp.ones((4, 16)), jnp.zeros((4, 16)),
+                                          jnp.ones((1, 16)), -jnp.ones((1, 16))).for_int8_activations()
+    assert wide_groups.scales.dtype == jnp.float16 and wide_groups.super_scales is None
 
 
 @pytest.mark.parametrize("weight_type", quick_loop_keeps(["Q4_1", "Q8_0"], "Q4_1"))

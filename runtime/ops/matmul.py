@@ -149,12 +149,14 @@ class PackedWeight:
                                                              and self.scales.shape[1] != 1):
             return self
         half_scales = self.scales.shape[1] > 1  # grouped: GGUF's blocks
-        scaled = {"scales": self.scales.astype(jnp.float16)} if half_scales else {}
-        if self.offsets is not None and half_scales:
-            scaled["offsets"] = self.offsets.astype(jnp.float16)
-        if self.super_scales is not None and d_in % SUPER_BLOCK == 0 and half_scales:  # K-quants: their codes
-            scaled = {"scales": _coded(self.scales, self.super_scales, jnp.int8 if fmt == "uint6" else jnp.uint8),
-                      "super_scales": None, "super_offsets": None}
+        scaled = {"super_scales": None, "super_offsets": None}  # into the codes' rows below, or not read
+        if half_scales:
+            scaled["scales"] = self.scales.astype(jnp.float16)
+            if self.offsets is not None:
+                scaled["offsets"] = self.offsets.astype(jnp.float16)
+        per_code = 16 if fmt == "uint6" else 32  # inputs a K-quant's code scales (matmul_dot.cc CodedScales)
+        if self.super_scales is not None and group == per_code and self.super_scales.shape[1] * SUPER_BLOCK == d_in:
+            scaled["scales"] = _coded(self.scales, self.super_scales, jnp.int8 if fmt == "uint6" else jnp.uint8)
             if self.offsets is not None:
                 scaled["offsets"] = _coded(self.offsets, self.super_offsets, jnp.uint8)
         values = _nibbles(self.panels) if fmt == "uint4" else self.panels  # [P, in, 16]
