@@ -158,9 +158,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # ---- projections -----------------------------------------------------------------------
 
 
-def project_to_heads(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x: [T, D] @ w: [D, heads, head_dim] (+ b: [heads, head_dim]) -> [T, heads, head_dim]."""
-    y = jnp.einsum("td,dhk->thk", x, w)
+def project_to_heads(x: jax.Array, w: Any, b: jax.Array | None = None, rows: jax.Array | None = None,
+                     head_dim: int | None = None) -> jax.Array:
+    """x: [T, D] @ w: [D, heads, head_dim] (or that as a PackedWeight [D, heads * head_dim] with
+    `head_dim`; rows: see `matmul`) (+ b: [heads, head_dim]) -> [T, heads, head_dim]."""
+    if isinstance(w, PackedWeight):
+        y = w.matmul(x, rows).reshape(x.shape[0], -1, head_dim)
+    else:
+        y = jnp.einsum("td,dhk->thk", x, w)
     return y if b is None else y + b
 
 

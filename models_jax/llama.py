@@ -176,9 +176,8 @@ def attention_block(
             q, k, v = layers.project_to_joined_heads(x, p["qkv"], p.get("qkv_bias"),
                                                      (a.num_heads, kv_heads, kv_heads), a.head_dim, batch.num_tokens)
         else:
-            q = layers.project_to_heads(x, p["q"], p.get("q_bias"))  # [T, H, hd]
-            k = layers.project_to_heads(x, p["k"], p.get("k_bias"))  # [T, KV, hd]
-            v = layers.project_to_heads(x, p["v"], p.get("v_bias"))
+            q, k, v = (layers.project_to_heads(x, p[name], p.get(name + "_bias"), batch.num_tokens, a.head_dim)
+                       for name in ("q", "k", "v"))  # [T, H, hd], [T, KV, hd] twice
         if lora is not None:
             q, k, v = (layers.add_delta(y, lora(name, x)) for y, name in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
         if a.qk_norm:
@@ -262,18 +261,21 @@ def fuse_layer(p: dict) -> dict:
     wide one, so two matmuls of [D, F] cost nearly twice one of [D, 2F]. The runtime joins
     them only where the weights are whole on every device (runtime/ops/layered.py): a
     column-parallel split of a joined matrix would not fall on head and feature boundaries.
-    A group that cannot be joined (quantized unlike its siblings) stays as it was.
+    A group that cannot be joined (quantized unlike its siblings) stays as it was, as do q, k and v
+    of GGUF kinds that would have to be requantized to be one (a Q4_K_M file's Q6_K attn_v beside
+    Q4_K q and k: three products, each of its kind, read fewer bytes than one of int8 blocks).
     """
-    p = _joined(p, ("q", "k", "v"), "qkv")
+    p = _joined(p, ("q", "k", "v"), "qkv", requantize=False)
     return {**p, "mlp": _joined(p["mlp"], ("gate", "up"), "gate_up")}
 
 
-def _joined(w: dict, names: tuple[str, ...], joined: str) -> dict:
+def _joined(w: dict, names: tuple[str, ...], joined: str, requantize: bool = True) -> dict:
     """`w` with the weights `names` (and their "<name>_bias") joined as `joined` (and
-    "<joined>_bias"); `w` as it was where they cannot be joined (or are joined already)."""
+    "<joined>_bias"); `w` as it was where they cannot be joined (or are joined already; see
+    join_outputs for `requantize`)."""
     if not all(n in w for n in names):
         return w
-    weight = join_outputs([w[n] for n in names])
+    weight = join_outputs([w[n] for n in names], requantize)
     if weight is None:
         return w
     biases = [n + "_bias" for n in names]
@@ -366,6 +368,8 @@ def pack_layer(p: dict) -> dict:
     out = {**p, **{name: p[name].astype(jnp.float32) for name in ("input_norm", "post_attn_norm") if name in p}}
     if "qkv" in p:
         out["qkv"] = pack_matrix(p["qkv"])
+    elif "q" in p:  # not joined (fuse_layer): each [D, heads, hd] as [D, heads * hd]
+        out.update({name: pack_matrix(join_outputs([p[name]])) for name in ("q", "k", "v")})
     out["o"] = pack_matrix(p["o"], inputs=2)  # [H, hd, D] -> [H * hd, D]
     mlp = dict(p["mlp"])
     if "gate_up" in mlp:

@@ -231,15 +231,16 @@ def _int8_blocks(w: QuantizedWeight, scale_dtype, group: int) -> QuantizedWeight
                            w.group_axis)
 
 
-def join_outputs(weights: list[Any]) -> Any | None:
+def join_outputs(weights: list[Any], requantize: bool = True) -> Any | None:
     """Matrices that read the same input, [D, *out_i] each, as one [D, sum_i prod(out_i)] with
     their outputs side by side in order: one wide matmul where there were several narrow ones.
 
     QuantizedWeights join values, scales and offsets alike (per-channel scales [1, *out_i], grouped
     scales [D / group, *out_i] grouped along D); 4- beside 5-bit values as 5-bit ones; grouped
     values of other kinds side by side (a GGUF file's attn_v Q6_K or Q8_0 beside its Q4_K or Q5_0 q
-    and k) as int8 blocks of the largest group, the others requantized (`_int8_blocks`). None where
-    they cannot be one: float and quantized mixed, or a grouping along another axis.
+    and k) as int8 blocks of the largest group, the others requantized (`_int8_blocks`), unless not
+    `requantize`. None where they cannot be one: float and quantized mixed, kinds that would need
+    requantizing and may not, or a grouping along another axis.
     """
     def flat(w: jax.Array) -> jax.Array:
         return w.reshape(w.shape[0], -1)
@@ -251,6 +252,8 @@ def join_outputs(weights: list[Any]) -> Any | None:
         return None
     kinds = {(w.group_size, w.q.dtype, w.offset is None, w.bits) for w in weights}
     if len(kinds) > 1 and all(w.group_size for w in weights) and any(w.offset is None for w in weights):
+        if not requantize:
+            return None
         group = max(w.group_size for w in weights)
         blocks = lambda w: w.offset is None and not w.bits and w.group_size == group  # noqa: E731 (int8 blocks)
         dtype = next((w.scale.dtype for w in weights if blocks(w)), jnp.float32)

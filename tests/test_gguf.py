@@ -370,8 +370,8 @@ def test_quantization_gguf_serves_q6_k_as_stored(tmp_path_factory, gguf_dir, mix
     (logprobs close to the dequantized file's, the tied head's rows read from the quads) and, with
     int8_activations=False, as int8 values and the same scales (the dequantized file's logprobs).
     `mixed`: attn_v and layer 0's ffn_down Q4_1 (as Q4_K_M files mix kinds): each layer's ffn_down
-    kept in its own kind (the layers then in two forms, runtime.ops.stacked.MixedLayers), the joined
-    q/k/v held as int8 blocks of 32 (6-bit q and k requantized)."""
+    kept in its own kind (the layers then in two forms, runtime.ops.stacked.MixedLayers), and q, k
+    and v apart, each in its kind (joined they would be int8 blocks of 32)."""
     from app import LLM
     from registry.tiny import make_tiny_checkpoint
     from registry.weights import open_six_bit
@@ -416,7 +416,9 @@ def test_quantization_gguf_serves_q6_k_as_stored(tmp_path_factory, gguf_dir, mix
         assert all(isinstance(stack, StackedLayers) for stack in layers.stacks) and layers.where == ((0, 0), (1, 0))
         assert [layer["mlp"]["down"].format for layer in layers] == ["uint4", "uint6"]
         assert all(layer["mlp"]["down"].dot and layer["mlp"]["gate_up"].format == "uint6" for layer in layers)
-        assert all(layer["qkv"].format == "int8" and layer["qkv"].dot for layer in layers)  # q, k 6-bit, v 4-bit
+        # q, k 6-bit and v 4-bit: three products, each in its kind, rather than one of int8 blocks
+        assert all("qkv" not in layer and [layer[n].format for n in "qkv"] == ["uint6", "uint6", "uint4"]
+                   and all(layer[n].dot for n in "qkv") for layer in layers)
         assert [layer["mlp"]["down"].format for layer in float_layers] == ["uint4", "int8"]
     for name in ("6-bit", "torchax") if not mixed else ("6-bit",):  # int8 activations or blocks: as for 4-bit weights
         diff = np.abs(runs[name][1] - runs["dequantized"][1])
@@ -599,8 +601,10 @@ def test_quantization_gguf_keeps_each_layer_of_a_mixed_weight_in_its_kind(tiny_c
     assert isinstance(layers, MixedLayers) and all(isinstance(stack, StackedLayers) for stack in layers.stacks)
     assert [layer["mlp"]["down"].format for layer in layers] == ["uint4"] + [held] * (len(layers) - 1)
     assert all(layer["mlp"]["down"].dot for layer in layers)
-    # q, k and v joined (as int8 blocks where v is int8 and q, k 5-bit): one packed matrix
-    assert all(layer["qkv"].format == "int8" and layer["qkv"].dot for layer in layers)
+    # q, k and v apart where v is int8 and q, k 5-bit (each its own kind), joined where all are int8
+    for i, layer in enumerate(layers):
+        kinds = [layer["qkv"].format] if "qkv" in layer else [layer[n].format for n in "qkv"]
+        assert kinds == (["int8"] if base == "Q8_0" else ["uint5", "uint5", "int8"]), (i, kinds)
 
 
 @pytest.mark.parametrize("model_impl", quick_loop_keeps(["jax", "torchax"], "jax"))
