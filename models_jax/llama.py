@@ -359,12 +359,12 @@ def lm_head(params: dict, x: jax.Array, batch: StepInput, *, tied: bool) -> jax.
 
 
 def pack_layer(p: dict) -> dict:
-    """One layer's joined projections (qkv, o, gate_up, down; see fuse_layer) as
-    runtime.ops.matmul.PackedWeight for the CPU matmul kernels where those take them (float32,
-    bfloat16, int8 and 4-bit QuantizedWeights, kept in their format); the layer's two RMSNorm
-    weights in float32, as the fused kernels take them (`_fusions`; converted once here, not in
-    every step: the same values either way); the rest (biases, LoRA slots, projections not
-    joined) as it is."""
+    """One layer's projections (qkv, or q, k and v where fuse_layer left them apart; o, gate_up,
+    down) as runtime.ops.matmul.PackedWeight for the CPU matmul kernels where those take them
+    (float32, bfloat16, int8 and 4- to 6-bit QuantizedWeights, kept in their format); the layer's
+    two RMSNorm weights in float32, as the fused kernels take them (`_fusions`; converted once here,
+    not in every step: the same values either way); the rest (biases, LoRA slots, gate and up
+    where not joined) as it is."""
     out = {**p, **{name: p[name].astype(jnp.float32) for name in ("input_norm", "post_attn_norm") if name in p}}
     if "qkv" in p:
         out["qkv"] = pack_matrix(p["qkv"])

@@ -263,6 +263,7 @@ def join_outputs(weights: list[Any], requantize: bool = True) -> Any | None:
     group_size = weights[0].group_size
     if group_size and any(w.group_axis % w.q.ndim != 0 for w in weights):
         return None
+
     def joined(field: str) -> jax.Array | None:  # None unless every weight has it
         parts = [getattr(w, field) for w in weights]
         return None if any(a is None for a in parts) else jnp.concatenate([flat(a) for a in parts], axis=-1)
