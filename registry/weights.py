@@ -205,13 +205,13 @@ def _quantized(w: WeightSpec, stored: list[tuple], mesh: Mesh, dtype: Any
     s = _place(scales, [parts[1] for parts in stored], mesh, s_spec, np.float32 if bits != 8 else dtype)
     o = _place(scales, [parts[2] for parts in stored], mesh, s_spec, np.float32) if offsets else None
     axis, bits = w.group_axis(), 0 if bits in (4, 8) else bits  # QuantizedWeight.bits: 5 or 6 only
-    supers, super_specs = [None, None], [None, None]
+    supers = super_specs = (None, None)  # (of the scales, of the offsets)
     spec_256 = w.group_scales(256) or _flat_super_scales(w)
     if spec_256 is not None and all(len(parts) > 4 and parts[4] is not None for parts in stored):
-        super_specs[0] = super_specs[1] = spec_256.partition_spec(mesh)
-        for i in range(1 + offsets):
-            supers[i] = _place(spec_256, [parts[4][i] for parts in stored], mesh, super_specs[i], np.float32)
-        super_specs[1] = super_specs[1] if offsets else None
+        spec = spec_256.partition_spec(mesh)
+        super_specs = (spec, spec if offsets else None)
+        supers = tuple(None if kept is None else _place(spec_256, [parts[4][i] for parts in stored], mesh, kept,
+                                                        np.float32) for i, kept in enumerate(super_specs))
     return (QuantizedWeight(q, s, group, axis, offset=o, bits=bits, super_scale=supers[0], super_offset=supers[1]),
             QuantizedWeight(q_spec, s_spec, group, axis, offset=s_spec if offsets else None, bits=bits,
                             super_scale=super_specs[0], super_offset=super_specs[1]))

@@ -401,24 +401,18 @@ struct CodedScales {
     const __m512i wide = std::is_signed_v<C> ? _mm512_cvtepi8_epi32(codes) : _mm512_cvtepu8_epi32(codes);
     return _mm512_mul_ps(_mm512_cvtepi32_ps(wide), super);
   }
-  static __m512 Load16(const T* p, int64_t g) { return Load16(p, g, Super16(p, g)); }
 #endif
   // The panel's `groups` scales as float32 [groups, 16], for the row blocks that share them: each
   // super-block's super-scales converted once, its codes widened and multiplied.
   static void Decode(const T* p, int64_t groups, float* out) {
     for (int64_t g0 = 0; g0 < groups; g0 += kPer) {
-      const T* s = Super(p, g0);
 #if defined(SERVAX_DOT_512)
-      const __m512 super = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kPer * kPanel)));
+      const __m512 super = Super16(p, g0);
 #pragma GCC unroll 16
-      for (int64_t g = 0; g < kPer; ++g) {
-        const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * kPanel));
-        const __m512i wide = std::is_signed_v<C> ? _mm512_cvtepi8_epi32(codes) : _mm512_cvtepu8_epi32(codes);
-        _mm512_storeu_ps(out + (g0 + g) * kPanel, _mm512_mul_ps(_mm512_cvtepi32_ps(wide), super));
-      }
+      for (int64_t g = g0; g < g0 + kPer; ++g) _mm512_storeu_ps(out + g * kPanel, Load16(p, g, super));
 #else
-      for (int64_t g = 0; g < kPer; ++g)
-        for (int j = 0; j < kPanel; ++j) out[(g0 + g) * kPanel + j] = At(p, g0 + g, j);
+      for (int64_t g = g0; g < g0 + kPer; ++g)
+        for (int j = 0; j < kPanel; ++j) out[g * kPanel + j] = At(p, g, j);
 #endif
     }
   }
