@@ -125,13 +125,14 @@ def test_int8_activation_products_match_the_quantized_oracle(fmt, d_in, d_out, g
     np.testing.assert_allclose(np.asarray(dot.columns(jnp.arange(d_out))), rows_of_w, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("rows", [5, 12])
 @pytest.mark.parametrize("sign", [1, -1])
 @pytest.mark.parametrize("bits", [4, 5, 6])
-def test_4_to_6bit_sums_at_their_largest_do_not_saturate(sign, bits):
+def test_4_to_6bit_sums_at_their_largest_do_not_saturate(sign, bits, rows):
     """Every weight at its largest (15, 31, or 63 stored: 31 after 6-bit values' centre) and every
     input at the block's maximum: the int16 sums of a 4-bit block (8 quads x 2 x 15 x 127), of a
     5-bit one (4 quads x 2 x 31 x 127) and a 6-bit quad's (2 x 63 x 127) reach their bound and must
-    still be exact."""
+    still be exact, in row blocks of 4 and in the many-row form (DotTile: unpacked bytes)."""
     d_in, d_out, top = 256, 32, 2**bits - 1
     groups = d_in // (16 if bits == 6 else 32)
     scales = np.full((groups, d_out), 0.5, np.float32)
@@ -141,9 +142,9 @@ def test_4_to_6bit_sums_at_their_largest_do_not_saturate(sign, bits):
     else:
         pack = PackedWeight.pack_uint5 if bits == 5 else PackedWeight.pack_uint4
         packed = pack(jnp.full((d_in, d_out), top, jnp.uint8), jnp.asarray(scales), jnp.asarray(offsets))
-    x = np.full((5, d_in), 3.0 * sign, np.float32)
+    x = np.full((rows, d_in), 3.0 * sign, np.float32)
     got = np.asarray(jax.jit(lambda x, w: w.matmul(x))(jnp.asarray(x), packed.for_int8_activations()))
-    np.testing.assert_allclose(got, np.full((5, d_out), sign * 3.0 * d_in * (top * 0.5 + offsets[0, 0])), rtol=1e-6)
+    np.testing.assert_allclose(got, np.full((rows, d_out), sign * 3.0 * d_in * (top * 0.5 + offsets[0, 0])), rtol=1e-6)
 
 
 _ORACLE_TESTS = """

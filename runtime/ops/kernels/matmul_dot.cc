@@ -30,7 +30,9 @@
 //
 // Integer products win most where few rows share each weight (decode: unpacking the weights is
 // most of matmul_formats.cc's work); with many rows (a prefill) they about match its widened
-// float panels (benchmarks/RESULTS.md, stop 43), and keep one arithmetic for every step.
+// float panels (benchmarks/RESULTS.md, stop 43), and keep one arithmetic for every step. From 9
+// rows the 512-bit form unpacks each panel's quads once into bytes that all its row blocks read
+// (DotTile), where fewer rows read the packed quads in place (DotRows512).
 //
 // Two more handlers take a decode step's small operations into these products (DotNormMatmul:
 // an RMSNorm before one; DotMlpBlock: the second half of a decoder layer; layer_fusions.h), at
@@ -88,42 +90,61 @@ constexpr int kRows = 4;        // rows of x per block: 8 int32 accumulators
 #endif
 constexpr int64_t kPrefetchBytes = SERVAX_DOT_PREFETCH_BYTES;
 
-// x [M, K] quantized per block: q [M, K] int8, d and the sum d * sum(q) [M, blocks]; for centred
-// weights (U6), the integer sums of q per 16 inputs [M, K / 16] (what the centre multiplies); for
-// signed weights in 512-bit registers (I8), q + 128 as unsigned bytes (`shifted`, vpdpbusd's
-// unsigned operand).
+// x [M, K] quantized per block: q [M, K] int8, d, the sum d * sum(q) and the integer sum(q)
+// [M, blocks]; for centred weights (U6), the integer sums of q per 16 inputs [M, K / 16] (what the
+// centre multiplies); for signed weights in 512-bit registers (I8), q + 128 as unsigned bytes
+// (`shifted`, vpdpbusd's unsigned operand).
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<uint8_t> shifted;
   std::vector<float> d, sum;
-  std::vector<int32_t> sum16;
+  std::vector<int32_t> qsum, sum16;
   int64_t K = 0, block = 0, blocks = 0;
 };
 
 void Quantize(const float* x, int64_t M, int64_t K, int64_t block, bool sums16, bool shifted, QuantizedRows& out) {
   out.K = K, out.block = block, out.blocks = K / block;
-  out.q.resize(M * K), out.d.resize(M * out.blocks), out.sum.resize(M * out.blocks);
+  out.q.resize(M * K), out.d.resize(M * out.blocks), out.sum.resize(M * out.blocks), out.qsum.resize(M * out.blocks);
   out.shifted.resize(shifted ? M * K : 0);
   sums16 = sums16 && K % 16 == 0;
   out.sum16.resize(sums16 ? M * K / 16 : 0);
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t b = 0; b < out.blocks; ++b) {
       const float* in = x + r * K + b * block;
-      float amax = 0.0f;
-      for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(in[i]));
-      const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       int8_t* q = out.q.data() + r * K + b * block;
       uint8_t* u = shifted ? out.shifted.data() + r * K + b * block : nullptr;
+      float d;
       int32_t qsum = 0;
-      for (int64_t i = 0; i < block; ++i) {
-        q[i] = static_cast<int8_t>(std::nearbyint(in[i] * inv)), qsum += q[i];
-        if (u != nullptr) u[i] = static_cast<uint8_t>(q[i]) ^ 0x80;
+#ifdef SERVAX_DOT_512
+      if (block == kBlock) {  // the same numbers in two registers (cvtps rounds to nearest even, as nearbyint)
+        const __m512 lo = _mm512_loadu_ps(in), hi = _mm512_loadu_ps(in + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+        const __m256i bytes = _mm256_set_m128i(_mm512_cvtepi32_epi8(qhi), _mm512_cvtepi32_epi8(qlo));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+        if (u != nullptr)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(u), _mm256_xor_si256(bytes, _mm256_set1_epi8(-128)));
+        d = amax / 127.0f, qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      } else
+#endif
+      {
+        float amax = 0.0f;
+        for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(in[i]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d = amax / 127.0f;
+        for (int64_t i = 0; i < block; ++i) {
+          q[i] = static_cast<int8_t>(std::nearbyint(in[i] * inv)), qsum += q[i];
+          if (u != nullptr) u[i] = static_cast<uint8_t>(q[i]) ^ 0x80;
+        }
       }
       // The sum of the block as quantized (as llama.cpp's Q8_1 keeps it): the offsets then multiply
       // the same inputs as the values do, and a block's error is that of the weights' products with
       // the rounded inputs. With the float sum, the values' rounding error (their mean is far from
       // zero, the offset holding the weights' centre) went uncancelled: ~3x the logprob error.
       out.d[r * out.blocks + b] = d, out.sum[r * out.blocks + b] = d * static_cast<float>(qsum);
+      out.qsum[r * out.blocks + b] = qsum;
     }
     if (!sums16) continue;
     for (int64_t i = 0; i < K / 16; ++i) {
@@ -188,6 +209,10 @@ struct I8 {
     }
   }
   static __m512i Columns(__m512i even, __m512i odd) { return _mm512_add_epi32(even, odd); }
+  // The quad as DotTile multiplies it: unsigned bytes q + 128 (lane j: column j's 4 inputs), 128
+  // times the inputs' sum taken off each block's partials.
+  static constexpr int kTileCentre = 128;
+  static __m512i Bytes(const T* quad) { return _mm512_xor_si512(_mm512_loadu_si512(quad), _mm512_set1_epi8(-128)); }
 #endif
 #endif
 };
@@ -235,6 +260,14 @@ struct U4 {
   static __m512i Columns(__m512i lo, __m512i hi) {
     return _mm512_add_epi32(_mm512_shuffle_i64x2(lo, hi, 0x44), _mm512_shuffle_i64x2(lo, hi, 0xEE));
   }
+  // One quad as unsigned bytes, lane j column j's 4 inputs: the low nibbles (columns 0-7) in bytes
+  // 0-31, the high ones (columns 8-15) in 32-63 (what DotTile and U5's Step multiply).
+  static constexpr int kTileCentre = 0;
+  static __m512i Bytes(const T* quad) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad)), nib = _mm256_set1_epi8(15);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, nib)),
+                              _mm256_and_si256(_mm256_srli_epi16(v, 4), nib), 1);
+  }
 #endif
 #endif
 };
@@ -266,23 +299,26 @@ struct U5 : U4 {  // T, kOffset, kInt16, Products and Dot as U4's
     w0 = _mm256_or_si256(w0, Plane(Bits(quad + 32), 16)), w1 = _mm256_or_si256(w1, Plane(Bits(quad + 36), 16));
   }
 #ifdef SERVAX_DOT_512
-  // A step is one quad, as I8's: its low nibbles (columns 0-7) in bytes 0-31, its high ones
-  // (columns 8-15) in 32-63, each higher bit added under its 64-bit mask (the fields after the
-  // nibbles, kPlanes of them): each accumulator lane one column (Columns adds the even and odd
-  // quads' accumulators). U4's two quads a register would leave lanes to fold for every scale
-  // (U6's every 16 inputs); one quad measured faster for 5- and 6-bit values (RESULTS.md, stop 58).
-  static constexpr int64_t kStepQuads = 1;
-  template <int MR, int kPlanes = 1>
-  static void Step(const T* quad, int64_t q, const int8_t* const x4[MR], __m512i acc[MR][2]) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad)), nib = _mm256_set1_epi8(15);
-    __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, nib)),
-                                   _mm256_and_si256(_mm256_srli_epi16(v, 4), nib), 1);
+  // A step is one quad, as I8's: U4's Bytes, each higher bit added under its 64-bit mask (the
+  // fields after the nibbles, kPlanes of them): each accumulator lane one column (Columns adds the
+  // even and odd quads' accumulators). U4's two quads a register would leave lanes to fold for
+  // every scale (U6's every 16 inputs); one quad measured faster for 5- and 6-bit values
+  // (RESULTS.md, stop 58).
+  template <int kPlanes = 1>
+  static __m512i Bytes(const T* quad) {
+    __m512i w = U4::Bytes(quad);
 #pragma GCC unroll 2
     for (int plane = 0; plane < kPlanes; ++plane) {
       uint64_t bits;
       std::memcpy(&bits, quad + 32 + 8 * plane, 8);
       w = _mm512_mask_add_epi8(w, bits, w, _mm512_set1_epi8(static_cast<char>(16 << plane)));
     }
+    return w;
+  }
+  static constexpr int64_t kStepQuads = 1;
+  template <int MR, int kPlanes = 1>
+  static void Step(const T* quad, int64_t q, const int8_t* const x4[MR], __m512i acc[MR][2]) {
+    const __m512i w = Bytes<kPlanes>(quad);
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       int32_t four;
@@ -318,6 +354,8 @@ struct U6 : U5 {
   static void Step(const T* quad, int64_t q, const int8_t* const x4[MR], __m512i acc[MR][2]) {
     U5::Step<MR, 2>(quad, q, x4, acc);
   }
+  static constexpr int kTileCentre = kCentre;
+  static __m512i Bytes(const T* quad) { return U5::Bytes<2>(quad); }
 #endif
 #endif
 };
@@ -505,6 +543,15 @@ void DotRows(const QuantizedRows& x, int64_t r0, const typename W::T* panel, con
   }
 }
 
+// Rows a DotTile call multiplies at most (one int32 accumulator and 16 float sums a row in
+// registers), and the rows from which Multiply takes DotTile.
+// -DSERVAX_DOT_TILE_FROM=N moves the latter (for A/B).
+constexpr int kTileRows = 8;
+#ifndef SERVAX_DOT_TILE_FROM
+#define SERVAX_DOT_TILE_FROM 9
+#endif
+constexpr int64_t kTileFrom = SERVAX_DOT_TILE_FROM;
+
 #ifdef SERVAX_DOT_512
 // DotRows for blocks of 32 inputs in 512-bit registers: per block, W::Step over its 8 quads
 // (64 bytes a step, int32 partials in two accumulators a row), then d * scale (+ offset *
@@ -564,6 +611,65 @@ void DotRows512(const QuantizedRows& x, int64_t r0, const typename W::T* panel, 
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(c + r * ldc, sums[r]);
 }
+
+// A panel's K / 4 quads as DotTile reads them: 64 unsigned bytes each (W::Bytes).
+template <class W>
+void Unpack(const typename W::T* panel, int64_t quads, uint8_t* out) {
+  for (int64_t q = 0; q < quads; ++q) _mm512_storeu_si512(out + 64 * q, W::Bytes(panel + q * W::kQuad));
+}
+
+// DotRows512 for many rows (a prefill, a large batch): the panel unpacked once (Unpack) for all
+// its row blocks, so that each quad is one load for up to kTileRows rows and a vpdpbusd a row
+// (DotRows512 unpacks it again for every block of 4 rows, and I8's shifted inputs take a
+// vpdpbusd more a quad); W::kTileCentre times the inputs' sum (per 16 or 32) taken off.
+template <class W, class S, int MR>
+void DotTile(const QuantizedRows& x, int64_t r0, const uint8_t* bytes, const typename S::T* scale,
+             const typename S::T* offset, int64_t group, float* c, int64_t ldc) {
+  static_assert(!S::kCoded, "DotTile reads float scales (codes are decoded once a panel)");
+  const int64_t K = x.K;
+  constexpr int64_t kBlockQuads = kBlock / 4, kSubQuads = W::kSub / 4;
+  __m512 sums[MR];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) sums[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    const int64_t g = b * kBlock / group;
+    for (int64_t q0 = 0; q0 < kBlockQuads; q0 += kSubQuads) {
+      __m512i acc[MR];
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int64_t q = q0; q < q0 + kSubQuads; ++q) {
+        const __m512i w = _mm512_loadu_si512(bytes + (b * kBlockQuads + q) * 64);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          int32_t four;
+          std::memcpy(&four, x.q.data() + (r0 + r) * K + b * kBlock + 4 * q, 4);
+          acc[r] = _mm512_dpbusd_epi32(acc[r], w, _mm512_set1_epi32(four));
+        }
+      }
+      const int64_t at = b * kBlock + 4 * q0;
+      const __m512 s = S::Load16(scale, at / group);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        __m512i columns = acc[r];
+        if constexpr (W::kTileCentre != 0) {
+          const int32_t n = W::kSub == 16 ? x.sum16[(r0 + r) * (K / 16) + at / 16] : x.qsum[(r0 + r) * x.blocks + b];
+          columns = _mm512_sub_epi32(columns, _mm512_set1_epi32(W::kTileCentre * n));
+        }
+        const __m512 d = _mm512_set1_ps(x.d[(r0 + r) * x.blocks + b]);
+        sums[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(columns), _mm512_mul_ps(s, d), sums[r]);
+      }
+    }
+    if constexpr (W::kOffset) {
+      const __m512 o = S::Load16(offset, g);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r)
+        sums[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(x.sum[(r0 + r) * x.blocks + b]), sums[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(c + r * ldc, sums[r]);
+}
 #endif
 
 template <class W, class S>
@@ -593,6 +699,24 @@ const DotRowsFn<W, S>* RowsFns(int64_t block) {
 }
 
 template <class W, class S>
+using DotTileFn = void (*)(const QuantizedRows&, int64_t, const uint8_t*, const typename S::T*, const typename S::T*,
+                           int64_t, float*, int64_t);
+
+// DotTile's functions by rows (kTileRows / 2 to kTileRows: what Multiply's row blocks take from
+// kTileFrom rows), or nullptr where DotRows512 does not multiply the blocks.
+template <class W, class S>
+const DotTileFn<W, S>* TileFns(int64_t block) {
+#ifdef SERVAX_DOT_512
+  static_assert(kTileRows == 8 && kTileFrom > kTileRows);
+  static const DotTileFn<W, S> fns[kTileRows + 1] = {nullptr, nullptr, nullptr, nullptr, DotTile<W, S, 4>,
+                                                     DotTile<W, S, 5>, DotTile<W, S, 6>, DotTile<W, S, 7>,
+                                                     DotTile<W, S, 8>};
+  if (Uses512(block)) return fns;
+#endif
+  return nullptr;
+}
+
+template <class W, class S>
 ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t valid, int64_t K,
                     const typename W::T* packed, int64_t panels, const typename S::T* scales,
                     const typename S::T* offsets, int64_t groups, float* c) {
@@ -604,14 +728,21 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
                                        "(of 16 for 6-bit values, whose inputs must be a multiple of 16)");
   const DotRowsFn<W, S>* rows_fns = RowsFns<W, S>(block);
   const DotRowsFn<W, F32Scales>* decoded_fns = RowsFns<W, F32Scales>(block);
+  // Many rows: DotTile on the panels unpacked once each, in row blocks of up to kTileRows.
+  const bool tile = M >= kTileFrom && Uses512(block);
+  const DotTileFn<W, F32Scales>* decoded_tile_fns = tile ? TileFns<W, F32Scales>(block) : nullptr;
+  const DotTileFn<W, S>* tile_fns = nullptr;  // (codes: decoded first)
+  if constexpr (!S::kCoded) tile_fns = decoded_tile_fns == nullptr ? nullptr : TileFns<W, S>(block);
   thread_local QuantizedRows xq;  // the calling thread's; the pool's threads only read it
-  Quantize(x, M, K, block, W::kCentre != 0, W::kShifted && Uses512(block), xq);
-  const int64_t row_blocks = (M + kRows - 1) / kRows;
+  Quantize(x, M, K, block, W::kCentre != 0, W::kShifted && Uses512(block) && !tile, xq);
+  const int64_t row_blocks = tile ? (M + kTileRows - 1) / kTileRows : (M + kRows - 1) / kRows;
   const QuantizedRows& shared = xq;
   servax::ForPanelRanges(pool, panels, 1, [&](int64_t first, int64_t last) {
     thread_local std::vector<float> decoded;  // codes multiplied out where several row blocks read them
-    const bool decode = S::kCoded && row_blocks > 2;
+    thread_local std::vector<uint8_t> unpacked;  // DotTile's panel
+    const bool decode = S::kCoded && (tile || row_blocks > 2);
     if (decode) decoded.resize(2 * groups * kPanel);
+    if (tile) unpacked.resize(K / 4 * 64);
     for (int64_t p = first; p < last; ++p) {
       const typename W::T* panel = packed + p * (K / 4) * W::kQuad;
       const typename S::T* s = scales + p * S::PanelSize(groups);
@@ -622,9 +753,17 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
           if (W::kOffset) S::Decode(o, groups, decoded.data() + groups * kPanel);
         }
       }
+#ifdef SERVAX_DOT_512
+      if (tile) Unpack<W>(panel, K / 4, unpacked.data());
+#endif
       for (int64_t blk = 0, r0 = 0; blk < row_blocks; ++blk) {
         const int64_t n = M / row_blocks + (blk < M % row_blocks);
-        if (decode)
+        if (tile && decode)
+          decoded_tile_fns[n](shared, r0, unpacked.data(), decoded.data(), decoded.data() + groups * kPanel, group,
+                              c + r0 * N + p * kPanel, N);
+        else if (tile)
+          tile_fns[n](shared, r0, unpacked.data(), s, o, group, c + r0 * N + p * kPanel, N);
+        else if (decode)
           decoded_fns[n](shared, r0, panel, decoded.data(), decoded.data() + groups * kPanel, group,
                          c + r0 * N + p * kPanel, N);
         else
