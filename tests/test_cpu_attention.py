@@ -79,9 +79,10 @@ def test_kernel_matches_numpy_oracle(heads, kv_heads, block_size, head_dim, wind
                          [CASES[0], CASES[1], CASES[3], CASES[5], CASES[6], CASES[8]],
                          ids=[CASE_IDS[0], CASE_IDS[1], CASE_IDS[3], CASE_IDS[5], CASE_IDS[6], CASE_IDS[8]])
 def test_half_precision_caches_read_as_stored(dtype, heads, kv_heads, block_size, head_dim, window, soft_cap):
-    """A bfloat16 or float16 cache (no scales) is widened block by block as the kernel reads it:
-    the oracle's attention over the same values in float32, in every form (compiled-in shapes,
-    generic loops with a soft cap, tiled products), prefills and decodes together."""
+    """A bfloat16 or float16 cache (no scales) is widened block by block as the kernel reads it
+    (a decode's keys and values in place, as their loads feed the products): the oracle's attention
+    over the same values in float32, in every form (compiled-in shapes, generic loops with a soft
+    cap, tiled products), prefills and decodes together."""
     rng = np.random.default_rng(heads + block_size + head_dim + (dtype == jnp.float16))
     for specs in (MIXED, [(40, 1)]):
         batch, seqs, n, q, k, v = _case(rng, specs, heads=heads, kv_heads=kv_heads, block_size=block_size,

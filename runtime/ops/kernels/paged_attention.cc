@@ -412,9 +412,9 @@ struct ItemRows {
 
 // fn(hh, kb, vb, k0, whole) for each block of the item's context (its first key k0; `whole`:
 // every row sees all of its keys) and each of the item's KV heads, with that head's keys and
-// values of the block, the next block prefetched: as float32 (Block), or with kBits a bfloat16
-// cache's own bits (uint16_t, read in place).
-template <bool kBits = false, class Fn>
+// values of the block, the next block prefetched: as float32 (Block), or with E a 16-bit cache's
+// own bits, read in place (uint16_t: bfloat16; Half: float16).
+template <class E = float, class Fn>
 void ForEachBlock(const ItemContext& context, const ItemRows& rows, Fn&& fn) {
   for (int64_t b = context.lo / rows.BS; b * rows.BS < context.hi; ++b) {
     const int64_t offset = context.Offset(b);
@@ -423,9 +423,9 @@ void ForEachBlock(const ItemContext& context, const ItemRows& rows, Fn&& fn) {
     const bool whole = context.Whole(k0, rows.BS);
     for (int64_t hh = 0; hh < rows.heads; ++hh) {
       const int64_t at = offset + hh * rows.BS * rows.p.row;  // block b, head h0 + hh: [BS, row]
-      if constexpr (kBits) {
-        fn(hh, reinterpret_cast<const uint16_t*>(rows.p.k_bytes) + at,
-           reinterpret_cast<const uint16_t*>(rows.p.v_bytes) + at, k0, whole);
+      if constexpr (!std::is_same_v<E, float>) {
+        fn(hh, reinterpret_cast<const E*>(rows.p.k_bytes) + at, reinterpret_cast<const E*>(rows.p.v_bytes) + at, k0,
+           whole);
       } else {
         const float *kb, *vb;
         rows.Block(at, kb, vb);
@@ -450,6 +450,14 @@ inline void Load32(const uint16_t* x, __m512& a, __m512& b) {
   const __m512i v = _mm512_loadu_si512(x);
   a = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
   b = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int32_t(0xffff0000u))));
+}
+// float16 (a decode's keys and values read in place, dims in order: llama.cpp's default cache).
+struct Half {
+  uint16_t bits;
+};
+inline void Load32(const Half* x, __m512& a, __m512& b) {
+  a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
 }
 
 // Row x of D dims as Load32 of bfloat16 leaves it (even dims of each 32 first), or back (!kSplit).
@@ -583,22 +591,24 @@ void RunDecode(const Problem& p, const Item& it, std::vector<float>& scratch) {
     for (int64_t r = hh * G; r < (hh + 1) * G; r += kG)
       DecodeValues<kBS, kD, kG>(rows.acc + r * kD, rows.corr + r, rows.s + r * kBS, vb);
   };
-  ForEachBlock<kPairs>(context, rows, block);
+  ForEachBlock<E>(context, rows, block);
   if constexpr (kPairs)
     for (int64_t r = 0; r < rows.R; ++r) Interleave32<false>(rows.acc + r * kD, kD);
   rows.Store();
 }
 
 // RunDecode for this cache and group: rows in passes of the largest of 4, 3, 2 and 1 that
-// divides the group. A bfloat16 cache is read as its bits; any other (float32, or widened into
-// float32 a block at a time) as float32.
+// divides the group. A bfloat16 or float16 cache is read as its bits; any other (float32, or
+// widened into float32 a block at a time) as float32.
 template <int kBS, int kD>
 void RunDecodeAvx512(const Problem& p, const Item& it, std::vector<float>& scratch) {
   const int64_t G = (it.g1 < 0 ? p.group : it.g1) - it.g0;
-  const bool bits = p.stored == Stored::kBF16;
+  const bool bf16 = p.stored == Stored::kBF16, f16 = p.stored == Stored::kF16;
   auto run = [&](auto g) {
     constexpr int kG = decltype(g)::value;
-    bits ? RunDecode<kBS, kD, kG, uint16_t>(p, it, scratch) : RunDecode<kBS, kD, kG, float>(p, it, scratch);
+    if (bf16) RunDecode<kBS, kD, kG, uint16_t>(p, it, scratch);
+    else if (f16) RunDecode<kBS, kD, kG, Half>(p, it, scratch);
+    else RunDecode<kBS, kD, kG, float>(p, it, scratch);
   };
   if (G % 4 == 0) run(std::integral_constant<int, 4>());
   else if (G % 3 == 0) run(std::integral_constant<int, 3>());
@@ -637,7 +647,7 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   // multiply-adds directly (benchmarks/RESULTS.md, stop 51). The same rule as RunDecodeAvx512's
   // (values kept in the keys are read from the keys' bits either way).
   if (kBS > 0 && kD > 0 && p.stored == Stored::kBF16)
-    ForEachBlock<true>(context, rows, block);
+    ForEachBlock<uint16_t>(context, rows, block);
   else
     ForEachBlock(context, rows, block);
   rows.Store();
