@@ -755,9 +755,17 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
       }
 #ifdef SERVAX_DOT_512
       if (tile) Unpack<W>(panel, K / 4, unpacked.data());
+      const int64_t panel_bytes = (K / 4) * W::kQuad, chunk = (panel_bytes / row_blocks + 63) / 64 * 64;
 #endif
       for (int64_t blk = 0, r0 = 0; blk < row_blocks; ++blk) {
         const int64_t n = M / row_blocks + (blk < M % row_blocks);
+#ifdef SERVAX_DOT_512
+        // The thread's next panel from memory while this one's row blocks multiply, a share before
+        // each (Unpack would otherwise wait for all of it at once, the memory idle meanwhile).
+        if (tile && p + 1 < last)
+          for (int64_t i = blk * chunk; i < std::min(panel_bytes, (blk + 1) * chunk); i += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(panel + panel_bytes) + i, _MM_HINT_T0);
+#endif
         if (tile && decode)
           decoded_tile_fns[n](shared, r0, unpacked.data(), decoded.data(), decoded.data() + groups * kPanel, group,
                               c + r0 * N + p * kPanel, N);
