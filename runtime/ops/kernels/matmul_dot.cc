@@ -552,6 +552,38 @@ constexpr int kTileRows = 8;
 #endif
 constexpr int64_t kTileFrom = SERVAX_DOT_TILE_FROM;
 
+// The quantized rows as DotTile reads them, in Multiply's row blocks (n rows from row r0): a row
+// block's quads row by row ([K / 4][n][4] bytes from r0 * K), its d and sum(x) per block
+// ([blocks][n] from r0 * blocks) and the sums its weights' centre multiplies (per 16 inputs for
+// 6-bit values, else per block: [per][n] from r0 * per). One pointer then reaches every row's
+// inputs at offsets fixed at compile time.
+struct TileRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, sum;
+  std::vector<int32_t> centre;
+  int64_t K = 0, blocks = 0, per = 0;
+};
+
+void Interleave(const QuantizedRows& x, int64_t M, int64_t row_blocks, bool per16, TileRows& t) {
+  const int64_t K = x.K, blocks = x.blocks, per = per16 ? K / 16 : blocks;
+  t.K = K, t.blocks = blocks, t.per = per;
+  t.q.resize(M * K), t.d.resize(M * blocks), t.sum.resize(M * blocks), t.centre.resize(M * per);
+  for (int64_t blk = 0, r0 = 0; blk < row_blocks; ++blk) {
+    const int64_t n = M / row_blocks + (blk < M % row_blocks);
+    for (int64_t r = 0; r < n; ++r) {
+      const int8_t* row = x.q.data() + (r0 + r) * K;
+      for (int64_t q = 0; q < K / 4; ++q) std::memcpy(t.q.data() + r0 * K + (q * n + r) * 4, row + 4 * q, 4);
+      for (int64_t b = 0; b < blocks; ++b) {
+        t.d[r0 * blocks + b * n + r] = x.d[(r0 + r) * blocks + b];
+        t.sum[r0 * blocks + b * n + r] = x.sum[(r0 + r) * blocks + b];
+      }
+      for (int64_t i = 0; i < per; ++i)
+        t.centre[r0 * per + i * n + r] = per16 ? x.sum16[(r0 + r) * per + i] : x.qsum[(r0 + r) * blocks + i];
+    }
+    r0 += n;
+  }
+}
+
 #ifdef SERVAX_DOT_512
 // DotRows for blocks of 32 inputs in 512-bit registers: per block, W::Step over its 8 quads
 // (64 bytes a step, int32 partials in two accumulators a row), then d * scale (+ offset *
@@ -623,11 +655,13 @@ void Unpack(const typename W::T* panel, int64_t quads, uint8_t* out) {
 // (DotRows512 unpacks it again for every block of 4 rows, and I8's shifted inputs take a
 // vpdpbusd more a quad); W::kTileCentre times the inputs' sum (per 16 or 32) taken off.
 template <class W, class S, int MR>
-void DotTile(const QuantizedRows& x, int64_t r0, const uint8_t* bytes, const typename S::T* scale,
+void DotTile(const TileRows& x, int64_t r0, const uint8_t* bytes, const typename S::T* scale,
              const typename S::T* offset, int64_t group, float* c, int64_t ldc) {
   static_assert(!S::kCoded, "DotTile reads float scales (codes are decoded once a panel)");
-  const int64_t K = x.K;
   constexpr int64_t kBlockQuads = kBlock / 4, kSubQuads = W::kSub / 4;
+  const int8_t* xq = x.q.data() + r0 * x.K;
+  const float *xd = x.d.data() + r0 * x.blocks, *xs = x.sum.data() + r0 * x.blocks;
+  const int32_t* xc = x.centre.data() + r0 * x.per;
   __m512 sums[MR];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) sums[r] = _mm512_setzero_ps();
@@ -643,7 +677,7 @@ void DotTile(const QuantizedRows& x, int64_t r0, const uint8_t* bytes, const typ
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
           int32_t four;
-          std::memcpy(&four, x.q.data() + (r0 + r) * K + b * kBlock + 4 * q, 4);
+          std::memcpy(&four, xq + ((b * kBlockQuads + q) * MR + r) * 4, 4);
           acc[r] = _mm512_dpbusd_epi32(acc[r], w, _mm512_set1_epi32(four));
         }
       }
@@ -653,10 +687,10 @@ void DotTile(const QuantizedRows& x, int64_t r0, const uint8_t* bytes, const typ
       for (int r = 0; r < MR; ++r) {
         __m512i columns = acc[r];
         if constexpr (W::kTileCentre != 0) {
-          const int32_t n = W::kSub == 16 ? x.sum16[(r0 + r) * (K / 16) + at / 16] : x.qsum[(r0 + r) * x.blocks + b];
+          const int32_t n = xc[(W::kSub == 16 ? at / 16 : b) * MR + r];
           columns = _mm512_sub_epi32(columns, _mm512_set1_epi32(W::kTileCentre * n));
         }
-        const __m512 d = _mm512_set1_ps(x.d[(r0 + r) * x.blocks + b]);
+        const __m512 d = _mm512_set1_ps(xd[b * MR + r]);
         sums[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(columns), _mm512_mul_ps(s, d), sums[r]);
       }
     }
@@ -664,7 +698,7 @@ void DotTile(const QuantizedRows& x, int64_t r0, const uint8_t* bytes, const typ
       const __m512 o = S::Load16(offset, g);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r)
-        sums[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(x.sum[(r0 + r) * x.blocks + b]), sums[r]);
+        sums[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(xs[b * MR + r]), sums[r]);
     }
   }
 #pragma GCC unroll 8
@@ -699,7 +733,7 @@ const DotRowsFn<W, S>* RowsFns(int64_t block) {
 }
 
 template <class W, class S>
-using DotTileFn = void (*)(const QuantizedRows&, int64_t, const uint8_t*, const typename S::T*, const typename S::T*,
+using DotTileFn = void (*)(const TileRows&, int64_t, const uint8_t*, const typename S::T*, const typename S::T*,
                            int64_t, float*, int64_t);
 
 // DotTile's functions by rows (kTileRows / 2 to kTileRows: what Multiply's row blocks take from
@@ -736,7 +770,10 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
   thread_local QuantizedRows xq;  // the calling thread's; the pool's threads only read it
   Quantize(x, M, K, block, W::kCentre != 0, W::kShifted && Uses512(block) && !tile, xq);
   const int64_t row_blocks = tile ? (M + kTileRows - 1) / kTileRows : (M + kRows - 1) / kRows;
+  thread_local TileRows xt;
+  if (tile) Interleave(xq, M, row_blocks, W::kSub == 16, xt);
   const QuantizedRows& shared = xq;
+  const TileRows& tiles = xt;
   servax::ForPanelRanges(pool, panels, 1, [&](int64_t first, int64_t last) {
     thread_local std::vector<float> decoded;  // codes multiplied out where several row blocks read them
     thread_local std::vector<uint8_t> unpacked;  // DotTile's panel
@@ -767,10 +804,10 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
             _mm_prefetch(reinterpret_cast<const char*>(panel + panel_bytes) + i, _MM_HINT_T0);
 #endif
         if (tile && decode)
-          decoded_tile_fns[n](shared, r0, unpacked.data(), decoded.data(), decoded.data() + groups * kPanel, group,
+          decoded_tile_fns[n](tiles, r0, unpacked.data(), decoded.data(), decoded.data() + groups * kPanel, group,
                               c + r0 * N + p * kPanel, N);
         else if (tile)
-          tile_fns[n](shared, r0, unpacked.data(), s, o, group, c + r0 * N + p * kPanel, N);
+          tile_fns[n](tiles, r0, unpacked.data(), s, o, group, c + r0 * N + p * kPanel, N);
         else if (decode)
           decoded_fns[n](shared, r0, panel, decoded.data(), decoded.data() + groups * kPanel, group,
                          c + r0 * N + p * kPanel, N);
