@@ -210,8 +210,10 @@ struct I8 {
   }
   static __m512i Columns(__m512i even, __m512i odd) { return _mm512_add_epi32(even, odd); }
   // The quad as DotTile multiplies it: unsigned bytes q + 128 (lane j: column j's 4 inputs), 128
-  // times the inputs' sum taken off each block's partials.
+  // times the inputs' sum taken off each block's partials; one instruction, so DotTile reads the
+  // packed quads in place (kTileInPlace) where the others' are unpacked once a panel.
   static constexpr int kTileCentre = 128;
+  static constexpr bool kTileInPlace = true;
   static __m512i Bytes(const T* quad) { return _mm512_xor_si512(_mm512_loadu_si512(quad), _mm512_set1_epi8(-128)); }
 #endif
 #endif
@@ -263,6 +265,7 @@ struct U4 {
   // One quad as unsigned bytes, lane j column j's 4 inputs: the low nibbles (columns 0-7) in bytes
   // 0-31, the high ones (columns 8-15) in 32-63 (what DotTile and U5's Step multiply).
   static constexpr int kTileCentre = 0;
+  static constexpr bool kTileInPlace = false;
   static __m512i Bytes(const T* quad) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad)), nib = _mm256_set1_epi8(15);
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, nib)),
@@ -673,7 +676,10 @@ void DotTile(const TileRows& x, int64_t r0, const uint8_t* bytes, const typename
       for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int64_t q = q0; q < q0 + kSubQuads; ++q) {
-        const __m512i w = _mm512_loadu_si512(bytes + (b * kBlockQuads + q) * 64);
+        const uint8_t* quad = bytes + (b * kBlockQuads + q) * 64;
+        __m512i w;
+        if constexpr (W::kTileInPlace) w = W::Bytes(reinterpret_cast<const typename W::T*>(quad));
+        else w = _mm512_loadu_si512(quad);
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
           int32_t four;
@@ -790,8 +796,10 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
           if (W::kOffset) S::Decode(o, groups, decoded.data() + groups * kPanel);
         }
       }
+      const uint8_t* tile_bytes = unpacked.data();  // DotTile's panel: unpacked, or the quads in place
 #ifdef SERVAX_DOT_512
-      if (tile) Unpack<W>(panel, K / 4, unpacked.data());
+      if (W::kTileInPlace) tile_bytes = reinterpret_cast<const uint8_t*>(panel);
+      else if (tile) Unpack<W>(panel, K / 4, unpacked.data());
       const int64_t panel_bytes = (K / 4) * W::kQuad, chunk = (panel_bytes / row_blocks + 63) / 64 * 64;
 #endif
       for (int64_t blk = 0, r0 = 0; blk < row_blocks; ++blk) {
@@ -804,10 +812,10 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
             _mm_prefetch(reinterpret_cast<const char*>(panel + panel_bytes) + i, _MM_HINT_T0);
 #endif
         if (tile && decode)
-          decoded_tile_fns[n](tiles, r0, unpacked.data(), decoded.data(), decoded.data() + groups * kPanel, group,
+          decoded_tile_fns[n](tiles, r0, tile_bytes, decoded.data(), decoded.data() + groups * kPanel, group,
                               c + r0 * N + p * kPanel, N);
         else if (tile)
-          tile_fns[n](tiles, r0, unpacked.data(), s, o, group, c + r0 * N + p * kPanel, N);
+          tile_fns[n](tiles, r0, tile_bytes, s, o, group, c + r0 * N + p * kPanel, N);
         else if (decode)
           decoded_fns[n](shared, r0, panel, decoded.data(), decoded.data() + groups * kPanel, group,
                          c + r0 * N + p * kPanel, N);
