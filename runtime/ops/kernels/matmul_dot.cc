@@ -31,8 +31,9 @@
 // Integer products win most where few rows share each weight (decode: unpacking the weights is
 // most of matmul_formats.cc's work); with many rows (a prefill) they about match its widened
 // float panels (benchmarks/RESULTS.md, stop 43), and keep one arithmetic for every step. From 9
-// rows the 512-bit form unpacks each panel's quads once into bytes that all its row blocks read
-// (DotTile), where fewer rows read the packed quads in place (DotRows512).
+// rows the 512-bit form unpacks each panel's 4- to 6-bit quads once into bytes that all its row
+// blocks read (DotTile; int8 quads are read in place), where fewer rows read the packed quads
+// (DotRows512).
 //
 // Two more handlers take a decode step's small operations into these products (DotNormMatmul:
 // an RMSNorm before one; DotMlpBlock: the second half of a decoder layer; layer_fusions.h), at
@@ -653,10 +654,11 @@ void Unpack(const typename W::T* panel, int64_t quads, uint8_t* out) {
   for (int64_t q = 0; q < quads; ++q) _mm512_storeu_si512(out + 64 * q, W::Bytes(panel + q * W::kQuad));
 }
 
-// DotRows512 for many rows (a prefill, a large batch): the panel unpacked once (Unpack) for all
-// its row blocks, so that each quad is one load for up to kTileRows rows and a vpdpbusd a row
-// (DotRows512 unpacks it again for every block of 4 rows, and I8's shifted inputs take a
-// vpdpbusd more a quad); W::kTileCentre times the inputs' sum (per 16 or 32) taken off.
+// DotRows512 for many rows (a prefill, a large batch): the panel unpacked once (Unpack; int8 quads
+// read in place, W::kTileInPlace) for all its row blocks, so that each quad is one load for up to
+// kTileRows rows and a vpdpbusd a row (DotRows512 unpacks it again for every block of 4 rows, and
+// I8's shifted inputs take a vpdpbusd more a quad); W::kTileCentre times the inputs' sum (per 16 or
+// 32) taken off.
 template <class W, class S, int MR>
 void DotTile(const TileRows& x, int64_t r0, const uint8_t* bytes, const typename S::T* scale,
              const typename S::T* offset, int64_t group, float* c, int64_t ldc) {
@@ -782,10 +784,10 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
   const TileRows& tiles = xt;
   servax::ForPanelRanges(pool, panels, 1, [&](int64_t first, int64_t last) {
     thread_local std::vector<float> decoded;  // codes multiplied out where several row blocks read them
-    thread_local std::vector<uint8_t> unpacked;  // DotTile's panel
+    thread_local std::vector<uint8_t> unpacked;  // DotTile's panel (4- to 6-bit quads)
     const bool decode = S::kCoded && (tile || row_blocks > 2);
     if (decode) decoded.resize(2 * groups * kPanel);
-    if (tile) unpacked.resize(K / 4 * 64);
+    if (tile && !std::is_same_v<W, I8>) unpacked.resize(K / 4 * 64);
     for (int64_t p = first; p < last; ++p) {
       const typename W::T* panel = packed + p * (K / 4) * W::kQuad;
       const typename S::T* s = scales + p * S::PanelSize(groups);
