@@ -30,7 +30,7 @@
 //
 // Integer products win most where few rows share each weight (decode: unpacking the weights is
 // most of matmul_formats.cc's work); with many rows (a prefill) they about match its widened
-// float panels (benchmarks/RESULTS.md, stop 43), and keep one arithmetic for every step. From 9
+// float panels (benchmarks/RESULTS.md, stop 43), and keep one arithmetic for every step. From 17
 // rows the 512-bit form unpacks each panel's 4- to 6-bit quads once into bytes that all its row
 // blocks read (DotTile; int8 quads are read in place), where fewer rows read the packed quads
 // (DotRows512).
@@ -548,11 +548,12 @@ void DotRows(const QuantizedRows& x, int64_t r0, const typename W::T* panel, con
 }
 
 // Rows a DotTile call multiplies at most (one int32 accumulator and 16 float sums a row in
-// registers), and the rows from which Multiply takes DotTile.
+// registers), and the rows from which Multiply takes DotTile (below them DotRows512 measured
+// faster: 12 rows 0.88-0.91x, 16 at par, 24 1.06-1.09x; benchmarks/RESULTS.md, stop 61).
 // -DSERVAX_DOT_TILE_FROM=N moves the latter (for A/B).
 constexpr int kTileRows = 8;
 #ifndef SERVAX_DOT_TILE_FROM
-#define SERVAX_DOT_TILE_FROM 9
+#define SERVAX_DOT_TILE_FROM 17
 #endif
 constexpr int64_t kTileFrom = SERVAX_DOT_TILE_FROM;
 
