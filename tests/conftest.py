@@ -239,6 +239,36 @@ class ServeRun:
     metrics_url: str  # Ray's Prometheus endpoint of this cluster
 
 
+def start_local_ray(attempts: int = 3, **options) -> None:
+    """`ray.init` of a fresh local cluster (2 CPUs, no dashboard, a small object store), tried again
+    when its node does not register in time.
+
+    Ray waits a fixed 30 s for the new raylet to register with its GCS and raises otherwise; on a
+    loaded 2-core machine (a suite's previous cluster still exiting) that has happened. A failed
+    attempt's processes (this process's new children: GCS, raylet, reaper) are killed before the
+    next one; no other process on the machine is touched.
+    """
+    import psutil
+    import ray
+
+    me = psutil.Process()
+    for attempt in range(1, attempts + 1):
+        before = {c.pid for c in me.children(recursive=True)}
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2, **options)
+            return
+        except Exception as e:  # Ray raises a bare Exception for this
+            if "timed out during startup" not in str(e) or attempt == attempts:
+                raise
+            print(f"\nray.init attempt {attempt}: {e}; retrying")
+            ray.shutdown()
+            for child in me.children(recursive=True):
+                if child.pid not in before:
+                    with contextlib.suppress(psutil.Error):
+                        child.kill()
+            time.sleep(2)
+
+
 @contextlib.contextmanager
 def serve_run(config_path: Path, work_dir: Path, *, ready_timeout_s: float = 300,
               models: tuple[str, ...] = ()) -> Iterator[ServeRun]:
@@ -265,8 +295,7 @@ def serve_run(config_path: Path, work_dir: Path, *, ready_timeout_s: float = 300
         serve.shutdown()
         ray.shutdown()
     metrics_port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2,
-             _metrics_export_port=metrics_port)
+    start_local_ray(_metrics_export_port=metrics_port)
     address = ray.get_runtime_context().gcs_address
     log_path = work_dir / "serve_run.log"
     log = open(log_path, "w+")
