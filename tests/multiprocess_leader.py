@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -78,8 +77,17 @@ def _write(spec: dict, result: dict) -> None:
 
 
 def _worker_pids() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "^ray::EngineWorker"], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+    """This leader's EngineWorker processes (its cluster's workers: its descendants)."""
+    import psutil
+
+    pids = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and " ".join(child.cmdline()).startswith("ray::EngineWorker"):
+                pids.append(child.pid)
+        except psutil.Error:
+            pass
+    return pids
 
 
 def hang_worker(llm) -> dict:

@@ -13,7 +13,8 @@ XLA_FLAGS must be set before jax is imported, which is why this runs in its own 
 
 For every (model, tp) the output holds the greedy tokens of all prompts batched, of each
 prompt alone and of a batch of two, the compilations counted after warmup (counted before
-the step program is compiled once more to list its collective ops), the KV cache's
+the step program is compiled once more to list its collective ops, where the spec sets
+"collectives" and tp > 1), the KV cache's
 sharding and per-device shard shape, and, for each named param, its spec, global shape,
 shard shape and device count; or, with expect_error, the startup error's type and message.
 """
@@ -105,7 +106,8 @@ def run_one(spec: dict, run: dict, tp: int) -> dict:
         params={name: _describe(_find(engine.model.params, path))
                 for name, path in (run.get("params", {}) if tp > 1 else {}).items()},
         joined=joined,
-        collectives=step_collectives(engine.programs),
+        # (another compile of the step programs: only where a test counts them)
+        collectives=step_collectives(engine.programs) if spec.get("collectives") and tp > 1 else None,
         layers_per_call=engine.programs.layered.per_call if engine.programs.layered else None,
         startup_seconds=round(startup, 2), warmup_seconds=round(engine.warmup_seconds, 2),
     )

@@ -326,9 +326,10 @@ def test_router_matches_transformers(name, tiny_checkpoint):
 
 @pytest.mark.slow
 def test_deepseek_tensor_and_expert_parallel_match_one_device(servax_cache):
-    """Tensor parallel 2 and 4 (heads, kv_b, MLP features and expert features split; the latent
-    cache whole on each device), expert parallel 2, and tensor parallel 2 with the prefills'
-    expanded form forced give one device's greedy tokens. Programs compile
+    """DeepSeek-V3: tensor parallel 2 and 4 (heads, kv_b, MLP features and expert features split;
+    the latent cache whole on each device), expert parallel 2, and tensor parallel 2 with the
+    prefills' expanded form forced give one device's greedy tokens. (V2 lays its attention and
+    experts out as V3 does; only its router differs, which runs whole on every device.) Programs compile
     on first use (enforce_eager): the buckets of five engines would not compile within the
     worker's time on a small machine; the one-device tests count compilations after warmup."""
     from test_spmd import run_worker
@@ -341,11 +342,7 @@ def test_deepseek_tensor_and_expert_parallel_match_one_device(servax_cache):
              engine=dict(eager, enable_expert_parallel=True)),
         dict(model="servax-tiny/deepseek_v3", name="v3-expanded", tp=[2], engine=dict(eager, mla_prefill="expanded")),
     ]), servax_cache)
-    runs.update(run_worker(dict(model_impl="jax", runs=[
-        dict(model="servax-tiny/deepseek_v2", name="v2", tp=[1, 2], engine=eager),  # tp 4: V3's run
-    ]), servax_cache))
-    for key, ref in [(("v3", 2), "v3"), (("v3", 4), "v3"), (("v3-ep", 2), "v3"), (("v3-expanded", 2), "v3"),
-                     (("v2", 2), "v2")]:
+    for key, ref in [(("v3", 2), "v3"), (("v3", 4), "v3"), (("v3-ep", 2), "v3"), (("v3-expanded", 2), "v3")]:
         run, ref = runs[key], runs[(ref, 1)]
         for field in ("batched", "alone", "pair"):
             assert run[field] == ref[field], f"{key}: {field}"

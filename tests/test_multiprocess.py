@@ -200,15 +200,17 @@ MP_MODEL = "servax-tiny/llama-8-heads"
 
 
 def _engine_workers() -> list[int]:
-    """PIDs of live EngineWorker actor processes on this machine (Ray titles them ray::EngineWorker)."""
-    out = subprocess.run(["pgrep", "-f", "^ray::EngineWorker"], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
+    """PIDs of live EngineWorker actor processes of this test's cluster (Ray titles them ray::EngineWorker)."""
+    from conftest import own_processes
+
+    return own_processes("^ray::EngineWorker")
 
 
 def _replicas() -> list[int]:
-    """PIDs of live LLMServer replica processes on this machine."""
-    out = subprocess.run(["pgrep", "-f", "^ray::ServeReplica:.*LLMServer"], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
+    """PIDs of live LLMServer replica processes of this test's cluster."""
+    from conftest import own_processes
+
+    return own_processes("^ray::ServeReplica:.*LLMServer")
 
 
 @pytest.mark.slow
@@ -219,7 +221,7 @@ def test_serve_run_two_processes_answers_and_survives_a_killed_worker(servax_cac
     import time
 
     import httpx
-    from conftest import openai_client, serve_run, sse_events
+    from conftest import alive, openai_client, serve_run, sse_events
 
     with serve_run(REPO / "configs" / "multiprocess-cpu.yaml", tmp_path, ready_timeout_s=400) as run:
         client = openai_client(run.base_url)
@@ -294,9 +296,9 @@ def test_serve_run_two_processes_answers_and_survives_a_killed_worker(servax_cac
         print(f"\nworker killed: stream ended after {outcome['seconds']:.1f} s; then {statuses} "
               f"(200 after {recovered:.1f} s)")
     deadline = time.time() + 30
-    while _engine_workers() and time.time() < deadline:
+    while alive([worker, *new_workers, replica]) and time.time() < deadline:
         time.sleep(0.5)
-    assert _engine_workers() == []  # serve shutdown leaves no worker behind
+    assert alive([worker, *new_workers, replica]) == []  # the cluster's end leaves no worker behind
 
 
 @pytest.mark.slow

@@ -86,7 +86,7 @@ def native(servax_cache, tmp_path_factory) -> dict[tuple[str, int], dict]:
     root = tmp_path_factory.mktemp("checkpoints")
     mha8 = make_tiny_checkpoint("llama", root / "mha8", num_attention_heads=8, num_key_value_heads=8)
     gqa3 = make_tiny_checkpoint("llama", root / "gqa3", num_attention_heads=12, num_key_value_heads=3, hidden_size=96)
-    return run_worker(dict(model_impl="jax", runs=[
+    return run_worker(dict(model_impl="jax", collectives=True, runs=[
         dict(model="servax-tiny/llama", tp=[1, 2, 4], params=NATIVE_PARAMS),  # 4 heads, 2 KV heads
         dict(model="servax-tiny/llama", name="llama-tp8", tp=[8], expect_error=True),
         dict(model=str(mha8), name=MHA8, tp=[1, 8], params=NATIVE_PARAMS),
@@ -96,7 +96,7 @@ def native(servax_cache, tmp_path_factory) -> dict[tuple[str, int], dict]:
 
 @pytest.fixture(scope="module")
 def fallback(servax_cache) -> dict[tuple[str, int], dict]:
-    return run_worker(dict(model_impl="torchax", runs=[
+    return run_worker(dict(model_impl="torchax", collectives=True, runs=[
         dict(model="servax-tiny/gpt_neox", tp=[1, 2, 4], params=NEOX_PARAMS),  # 4 heads = 4 KV heads
         dict(model="servax-tiny/gpt_neox", name="gpt_neox-tp8", tp=[8], expect_error=True),
         dict(model="servax-tiny/llama", name="llama-torchax", tp=[1, 4], params=TORCHAX_LLAMA_PARAMS),
