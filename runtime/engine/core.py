@@ -353,6 +353,10 @@ class Engine(EngineIntrospection):
             request_ids = [request_ids]
         outs = []
         for rid in request_ids:
+            if self.kv_transfer is not None:
+                # A P/D prefill request can finish (its blocks exported) before its reader's
+                # abort comes, as its reader goes away: nobody will take the export.
+                self.kv_transfer.discard(rid)
             state = self.outputs.abort_request(rid)
             if state is None:
                 continue

@@ -126,10 +126,6 @@ class KVMover:
             self._scatter[n] = jax.jit(self._scatter_fn, donate_argnums=(0,), out_shardings=shardings).lower(
                 cache, ids(n), data).compile()
         self._exported: dict[str, tuple[KVTransfer, dict[str, jax.Array], int]] = {}
-        # Exporting requests not finished yet, and those of them whose reader went away first
-        # (a disconnect while the engine thread finishes the request): their export is dropped.
-        self._live: set[str] = set()
-        self._unwanted: set[str] = set()
         self._lock = threading.Lock()
         self.num_exported = self.num_imported = 0  # requests
         self.blocks_exported = self.blocks_imported = 0
@@ -149,17 +145,6 @@ class KVMover:
         raise ValueError(f"{n} blocks exceed one sequence's {self.buckets[-1]}")
 
     # -- prefill side --------------------------------------------------------------------
-    def expect(self, request_id: str) -> None:
-        """Note a request that will export when it finishes (any thread)."""
-        with self._lock:
-            self._live.add(request_id)
-
-    def end(self, request_id: str) -> None:
-        """An expected request ended without an export (aborted). Engine thread."""
-        with self._lock:
-            self._live.discard(request_id)
-            self._unwanted.discard(request_id)
-
     def export(self, request: Request) -> None:
         """Copy the blocks of a finished request out of the device cache (enqueued; called by
         the scheduler just before it frees them). Engine thread."""
@@ -179,13 +164,8 @@ class KVMover:
             prompt_token_ids=list(request.prompt_token_ids), first_token_id=int(request.output_token_ids[0]),
             sample_seed=int(request.sample_seed), num_cached_tokens=max(0, request.num_cached_tokens),
             block_size=self.block_size, blocks=blocks, arrays={})
-        rid = request.request_id
         with self._lock:
-            self._live.discard(rid)
-            if rid in self._unwanted:  # its reader has gone: nobody will take it
-                self._unwanted.remove(rid)
-                return
-            self._exported[rid] = (transfer, arrays, n)
+            self._exported[request.request_id] = (transfer, arrays, n)
         self.num_exported += 1
         self.blocks_exported += n
 
@@ -201,11 +181,10 @@ class KVMover:
         return transfer
 
     def discard(self, request_id: str) -> None:
-        """Forget an export nobody will take (its reader went away), or drop it when it comes:
-        the engine thread may still be finishing the request."""
+        """Forget an export nobody will take (its reader went away; Engine.abort_request calls
+        this too, for a request that finished before its abort came)."""
         with self._lock:
-            if self._exported.pop(request_id, None) is None and request_id in self._live:
-                self._unwanted.add(request_id)
+            self._exported.pop(request_id, None)
 
     @property
     def num_pending_exports(self) -> int:
@@ -293,7 +272,6 @@ def add_request(engine: Any, req: ProcessedRequest) -> None:
     state.child_ids.append(req.request_id)
     if not importing:
         request.kv_export = True
-        mover.expect(req.request_id)
     elif transfer.prompt_token_ids == list(req.prompt_token_ids) and _continues(request, transfer.first_token_id):
         request.num_cached_tokens = transfer.num_cached_tokens
         request.append_output_token(transfer.first_token_id)

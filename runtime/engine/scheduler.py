@@ -97,8 +97,6 @@ class Scheduler:
         request.stop_reason = stop_reason
         if request.kv_export and status != RequestStatus.FINISHED_ABORTED:
             self.kv_mover.export(request)  # P/D prefill: its blocks copied out before they are freed
-        elif request.kv_export:
-            self.kv_mover.end(request_id)
         self.kv.free(request)
         return request
 
