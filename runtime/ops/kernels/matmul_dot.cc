@@ -161,6 +161,7 @@ struct I8 {
   using T = int8_t;
   static constexpr int64_t kQuad = 64;  // bytes per quad
   static constexpr bool kOffset = false;
+  static constexpr bool kTileInPlace = true;  // DotTile reads its quads as they are packed (see Bytes)
 #ifdef SERVAX_DOT_512
   static constexpr bool kShifted = true;  // the 512-bit Step multiplies the inputs shifted to unsigned bytes
 #else
@@ -214,7 +215,6 @@ struct I8 {
   // times the inputs' sum taken off each block's partials; one instruction, so DotTile reads the
   // packed quads in place (kTileInPlace) where the others' are unpacked once a panel.
   static constexpr int kTileCentre = 128;
-  static constexpr bool kTileInPlace = true;
   static __m512i Bytes(const T* quad) { return _mm512_xor_si512(_mm512_loadu_si512(quad), _mm512_set1_epi8(-128)); }
 #endif
 #endif
@@ -225,6 +225,7 @@ struct U4 {
   static constexpr int64_t kQuad = 32;
   static constexpr bool kOffset = true;
   static constexpr bool kShifted = false;
+  static constexpr bool kTileInPlace = false;  // DotTile unpacks its quads once a panel (Bytes)
   // Pairs of q <= 15 times |xq| <= 127 are at most 3810: 8 quads' sum in int16 (<= 30480).
   static constexpr bool kInt16 = true;
   static constexpr int64_t kSpan = 8;
@@ -266,7 +267,6 @@ struct U4 {
   // One quad as unsigned bytes, lane j column j's 4 inputs: the low nibbles (columns 0-7) in bytes
   // 0-31, the high ones (columns 8-15) in 32-63 (what DotTile and U5's Step multiply).
   static constexpr int kTileCentre = 0;
-  static constexpr bool kTileInPlace = false;
   static __m512i Bytes(const T* quad) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad)), nib = _mm256_set1_epi8(15);
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, nib)),
@@ -788,7 +788,7 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
     thread_local std::vector<uint8_t> unpacked;  // DotTile's panel (4- to 6-bit quads)
     const bool decode = S::kCoded && (tile || row_blocks > 2);
     if (decode) decoded.resize(2 * groups * kPanel);
-    if (tile && !std::is_same_v<W, I8>) unpacked.resize(K / 4 * 64);
+    if (tile && !W::kTileInPlace) unpacked.resize(K / 4 * 64);
     for (int64_t p = first; p < last; ++p) {
       const typename W::T* panel = packed + p * (K / 4) * W::kQuad;
       const typename S::T* s = scales + p * S::PanelSize(groups);
