@@ -291,14 +291,15 @@ def test_serve_run_two_processes_answers_and_survives_a_killed_worker(servax_cac
             time.sleep(1.0)
         recovered = time.perf_counter() - killed
         assert r.json()["choices"][0]["text"] == done.choices[0].text  # the new group: same tokens
-        new_workers = _engine_workers()
+        new_workers, new_replicas = _engine_workers(), _replicas()
         assert len(new_workers) == 1 and new_workers != [worker]
         print(f"\nworker killed: stream ended after {outcome['seconds']:.1f} s; then {statuses} "
               f"(200 after {recovered:.1f} s)")
     deadline = time.time() + 30
-    while alive([worker, *new_workers, replica]) and time.time() < deadline:
+    started = [worker, replica, *new_workers, *new_replicas]
+    while alive(started) and time.time() < deadline:
         time.sleep(0.5)
-    assert alive([worker, *new_workers, replica]) == []  # the cluster's end leaves no worker behind
+    assert alive(started) == []  # the cluster's end leaves no worker or replica behind
 
 
 @pytest.mark.slow

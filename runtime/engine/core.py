@@ -349,13 +349,10 @@ class Engine(EngineIntrospection):
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Stop requests and free their blocks; returns their final snapshots (unknown ids ignored)."""
-        if isinstance(request_ids, str):
-            request_ids = [request_ids]
+        request_ids = [request_ids] if isinstance(request_ids, str) else request_ids
         outs = []
         for rid in request_ids:
-            if self.kv_transfer is not None:
-                # A P/D prefill request can finish (its blocks exported) before its reader's
-                # abort comes, as its reader goes away: nobody will take the export.
+            if self.kv_transfer is not None:  # a P/D export left before its reader's abort came: nobody takes it
                 self.kv_transfer.discard(rid)
             state = self.outputs.abort_request(rid)
             if state is None:
