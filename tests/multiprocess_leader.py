@@ -78,16 +78,9 @@ def _write(spec: dict, result: dict) -> None:
 
 def _worker_pids() -> list[int]:
     """This leader's EngineWorker processes (its cluster's workers: its descendants)."""
-    import psutil
+    from conftest import own_processes  # tests/, this script's folder
 
-    pids = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if child.status() != psutil.STATUS_ZOMBIE and " ".join(child.cmdline()).startswith("ray::EngineWorker"):
-                pids.append(child.pid)
-        except psutil.Error:
-            pass
-    return pids
+    return own_processes("^ray::EngineWorker")
 
 
 def hang_worker(llm) -> dict:
