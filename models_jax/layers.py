@@ -143,9 +143,13 @@ def rope_cos_sin(
         inv_freq = 1.0 / base**exponents  # [T, head_dim // 2]
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
     if rope.attention_scaling != 1.0:
-        return jnp.cos(emb) * rope.attention_scaling, jnp.sin(emb) * rope.attention_scaling
-    return jnp.cos(emb), jnp.sin(emb)
+        cos, sin = cos * rope.attention_scaling, sin * rope.attention_scaling
+    # Computed once: XLA would otherwise fuse the cos and sin into each layer's q and k rotations,
+    # once per head and layer (a one-program decode step: ~46k of each a step on the demo model,
+    # ~1.5% of its batch-1 step; benchmarks/RESULTS.md, stop 63).
+    return jax.lax.optimization_barrier((cos, sin))
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
