@@ -121,15 +121,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="sequences decoding in the step")
     parser.add_argument("--context", type=int, default=64, help="prompt tokens of each sequence")
     parser.add_argument("--steps", type=int, default=20, help="traced runs of the step")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="the engine's (default its own; benchmarks/quantization.py runs with it at the batch)")
     args = parser.parse_args()
 
     from app import LLM
     from benchmarks.common import weights_read
 
     quantization = args.quantization or ("gguf" if args.model == DEMO or args.model.endswith(".gguf") else None)
+    seqs = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
     llm = LLM(model=args.model, quantization=None if quantization == "none" else quantization, dtype=args.dtype,
-              kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=max(args.batch, 1), enable_prefix_caching=False,
-              show_progress=False)
+              kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False, show_progress=False, **seqs)
+    if args.batch > llm.engine.config.max_num_seqs:
+        parser.error(f"--batch {args.batch} exceeds the engine's max_num_seqs {llm.engine.config.max_num_seqs}")
     run, texts = decode_step(llm, args.batch, args.context)
     kinds = op_kinds(texts)
     for _ in range(10):
@@ -151,7 +155,8 @@ def main() -> None:
     weights = weights_read(llm.engine.model.params)
     products = sum(us for kind, us in per_kind.items() if "matmul" in kind or "mlp_block" in kind)
     print(table(["op", "calls a step", "us a step", "share"], rows))
-    print(f"\n{args.model}, batch {args.batch}, ~{args.context} tokens of context: the step's programs "
+    print(f"\n{args.model}, batch {args.batch} (max_num_seqs {llm.engine.config.max_num_seqs}), ~{args.context} "
+          f"tokens of context: the step's programs "
           f"{step_us:.0f} us a run (the median; step and sampler, dispatched from Python), the ops' {busy:.0f} us; "
           f"weights {weights / 1e6:.0f} MB, read by the products at {weights / products / 1e3:.1f} GB/s "
           f"(the machine: {bandwidth / 1e9:.1f} GB/s); the bandwidth floor {weights / bandwidth * 1e6:.0f} us")
