@@ -147,8 +147,7 @@ def rope_cos_sin(
     if rope.attention_scaling != 1.0:
         cos, sin = cos * rope.attention_scaling, sin * rope.attention_scaling
     # Computed once: XLA would otherwise fuse the cos and sin into each layer's q and k rotations,
-    # once per head and layer (a one-program decode step: ~46k of each a step on the demo model,
-    # ~1.5% of its batch-1 step; benchmarks/RESULTS.md, stop 63).
+    # once per head and layer (in a one-program decode step; benchmarks/RESULTS.md, stop 63).
     return jax.lax.optimization_barrier((cos, sin))
 
 
