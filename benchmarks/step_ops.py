@@ -155,11 +155,12 @@ def main() -> None:
     weights = weights_read(llm.engine.model.params)
     products = sum(us for kind, us in per_kind.items() if "matmul" in kind or "mlp_block" in kind)
     print(table(["op", "calls a step", "us a step", "share"], rows))
+    read = f"read by the products at {weights / products / 1e3:.1f} GB/s" if products else "no packed products"
     print(f"\n{args.model}, batch {args.batch} (max_num_seqs {llm.engine.config.max_num_seqs}), ~{args.context} "
           f"tokens of context: the step's programs "
           f"{step_us:.0f} us a run (the median; step and sampler, dispatched from Python), the ops' {busy:.0f} us; "
-          f"weights {weights / 1e6:.0f} MB, read by the products at {weights / products / 1e3:.1f} GB/s "
-          f"(the machine: {bandwidth / 1e9:.1f} GB/s); the bandwidth floor {weights / bandwidth * 1e6:.0f} us")
+          f"weights {weights / 1e6:.0f} MB, {read} (the machine: {bandwidth / 1e9:.1f} GB/s); "
+          f"the bandwidth floor {weights / bandwidth * 1e6:.0f} us")
 
 
 if __name__ == "__main__":
