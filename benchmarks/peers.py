@@ -347,6 +347,8 @@ def server(name: str, args, folder: str, work: Path):
                   "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS, "show_progress": False}
         if args.gguf:
             engine["quantization"] = "gguf"
+        if args.kv_cache_dtype != "auto":
+            engine["kv_cache_dtype"] = args.kv_cache_dtype
         config = {
             "http_options": {"host": "127.0.0.1", "port": PORT},
             "applications": [{"name": "bench", "route_prefix": "/", "import_path": "app.builder:build_app",
@@ -485,6 +487,8 @@ def http(args, folder: str) -> None:
             "\n- seconds from start to the first answered completion: "
             + ", ".join(f"{n} {s:.0f}" for n, s in ready.items()))
     served = f"{Path(args.gguf).name}, servax quantization gguf" if args.gguf else f"{args.model}, {args.dtype}"
+    if args.kv_cache_dtype != "auto":
+        served += f", servax kv_cache_dtype {args.kv_cache_dtype}"
     record(f"Peers over HTTP: vllm bench serve ({served})", body)
 
 
@@ -532,6 +536,8 @@ def main() -> None:
                         help="offline: servax's torchax path on the same weights as well (model_impl=torchax)")
     parser.add_argument("--dtype", default="float32", help="HTTP part: the servers' dtype (servax, vllm serve)")
     parser.add_argument("--gguf", default=None, help="HTTP part: serve this GGUF file (servax, llama-server)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="HTTP part: servax's kv_cache_dtype (float16: llama-server's own default cache)")
     parser.add_argument("--llamacpp-bin", default=None, help="llama.cpp's build/bin (llama-server), for --gguf")
     parser.add_argument("--separate-ingress", action="store_true",
                         help="servax with its OpenAIIngress deployment apart (default: colocated, as configs/app.yaml)")
