@@ -30,11 +30,12 @@ import re
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import memory_read_bandwidth, table  # noqa: E402
+from benchmarks.common import memory_read_bandwidth, table, weights_read  # noqa: E402
 
 DEMO = "servax-demo/smollm2-135m-instruct"  # with quantization gguf: its GGUF file as stored
 
@@ -91,8 +92,6 @@ def op_kinds(texts: list[str]) -> dict[str, str]:
 
 def traced_ops(run, steps: int) -> tuple[list[float], list[dict]]:
     """Wall times (us) and the ops' trace events of `steps` traced runs."""
-    import time
-
     import jax
 
     options = jax.profiler.ProfileOptions()
@@ -126,7 +125,6 @@ def main() -> None:
     args = parser.parse_args()
 
     from app import LLM
-    from benchmarks.common import weights_read
 
     quantization = args.quantization or ("gguf" if args.model == DEMO or args.model.endswith(".gguf") else None)
     seqs = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
