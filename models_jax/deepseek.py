@@ -43,7 +43,8 @@ import jax.numpy as jnp
 from models_jax import ModelEntry, layers, llama, llama_moe, moe
 from models_jax.mla import latent_attention
 from models_jax.weights import (
-    WeightSpec, embedding, is_weight_spec, linear, linear_from_heads, linear_to_heads, stacked, vector, zeros,
+    WeightSpec, embedding, is_weight_spec, joined_projections, linear, linear_from_heads, linear_to_heads, stacked,
+    vector, zeros,
 )
 from runtime.ops.matmul import PackedExperts, PackedWeight, pack_matrix
 from runtime.ops.step import KVCache, KVCacheSpec, StepInput
@@ -370,7 +371,7 @@ def fuse_layer(p: dict) -> dict:
     likewise (models_jax/llama_moe.py)."""
     if "router" in p["mlp"]:
         return llama_moe.fuse_layer(p)
-    return {**p, "mlp": llama._joined(p["mlp"], ("gate", "up"), "gate_up")}
+    return {**p, "mlp": joined_projections(p["mlp"], ("gate", "up"), "gate_up")}
 
 
 def pack_layer(p: dict) -> dict:

@@ -77,6 +77,7 @@ import numpy as np
 from models_jax import ModelEntry, layers, llama, llama_moe, moe
 from models_jax.gemma4_config import Gemma4Args, layer_stacks
 from models_jax.gemma4_weights import weight_table
+from models_jax.weights import joined_projections
 from runtime.ops.attention import NO_SLIDING_WINDOW, paged_attention
 from runtime.ops.attention_common import soft_cap
 from runtime.ops.matmul import PackedWeight, pack_matrix
@@ -285,7 +286,7 @@ def fuse_layer(p: dict) -> dict:
     """One layer's MLP gate and up joined ([D, 2F]), and its experts' ([E, D, 2F]): one product
     where there were two (models_jax/llama.py's fuse_layer says why). Attention's projections
     stay apart: their shapes tell the layer's kind."""
-    mlp = llama._joined(p["mlp"], ("gate", "up"), "gate_up")
+    mlp = joined_projections(p["mlp"], ("gate", "up"), "gate_up")
     out = {**p, "mlp": mlp}
     experts = p.get("experts")
     if experts is not None and "gate" in experts and all(

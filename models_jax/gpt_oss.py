@@ -24,7 +24,7 @@ import jax
 from models_jax import ModelEntry, llama, moe
 from models_jax import llama_moe
 from models_jax.llama_moe import pack_layer
-from models_jax.weights import WeightSpec, linear, vector, zeros
+from models_jax.weights import WeightSpec, joined_projections, linear, vector, zeros
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +78,7 @@ forward = functools.partial(llama.forward, layer_fn=decoder_layer)
 
 def fuse_layer(p: dict) -> dict:
     """q/k/v (and their biases) joined into one matrix, as the Llama family joins them."""
-    return llama._joined(p, ("q", "k", "v"), "qkv")
+    return joined_projections(p, ("q", "k", "v"), "qkv")
 
 
 ENTRY = ModelEntry(

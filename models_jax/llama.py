@@ -25,9 +25,11 @@ import jax.numpy as jnp
 
 from models_jax import ModelEntry, layers
 from models_jax.weights import (
-    embedding, head_bias, join_outputs, linear, linear_from_heads, linear_to_heads, stacked, vector, zeros,
+    embedding, head_bias, join_outputs, joined_projections, linear, linear_from_heads, linear_to_heads, stacked, vector,
+    zeros,
 )
-from runtime.ops.attention import NO_SLIDING_WINDOW, paged_attention
+from runtime.ops.attention import (NO_SLIDING_WINDOW, paged_attention, rotated_attention_takes,
+                                   rotated_paged_attention)
 from runtime.ops.layer_fusions import mlp_block, mlp_block_fusable, norm_matmul, norm_matmul_fusable
 from runtime.ops.matmul import PackedWeight, pack_matrix
 from runtime.ops.quantization import transpose_matrix
@@ -169,12 +171,16 @@ def attention_block(
     lora = _lora(p, batch)
     with jax.named_scope("qkv"):
         kv_heads = a.num_kv_heads * a.kv_repeat
-        if norm is not None:
-            y = norm_matmul(x, norm, a.rms_norm_eps, p["qkv"], batch.num_tokens)
+        y = _side_by_side(x, p, norm, kv_cache, cos, batch, a)
+        if (y is not None and lora is None and not a.qk_norm and p.get("sinks") is None
+                and rotated_attention_takes(kv_cache, y, cos, a.num_heads, a.head_dim)):
+            with jax.named_scope("paged_attention"):  # rotation, cache writes and attention in one kernel call
+                out, kv_cache = rotated_paged_attention(y if "qkv_bias" not in p else y + p["qkv_bias"], cos, sin,
+                                                        kv_cache, batch, layer=i, num_heads=a.num_heads,
+                                                        scale=a.head_dim**-0.5, sliding_window=window)
+            return _project_out(out, p, lora, batch, project), kv_cache
+        if y is not None:
             q, k, v = layers.split_joined_heads(y, p.get("qkv_bias"), (a.num_heads, kv_heads, kv_heads), a.head_dim)
-        elif "qkv" in p:  # joined by fuse_layer
-            q, k, v = layers.project_to_joined_heads(x, p["qkv"], p.get("qkv_bias"),
-                                                     (a.num_heads, kv_heads, kv_heads), a.head_dim, batch.num_tokens)
         else:
             q, k, v = (layers.project_to_heads(x, p[name], p.get(name + "_bias"), batch.num_tokens, a.head_dim)
                        for name in ("q", "k", "v"))  # [T, H, hd], [T, KV, hd] twice
@@ -188,20 +194,36 @@ def attention_block(
         out, kv_cache = paged_attention(  # "sinks": gpt-oss's per-head sink logits (models_jax/gpt_oss.py)
             q, k, v, kv_cache, batch, layer=i, scale=a.head_dim**-0.5, sliding_window=window, sinks=p.get("sinks"),
         )
+    return _project_out(out, p, lora, batch, project), kv_cache
+
+
+def _side_by_side(x: jax.Array, p: dict, norm: jax.Array | None, kv_cache: KVCache, cos: jax.Array,
+                  batch: StepInput, a: LlamaArgs) -> jax.Array | None:
+    """q, k and v's products side by side [T, (H + 2 KV) hd]: where the weights are joined (with `norm`,
+    that RMSNorm first, in one kernel call), or apart but packed where the one-call attention takes
+    them (fuse_layer leaves a GGUF file's Q6_K v beside Q4_K q and k); else None."""
+    if norm is not None:
+        return norm_matmul(x, norm, a.rms_norm_eps, p["qkv"], batch.num_tokens)
+    if "qkv" in p:  # joined by fuse_layer
+        return layers.matmul(x, p["qkv"], batch.num_tokens)
+    if all(isinstance(p.get(n), PackedWeight) and n + "_bias" not in p for n in "qkv") and rotated_attention_takes(
+            kv_cache, x, cos, a.num_heads, a.head_dim, joined=False):
+        return jnp.concatenate([layers.matmul(x, p[n], batch.num_tokens) for n in "qkv"], axis=-1)
+    return None
+
+
+def _project_out(out: jax.Array, p: dict, lora, batch: StepInput, project: bool) -> jax.Array:
+    """The attention's output through o (as it is where not `project`)."""
     if not project:
-        return out, kv_cache
+        return out
     with jax.named_scope("o"):
         y = layers.project_from_heads(out, p["o"], p.get("o_bias"), batch.num_tokens)
-        if lora is not None:
-            y = layers.add_delta(y, lora("o_proj", out.reshape(out.shape[0], -1)))
-        return y, kv_cache
+        return y if lora is None else layers.add_delta(y, lora("o_proj", out.reshape(out.shape[0], -1)))
 
 
 def _lora(p: dict, batch: StepInput):
     """The layer's LoRA delta function, or None (no adapter slots, or a batch without slots)."""
-    if "lora" not in p or batch.lora_slots is None:
-        return None
-    return layers.lora_delta(p["lora"], batch.lora_slots)
+    return None if "lora" not in p or batch.lora_slots is None else layers.lora_delta(p["lora"], batch.lora_slots)
 
 
 def layer(
@@ -265,25 +287,8 @@ def fuse_layer(p: dict) -> dict:
     of GGUF kinds that would have to be requantized to be one (a Q4_K_M file's Q6_K attn_v beside
     Q4_K q and k: three products, each of its kind, read fewer bytes than one of int8 blocks).
     """
-    p = _joined(p, ("q", "k", "v"), "qkv", requantize=False)
-    return {**p, "mlp": _joined(p["mlp"], ("gate", "up"), "gate_up")}
-
-
-def _joined(w: dict, names: tuple[str, ...], joined: str, requantize: bool = True) -> dict:
-    """`w` with the weights `names` (and their "<name>_bias") joined as `joined` (and
-    "<joined>_bias"); `w` as it was where they cannot be joined (or are joined already; see
-    join_outputs for `requantize`)."""
-    if not all(n in w for n in names):
-        return w
-    weight = join_outputs([w[n] for n in names], requantize)
-    if weight is None:
-        return w
-    biases = [n + "_bias" for n in names]
-    out = {k: v for k, v in w.items() if k not in names and k not in biases}
-    out[joined] = weight
-    if biases[0] in w:
-        out[joined + "_bias"] = jnp.concatenate([w[b].reshape(-1) for b in biases])
-    return out
+    p = joined_projections(p, ("q", "k", "v"), "qkv", requantize=False)
+    return {**p, "mlp": joined_projections(p["mlp"], ("gate", "up"), "gate_up")}
 
 
 def layer_windows(a: LlamaArgs) -> tuple[int | None, jax.Array | None]:

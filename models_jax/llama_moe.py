@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 from models_jax import ModelEntry, layers, llama, moe
-from models_jax.weights import linear
+from models_jax.weights import joined_projections, linear
 from runtime.ops.matmul import PackedExperts, pack_matrix
 from runtime.ops.step import KVCache, StepInput
 
@@ -108,14 +108,14 @@ forward = functools.partial(llama.forward, layer_fn=decoder_layer)
 def fuse_layer(p: dict) -> dict:
     """Attention's q/k/v joined as the Llama family joins them; each expert's gate and up
     joined side by side ([E, D, 2F]: one grouped product where there were two)."""
-    p = llama._joined(p, ("q", "k", "v"), "qkv")
+    p = joined_projections(p, ("q", "k", "v"), "qkv")
     experts = p["mlp"]["experts"]
     if "gate" in experts and all(_float32(experts[n]) for n in ("gate", "up")):
         joined = jax.numpy.concatenate([experts["gate"], experts["up"]], axis=-1)
         experts = {"gate_up": joined, "down": experts["down"]}
     mlp_p = {**p["mlp"], "experts": experts}
     if "shared" in mlp_p:
-        mlp_p["shared"] = llama._joined(mlp_p["shared"], ("gate", "up"), "gate_up")
+        mlp_p["shared"] = joined_projections(mlp_p["shared"], ("gate", "up"), "gate_up")
     return {**p, "mlp": mlp_p}
 
 

@@ -275,3 +275,20 @@ def join_outputs(weights: list[Any], requantize: bool = True) -> Any | None:
         super_scale=joined("super_scale") if supers else None,      # join only their own)
         super_offset=joined("super_offset") if supers else None,
     )
+def joined_projections(w: dict, names: tuple[str, ...], joined: str, requantize: bool = True) -> dict:
+    """`w` with the weights `names` (and their "<name>_bias") joined as `joined` (and
+    "<joined>_bias"); `w` as it was where they cannot be joined (or are joined already; see
+    join_outputs for `requantize`)."""
+    if not all(n in w for n in names):
+        return w
+    weight = join_outputs([w[n] for n in names], requantize)
+    if weight is None:
+        return w
+    biases = [n + "_bias" for n in names]
+    out = {k: v for k, v in w.items() if k not in names and k not in biases}
+    out[joined] = weight
+    if biases[0] in w:
+        out[joined + "_bias"] = jnp.concatenate([w[b].reshape(-1) for b in biases])
+    return out
+
+

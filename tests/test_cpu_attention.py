@@ -19,7 +19,7 @@ from app import LLM, SamplingParams
 from conftest import quick_loop_keeps, run_in_fresh_kernel_build
 from runtime.ops.attention import resolve_attention_backend
 from runtime.ops.attention_common import write_kv
-from runtime.ops.attention_cpu import cpu_ragged_paged_attention
+from runtime.ops.attention_cpu import cpu_ragged_paged_attention, cpu_rotated_paged_attention
 from runtime.ops.cpu_kernels import kernel_status
 from test_attention import MIXED, TOL, build_batch, check_per_shard_against_xla, oracle
 
@@ -141,6 +141,60 @@ def test_a_16_bit_cache_kept_as_bits_is_written_in_place(dtype, tokens):
     pointer = before.unsafe_buffer_pointer()
     after = donated(before, new, slots)
     assert after.unsafe_buffer_pointer() == pointer, "the write must update the donated cache in place"
+
+
+def _rope(positions, head_dim):
+    """cos, sin [T, head_dim] of the rotary angles at `positions` (HF's layout: the half repeated)."""
+    inv = 1.0 / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)
+    angles = np.asarray(positions)[:, None] * inv[None, :]
+    angles = np.concatenate([angles, angles], axis=-1)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+@pytest.mark.parametrize("heads,kv_heads,block_size,head_dim,window",
+                         [c[:5] for c in CASES if c[5] is None][:6], ids=[i for i, c in zip(CASE_IDS, CASES)
+                                                                          if c[5] is None][:6])
+def test_rotated_attention_matches_rope_write_then_attend(heads, kv_heads, block_size, head_dim, window):
+    """The one-call form (rotate q and k, write the step's K/V, attend) against apply_rope, write_kv
+    and the kernel's attention op by op: the same outputs, the same cache (layer 0 untouched,
+    padding tokens writing nowhere), and the donated cache updated in place."""
+    from models_jax.layers import apply_rope
+
+    rng = np.random.default_rng(heads + 7 * head_dim + block_size)
+    batch, seqs, n, _, k, v = _case(rng, MIXED, heads=heads, kv_heads=kv_heads, block_size=block_size,
+                                    head_dim=head_dim)
+    k2 = jnp.asarray(np.stack([rng.standard_normal(k.shape), k]).astype(np.float32))
+    v2 = jnp.asarray(np.stack([rng.standard_normal(v.shape), v]).astype(np.float32))
+    t = batch.positions.shape[0]
+    qkv = jnp.asarray(rng.standard_normal((t, (heads + 2 * kv_heads) * head_dim)).astype(np.float32))
+    cos, sin = _rope(batch.positions, head_dim)
+
+    def op_by_op(qkv, k_cache, v_cache, layer, b):
+        q, kk, vv = jnp.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=-1)
+        q, kk, vv = (x.reshape(t, -1, head_dim) for x in (q, kk, vv))
+        q, kk = apply_rope(q, cos, sin), apply_rope(kk, cos, sin)
+        k_cache, v_cache = write_kv(k_cache, v_cache, kk, vv, b.slot_mapping, layer)
+        out = cpu_ragged_paged_attention(q, k_cache, v_cache, layer, b, scale=0.35, sliding_window=window)
+        return out, k_cache, v_cache
+
+    def one_call(qkv, k_cache, v_cache, layer, b):
+        return cpu_rotated_paged_attention(qkv, cos, sin, k_cache, v_cache, layer, b, num_heads=heads, scale=0.35,
+                                           sliding_window=window)
+
+    want = jax.jit(op_by_op)(qkv, k2, v2, jnp.int32(1), batch)
+    got = jax.jit(one_call)(qkv, k2, v2, jnp.int32(1), batch)
+    np.testing.assert_allclose(np.asarray(got[0])[:n], np.asarray(want[0])[:n], atol=TOL, rtol=0)
+    assert np.all(np.asarray(got[0])[n:] == 0), "padding tokens must produce zeros"
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=1e-6, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
+    np.testing.assert_array_equal(np.asarray(got[1])[0], np.asarray(k2)[0])
+    assert not np.array_equal(np.asarray(got[2])[1], np.asarray(v2)[1]), "the step's values must be written"
+    donated = jax.jit(one_call, donate_argnums=(1, 2))
+    k_in, v_in = jnp.array(k2), jnp.array(v2)
+    pointers = k_in.unsafe_buffer_pointer(), v_in.unsafe_buffer_pointer()
+    out, k_out, v_out = donated(qkv, k_in, v_in, jnp.int32(1), batch)
+    assert (k_out.unsafe_buffer_pointer(), v_out.unsafe_buffer_pointer()) == pointers, "the cache is written in place"
+    np.testing.assert_array_equal(np.asarray(v_out), np.asarray(want[2]))
 
 
 @pytest.mark.parametrize("head_dim,row,window", [(64, 128, None), (32, 64, 20), (8, 16, None)])
@@ -321,9 +375,15 @@ PROMPTS = [[(7 * i + 3) % 500 + 4 for i in range(n)] for n in (40, 5, 17, 2)]
 
 @pytest.mark.parametrize("model", quick_loop_keeps(["servax-tiny/llama", "servax-tiny/mistral", "servax-tiny/gpt2"],
                                                    "servax-tiny/mistral"))
-def test_greedy_tokens_equal_xla_end_to_end(model, servax_cache):
+def test_greedy_tokens_equal_xla_end_to_end(model, servax_cache, monkeypatch):
     """The engine with attention_backend="cpu" gives the XLA backend's tokens: native models
-    (Llama; Mistral's sliding window) and the torchax path (GPT-2)."""
+    (Llama; Mistral's sliding window), whose decode steps take the one-call rotated attention
+    (runtime.ops.attention.rotated_paged_attention, counted as traced), and the torchax path (GPT-2)."""
+    import models_jax.llama as llama
+
+    traced = []
+    real = llama.rotated_paged_attention
+    monkeypatch.setattr(llama, "rotated_paged_attention", lambda *a, **k: traced.append(a[0].shape) or real(*a, **k))
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     tokens = {}
     for backend in ("xla", "cpu"):
@@ -333,4 +393,5 @@ def test_greedy_tokens_equal_xla_end_to_end(model, servax_cache):
         assert llm.engine.programs.kv_cache.attention_backend == backend
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
         tokens[backend] = [o.outputs[0].token_ids for o in outs]
+        assert bool(traced) == (backend == "cpu" and "gpt2" not in model), (backend, traced)
     assert tokens["cpu"] == tokens["xla"]

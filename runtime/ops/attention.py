@@ -5,6 +5,8 @@ with the backend the cache was allocated for: the pure-JAX implementation (atten
 servax's C++ kernel for XLA:CPU (attention_cpu.py) or its Pallas kernel (attention_pallas.py).
 `resolve_attention_backend` decides that backend once, from the `attention_backend` setting and
 the platform. Only this module imports the backends; they share attention_common.py.
+`rotated_paged_attention` is the CPU kernel's form that also rotates q and k and writes the cache
+(one call from a layer's joined q/k/v product), where `rotated_attention_takes` says it applies.
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ from runtime.ops.attention_common import (
     NO_SLIDING_WINDOW, ExpandedLatent, ScaledCache, ValuesInKeys, Window, as_stored, readable, stored_dtype,
     write_kv, write_kv_quantized,
 )
-from runtime.ops.attention_cpu import cpu_ragged_paged_attention
+from runtime.ops.attention_cpu import cpu_ragged_paged_attention, cpu_rotated_paged_attention
 from runtime.ops.attention_xla import CACHED_CHUNK_TOKENS, CACHED_TILE, NEW_TOKEN_TILE, xla_paged_attention
 from runtime.ops.cpu_kernels import kernel_status
 from runtime.ops.step import HALF, KVCache, StepInput
 
 __all__ = ["NO_SLIDING_WINDOW", "expanded_latent_attention", "paged_attention", "resolve_attention_backend",
-           "write_step_kv"]
+           "rotated_attention_takes", "rotated_paged_attention", "write_step_kv"]
 
 # Query tile of the expanded form's per-sequence cached read: each tile expands the context it
 # reads once, so the tile is long (the expansion costs about as much as a few hundred queries'
@@ -200,6 +202,46 @@ def paged_attention(
         cached_tile=cached_tile, cached_chunk_tokens=cached_chunk_tokens, sinks=sinks,
     )
     return out, dataclasses.replace(kv_cache, **written)
+
+
+# The most tokens (a step's padded rows) `rotated_paged_attention` takes: it rotates and writes on the
+# kernel's calling thread, where with more rows XLA's own programs share that over the cores (a
+# 500-token prefill ran slower in one call: benchmarks/RESULTS.md, stop 64).
+ROTATED_MAX_TOKENS = 16
+
+
+def rotated_attention_takes(kv_cache: KVCache, qkv: jax.Array, cos: jax.Array, num_heads: int, head_dim: int,
+                            joined: bool = True) -> bool:
+    """Whether `rotated_paged_attention` takes this layer: the CPU kernel's cache (float32, its
+    values its own, no scales, KV cache groups or mesh of several devices), a float32 joined
+    q/k/v product [T, (num_heads + 2 kv_heads) head_dim] and a rotation over whole heads, for a step
+    of at most ROTATED_MAX_TOKENS tokens. With `joined` False, qkv stands for any float32 array of
+    the step's rows (its width unchecked)."""
+    if not isinstance(kv_cache, KVCache) or kv_cache.attention_backend != "cpu":
+        return False
+    if qkv.shape[0] > ROTATED_MAX_TOKENS:
+        return False
+    kv_heads = kv_cache.k.shape[2]
+    return (kv_cache.k_scale is None and kv_cache.half_bits is None and kv_cache.groups is None
+            and kv_cache.k.dtype == jnp.float32 and kv_cache.v.shape == kv_cache.k.shape
+            and kv_cache.k.shape[-1] == head_dim and (kv_cache.mesh is None or kv_cache.mesh.size == 1)
+            and qkv.dtype == jnp.float32 and (not joined or qkv.shape[1] == (num_heads + 2 * kv_heads) * head_dim)
+            and cos.shape == (qkv.shape[0], head_dim) and kernel_status("paged_attention") == "ok")
+
+
+def rotated_paged_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array, kv_cache: KVCache, batch: StepInput, *,
+                            layer: int | jax.Array, num_heads: int, scale: float,
+                            sliding_window: Window = None) -> tuple[jax.Array, KVCache]:
+    """A layer's attention from its joined q/k/v product [T, >= (num_heads + 2 kv_heads) head_dim]
+    (not yet rotated, no biases or norms left to add): what `models_jax.layers.apply_rope` on q
+    and k, then `paged_attention` compute, in one call of the CPU kernel that rotates, writes
+    the cache in place and attends (attention_cpu.cpu_rotated_paged_attention): no XLA programs
+    between a one-token step's products. Returns (out [T, H, head_dim], the cache). Only where
+    `rotated_attention_takes`."""
+    batch = jax.tree.map(jnp.asarray, batch)
+    out, k, v = cpu_rotated_paged_attention(qkv, cos, sin, kv_cache.k, kv_cache.v, layer, batch, num_heads=num_heads,
+                                            scale=scale, sliding_window=sliding_window)
+    return out, dataclasses.replace(kv_cache, k=k, v=v)
 
 
 def write_step_kv(kv_cache: KVCache, k: jax.Array, v: jax.Array | None, batch: StepInput, *,

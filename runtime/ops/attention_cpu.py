@@ -13,6 +13,9 @@ each block widened to float32 as it is read: half the bytes a step reads of its 
 scaled to float32 as it is read, on one device); a bfloat16 model's queries are read as float32
 and its output cast back. A latent cache (values in the keys'
 leading dims, DeepSeek's multi-head latent attention) is read as keys and values in place.
+
+`cpu_rotated_paged_attention` takes a layer from its joined q/k/v product instead: it rotates q
+and k, writes the step's K/V into the (float32) cache in place and attends, in one call.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from runtime.ops.attention_common import NO_SLIDING_WINDOW, per_kv_head_shard
-from runtime.ops.cpu_kernels import PAGED_ATTENTION_TARGET, kernel_status
+from runtime.ops.cpu_kernels import PAGED_ATTENTION_TARGET, PAGED_ATTENTION_WRITE_TARGET, kernel_status
 from runtime.ops.step import StepInput
 
 NO_WINDOW = 0  # the kernel's "no sliding window"
@@ -110,3 +113,37 @@ def _attend(q, k_cache, v_cache, layer, window, batch: StepInput, *, scale: floa
         half_bits=np.int64(half_bits),
     )
     return out.astype(q.dtype)
+
+
+def cpu_rotated_paged_attention(
+    qkv: jax.Array,  # [T, >= (num_heads + 2 kv_heads) head_dim] float32: q, k, v side by side, before rotation
+    cos: jax.Array,  # [T, head_dim]
+    sin: jax.Array,
+    k_cache: jax.Array,  # [num_layers, num_blocks, kv_heads, block_size, head_dim] float32
+    v_cache: jax.Array,
+    layer: int | jax.Array,
+    batch: StepInput,
+    *,
+    num_heads: int,
+    scale: float,
+    sliding_window: int | jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # out [T, num_heads, head_dim], the two caches
+    """The kernel's attention from a layer's joined q/k/v product, in one call: q and k rotated
+    (`models_jax.layers.apply_rope`), this step's K/V written into the layer's cache slots (as
+    attention_common.write_kv: padding tokens, with negative slots, write nowhere), then
+    `cpu_ragged_paged_attention` on the rotated queries. The caches are updated in place (the
+    call's results aliased to its operands). One device, float32 caches holding their values;
+    the caller checks that (`runtime.ops.attention.rotated_attention_takes`)."""
+    window = NO_WINDOW if sliding_window is None else sliding_window
+    window = jnp.where(jnp.asarray(window) >= NO_SLIDING_WINDOW, NO_WINDOW, window)
+    as_scalar = lambda x: jnp.reshape(jnp.asarray(x, jnp.int32), (1,))  # noqa: E731
+    t, head_dim = qkv.shape[0], k_cache.shape[-1]
+    shapes = (jax.ShapeDtypeStruct((t, num_heads, head_dim), jnp.float32),
+              jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+    call = jax.ffi.ffi_call(PAGED_ATTENTION_WRITE_TARGET, shapes, input_output_aliases={3: 1, 4: 2})
+    return call(
+        qkv.astype(jnp.float32), cos.astype(jnp.float32), sin.astype(jnp.float32), k_cache, v_cache, as_scalar(layer),
+        batch.slot_mapping.astype(jnp.int32), batch.block_tables.astype(jnp.int32), batch.seq_lens.astype(jnp.int32),
+        batch.query_start_loc.astype(jnp.int32), batch.positions.astype(jnp.int32), as_scalar(batch.num_tokens),
+        as_scalar(window), scale=np.float32(scale), num_heads=np.int64(num_heads),
+    )

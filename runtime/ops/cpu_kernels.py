@@ -42,6 +42,7 @@ import jax
 logger = logging.getLogger("servax.engine")
 
 PAGED_ATTENTION_TARGET = "servax_paged_attention"  # runtime/ops/attention_cpu.py
+PAGED_ATTENTION_WRITE_TARGET = "servax_paged_attention_write"  # ... rotating and writing the step's K/V first
 TRUNCATION_TARGET = "servax_truncation_cut"  # runtime/engine/sampler.py's top-k/top-p cut
 ARGMAX_TARGET = "servax_argmax"  # ... and its argmax
 MATMUL_TARGET = "servax_packed_matmul"  # runtime/ops/matmul.py
@@ -70,7 +71,8 @@ class Kernel:
 
 
 KERNELS = {k.name: k for k in (
-    Kernel("paged_attention", "paged_attention.cc", "ServaxPagedAttention", PAGED_ATTENTION_TARGET),
+    Kernel("paged_attention", "paged_attention.cc", "ServaxPagedAttention", PAGED_ATTENTION_TARGET,
+           more=(("ServaxPagedAttentionWrite", PAGED_ATTENTION_WRITE_TARGET),)),
     Kernel("truncation", "sampling.cc", "ServaxTruncationCut", TRUNCATION_TARGET,
            more=(("ServaxArgmax", ARGMAX_TARGET),)),
     Kernel("matmul", "matmul.cc", "ServaxPackedMatmul", MATMUL_TARGET,

@@ -18,6 +18,10 @@
 // AVX-512, an item of several tokens (a prefill tile) keeps its rows in vector lanes instead
 // (RunItemRowsInLanes: scores, softmax and values on whole vectors, no horizontal sums), and a
 // decode's rows of a group share each load of a key or value (RunDecode).
+//
+// PagedAttentionWrite (servax_paged_attention_write) takes a layer from its joined q/k/v product
+// instead: it rotates q and k, writes the step's K/V into the cache (its results aliased to the
+// cache operands) and then attends as PagedAttention does.
 
 #include <algorithm>
 #include <array>
@@ -898,50 +902,68 @@ ItemFn PickItemFn(int64_t block_size, int64_t head_dim) {
   return RunItem<0, 0>;
 }
 
-ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
-                          ffi::AnyBuffer v_cache, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
-                          ffi::Buffer<ffi::S32> layer,
-                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
-                          ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> positions,
-                          ffi::Buffer<ffi::S32> num_tokens, ffi::Buffer<ffi::S32> window, float scale,
-                          float soft_cap, int64_t value_dims, int64_t half_bits, ffi::ResultBuffer<ffi::F32> out) {
-  auto qd = q.dimensions(), kd = k_cache.dimensions(), td = block_tables.dimensions();
+// One call's operands, as PagedAttention and PagedAttentionWrite take them from XLA.
+struct AttendArgs {
+  const float* q;
+  ffi::Span<const int64_t> qd;  // [T, H, D]
+  ffi::DataType type;  // the cache's
+  const void* k_cache;
+  const void* v_cache;
+  ffi::Span<const int64_t> kd;  // [L, NB, KVH, BS, row]
+  int64_t k_count, v_count;  // the caches' elements
+  const float* k_scale;
+  const float* v_scale;
+  int64_t k_scale_count, v_scale_count;
+  int64_t layer;
+  const int32_t* block_tables;
+  ffi::Span<const int64_t> td;  // [S, MB]
+  const int32_t* seq_lens;
+  const int32_t* query_start;
+  const int32_t* positions;
+  int32_t num_tokens, window;
+  float scale, soft_cap;
+  int64_t value_dims, half_bits;
+  float* out;
+  ffi::Span<const int64_t> od;  // [T, H, value dims]
+};
+
+ffi::Error Attend(ffi::ThreadPool pool, const AttendArgs& a) {
+  auto qd = a.qd, kd = a.kd, td = a.td;
+  const int64_t value_dims = a.value_dims, half_bits = a.half_bits;
   if (qd.size() != 3 || kd.size() != 5 || td.size() != 2)
     return ffi::Error::InvalidArgument("paged_attention: q [T,H,D], cache [L,NB,KVH,BS,row >= D], tables [S,MB]");
   Problem p;
   std::vector<Item> items;
-  p.q = q.typed_data();
-  const ffi::DataType type = k_cache.element_type();
-  if (type != v_cache.element_type())
-    return ffi::Error::InvalidArgument("paged_attention: K and V caches of different types");
+  p.q = a.q;
+  const ffi::DataType type = a.type;
   if (type == ffi::DataType::F32) {
-    p.k_cache = reinterpret_cast<const float*>(k_cache.untyped_data());
-    p.v_cache = reinterpret_cast<const float*>(v_cache.untyped_data());
+    p.k_cache = static_cast<const float*>(a.k_cache);
+    p.v_cache = static_cast<const float*>(a.v_cache);
   } else if (type == ffi::DataType::S8 || type == ffi::DataType::F8E4M3FN) {
     p.stored = type == ffi::DataType::S8 ? Stored::kS8 : Stored::kF8E4M3;
-    p.k_bytes = reinterpret_cast<const uint8_t*>(k_cache.untyped_data());
-    p.v_bytes = reinterpret_cast<const uint8_t*>(v_cache.untyped_data());
+    p.k_bytes = static_cast<const uint8_t*>(a.k_cache);
+    p.v_bytes = static_cast<const uint8_t*>(a.v_cache);
     p.bytes = 1;
-    p.k_scale = k_scale.typed_data();
-    p.v_scale = v_scale.typed_data();
+    p.k_scale = a.k_scale;
+    p.v_scale = a.v_scale;
   } else if (type == ffi::DataType::BF16 || type == ffi::DataType::F16 || type == ffi::DataType::U16) {
     // A 16-bit cache, or its bits as uint16 (how servax keeps one on XLA:CPU: half_bits says which).
     if (type == ffi::DataType::U16 && half_bits != 1 && half_bits != 2)
       return ffi::Error::InvalidArgument("paged_attention: a uint16 cache holds bfloat16 (half_bits 1) or float16 (2)");
     const bool bf16 = type == ffi::DataType::BF16 || (type == ffi::DataType::U16 && half_bits == 1);
     p.stored = bf16 ? Stored::kBF16 : Stored::kF16;
-    p.k_bytes = reinterpret_cast<const uint8_t*>(k_cache.untyped_data());
-    p.v_bytes = reinterpret_cast<const uint8_t*>(v_cache.untyped_data());
+    p.k_bytes = static_cast<const uint8_t*>(a.k_cache);
+    p.v_bytes = static_cast<const uint8_t*>(a.v_cache);
     p.bytes = 2;
   } else {
     return ffi::Error::InvalidArgument("paged_attention: a float32, bfloat16, float16 (or their bits as uint16), int8 or float8_e4m3fn cache");
   }
-  p.block_tables = block_tables.typed_data();
-  p.seq_lens = seq_lens.typed_data();
-  p.query_start = query_start_loc.typed_data();
-  p.positions = positions.typed_data();
-  p.out = out->typed_data();
-  p.layer = layer.typed_data()[0];
+  p.block_tables = a.block_tables;
+  p.seq_lens = a.seq_lens;
+  p.query_start = a.query_start;
+  p.positions = a.positions;
+  p.out = a.out;
+  p.layer = a.layer;
   p.num_blocks = kd[1];
   p.kv_heads = kd[2];
   p.block_size = kd[3];
@@ -950,21 +972,21 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   p.max_blocks = td[1];
   p.num_heads = qd[1];
   p.group = qd[1] / kd[2];
-  p.window = window.typed_data()[0];
-  p.scale = scale;
-  p.soft_cap = soft_cap;
+  p.window = a.window;
+  p.scale = a.scale;
+  p.soft_cap = a.soft_cap;
   p.value_dims = value_dims > 0 ? value_dims : p.head_dim;
   if (qd[2] > kd[4] || qd[1] % kd[2] || p.layer < 0 || p.layer >= kd[0] || p.value_dims > p.head_dim)
     return ffi::Error::InvalidArgument("paged_attention: mismatched heads, head_dim, value dims or layer");
-  auto od = out->dimensions();
+  auto od = a.od;
   if (od.size() != 3 || od[0] != qd[0] || od[1] != qd[1] || od[2] != p.value_dims)
     return ffi::Error::InvalidArgument("paged_attention: out must be [T, H, value dims]");
 
   // The rows-in-lanes form where it exists, except with a soft cap (RunItem applies it); values
   // read from the keys (fewer dims than a key) take the general form.
   const bool own_values = p.value_dims == p.head_dim, plain = p.stored == Stored::kF32;
-  if (p.k_scale != nullptr && (k_scale.element_count() * p.row != k_cache.element_count() ||
-                 (p.v_bytes != p.k_bytes && v_scale.element_count() * p.row != v_cache.element_count())))
+  if (p.k_scale != nullptr && (a.k_scale_count * p.row != a.k_count ||
+                 (p.v_bytes != p.k_bytes && a.v_scale_count * p.row != a.v_count)))
     return ffi::Error::InvalidArgument("paged_attention: a quantized cache needs a scale per token and head");
   // Rows wider than the heads (their first head_dim read) take the general forms only.
   const bool narrow = p.row == p.head_dim;
@@ -979,7 +1001,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     run = p.block_size == 16 ? RunItemTiled<16> : RunItemTiled<0>;
 #endif
   const int64_t T = qd[0], S = td[0];
-  const int64_t real = std::min<int64_t>(std::max<int32_t>(num_tokens.typed_data()[0], 0), T);
+  const int64_t real = std::min<int64_t>(std::max<int32_t>(a.num_tokens, 0), T);
   // The rows-in-lanes form takes tiles of about 48 rows (three vectors of 16: 16 tokens of a
   // group of 3 query heads), the other about 32.
   const int64_t tile = std::max<int64_t>(1, (lanes_run != nullptr ? kRowsPerLanesItem : kRowsPerItem) / p.group);
@@ -1059,6 +1081,84 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   return ffi::Error::Success();
 }
 
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
+                          ffi::AnyBuffer v_cache, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                          ffi::Buffer<ffi::S32> layer,
+                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                          ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> positions,
+                          ffi::Buffer<ffi::S32> num_tokens, ffi::Buffer<ffi::S32> window, float scale,
+                          float soft_cap, int64_t value_dims, int64_t half_bits, ffi::ResultBuffer<ffi::F32> out) {
+  if (k_cache.element_type() != v_cache.element_type())
+    return ffi::Error::InvalidArgument("paged_attention: K and V caches of different types");
+  return Attend(pool, {q.typed_data(), q.dimensions(), k_cache.element_type(), k_cache.untyped_data(),
+                       v_cache.untyped_data(), k_cache.dimensions(), int64_t(k_cache.element_count()),
+                       int64_t(v_cache.element_count()), k_scale.typed_data(), v_scale.typed_data(),
+                       int64_t(k_scale.element_count()), int64_t(v_scale.element_count()), layer.typed_data()[0],
+                       block_tables.typed_data(), block_tables.dimensions(), seq_lens.typed_data(),
+                       query_start_loc.typed_data(), positions.typed_data(), num_tokens.typed_data()[0],
+                       window.typed_data()[0], scale, soft_cap, value_dims, half_bits, out->typed_data(),
+                       out->dimensions()});
+}
+
+// A layer's attention from its joined q/k/v product, in one call: q and k rotated (rotary
+// embedding, HF's "rotate half": x cos + (-x2, x1) sin, over the head's dims), this step's K/V
+// written into the layer's cache slots (tokens with a negative slot write nowhere, as
+// attention_common.write_kv), then PagedAttention on the rotated queries. The caches are the
+// call's results as well, aliased to its operands (updated in place): in a one-token step this
+// replaces the XLA programs that rotate and write between the products (benchmarks/RESULTS.md,
+// stop 64). float32 caches with a value per key (no latent cache, scales or 16-bit bits).
+ffi::Error PagedAttentionWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> cos,
+                               ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::F32> k_in, ffi::Buffer<ffi::F32> v_in,
+                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slot_mapping,
+                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                               ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> positions,
+                               ffi::Buffer<ffi::S32> num_tokens, ffi::Buffer<ffi::S32> window, float scale,
+                               int64_t num_heads, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> k_out,
+                               ffi::ResultBuffer<ffi::F32> v_out) {
+  const auto xd = qkv.dimensions(), kd = k_in.dimensions(), cd = cos.dimensions();
+  if (xd.size() != 2 || kd.size() != 5 || cd.size() != 2 || !(v_in.dimensions() == kd) || num_heads <= 0 ||
+      num_heads % std::max<int64_t>(kd[2], 1) != 0)
+    return ffi::Error::InvalidArgument("paged_attention_write: qkv [T, >= (H + 2 KVH) D], caches [L, NB, KVH, BS, D]");
+  const int64_t T = xd[0], H = num_heads, KVH = kd[2], BS = kd[3], D = kd[4], slots = kd[1] * BS;
+  const int64_t L = layer.typed_data()[0];
+  if (xd[1] < (H + 2 * KVH) * D || cd[0] != T || cd[1] != D || !(sin.dimensions() == cd) || D % 2 != 0 ||
+      slot_mapping.element_count() != T || L < 0 || L >= kd[0])
+    return ffi::Error::InvalidArgument("paged_attention_write: qkv [T, >= (H + 2 KVH) D], cos and sin [T, D] (D "
+                                       "even), slot_mapping [T], layer < L");
+  float* k_cache = k_out->typed_data();
+  float* v_cache = v_out->typed_data();
+  // The results are the operands' buffers (aliased); where XLA gave others, they start as copies.
+  if (k_cache != k_in.typed_data()) std::copy_n(k_in.typed_data(), k_in.element_count(), k_cache);
+  if (v_cache != v_in.typed_data()) std::copy_n(v_in.typed_data(), v_in.element_count(), v_cache);
+  thread_local std::vector<float> q;
+  q.resize(T * H * D);
+  const int64_t half = D / 2;
+  auto rotate = [&](const float* x, const float* c, const float* s, float* y) {
+    for (int64_t j = 0; j < half; ++j) y[j] = x[j] * c[j] + -x[j + half] * s[j];
+    for (int64_t j = half; j < D; ++j) y[j] = x[j] * c[j] + x[j - half] * s[j];
+  };
+  for (int64_t t = 0; t < T; ++t) {
+    const float* x = qkv.typed_data() + t * xd[1];
+    const float* c = cos.typed_data() + t * D;
+    const float* s = sin.typed_data() + t * D;
+    for (int64_t h = 0; h < H; ++h) rotate(x + h * D, c, s, q.data() + (t * H + h) * D);
+    const int64_t slot = slot_mapping.typed_data()[t];
+    if (slot < 0 || slot >= slots) continue;
+    const int64_t at = ((L * kd[1] + slot / BS) * KVH * BS + slot % BS) * D;  // head 0's row
+    for (int64_t h = 0; h < KVH; ++h) {
+      rotate(x + (H + h) * D, c, s, k_cache + at + h * BS * D);
+      std::copy_n(x + (H + KVH + h) * D, D, v_cache + at + h * BS * D);
+    }
+  }
+  const int64_t qdims[3] = {T, H, D};
+  return Attend(pool, {q.data(), ffi::Span<const int64_t>(qdims, 3), ffi::DataType::F32, k_cache, v_cache, kd,
+                       int64_t(k_in.element_count()), int64_t(v_in.element_count()), nullptr, nullptr, 0, 0, L,
+                       block_tables.typed_data(), block_tables.dimensions(), seq_lens.typed_data(),
+                       query_start_loc.typed_data(), positions.typed_data(), num_tokens.typed_data()[0],
+                       window.typed_data()[0], scale, 0.0f, 0, 0, out->typed_data(), out->dimensions()});
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxPagedAttention, PagedAttention,
@@ -1081,3 +1181,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxPagedAttention, PagedAttention,
                                   .Attr<int64_t>("value_dims")  // 0: head_dim; else values in the keys' leading dims
                                   .Attr<int64_t>("half_bits")  // a uint16 cache's floats: 1 bfloat16, 2 float16
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxPagedAttentionWrite, PagedAttentionWrite,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // qkv [T, >= (H + 2 KVH) D]: the joined product
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos [T, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sin [T, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache [L, NB, KVH, BS, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("num_heads")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H, D]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // k_cache (aliased to the operand)
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // v_cache (aliased)
