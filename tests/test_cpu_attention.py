@@ -151,20 +151,26 @@ def _rope(positions, head_dim):
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-@pytest.mark.parametrize("heads,kv_heads,block_size,head_dim,window",
-                         [c[:5] for c in CASES if c[5] is None][:6], ids=[i for i, c in zip(CASE_IDS, CASES)
-                                                                          if c[5] is None][:6])
-def test_rotated_attention_matches_rope_write_then_attend(heads, kv_heads, block_size, head_dim, window):
+ROTATED = [(c[:5], i) for c, i in zip(CASES, CASE_IDS) if c[5] is None][:6]
+
+
+@pytest.mark.parametrize("half", [None, "bfloat16", "float16"])
+@pytest.mark.parametrize("heads,kv_heads,block_size,head_dim,window", [c for c, _ in ROTATED],
+                         ids=[i for _, i in ROTATED])
+def test_rotated_attention_matches_rope_write_then_attend(heads, kv_heads, block_size, head_dim, window, half):
     """The one-call form (rotate q and k, write the step's K/V, attend) against apply_rope, write_kv
     and the kernel's attention op by op: the same outputs, the same cache (layer 0 untouched,
-    padding tokens writing nowhere), and the donated cache updated in place."""
+    padding tokens writing nowhere; a 16-bit cache kept as its bits gets each row rounded as
+    XLA rounds it), and the donated cache updated in place."""
     from models_jax.layers import apply_rope
 
     rng = np.random.default_rng(heads + 7 * head_dim + block_size)
     batch, seqs, n, _, k, v = _case(rng, MIXED, heads=heads, kv_heads=kv_heads, block_size=block_size,
                                     head_dim=head_dim)
-    k2 = jnp.asarray(np.stack([rng.standard_normal(k.shape), k]).astype(np.float32))
-    v2 = jnp.asarray(np.stack([rng.standard_normal(v.shape), v]).astype(np.float32))
+    stored = (lambda x: jnp.asarray(x, jnp.float32)) if half is None else (  # noqa: E731
+        lambda x: jax.lax.bitcast_convert_type(jnp.asarray(x, half), jnp.uint16))
+    k2 = stored(np.stack([rng.standard_normal(k.shape), k]))
+    v2 = stored(np.stack([rng.standard_normal(v.shape), v]))
     t = batch.positions.shape[0]
     qkv = jnp.asarray(rng.standard_normal((t, (heads + 2 * kv_heads) * head_dim)).astype(np.float32))
     cos, sin = _rope(batch.positions, head_dim)
@@ -173,19 +179,24 @@ def test_rotated_attention_matches_rope_write_then_attend(heads, kv_heads, block
         q, kk, vv = jnp.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=-1)
         q, kk, vv = (x.reshape(t, -1, head_dim) for x in (q, kk, vv))
         q, kk = apply_rope(q, cos, sin), apply_rope(kk, cos, sin)
-        k_cache, v_cache = write_kv(k_cache, v_cache, kk, vv, b.slot_mapping, layer)
-        out = cpu_ragged_paged_attention(q, k_cache, v_cache, layer, b, scale=0.35, sliding_window=window)
+        k_cache, v_cache = write_kv(k_cache, v_cache, kk, vv, b.slot_mapping, layer, half_bits=half)
+        out = cpu_ragged_paged_attention(q, k_cache, v_cache, layer, b, scale=0.35, sliding_window=window,
+                                         half_bits=half)
         return out, k_cache, v_cache
 
     def one_call(qkv, k_cache, v_cache, layer, b):
         return cpu_rotated_paged_attention(qkv, cos, sin, k_cache, v_cache, layer, b, num_heads=heads, scale=0.35,
-                                           sliding_window=window)
+                                           sliding_window=window, half_bits=half)
 
     want = jax.jit(op_by_op)(qkv, k2, v2, jnp.int32(1), batch)
     got = jax.jit(one_call)(qkv, k2, v2, jnp.int32(1), batch)
     np.testing.assert_allclose(np.asarray(got[0])[:n], np.asarray(want[0])[:n], atol=TOL, rtol=0)
     assert np.all(np.asarray(got[0])[n:] == 0), "padding tokens must produce zeros"
-    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=1e-6, rtol=1e-6)
+    if half is None:
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=1e-6, rtol=1e-6)
+    else:  # the rotation's float rounding may move a value across a 16-bit rounding boundary: one ulp at most
+        ulps = np.abs(np.asarray(got[1]).astype(np.int32) - np.asarray(want[1]).astype(np.int32))
+        assert ulps.max() <= 1 and (ulps > 0).mean() < 0.01, (ulps.max(), (ulps > 0).mean())
     np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
     np.testing.assert_array_equal(np.asarray(got[1])[0], np.asarray(k2)[0])
     assert not np.array_equal(np.asarray(got[2])[1], np.asarray(v2)[1]), "the step's values must be written"
@@ -394,4 +405,26 @@ def test_greedy_tokens_equal_xla_end_to_end(model, servax_cache, monkeypatch):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
         tokens[backend] = [o.outputs[0].token_ids for o in outs]
         assert bool(traced) == (backend == "cpu" and "gpt2" not in model), (backend, traced)
+    assert tokens["cpu"] == tokens["xla"]
+
+
+@pytest.mark.parametrize("kv", ["float16", "bfloat16"])
+def test_a_16_bit_cache_decodes_through_the_one_call_form(kv, servax_cache, monkeypatch):
+    """With a float16 / bfloat16 cache (kept as its bits), the tiny Llama's decode steps take the
+    one-call rotated attention on the CPU backend and give the XLA backend's tokens with that cache."""
+    import models_jax.llama as llama
+
+    traced = []
+    real = llama.rotated_paged_attention
+    monkeypatch.setattr(llama, "rotated_paged_attention", lambda *a, **k: traced.append(a[0].shape) or real(*a, **k))
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    tokens = {}
+    for backend in ("xla", "cpu"):
+        llm = LLM(model="servax-tiny/llama", attention_backend=backend, kv_cache_dtype=kv, max_model_len=128,
+                  max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=48, block_size=16, enforce_eager=True,
+                  show_progress=False, compilation_cache_dir="")
+        assert llm.engine.programs.kv_cache.half_bits == kv
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
+        tokens[backend] = [o.outputs[0].token_ids for o in outs]
+        assert bool(traced) == (backend == "cpu"), (backend, traced)
     assert tokens["cpu"] == tokens["xla"]

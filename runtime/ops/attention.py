@@ -212,18 +212,19 @@ ROTATED_MAX_TOKENS = 16
 
 def rotated_attention_takes(kv_cache: KVCache, qkv: jax.Array, cos: jax.Array, num_heads: int, head_dim: int,
                             joined: bool = True) -> bool:
-    """Whether `rotated_paged_attention` takes this layer: the CPU kernel's cache (float32, its
-    values its own, no scales, KV cache groups or mesh of several devices), a float32 joined
-    q/k/v product [T, (num_heads + 2 kv_heads) head_dim] and a rotation over whole heads, for a step
-    of at most ROTATED_MAX_TOKENS tokens. With `joined` False, qkv stands for any float32 array of
-    the step's rows (its width unchecked)."""
+    """Whether `rotated_paged_attention` takes this layer: the CPU kernel's cache (float32, or a
+    16-bit float's bits; its values its own, no scales, KV cache groups or mesh of several
+    devices), a float32 joined q/k/v product [T, (num_heads + 2 kv_heads) head_dim] and a rotation
+    over whole heads, for a step of at most ROTATED_MAX_TOKENS tokens. With `joined` False, qkv
+    stands for any float32 array of the step's rows (its width unchecked)."""
     if not isinstance(kv_cache, KVCache) or kv_cache.attention_backend != "cpu":
         return False
     if qkv.shape[0] > ROTATED_MAX_TOKENS:
         return False
     kv_heads = kv_cache.k.shape[2]
-    return (kv_cache.k_scale is None and kv_cache.half_bits is None and kv_cache.groups is None
-            and kv_cache.k.dtype == jnp.float32 and kv_cache.v.shape == kv_cache.k.shape
+    stored = jnp.uint16 if kv_cache.half_bits else jnp.float32
+    return (kv_cache.k_scale is None and kv_cache.groups is None
+            and kv_cache.k.dtype == stored and kv_cache.v.shape == kv_cache.k.shape
             and kv_cache.k.shape[-1] == head_dim and (kv_cache.mesh is None or kv_cache.mesh.size == 1)
             and qkv.dtype == jnp.float32 and (not joined or qkv.shape[1] == (num_heads + 2 * kv_heads) * head_dim)
             and cos.shape == (qkv.shape[0], head_dim) and kernel_status("paged_attention") == "ok")
@@ -240,7 +241,7 @@ def rotated_paged_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array, kv_c
     `rotated_attention_takes`."""
     batch = jax.tree.map(jnp.asarray, batch)
     out, k, v = cpu_rotated_paged_attention(qkv, cos, sin, kv_cache.k, kv_cache.v, layer, batch, num_heads=num_heads,
-                                            scale=scale, sliding_window=sliding_window)
+                                            scale=scale, sliding_window=sliding_window, half_bits=kv_cache.half_bits)
     return out, dataclasses.replace(kv_cache, k=k, v=v)
 
 

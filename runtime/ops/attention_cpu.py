@@ -15,7 +15,7 @@ and its output cast back. A latent cache (values in the keys'
 leading dims, DeepSeek's multi-head latent attention) is read as keys and values in place.
 
 `cpu_rotated_paged_attention` takes a layer from its joined q/k/v product instead: it rotates q
-and k, writes the step's K/V into the (float32) cache in place and attends, in one call.
+and k, writes the step's K/V into the (float32 or 16-bit) cache in place and attends, in one call.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def cpu_rotated_paged_attention(
     qkv: jax.Array,  # [T, >= (num_heads + 2 kv_heads) head_dim] float32: q, k, v side by side, before rotation
     cos: jax.Array,  # [T, head_dim]
     sin: jax.Array,
-    k_cache: jax.Array,  # [num_layers, num_blocks, kv_heads, block_size, head_dim] float32
+    k_cache: jax.Array,  # [num_layers, num_blocks, kv_heads, block_size, head_dim] float32, or uint16 half_bits
     v_cache: jax.Array,
     layer: int | jax.Array,
     batch: StepInput,
@@ -127,13 +127,15 @@ def cpu_rotated_paged_attention(
     num_heads: int,
     scale: float,
     sliding_window: int | jax.Array | None = None,
+    half_bits: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # out [T, num_heads, head_dim], the two caches
     """The kernel's attention from a layer's joined q/k/v product, in one call: q and k rotated
     (`models_jax.layers.apply_rope`), this step's K/V written into the layer's cache slots (as
-    attention_common.write_kv: padding tokens, with negative slots, write nowhere), then
+    attention_common.write_kv: padding tokens, with negative slots, write nowhere; half_bits:
+    the caches hold this 16-bit float's bits as uint16, the new rows rounded to it), then
     `cpu_ragged_paged_attention` on the rotated queries. The caches are updated in place (the
-    call's results aliased to its operands). One device, float32 caches holding their values;
-    the caller checks that (`runtime.ops.attention.rotated_attention_takes`)."""
+    call's results aliased to its operands). One device, caches holding their values; the caller
+    checks that (`runtime.ops.attention.rotated_attention_takes`)."""
     window = NO_WINDOW if sliding_window is None else sliding_window
     window = jnp.where(jnp.asarray(window) >= NO_SLIDING_WINDOW, NO_WINDOW, window)
     as_scalar = lambda x: jnp.reshape(jnp.asarray(x, jnp.int32), (1,))  # noqa: E731
@@ -146,4 +148,5 @@ def cpu_rotated_paged_attention(
         batch.slot_mapping.astype(jnp.int32), batch.block_tables.astype(jnp.int32), batch.seq_lens.astype(jnp.int32),
         batch.query_start_loc.astype(jnp.int32), batch.positions.astype(jnp.int32), as_scalar(batch.num_tokens),
         as_scalar(window), scale=np.float32(scale), num_heads=np.int64(num_heads),
+        half_bits=np.int64(HALF_BITS.get(half_bits, 0)),
     )

@@ -1101,42 +1101,91 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                        out->dimensions()});
 }
 
+// x as IEEE half bits, rounded to nearest even as XLA converts (F. Giesen's float_to_half_fast3_rtne).
+inline uint16_t FloatToHalfBits(float x) {
+  constexpr uint32_t kInf = 255u << 23, kHalfMax = (127u + 16) << 23;
+  constexpr uint32_t kDenormMagic = ((127u - 15) + (23 - 10) + 1) << 23;
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  uint16_t o;
+  if (u >= kHalfMax) {
+    o = u > kInf ? 0x7e00 : 0x7c00;  // NaN, or infinity (and what rounds to it)
+  } else if (u < (113u << 23)) {  // a half subnormal: float addition rounds it into place
+    float f, magic;
+    std::memcpy(&f, &u, 4);
+    std::memcpy(&magic, &kDenormMagic, 4);
+    f += magic;
+    std::memcpy(&u, &f, 4);
+    o = static_cast<uint16_t>(u - kDenormMagic);
+  } else {
+    const uint32_t odd = (u >> 13) & 1;
+    u += ((15u - 127u) << 23) + 0xfff + odd;
+    o = static_cast<uint16_t>(u >> 13);
+  }
+  return o | static_cast<uint16_t>(sign >> 16);
+}
+
+// x as bfloat16 bits, rounded to nearest even (NaNs kept quiet).
+inline uint16_t FloatToBFloat16Bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
 // A layer's attention from its joined q/k/v product, in one call: q and k rotated (rotary
 // embedding, HF's "rotate half": x cos + (-x2, x1) sin, over the head's dims), this step's K/V
 // written into the layer's cache slots (tokens with a negative slot write nowhere, as
-// attention_common.write_kv), then PagedAttention on the rotated queries. The caches are the
-// call's results as well, aliased to its operands (updated in place): in a one-token step this
-// replaces the XLA programs that rotate and write between the products (benchmarks/RESULTS.md,
-// stop 64). float32 caches with a value per key (no latent cache, scales or 16-bit bits).
+// attention_common.write_kv; into a 16-bit cache kept as its bits, rounded to it as XLA rounds),
+// then PagedAttention on the rotated queries. The caches are the call's results as well, aliased
+// to its operands (updated in place): in a one-token step this replaces the XLA programs that
+// rotate and write between the products (benchmarks/RESULTS.md, stop 64). float32 caches, or
+// uint16 ones holding bfloat16 (half_bits 1) or float16 (2) bits, with a value per key.
 ffi::Error PagedAttentionWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> cos,
-                               ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::F32> k_in, ffi::Buffer<ffi::F32> v_in,
+                               ffi::Buffer<ffi::F32> sin, ffi::AnyBuffer k_in, ffi::AnyBuffer v_in,
                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slot_mapping,
                                ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                                ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> positions,
                                ffi::Buffer<ffi::S32> num_tokens, ffi::Buffer<ffi::S32> window, float scale,
-                               int64_t num_heads, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> k_out,
-                               ffi::ResultBuffer<ffi::F32> v_out) {
+                               int64_t num_heads, int64_t half_bits, ffi::ResultBuffer<ffi::F32> out,
+                               ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
   const auto xd = qkv.dimensions(), kd = k_in.dimensions(), cd = cos.dimensions();
+  const ffi::DataType type = k_in.element_type();
+  const bool half = type == ffi::DataType::U16;
   if (xd.size() != 2 || kd.size() != 5 || cd.size() != 2 || !(v_in.dimensions() == kd) || num_heads <= 0 ||
-      num_heads % std::max<int64_t>(kd[2], 1) != 0)
-    return ffi::Error::InvalidArgument("paged_attention_write: qkv [T, >= (H + 2 KVH) D], caches [L, NB, KVH, BS, D]");
+      num_heads % std::max<int64_t>(kd[2], 1) != 0 || v_in.element_type() != type ||
+      (type != ffi::DataType::F32 && !half) || (half ? half_bits != 1 && half_bits != 2 : half_bits != 0))
+    return ffi::Error::InvalidArgument("paged_attention_write: qkv [T, >= (H + 2 KVH) D], caches [L, NB, KVH, BS, D] "
+                                       "of float32 (half_bits 0) or uint16 (the bits of bfloat16: 1, float16: 2)");
   const int64_t T = xd[0], H = num_heads, KVH = kd[2], BS = kd[3], D = kd[4], slots = kd[1] * BS;
   const int64_t L = layer.typed_data()[0];
   if (xd[1] < (H + 2 * KVH) * D || cd[0] != T || cd[1] != D || !(sin.dimensions() == cd) || D % 2 != 0 ||
       slot_mapping.element_count() != T || L < 0 || L >= kd[0])
     return ffi::Error::InvalidArgument("paged_attention_write: qkv [T, >= (H + 2 KVH) D], cos and sin [T, D] (D "
                                        "even), slot_mapping [T], layer < L");
-  float* k_cache = k_out->typed_data();
-  float* v_cache = v_out->typed_data();
   // The results are the operands' buffers (aliased); where XLA gave others, they start as copies.
-  if (k_cache != k_in.typed_data()) std::copy_n(k_in.typed_data(), k_in.element_count(), k_cache);
-  if (v_cache != v_in.typed_data()) std::copy_n(v_in.typed_data(), v_in.element_count(), v_cache);
-  thread_local std::vector<float> q;
+  const int64_t bytes = k_in.size_bytes();
+  char* k_cache = static_cast<char*>(k_out->untyped_data());
+  char* v_cache = static_cast<char*>(v_out->untyped_data());
+  if (k_cache != k_in.untyped_data()) std::memcpy(k_cache, k_in.untyped_data(), bytes);
+  if (v_cache != v_in.untyped_data()) std::memcpy(v_cache, v_in.untyped_data(), bytes);
+  thread_local std::vector<float> q, row;
   q.resize(T * H * D);
-  const int64_t half = D / 2;
+  row.resize(D);
+  const int64_t h2 = D / 2;
   auto rotate = [&](const float* x, const float* c, const float* s, float* y) {
-    for (int64_t j = 0; j < half; ++j) y[j] = x[j] * c[j] + -x[j + half] * s[j];
-    for (int64_t j = half; j < D; ++j) y[j] = x[j] * c[j] + x[j - half] * s[j];
+    for (int64_t j = 0; j < h2; ++j) y[j] = x[j] * c[j] + -x[j + h2] * s[j];
+    for (int64_t j = h2; j < D; ++j) y[j] = x[j] * c[j] + x[j - h2] * s[j];
+  };
+  auto store = [&](const float* x, char* cache, int64_t at) {  // a row of D values at element `at`
+    if (!half) {
+      std::memcpy(reinterpret_cast<float*>(cache) + at, x, D * sizeof(float));
+      return;
+    }
+    uint16_t* dst = reinterpret_cast<uint16_t*>(cache) + at;
+    for (int64_t j = 0; j < D; ++j) dst[j] = half_bits == 1 ? FloatToBFloat16Bits(x[j]) : FloatToHalfBits(x[j]);
   };
   for (int64_t t = 0; t < T; ++t) {
     const float* x = qkv.typed_data() + t * xd[1];
@@ -1147,16 +1196,17 @@ ffi::Error PagedAttentionWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, 
     if (slot < 0 || slot >= slots) continue;
     const int64_t at = ((L * kd[1] + slot / BS) * KVH * BS + slot % BS) * D;  // head 0's row
     for (int64_t h = 0; h < KVH; ++h) {
-      rotate(x + (H + h) * D, c, s, k_cache + at + h * BS * D);
-      std::copy_n(x + (H + KVH + h) * D, D, v_cache + at + h * BS * D);
+      rotate(x + (H + h) * D, c, s, row.data());
+      store(row.data(), k_cache, at + h * BS * D);
+      store(x + (H + KVH + h) * D, v_cache, at + h * BS * D);
     }
   }
   const int64_t qdims[3] = {T, H, D};
-  return Attend(pool, {q.data(), ffi::Span<const int64_t>(qdims, 3), ffi::DataType::F32, k_cache, v_cache, kd,
+  return Attend(pool, {q.data(), ffi::Span<const int64_t>(qdims, 3), type, k_cache, v_cache, kd,
                        int64_t(k_in.element_count()), int64_t(v_in.element_count()), nullptr, nullptr, 0, 0, L,
                        block_tables.typed_data(), block_tables.dimensions(), seq_lens.typed_data(),
                        query_start_loc.typed_data(), positions.typed_data(), num_tokens.typed_data()[0],
-                       window.typed_data()[0], scale, 0.0f, 0, 0, out->typed_data(), out->dimensions()});
+                       window.typed_data()[0], scale, 0.0f, 0, half_bits, out->typed_data(), out->dimensions()});
 }
 
 }  // namespace
@@ -1188,8 +1238,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxPagedAttentionWrite, PagedAttentionWrite,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // qkv [T, >= (H + 2 KVH) D]: the joined product
                                   .Arg<ffi::Buffer<ffi::F32>>()  // cos [T, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // sin [T, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache [L, NB, KVH, BS, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
+                                  .Arg<ffi::AnyBuffer>()  // k_cache [L, NB, KVH, BS, D]: float32, or uint16 bits
+                                  .Arg<ffi::AnyBuffer>()  // v_cache
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping [T]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
@@ -1200,6 +1250,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ServaxPagedAttentionWrite, PagedAttentionWrite,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("num_heads")
+                                  .Attr<int64_t>("half_bits")  // a uint16 cache's floats: 1 bfloat16, 2 float16
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H, D]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // k_cache (aliased to the operand)
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // v_cache (aliased)
+                                  .Ret<ffi::AnyBuffer>()  // k_cache (aliased to the operand)
+                                  .Ret<ffi::AnyBuffer>());  // v_cache (aliased)
