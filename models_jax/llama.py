@@ -171,9 +171,10 @@ def attention_block(
     lora = _lora(p, batch)
     with jax.named_scope("qkv"):
         kv_heads = a.num_kv_heads * a.kv_repeat
-        y = _side_by_side(x, p, norm, kv_cache, cos, batch, a)
-        if (y is not None and lora is None and not a.qk_norm and p.get("sinks") is None
-                and rotated_attention_takes(kv_cache, y, cos, a.num_heads, a.head_dim)):
+        plain = lora is None and not a.qk_norm and p.get("sinks") is None  # nothing between q/k/v and attention
+        y = _side_by_side(x, p, norm, batch, a, plain and rotated_attention_takes(kv_cache, x, cos, a.num_heads,
+                                                                                  a.head_dim, joined=False))
+        if y is not None and plain and rotated_attention_takes(kv_cache, y, cos, a.num_heads, a.head_dim):
             with jax.named_scope("paged_attention"):  # rotation, cache writes and attention in one kernel call
                 out, kv_cache = rotated_paged_attention(y if "qkv_bias" not in p else y + p["qkv_bias"], cos, sin,
                                                         kv_cache, batch, layer=i, num_heads=a.num_heads,
@@ -197,17 +198,16 @@ def attention_block(
     return _project_out(out, p, lora, batch, project), kv_cache
 
 
-def _side_by_side(x: jax.Array, p: dict, norm: jax.Array | None, kv_cache: KVCache, cos: jax.Array,
-                  batch: StepInput, a: LlamaArgs) -> jax.Array | None:
+def _side_by_side(x: jax.Array, p: dict, norm: jax.Array | None, batch: StepInput, a: LlamaArgs,
+                  for_one_call: bool) -> jax.Array | None:
     """q, k and v's products side by side [T, (H + 2 KV) hd]: where the weights are joined (with `norm`,
-    that RMSNorm first, in one kernel call), or apart but packed where the one-call attention takes
-    them (fuse_layer leaves a GGUF file's Q6_K v beside Q4_K q and k); else None."""
+    that RMSNorm first, in one kernel call), or, `for_one_call` (the one-call attention takes the
+    layer), apart but packed (fuse_layer leaves a GGUF file's Q6_K v beside Q4_K q and k); else None."""
     if norm is not None:
         return norm_matmul(x, norm, a.rms_norm_eps, p["qkv"], batch.num_tokens)
     if "qkv" in p:  # joined by fuse_layer
         return layers.matmul(x, p["qkv"], batch.num_tokens)
-    if all(isinstance(p.get(n), PackedWeight) and n + "_bias" not in p for n in "qkv") and rotated_attention_takes(
-            kv_cache, x, cos, a.num_heads, a.head_dim, joined=False):
+    if for_one_call and all(isinstance(p.get(n), PackedWeight) and n + "_bias" not in p for n in "qkv"):
         return jnp.concatenate([layers.matmul(x, p[n], batch.num_tokens) for n in "qkv"], axis=-1)
     return None
 
