@@ -384,27 +384,38 @@ def test_cache_dtypes_the_engine_gives_the_kernel():
 PROMPTS = [[(7 * i + 3) % 500 + 4 for i in range(n)] for n in (40, 5, 17, 2)]
 
 
-@pytest.mark.parametrize("model", quick_loop_keeps(["servax-tiny/llama", "servax-tiny/mistral", "servax-tiny/gpt2"],
-                                                   "servax-tiny/mistral"))
-def test_greedy_tokens_equal_xla_end_to_end(model, servax_cache, monkeypatch):
-    """The engine with attention_backend="cpu" gives the XLA backend's tokens: native models
-    (Llama; Mistral's sliding window), whose decode steps take the one-call rotated attention
-    (runtime.ops.attention.rotated_paged_attention, counted as traced), and the torchax path (GPT-2)."""
+def _tokens_by_backend(model: str, monkeypatch, **engine) -> tuple[dict, dict]:
+    """Greedy tokens of PROMPTS on the xla and cpu attention backends, and for each backend whether
+    its programs took the one-call rotated attention (runtime.ops.attention.rotated_paged_attention,
+    counted as it is traced)."""
     import models_jax.llama as llama
 
     traced = []
     real = llama.rotated_paged_attention
     monkeypatch.setattr(llama, "rotated_paged_attention", lambda *a, **k: traced.append(a[0].shape) or real(*a, **k))
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    tokens = {}
+    tokens, one_call = {}, {}
     for backend in ("xla", "cpu"):
         llm = LLM(model=model, attention_backend=backend, max_model_len=128, max_num_seqs=4,
                   max_num_batched_tokens=32, num_kv_blocks=48, block_size=16, enforce_eager=True,
-                  show_progress=False, compilation_cache_dir="")
+                  show_progress=False, compilation_cache_dir="", **engine)
         assert llm.engine.programs.kv_cache.attention_backend == backend
+        assert llm.engine.programs.kv_cache.half_bits == engine.get("kv_cache_dtype")
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
         tokens[backend] = [o.outputs[0].token_ids for o in outs]
-        assert bool(traced) == (backend == "cpu" and "gpt2" not in model), (backend, traced)
+        one_call[backend] = bool(traced)
+        traced.clear()
+    return tokens, one_call
+
+
+@pytest.mark.parametrize("model", quick_loop_keeps(["servax-tiny/llama", "servax-tiny/mistral", "servax-tiny/gpt2"],
+                                                   "servax-tiny/mistral"))
+def test_greedy_tokens_equal_xla_end_to_end(model, servax_cache, monkeypatch):
+    """The engine with attention_backend="cpu" gives the XLA backend's tokens: native models
+    (Llama; Mistral's sliding window), whose decode steps take the one-call rotated attention,
+    and the torchax path (GPT-2)."""
+    tokens, one_call = _tokens_by_backend(model, monkeypatch)
+    assert one_call == {"xla": False, "cpu": "gpt2" not in model}
     assert tokens["cpu"] == tokens["xla"]
 
 
@@ -412,19 +423,6 @@ def test_greedy_tokens_equal_xla_end_to_end(model, servax_cache, monkeypatch):
 def test_a_16_bit_cache_decodes_through_the_one_call_form(kv, servax_cache, monkeypatch):
     """With a float16 / bfloat16 cache (kept as its bits), the tiny Llama's decode steps take the
     one-call rotated attention on the CPU backend and give the XLA backend's tokens with that cache."""
-    import models_jax.llama as llama
-
-    traced = []
-    real = llama.rotated_paged_attention
-    monkeypatch.setattr(llama, "rotated_paged_attention", lambda *a, **k: traced.append(a[0].shape) or real(*a, **k))
-    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    tokens = {}
-    for backend in ("xla", "cpu"):
-        llm = LLM(model="servax-tiny/llama", attention_backend=backend, kv_cache_dtype=kv, max_model_len=128,
-                  max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=48, block_size=16, enforce_eager=True,
-                  show_progress=False, compilation_cache_dir="")
-        assert llm.engine.programs.kv_cache.half_bits == kv
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
-        tokens[backend] = [o.outputs[0].token_ids for o in outs]
-        assert bool(traced) == (backend == "cpu"), (backend, traced)
+    tokens, one_call = _tokens_by_backend("servax-tiny/llama", monkeypatch, kv_cache_dtype=kv)
+    assert one_call == {"xla": False, "cpu": True}
     assert tokens["cpu"] == tokens["xla"]
