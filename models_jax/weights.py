@@ -275,6 +275,8 @@ def join_outputs(weights: list[Any], requantize: bool = True) -> Any | None:
         super_scale=joined("super_scale") if supers else None,      # join only their own)
         super_offset=joined("super_offset") if supers else None,
     )
+
+
 def joined_projections(w: dict, names: tuple[str, ...], joined: str, requantize: bool = True) -> dict:
     """`w` with the weights `names` (and their "<name>_bias") joined as `joined` (and
     "<joined>_bias"); `w` as it was where they cannot be joined (or are joined already; see
@@ -290,5 +292,3 @@ def joined_projections(w: dict, names: tuple[str, ...], joined: str, requantize:
     if biases[0] in w:
         out[joined + "_bias"] = jnp.concatenate([w[b].reshape(-1) for b in biases])
     return out
-
-

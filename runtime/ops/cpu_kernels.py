@@ -5,7 +5,8 @@ splitter parallel.h, which runs on the thread pool XLA hands each call, so nothi
 between the libraries at run time, the matmuls' panel header panels.h, and layer_fusions.h,
 the decoder-layer ops two of them run between their products):
 
-- "paged_attention" (paged_attention.cc): ragged paged attention, runtime/ops/attention_cpu.py;
+- "paged_attention" (paged_attention.cc): ragged paged attention (and its form that rotates q/k and
+  writes the step's K/V first), runtime/ops/attention_cpu.py;
 - "truncation" (sampling.cc): the sampler's top-k / top-p cut and argmax, runtime/engine/sampler.py;
 - "matmul" (matmul.cc): products on packed weights, and experts' grouped products, runtime/ops/matmul.py;
 - "matmul_formats" (matmul_formats.cc): products on packed bfloat16, int8 and 4-bit weights
