@@ -239,7 +239,6 @@ def rotated_paged_attention(qkv: jax.Array, cos: jax.Array, sin: jax.Array, kv_c
     the cache in place and attends (attention_cpu.cpu_rotated_paged_attention): no XLA programs
     between a one-token step's products. Returns (out [T, H, head_dim], the cache). Only where
     `rotated_attention_takes`."""
-    batch = jax.tree.map(jnp.asarray, batch)
     out, k, v = cpu_rotated_paged_attention(qkv, cos, sin, kv_cache.k, kv_cache.v, layer, batch, num_heads=num_heads,
                                             scale=scale, sliding_window=sliding_window, half_bits=kv_cache.half_bits)
     return out, dataclasses.replace(kv_cache, k=k, v=v)

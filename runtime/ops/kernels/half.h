@@ -1,6 +1,7 @@
 // 16-bit floats as float32, for the servax kernels that read them as stored: bfloat16 (the top
 // half of a float32's bits) and IEEE half (float16). Scalar forms for the portable loops, and
-// eight at a time with AVX2 (float16 through F16C's vcvtph2ps).
+// eight at a time with AVX2 (float16 through F16C's vcvtph2ps); and float32 as either's bits,
+// rounded to nearest even (the attention's cache writes).
 
 #ifndef SERVAX_KERNELS_HALF_H_
 #define SERVAX_KERNELS_HALF_H_
@@ -32,6 +33,40 @@ inline float HalfToFloat(uint16_t h) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+}
+
+// x as IEEE half bits, rounded to nearest even as XLA converts (F. Giesen's float_to_half_fast3_rtne).
+inline uint16_t FloatToHalfBits(float x) {
+  constexpr uint32_t kInf = 255u << 23, kHalfMax = (127u + 16) << 23;
+  constexpr uint32_t kDenormMagic = ((127u - 15) + (23 - 10) + 1) << 23;
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  uint16_t o;
+  if (u >= kHalfMax) {
+    o = u > kInf ? 0x7e00 : 0x7c00;  // NaN, or infinity (and what rounds to it)
+  } else if (u < (113u << 23)) {  // a half subnormal: float addition rounds it into place
+    float f, magic;
+    std::memcpy(&f, &u, 4);
+    std::memcpy(&magic, &kDenormMagic, 4);
+    f += magic;
+    std::memcpy(&u, &f, 4);
+    o = static_cast<uint16_t>(u - kDenormMagic);
+  } else {
+    const uint32_t odd = (u >> 13) & 1;
+    u += ((15u - 127u) << 23) + 0xfff + odd;
+    o = static_cast<uint16_t>(u >> 13);
+  }
+  return o | static_cast<uint16_t>(sign >> 16);
+}
+
+// x as bfloat16 bits, rounded to nearest even (NaNs kept quiet).
+inline uint16_t FloatToBFloat16Bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
 }
 
 #if defined(__AVX2__)

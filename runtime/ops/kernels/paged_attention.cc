@@ -902,6 +902,23 @@ ItemFn PickItemFn(int64_t block_size, int64_t head_dim) {
   return RunItem<0, 0>;
 }
 
+// The batch's sequences as both handlers take them (block tables to the window operand).
+struct Sequences {
+  const int32_t* block_tables;
+  ffi::Span<const int64_t> td;  // [S, MB]
+  const int32_t* seq_lens;
+  const int32_t* query_start;
+  const int32_t* positions;
+  int32_t num_tokens, window;
+};
+
+inline Sequences SequencesOf(ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                             ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> positions,
+                             ffi::Buffer<ffi::S32> num_tokens, ffi::Buffer<ffi::S32> window) {
+  return {block_tables.typed_data(), block_tables.dimensions(), seq_lens.typed_data(), query_start_loc.typed_data(),
+          positions.typed_data(), num_tokens.typed_data()[0], window.typed_data()[0]};
+}
+
 // One call's operands, as PagedAttention and PagedAttentionWrite take them from XLA.
 struct AttendArgs {
   const float* q;
@@ -915,12 +932,7 @@ struct AttendArgs {
   const float* v_scale;
   int64_t k_scale_count, v_scale_count;
   int64_t layer;
-  const int32_t* block_tables;
-  ffi::Span<const int64_t> td;  // [S, MB]
-  const int32_t* seq_lens;
-  const int32_t* query_start;
-  const int32_t* positions;
-  int32_t num_tokens, window;
+  Sequences seqs;
   float scale, soft_cap;
   int64_t value_dims, half_bits;
   float* out;
@@ -928,7 +940,7 @@ struct AttendArgs {
 };
 
 ffi::Error Attend(ffi::ThreadPool pool, const AttendArgs& a) {
-  auto qd = a.qd, kd = a.kd, td = a.td;
+  auto qd = a.qd, kd = a.kd, td = a.seqs.td;
   const int64_t value_dims = a.value_dims, half_bits = a.half_bits;
   if (qd.size() != 3 || kd.size() != 5 || td.size() != 2)
     return ffi::Error::InvalidArgument("paged_attention: q [T,H,D], cache [L,NB,KVH,BS,row >= D], tables [S,MB]");
@@ -958,10 +970,10 @@ ffi::Error Attend(ffi::ThreadPool pool, const AttendArgs& a) {
   } else {
     return ffi::Error::InvalidArgument("paged_attention: a float32, bfloat16, float16 (or their bits as uint16), int8 or float8_e4m3fn cache");
   }
-  p.block_tables = a.block_tables;
-  p.seq_lens = a.seq_lens;
-  p.query_start = a.query_start;
-  p.positions = a.positions;
+  p.block_tables = a.seqs.block_tables;
+  p.seq_lens = a.seqs.seq_lens;
+  p.query_start = a.seqs.query_start;
+  p.positions = a.seqs.positions;
   p.out = a.out;
   p.layer = a.layer;
   p.num_blocks = kd[1];
@@ -972,7 +984,7 @@ ffi::Error Attend(ffi::ThreadPool pool, const AttendArgs& a) {
   p.max_blocks = td[1];
   p.num_heads = qd[1];
   p.group = qd[1] / kd[2];
-  p.window = a.window;
+  p.window = a.seqs.window;
   p.scale = a.scale;
   p.soft_cap = a.soft_cap;
   p.value_dims = value_dims > 0 ? value_dims : p.head_dim;
@@ -1001,7 +1013,7 @@ ffi::Error Attend(ffi::ThreadPool pool, const AttendArgs& a) {
     run = p.block_size == 16 ? RunItemTiled<16> : RunItemTiled<0>;
 #endif
   const int64_t T = qd[0], S = td[0];
-  const int64_t real = std::min<int64_t>(std::max<int32_t>(a.num_tokens, 0), T);
+  const int64_t real = std::min<int64_t>(std::max<int32_t>(a.seqs.num_tokens, 0), T);
   // The rows-in-lanes form takes tiles of about 48 rows (three vectors of 16: 16 tokens of a
   // group of 3 query heads), the other about 32.
   const int64_t tile = std::max<int64_t>(1, (lanes_run != nullptr ? kRowsPerLanesItem : kRowsPerItem) / p.group);
@@ -1081,7 +1093,6 @@ ffi::Error Attend(ffi::ThreadPool pool, const AttendArgs& a) {
   return ffi::Error::Success();
 }
 
-
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
                           ffi::AnyBuffer v_cache, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                           ffi::Buffer<ffi::S32> layer,
@@ -1095,44 +1106,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                        v_cache.untyped_data(), k_cache.dimensions(), int64_t(k_cache.element_count()),
                        int64_t(v_cache.element_count()), k_scale.typed_data(), v_scale.typed_data(),
                        int64_t(k_scale.element_count()), int64_t(v_scale.element_count()), layer.typed_data()[0],
-                       block_tables.typed_data(), block_tables.dimensions(), seq_lens.typed_data(),
-                       query_start_loc.typed_data(), positions.typed_data(), num_tokens.typed_data()[0],
-                       window.typed_data()[0], scale, soft_cap, value_dims, half_bits, out->typed_data(),
-                       out->dimensions()});
-}
-
-// x as IEEE half bits, rounded to nearest even as XLA converts (F. Giesen's float_to_half_fast3_rtne).
-inline uint16_t FloatToHalfBits(float x) {
-  constexpr uint32_t kInf = 255u << 23, kHalfMax = (127u + 16) << 23;
-  constexpr uint32_t kDenormMagic = ((127u - 15) + (23 - 10) + 1) << 23;
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  const uint32_t sign = u & 0x80000000u;
-  u ^= sign;
-  uint16_t o;
-  if (u >= kHalfMax) {
-    o = u > kInf ? 0x7e00 : 0x7c00;  // NaN, or infinity (and what rounds to it)
-  } else if (u < (113u << 23)) {  // a half subnormal: float addition rounds it into place
-    float f, magic;
-    std::memcpy(&f, &u, 4);
-    std::memcpy(&magic, &kDenormMagic, 4);
-    f += magic;
-    std::memcpy(&u, &f, 4);
-    o = static_cast<uint16_t>(u - kDenormMagic);
-  } else {
-    const uint32_t odd = (u >> 13) & 1;
-    u += ((15u - 127u) << 23) + 0xfff + odd;
-    o = static_cast<uint16_t>(u >> 13);
-  }
-  return o | static_cast<uint16_t>(sign >> 16);
-}
-
-// x as bfloat16 bits, rounded to nearest even (NaNs kept quiet).
-inline uint16_t FloatToBFloat16Bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+                       SequencesOf(block_tables, seq_lens, query_start_loc, positions, num_tokens, window), scale,
+                       soft_cap, value_dims, half_bits, out->typed_data(), out->dimensions()});
 }
 
 // A layer's attention from its joined q/k/v product, in one call: q and k rotated (rotary
@@ -1185,7 +1160,8 @@ ffi::Error PagedAttentionWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, 
       return;
     }
     uint16_t* dst = reinterpret_cast<uint16_t*>(cache) + at;
-    for (int64_t j = 0; j < D; ++j) dst[j] = half_bits == 1 ? FloatToBFloat16Bits(x[j]) : FloatToHalfBits(x[j]);
+    for (int64_t j = 0; j < D; ++j)
+      dst[j] = half_bits == 1 ? servax::FloatToBFloat16Bits(x[j]) : servax::FloatToHalfBits(x[j]);
   };
   for (int64_t t = 0; t < T; ++t) {
     const float* x = qkv.typed_data() + t * xd[1];
@@ -1204,9 +1180,8 @@ ffi::Error PagedAttentionWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, 
   const int64_t qdims[3] = {T, H, D};
   return Attend(pool, {q.data(), ffi::Span<const int64_t>(qdims, 3), type, k_cache, v_cache, kd,
                        int64_t(k_in.element_count()), int64_t(v_in.element_count()), nullptr, nullptr, 0, 0, L,
-                       block_tables.typed_data(), block_tables.dimensions(), seq_lens.typed_data(),
-                       query_start_loc.typed_data(), positions.typed_data(), num_tokens.typed_data()[0],
-                       window.typed_data()[0], scale, 0.0f, 0, half_bits, out->typed_data(), out->dimensions()});
+                       SequencesOf(block_tables, seq_lens, query_start_loc, positions, num_tokens, window), scale,
+                       0.0f, 0, half_bits, out->typed_data(), out->dimensions()});
 }
 
 }  // namespace
