@@ -82,7 +82,7 @@ def _k_quant_weights(fmt: str, d_in: int, d_out: int, groups: int, rng) -> tuple
     return packed, q * per_input(scales), per_input(offsets)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, 20, 70])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20, 70])
 @pytest.mark.parametrize("fmt,d_in,d_out,groups", [
     ("int8", 64, 1000, 1),  # per output channel: blocks of 32
     ("int8", 36, 40, 1),  # per output channel, 32 does not divide the inputs: one block of 36
@@ -125,14 +125,14 @@ def test_int8_activation_products_match_the_quantized_oracle(fmt, d_in, d_out, g
     np.testing.assert_allclose(np.asarray(dot.columns(jnp.arange(d_out))), rows_of_w, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("rows", [5, 20])
+@pytest.mark.parametrize("rows", [5, 40])
 @pytest.mark.parametrize("sign", [1, -1])
 @pytest.mark.parametrize("bits", [4, 5, 6])
 def test_4_to_6bit_sums_at_their_largest_do_not_saturate(sign, bits, rows):
     """Every weight at its largest (15, 31, or 63 stored: 31 after 6-bit values' centre) and every
     input at the block's maximum: the int16 sums of a 4-bit block (8 quads x 2 x 15 x 127), of a
     5-bit one (4 quads x 2 x 31 x 127) and a 6-bit quad's (2 x 63 x 127) reach their bound and must
-    still be exact, in row blocks of 4 and in the many-row form (DotTile: unpacked bytes)."""
+    still be exact, in row blocks (DotRows512) and in the many-row form (DotTile: unpacked bytes)."""
     d_in, d_out, top = 256, 32, 2**bits - 1
     groups = d_in // (16 if bits == 6 else 32)
     scales = np.full((groups, d_out), 0.5, np.float32)

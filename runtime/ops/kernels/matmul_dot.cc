@@ -30,7 +30,7 @@
 //
 // Integer products win most where few rows share each weight (decode: unpacking the weights is
 // most of matmul_formats.cc's work); with many rows (a prefill) they about match its widened
-// float panels (benchmarks/RESULTS.md, stop 43), and keep one arithmetic for every step. From 17
+// float panels (benchmarks/RESULTS.md, stop 43), and keep one arithmetic for every step. From 33
 // rows the 512-bit form unpacks each panel's 4- to 6-bit quads once into bytes that all its row
 // blocks read (DotTile; int8 quads are read in place), where fewer rows read the packed quads
 // (DotRows512).
@@ -83,6 +83,12 @@ namespace {
 using servax::kPanel;
 constexpr int64_t kBlock = 32;  // inputs per activation scale, where it divides K
 constexpr int kRows = 4;        // rows of x per block: 8 int32 accumulators
+// DotRows512's rows per block: 16 int32 accumulators and 8 float sums of the 32 registers, each
+// panel's quads unpacked once for up to 8 rows.
+#ifndef SERVAX_DOT_ROWS512
+#define SERVAX_DOT_ROWS512 8
+#endif
+constexpr int kRows512 = SERVAX_DOT_ROWS512;
 // How far ahead of the quad it multiplies the first row block prefetches its panel (the next
 // panel follows in memory): with few rows the quads are read faster than the hardware
 // prefetcher alone brings them in (1 row: 10-20% faster, benchmarks/RESULTS.md, stop 47).
@@ -198,12 +204,11 @@ struct I8 {
   // gains the sums of the weights (times ones), which DotRows512 takes off 128 times per block:
   // one instruction a quad for all rows where moving the weights' signs onto each row's inputs
   // took one a row.
-  static constexpr int64_t kStepQuads = 1;
   template <int MR>
   static void Step(const T* quad, int64_t q, const uint8_t* const x4[MR], __m512i acc[][2]) {
     const __m512i w = _mm512_loadu_si512(quad);
     acc[MR][q & 1] = _mm512_dpbusd_epi32(acc[MR][q & 1], _mm512_set1_epi8(1), w);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       int32_t four;
       std::memcpy(&four, x4[r], 4);
@@ -243,34 +248,30 @@ struct U4 {
   static __m256i Dot(__m256i acc, __m256i w, __m256i x) { return SERVAX_DOT_VNNI(acc, w, x); }
 #endif
 #ifdef SERVAX_DOT_512
-  // A step is two quads (64 bytes): the low nibbles are columns 0-7 of quad q in lanes 0-7 and
-  // of quad q + 1 in lanes 8-15, the high ones columns 8-15 likewise; acc[0] gains the low
-  // nibbles' partials, acc[1] the high ones', against the row's 8 inputs of the two quads (4 a
-  // half). Columns folds each accumulator's halves: the block's 16 column sums in order.
-  static constexpr int64_t kStepQuads = 2;
+  // A step is one quad, as I8's: its 64 bytes (Bytes) against the row's 4 inputs broadcast, each
+  // accumulator lane one column (Columns adds the even and odd quads' accumulators).
   template <int MR>
-  static void Step(const T* quads, int64_t, const int8_t* const x8[MR], __m512i acc[MR][2]) {
-    const __m512i v = _mm512_loadu_si512(quads), nib = _mm512_set1_epi8(15);
-    const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-#pragma GCC unroll 4
+  static void Step(const T* quad, int64_t q, const int8_t* const x4[MR], __m512i acc[MR][2]) {
+    Rows<MR>(Bytes(quad), q, x4, acc);
+  }
+  // Quad q's bytes w against each row's 4 inputs (U5's and U6's Step too).
+  template <int MR>
+  static void Rows(__m512i w, int64_t q, const int8_t* const x4[MR], __m512i acc[MR][2]) {
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      int32_t first, second;
-      std::memcpy(&first, x8[r], 4), std::memcpy(&second, x8[r] + 4, 4);
-      const __m512i x = _mm512_mask_set1_epi32(_mm512_set1_epi32(first), 0xFF00, second);
-      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], lo, x);
-      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], hi, x);
+      int32_t four;
+      std::memcpy(&four, x4[r], 4);
+      acc[r][q & 1] = _mm512_dpbusd_epi32(acc[r][q & 1], w, _mm512_set1_epi32(four));
     }
   }
-  static __m512i Columns(__m512i lo, __m512i hi) {
-    return _mm512_add_epi32(_mm512_shuffle_i64x2(lo, hi, 0x44), _mm512_shuffle_i64x2(lo, hi, 0xEE));
-  }
+  static __m512i Columns(__m512i even, __m512i odd) { return _mm512_add_epi32(even, odd); }
   // One quad as unsigned bytes, lane j column j's 4 inputs: the low nibbles (columns 0-7) in bytes
-  // 0-31, the high ones (columns 8-15) in 32-63 (what DotTile and U5's Step multiply).
+  // 0-31, the high ones (columns 8-15) in 32-63 (what Step, DotTile and U5's Step multiply): the
+  // quad in both halves, the upper half's 16-bit words shifted down by 4.
   static constexpr int kTileCentre = 0;
   static __m512i Bytes(const T* quad) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad)), nib = _mm256_set1_epi8(15);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, nib)),
-                              _mm256_and_si256(_mm256_srli_epi16(v, 4), nib), 1);
+    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad)));
+    return _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4), _mm512_set1_epi8(15));
   }
 #endif
 #endif
@@ -303,11 +304,8 @@ struct U5 : U4 {  // T, kOffset, kInt16, Products and Dot as U4's
     w0 = _mm256_or_si256(w0, Plane(Bits(quad + 32), 16)), w1 = _mm256_or_si256(w1, Plane(Bits(quad + 36), 16));
   }
 #ifdef SERVAX_DOT_512
-  // A step is one quad, as I8's: U4's Bytes, each higher bit added under its 64-bit mask (the
-  // fields after the nibbles, kPlanes of them): each accumulator lane one column (Columns adds the
-  // even and odd quads' accumulators). U4's two quads a register would leave lanes to fold for
-  // every scale (U6's every 16 inputs); one quad measured faster for 5- and 6-bit values
-  // (RESULTS.md, stop 58).
+  // A step is one quad, as U4's: U4's Bytes, each higher bit added under its 64-bit mask (the
+  // fields after the nibbles, kPlanes of them).
   template <int kPlanes = 1>
   static __m512i Bytes(const T* quad) {
     __m512i w = U4::Bytes(quad);
@@ -319,18 +317,10 @@ struct U5 : U4 {  // T, kOffset, kInt16, Products and Dot as U4's
     }
     return w;
   }
-  static constexpr int64_t kStepQuads = 1;
   template <int MR, int kPlanes = 1>
   static void Step(const T* quad, int64_t q, const int8_t* const x4[MR], __m512i acc[MR][2]) {
-    const __m512i w = Bytes<kPlanes>(quad);
-#pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) {
-      int32_t four;
-      std::memcpy(&four, x4[r], 4);
-      acc[r][q & 1] = _mm512_dpbusd_epi32(acc[r][q & 1], w, _mm512_set1_epi32(four));
-    }
+    Rows<MR>(Bytes<kPlanes>(quad), q, x4, acc);
   }
-  static __m512i Columns(__m512i even, __m512i odd) { return _mm512_add_epi32(even, odd); }
 #endif
 #endif
 };
@@ -548,12 +538,12 @@ void DotRows(const QuantizedRows& x, int64_t r0, const typename W::T* panel, con
 }
 
 // Rows a DotTile call multiplies at most (one int32 accumulator and 16 float sums a row in
-// registers), and the rows from which Multiply takes DotTile (below them DotRows512 measured
-// faster: 12 rows 0.88-0.91x, 16 at par, 24 1.06-1.09x; benchmarks/RESULTS.md, stop 61).
+// registers), and the rows from which Multiply takes DotTile (DotRows512's blocks of 8 rows
+// measured faster through 32 rows, DotTile from 64 to 256; benchmarks/RESULTS.md, stop 65).
 // -DSERVAX_DOT_TILE_FROM=N moves the latter (for A/B).
 constexpr int kTileRows = 8;
 #ifndef SERVAX_DOT_TILE_FROM
-#define SERVAX_DOT_TILE_FROM 17
+#define SERVAX_DOT_TILE_FROM 33
 #endif
 constexpr int64_t kTileFrom = SERVAX_DOT_TILE_FROM;
 
@@ -602,7 +592,7 @@ void DotRows512(const QuantizedRows& x, int64_t r0, const typename W::T* panel, 
   const Row* rows;
   if constexpr (W::kShifted) rows = x.shifted.data(); else rows = x.q.data();
   __m512 sums[MR];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) sums[r] = _mm512_setzero_ps();
   __m512 super = _mm512_setzero_ps(), super_offset = _mm512_setzero_ps();  // K-quants': this super-block's
   for (int64_t b = 0; b < x.blocks; ++b) {
@@ -614,13 +604,13 @@ void DotRows512(const QuantizedRows& x, int64_t r0, const typename W::T* panel, 
     const typename W::T* quads = panel + b * kBlockQuads * W::kQuad;
     for (int64_t q0 = 0; q0 < kBlockQuads; q0 += W::kSub / 4) {  // a sub-block: its own scale
       __m512i acc[MR + W::kShifted][2];  // (shifted inputs: the weights' sums after the rows')
-#pragma GCC unroll 5
+#pragma GCC unroll 9
       for (int r = 0; r < MR + W::kShifted; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-      for (int64_t q = q0; q < q0 + W::kSub / 4; q += W::kStepQuads) {
+      for (int64_t q = q0; q < q0 + W::kSub / 4; ++q) {
         if (r0 == 0) _mm_prefetch(reinterpret_cast<const char*>(quads + q * W::kQuad) + kPrefetchBytes, _MM_HINT_T0);
         const Row* xs[MR];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) xs[r] = rows + (r0 + r) * K + b * kBlock + 4 * q;
         W::template Step<MR>(quads + q * W::kQuad, q, xs, acc);
       }
@@ -628,7 +618,7 @@ void DotRows512(const QuantizedRows& x, int64_t r0, const typename W::T* panel, 
       const __m512 s = S::Load16(scale, at / group, super);
       __m512i shift = _mm512_setzero_si512();  // 128 times the weights' sums, what shifted inputs added
       if constexpr (W::kShifted) shift = _mm512_slli_epi32(W::Columns(acc[MR][0], acc[MR][1]), 7);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const __m512 d = _mm512_set1_ps(x.d[(r0 + r) * x.blocks + b]);
         __m512i columns = W::Columns(acc[r][0], acc[r][1]);
@@ -640,12 +630,12 @@ void DotRows512(const QuantizedRows& x, int64_t r0, const typename W::T* panel, 
     }
     if constexpr (W::kOffset) {
       const __m512 o = S::Load16(offset, g, super_offset);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < MR; ++r)
         sums[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(x.sum[(r0 + r) * x.blocks + b]), sums[r]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(c + r * ldc, sums[r]);
 }
 
@@ -657,7 +647,7 @@ void Unpack(const typename W::T* panel, int64_t quads, uint8_t* out) {
 
 // DotRows512 for many rows (a prefill, a large batch): the panel unpacked once (Unpack; int8 quads
 // read in place, W::kTileInPlace) for all its row blocks, so that each quad is one load for up to
-// kTileRows rows and a vpdpbusd a row (DotRows512 unpacks it again for every block of 4 rows, and
+// kTileRows rows and a vpdpbusd a row (DotRows512 unpacks it again for every block of 8 rows, and
 // I8's shifted inputs take a vpdpbusd more a quad); W::kTileCentre times the inputs' sum (per 16 or
 // 32) taken off.
 template <class W, class S, int MR>
@@ -734,8 +724,9 @@ const DotRowsFn<W, S>* RowsFns(int64_t block) {
   static const DotRowsFn<W, S> fns[kRows + 1] = {nullptr, DotRows<W, S, 1>, DotRows<W, S, 2>, DotRows<W, S, 3>,
                                                  DotRows<W, S, 4>};
 #ifdef SERVAX_DOT_512
-  static const DotRowsFn<W, S> fns512[kRows + 1] = {nullptr, DotRows512<W, S, 1>, DotRows512<W, S, 2>,
-                                                    DotRows512<W, S, 3>, DotRows512<W, S, 4>};
+  static const DotRowsFn<W, S> fns512[9] = {nullptr, DotRows512<W, S, 1>, DotRows512<W, S, 2>,
+                                            DotRows512<W, S, 3>, DotRows512<W, S, 4>, DotRows512<W, S, 5>,
+                                            DotRows512<W, S, 6>, DotRows512<W, S, 7>, DotRows512<W, S, 8>};
   if (Uses512(block)) return fns512;
 #endif
   return fns;
@@ -778,7 +769,8 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
   if constexpr (!S::kCoded) tile_fns = decoded_tile_fns == nullptr ? nullptr : TileFns<W, S>(block);
   thread_local QuantizedRows xq;  // the calling thread's; the pool's threads only read it
   Quantize(x, M, K, block, W::kCentre != 0, W::kShifted && Uses512(block) && !tile, xq);
-  const int64_t row_blocks = tile ? (M + kTileRows - 1) / kTileRows : (M + kRows - 1) / kRows;
+  const int64_t per_block = tile ? kTileRows : Uses512(block) ? kRows512 : kRows;
+  const int64_t row_blocks = (M + per_block - 1) / per_block;
   thread_local TileRows xt;
   if (tile) Interleave(xq, M, row_blocks, W::kSub == 16, xt);
   const QuantizedRows& shared = xq;
