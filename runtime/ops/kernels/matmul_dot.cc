@@ -89,6 +89,7 @@ constexpr int kRows = 4;        // rows of x per block: 8 int32 accumulators
 #define SERVAX_DOT_ROWS512 8
 #endif
 constexpr int kRows512 = SERVAX_DOT_ROWS512;
+static_assert(kRows512 >= 1 && kRows512 <= 8, "RowsFns holds DotRows512 for 1 to 8 rows");
 // How far ahead of the quad it multiplies the first row block prefetches its panel (the next
 // panel follows in memory): with few rows the quads are read faster than the hardware
 // prefetcher alone brings them in (1 row: 10-20% faster, benchmarks/RESULTS.md, stop 47).
@@ -539,7 +540,8 @@ void DotRows(const QuantizedRows& x, int64_t r0, const typename W::T* panel, con
 
 // Rows a DotTile call multiplies at most (one int32 accumulator and 16 float sums a row in
 // registers), and the rows from which Multiply takes DotTile (DotRows512's blocks of 8 rows
-// measured faster through 32 rows, DotTile from 64 to 256; benchmarks/RESULTS.md, stop 65).
+// measured faster through 32 rows; from 64 DotTile at par or ahead, far ahead at 256 on 6-bit
+// values; benchmarks/RESULTS.md, stop 65).
 // -DSERVAX_DOT_TILE_FROM=N moves the latter (for A/B).
 constexpr int kTileRows = 8;
 #ifndef SERVAX_DOT_TILE_FROM
