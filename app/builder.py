@@ -45,7 +45,8 @@ def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:
             block.model_dump(), ingress.resolved_api_key(), lora_routes(config))
     handles = {block.model_id: build_llm_deployment(block) for block in config.llm_configs}
     return OpenAIIngress.options(name="OpenAIIngress", **ingress.serve_options()).bind(
-        handles, ingress.resolved_api_key(), lora_routes(config))
+        handles, ingress.resolved_api_key(), lora_routes(config),
+        {block.model_id: block.stream_batching_s() for block in config.llm_configs})
 
 
 def lora_routes(config: AppConfig) -> dict[str, Any]:

@@ -76,7 +76,8 @@ class _ColocatedLLMServer(LLMServerImpl):
 
     def __init__(self, llm_config: Any, api_key: str | None = None, lora: dict[str, Any] | None = None):
         super().__init__(llm_config)
-        self.router = OpenAIRouter({self.model_id: LocalHandle(self)}, api_key, lora)
+        self.router = OpenAIRouter({self.model_id: LocalHandle(self)}, api_key, lora,
+                                   {self.model_id: self.llm_config.stream_batching_s()})
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_openai_api(self.router)

@@ -13,10 +13,8 @@ import asyncio
 import hmac
 import importlib.metadata
 import inspect
-import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote
 
@@ -24,11 +22,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
-from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from pydantic import ValidationError
 
-from app.anthropic_reply import anthropic_error_body, anthropic_sse
+from app.anthropic_reply import anthropic_error_body
 from app.anthropic_request import CountTokensRequest, MessagesRequest
 from app.body_limit import BodySizeLimit
 from app.ingress_errors import ANTHROPIC_PREFIX, APIError, add_error_handlers, json_error, server_error, unwrap
@@ -41,6 +38,7 @@ from app.openai_responses import ErrorResponse, ModelCard, ModelList
 from app.pooling_api import add_pooling_routes
 from app.responses_output import responses_error_event
 from app.responses_request import ResponsesRequest
+from app.sse import named_events, sse_events
 from runtime.engine.lora_request import stable_lora_id
 
 logger = logging.getLogger("ray.serve")
@@ -62,9 +60,11 @@ class OpenAIRouter:
     """Picks the model's handle, checks the API key, and relays LLMServer's answers."""
 
     def __init__(self, handles: dict[str, DeploymentHandle], api_key: str | None = None,
-                 lora: dict[str, Any] | None = None):
+                 lora: dict[str, Any] | None = None, stream_batching: dict[str, float] | None = None):
         self.handles = handles
         self.api_key = api_key
+        # Seconds a model's streamed chunks are gathered before a body write (app.sse), by model id.
+        self.stream_batching = dict(stream_batching or {})
         self._cards: dict[str, ModelCard] = {}
         lora = lora or {}
         # LoRA adapters by name -> {"base": model id, "path": folder}: the static lora_modules,
@@ -115,6 +115,17 @@ class OpenAIRouter:
         raise APIError(ErrorResponse.make(
             404, f"The model `{model}` does not exist; available: {self._available()}",
             param="model", code="model_not_found"))
+
+    def base_model(self, model: str | None) -> str | None:
+        """The id of the model that serves `model` (a model id, an adapter's name, or
+        "<base>:<adapter>"); None where none does."""
+        if model is None:
+            return next(iter(self.handles)) if len(self.handles) == 1 else None
+        if model in self.handles:
+            return model
+        if model in self.adapters:
+            return self.adapters[model]["base"]
+        return model.partition(":")[0] or None
 
     def _available(self) -> list[str]:
         return sorted(self.handles) + sorted(self.adapters)
@@ -234,13 +245,14 @@ class OpenAIRouter:
             return json_error(first, anthropic)
         if not body.stream:
             return JSONResponse(first, headers=headers)
+        interval = self.stream_batching.get(self.base_model(body.model), 0.0)
         if anthropic:
-            events = _named_events(first, gen, lambda err, last: anthropic_error_body(err))
+            events = named_events(first, gen, lambda err, _: anthropic_error_body(err), interval)
         elif isinstance(body, ResponsesRequest):
-            events = _named_events(first, gen, lambda err, last: responses_error_event(
-                err, last.get("sequence_number", -1) + 1))
+            events = named_events(first, gen, lambda err, last: responses_error_event(
+                err, last.get("sequence_number", -1) + 1), interval)
         else:
-            events = _sse(first, gen)
+            events = sse_events(first, gen, interval)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
 
     async def stored_response(self, method: str, response_id: str) -> JSONResponse:
@@ -256,47 +268,6 @@ class OpenAIRouter:
         if failed:
             raise APIError(server_error(failed[0]))
         return json_error(results[0])
-
-
-async def _sse(first: dict[str, Any], gen: Any) -> AsyncIterator[str]:
-    """Server-sent events: `data: {json}` per chunk, then `data: [DONE]`.
-
-    If the client goes away, Starlette cancels this generator; cancelling the handle call
-    reaches LLMServer, whose engine generator is closed, which aborts the request.
-    """
-    finished = False
-    try:
-        yield f"data: {json.dumps(first)}\n\n"
-        async for item in gen:
-            yield f"data: {json.dumps(item)}\n\n"
-        finished = True
-    except RequestCancelledError:
-        return
-    except Exception as e:  # mid-stream failure: tell the client in OpenAI's shape
-        yield f"data: {server_error(e).model_dump_json()}\n\n"
-    finally:
-        if not finished:
-            gen.cancel()
-    yield "data: [DONE]\n\n"
-
-
-async def _named_events(first: dict[str, Any], gen: Any, error_event: Any) -> AsyncIterator[str]:
-    """Named server-sent events (`event: <type>` + `data: {json}`; no [DONE]), as Anthropic's
-    Messages API and OpenAI's Responses API send them; a failure mid-stream is the event
-    `error_event(error, last event sent)`. Cancellation as in `_sse`."""
-    finished, last = False, first
-    try:
-        yield anthropic_sse(first)
-        async for last in gen:
-            yield anthropic_sse(last)
-        finished = True
-    except RequestCancelledError:
-        return
-    except Exception as e:
-        yield anthropic_sse(error_event(server_error(e), last))
-    finally:
-        if not finished:
-            gen.cancel()
 
 
 def build_openai_api(router: OpenAIRouter) -> FastAPI:
@@ -429,8 +400,8 @@ class OpenAIIngress:
     """The HTTP ingress deployment; bound by app.builder to one LLMServer handle per model."""
 
     def __init__(self, llm_handles: dict[str, DeploymentHandle], api_key: str | None = None,
-                 lora: dict[str, Any] | None = None):
-        self.router = OpenAIRouter(llm_handles, api_key, lora)
+                 lora: dict[str, Any] | None = None, stream_batching: dict[str, float] | None = None):
+        self.router = OpenAIRouter(llm_handles, api_key, lora, stream_batching)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_openai_api(self.router)

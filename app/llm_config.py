@@ -25,6 +25,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from app.serving_config import ServingConfig, split_engine_kwargs
 from runtime.engine.config import EngineConfig, ModelImpl
 
+# Ray Serve LLM's default stream batching interval (its RAYLLM_MODEL_RESPONSE_BATCH_TIMEOUT_MS).
+DEFAULT_STREAM_BATCHING_MS = 50.0
+
 
 class StrictBlock(BaseModel):
     """A config block that refuses unknown keys (a typo fails with its name)."""
@@ -184,7 +187,9 @@ class LLMConfig(StrictBlock):
         default_factory=list, description="Adapters served by name from startup (vLLM's --lora-modules).")
     log_engine_metrics: bool = Field(True, description="Export the replica's metrics through Ray.")
     experimental_configs: dict[str, Any] = Field(
-        default_factory=dict, description="Ray Serve LLM's: num_ingress_replicas is honoured.",
+        default_factory=dict, description="Ray Serve LLM's: num_ingress_replicas, and stream_batching_interval_ms "
+                                          "(milliseconds a stream's chunks are gathered into one body write; "
+                                          "Ray Serve LLM's 50 when left out, 0: each chunk as it comes).",
     )
 
     @field_validator("llm_engine")
@@ -211,7 +216,17 @@ class LLMConfig(StrictBlock):
         if unknown:
             raise ValueError(f"unknown experimental_configs key(s) {', '.join(unknown)}; "
                              "known: num_ingress_replicas, stream_batching_interval_ms")
+        interval = v.get("stream_batching_interval_ms")
+        if interval is not None and (isinstance(interval, bool) or not isinstance(interval, (int, float))
+                                     or not 0 <= interval < float("inf")):
+            raise ValueError(f"experimental_configs.stream_batching_interval_ms={interval!r}: a number of "
+                             "milliseconds >= 0 (0 sends each streamed chunk as it comes)")
         return v
+
+    def stream_batching_s(self) -> float:
+        """Seconds the ingress gathers this model's streamed chunks into one body write (app.sse)."""
+        interval = self.experimental_configs.get("stream_batching_interval_ms")
+        return (DEFAULT_STREAM_BATCHING_MS if interval is None else float(interval)) / 1000
 
     @field_validator("placement_group_config")
     @classmethod

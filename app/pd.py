@@ -305,4 +305,4 @@ def build_pd_openai_app(args: dict[str, Any] | PDServingArgs) -> serve.Applicati
     decode = PDDecodeServer.options(name=f"Decode:{name}", **d.serve_options()).bind(d.model_dump(), prefill)
     no_lora = {"adapters": {}, "multiplexed_bases": [], "lora_bases": [], "allow_runtime_updating": False}
     return OpenAIIngress.options(name="OpenAIIngress", **config.ingress_config.serve_options()).bind(
-        {d.model_id: decode}, config.ingress_config.resolved_api_key(), no_lora)
+        {d.model_id: decode}, config.ingress_config.resolved_api_key(), no_lora, {d.model_id: d.stream_batching_s()})

@@ -349,6 +349,8 @@ def server(name: str, args, folder: str, work: Path):
             engine["quantization"] = "gguf"
         if args.kv_cache_dtype != "auto":
             engine["kv_cache_dtype"] = args.kv_cache_dtype
+        experimental = ({} if args.stream_batching_ms is None
+                        else {"stream_batching_interval_ms": args.stream_batching_ms})
         config = {
             "http_options": {"host": "127.0.0.1", "port": PORT},
             "applications": [{"name": "bench", "route_prefix": "/", "import_path": "app.builder:build_app",
@@ -357,6 +359,7 @@ def server(name: str, args, folder: str, work: Path):
                                                            "model_source": args.gguf or folder},
                                   "engine_kwargs": engine,
                                   "deployment_config": {"max_ongoing_requests": 256},
+                                  "experimental_configs": experimental,
                               }], "ingress_config": {"colocate": not args.separate_ingress}}}],
         }
         path = work / "servax.yaml"
@@ -538,6 +541,8 @@ def main() -> None:
     parser.add_argument("--gguf", default=None, help="HTTP part: serve this GGUF file (servax, llama-server)")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="HTTP part: servax's kv_cache_dtype (float16: llama-server's own default cache)")
+    parser.add_argument("--stream-batching-ms", type=float, default=None,
+                        help="HTTP part: servax's experimental_configs.stream_batching_interval_ms (default: its own)")
     parser.add_argument("--llamacpp-bin", default=None, help="llama.cpp's build/bin (llama-server), for --gguf")
     parser.add_argument("--separate-ingress", action="store_true",
                         help="servax with its OpenAIIngress deployment apart (default: colocated, as configs/app.yaml)")
