@@ -7,7 +7,8 @@ Three measures, each printed as one table and appended to RESULTS.md:
   transformers `generate()`, each in a fresh process, servax and vLLM alternating for
   `--rounds` rounds; greedy tokens of the first request are compared.
 - **http**: one server at a time (`serve run` of servax's YAML, `vllm serve`, Ray Serve
-  LLM's `build_openai_app`, and with `--gguf` llama.cpp's `llama-server --parallel`), loaded by
+  LLM's `build_openai_app`, and with `--gguf` llama.cpp's `llama-server --parallel C`, started
+  once a concurrency C), loaded by
   vLLM's own client, `vllm bench serve`, on its random dataset (64 prompts, input 100±80,
   output 80±64 tokens, ignore_eos) at each `--concurrency`; output tokens/s, median TPOT and
   TTFT from its result file. `--gguf FILE` serves that GGUF file (servax with
@@ -336,8 +337,9 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def server(name: str, args, folder: str, work: Path):
-    """Start one server on PORT; yields (base URL, seconds to ready)."""
+def server(name: str, args, folder: str, work: Path, slots: int = 0):
+    """Start one server on PORT; yields (base URL, seconds to ready). `slots`: llama-server's
+    --parallel (default: the largest concurrency)."""
     venv_bin = Path(args.vllm_python).parent if args.vllm_python else None
     env = dict(os.environ)
     log = open(work / f"{name.replace(' ', '_')}.log", "w")
@@ -366,7 +368,7 @@ def server(name: str, args, folder: str, work: Path):
         path.write_text(yaml.safe_dump(config))
         cmd = [str(Path(sys.executable).parent / "serve"), "run", str(path)]
     elif name == "llama-server":  # its slots share the context: MAX_MODEL_LEN each
-        slots = max(args.concurrency)
+        slots = slots or max(args.concurrency)
         cmd = [str(Path(args.llamacpp_bin) / "llama-server"), "-m", args.gguf, "--alias", SERVED, "--host",
                "127.0.0.1", "--port", str(PORT), "--parallel", str(slots), "-c", str(slots * MAX_MODEL_LEN),
                "-t", str(os.cpu_count()), "--no-webui"]
@@ -451,18 +453,21 @@ def http(args, folder: str) -> None:
     for name in names:
         print(f"http: {name}", flush=True)
         try:
-            with server(name, args, folder, work) as (base, ready[name]):
-                bench_serve(args, base, folder, 2, work, "warmup")  # first-request costs out of the way
-                for c in args.concurrency:
-                    # Each round a fresh client run; the median run by output rate stands for the server.
-                    runs = sorted((bench_serve(args, base, folder, c, work, f"{name.replace(' ', '_')}-r{i}")
-                                   for i in range(args.http_rounds)), key=lambda r: r.get("output_throughput") or 0)
-                    r = results[name, c] = runs[len(runs) // 2]
-                    per_run[name, c] = [x.get("output_throughput") or 0 for x in runs]
-                    if r.get("completed", 0) < args.num_prompts:
-                        errors = [e for e in r.get("errors") or [] if e][:3]
-                        print(f"http: {name} at {c}: {r.get('completed', 0)}/{args.num_prompts} completed; "
-                              f"errors: {errors}")
+            # llama-server's slots split its context: one start a concurrency, --parallel C each
+            groups = [[c] for c in args.concurrency] if name == "llama-server" else [args.concurrency]
+            for group in groups:
+                with server(name, args, folder, work, slots=max(group)) as (base, ready[name]):
+                    bench_serve(args, base, folder, 2, work, "warmup")  # first-request costs out of the way
+                    for c in group:
+                        # Each round a fresh client run; the median run by output rate stands for the server.
+                        runs = sorted((bench_serve(args, base, folder, c, work, f"{name.replace(' ', '_')}-r{i}")
+                                       for i in range(args.http_rounds)), key=lambda r: r.get("output_throughput") or 0)
+                        r = results[name, c] = runs[len(runs) // 2]
+                        per_run[name, c] = [x.get("output_throughput") or 0 for x in runs]
+                        if r.get("completed", 0) < args.num_prompts:
+                            errors = [e for e in r.get("errors") or [] if e][:3]
+                            print(f"http: {name} at {c}: {r.get('completed', 0)}/{args.num_prompts} completed; "
+                                  f"errors: {errors}")
         except Exception as e:  # noqa: BLE001 - one peer failing must not lose the others' figures
             print(f"http: {name} failed: {e}")
             logs = sorted(work.glob("*.log"))
