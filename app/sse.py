@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
 from ray.serve.exceptions import RequestCancelledError
@@ -30,7 +31,7 @@ async def batches(gen: Any, interval: float) -> AsyncIterator[list[Any]]:
     first item (sooner if `gen` ends); `interval <= 0`: one item a list, as each comes.
 
     An error of `gen` is raised after the items that came before it. Closing this generator
-    stops reading `gen` (the caller cancels `gen` itself).
+    stops reading `gen` and returns once nothing reads it (the caller cancels `gen` itself).
     """
     if interval <= 0:
         async for item in gen:
@@ -61,8 +62,11 @@ async def batches(gen: Any, interval: float) -> AsyncIterator[list[Any]]:
             if reader.done() and not arrived:
                 reader.result()  # gen's error, if it had one
                 return
-    finally:
+    finally:  # the reader ends before the caller cancels gen (a generator being read cannot be closed)
         reader.cancel()
+        await asyncio.wait({reader})
+        if not reader.cancelled():
+            reader.exception()  # an error of gen after the reader was closed is nobody's to raise
 
 
 async def sse_events(first: dict[str, Any], gen: Any, interval: float = 0.0) -> AsyncIterator[str]:
@@ -71,8 +75,9 @@ async def sse_events(first: dict[str, Any], gen: Any, interval: float = 0.0) -> 
     finished = False
     try:
         yield f"data: {json.dumps(first)}\n\n"
-        async for items in batches(gen, interval):
-            yield "".join(f"data: {json.dumps(item)}\n\n" for item in items)
+        async with aclosing(batches(gen, interval)) as gathered:
+            async for items in gathered:
+                yield "".join(f"data: {json.dumps(item)}\n\n" for item in items)
         finished = True
     except RequestCancelledError:
         return
@@ -92,9 +97,10 @@ async def named_events(first: dict[str, Any], gen: Any, error_event: Callable[[A
     finished, last = False, first
     try:
         yield anthropic_sse(first)
-        async for items in batches(gen, interval):
-            last = items[-1]
-            yield "".join(anthropic_sse(item) for item in items)
+        async with aclosing(batches(gen, interval)) as gathered:
+            async for items in gathered:
+                last = items[-1]
+                yield "".join(anthropic_sse(item) for item in items)
         finished = True
     except RequestCancelledError:
         return

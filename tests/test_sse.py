@@ -84,6 +84,34 @@ def test_closing_the_batches_stops_reading_the_stream():
     assert asyncio.run(go()) == ([0, 1], True)
 
 
+def test_a_client_gone_mid_stream_closes_the_colocated_stream_being_read():
+    """The replica's own stream (app.colocated.LocalStream) is closed when the body generator is
+    closed at a write (a client gone), though the batches' reader was waiting on it then."""
+    from app.colocated import LocalStream
+
+    async def go():
+        state = {"closed": False}
+
+        async def engine_stream():
+            try:
+                yield {"n": 1}
+                await asyncio.sleep(30)
+                yield {"n": 2}
+            finally:
+                state["closed"] = True
+
+        errors = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+        body = sse_events({"n": 0}, LocalStream(engine_stream()), 0.05)
+        assert await body.__anext__() == 'data: {"n": 0}\n\n'
+        assert await body.__anext__() == 'data: {"n": 1}\n\n'
+        await body.aclose()  # the reader is inside engine_stream's sleep now
+        await asyncio.sleep(0.05)
+        return state["closed"], errors
+
+    assert asyncio.run(go()) == (True, [])
+
+
 @pytest.mark.parametrize("interval", [0.0, 0.05])
 def test_the_same_events_whatever_the_interval(interval):
     chunks = [{"id": "c", "choices": [{"index": 0, "text": t}]} for t in ("Hel", "lo", ",", " world")]
