@@ -40,6 +40,7 @@ Run it with nothing else on the machine; compare only ratios from one run.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -429,12 +430,19 @@ def bench_serve(args, base: str, folder: str, concurrency: int, work: Path, tag:
            "--random-input-len", "100", "--random-output-len", "80", "--random-range-ratio", "0.8",
            "--ignore-eos", "--max-concurrency", str(concurrency), "--seed", "0", "--disable-tqdm",
            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-           "--save-result", "--result-dir", str(work), "--result-filename", name]
+           "--save-result", "--save-detailed", "--result-dir", str(work), "--result-filename", name]
     done = subprocess.run(cmd, cwd=work, capture_output=True, text=True, env={**os.environ, **VLLM_ENV},
                           timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     return json.loads((work / name).read_text())
+
+
+def failures(result: dict) -> str:
+    """A vllm bench result's failed requests, counted by their error's last line ("" where none)."""
+    reasons = collections.Counter(e.strip().splitlines()[-1][:160] for e in result.get("errors") or []
+                                  if e and e.strip())
+    return "; ".join(f"{n} x `{why}`" for why, n in reasons.most_common())
 
 
 SERVERS = ("servax", "vllm serve", "Ray Serve LLM", "llama-server")
@@ -465,9 +473,8 @@ def http(args, folder: str) -> None:
                         r = results[name, c] = runs[len(runs) // 2]
                         per_run[name, c] = [x.get("output_throughput") or 0 for x in runs]
                         if r.get("completed", 0) < args.num_prompts:
-                            errors = [e for e in r.get("errors") or [] if e][:3]
                             print(f"http: {name} at {c}: {r.get('completed', 0)}/{args.num_prompts} completed; "
-                                  f"errors: {errors}")
+                                  f"failed: {failures(r) or 'no error text'}")
         except Exception as e:  # noqa: BLE001 - one peer failing must not lose the others' figures
             print(f"http: {name} failed: {e}")
             logs = sorted(work.glob("*.log"))
@@ -493,7 +500,9 @@ def http(args, folder: str) -> None:
             f"--max-concurrency C` (vLLM's client) against each server in turn, after 2-concurrent warmup, "
             f"{args.http_rounds} run(s) each"
             "\n- seconds from start to the first answered completion: "
-            + ", ".join(f"{n} {s:.0f}" for n, s in ready.items()))
+            + ", ".join(f"{n} {s:.0f}" for n, s in ready.items())
+            + "".join(f"\n- failed in the median run, {n} at {c}: {failures(r)}"
+                      for (n, c), r in results.items() if failures(r)))
     served = f"{Path(args.gguf).name}, servax quantization gguf" if args.gguf else f"{args.model}, {args.dtype}"
     if args.kv_cache_dtype != "auto":
         served += f", servax kv_cache_dtype {args.kv_cache_dtype}"
