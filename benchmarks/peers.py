@@ -501,8 +501,8 @@ def http(args, folder: str) -> None:
             f"{args.http_rounds} run(s) each"
             "\n- seconds from start to the first answered completion: "
             + ", ".join(f"{n} {s:.0f}" for n, s in ready.items())
-            + "".join(f"\n- failed in the median run, {n} at {c}: {failures(r)}"
-                      for (n, c), r in results.items() if failures(r)))
+            + "".join(f"\n- failed in the median run, {n} at {c}: {why}"
+                      for (n, c), r in results.items() if (why := failures(r))))
     served = f"{Path(args.gguf).name}, servax quantization gguf" if args.gguf else f"{args.model}, {args.dtype}"
     if args.kv_cache_dtype != "auto":
         served += f", servax kv_cache_dtype {args.kv_cache_dtype}"
