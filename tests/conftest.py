@@ -377,6 +377,7 @@ def serve_run(config_path: Path, work_dir: Path, *, ready_timeout_s: float = 300
         for child in haproxies:
             with contextlib.suppress(psutil.Error):
                 child.kill()
+        psutil.wait_procs(haproxies, timeout=10)
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -85,9 +85,14 @@ def test_haproxy_ingress_serves_the_colocated_replica(servax_cache, tmp_path):
     shared cluster (`served`) starts."""
     import openai
     import psutil
-    from conftest import _is_haproxy
+    from conftest import _is_haproxy, free_port
 
-    with serve_run(REPO / "configs" / "tiny.yaml", tmp_path, env={"RAY_SERVE_ENABLE_HA_PROXY": "1"}) as run:
+    # HAProxy's stats and metrics ports and Serve's fallback proxy are fixed ports by default: free
+    # ones here, so that another HAProxy-mode Serve on the machine cannot collide with this one.
+    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1"} | {name: str(free_port()) for name in (
+        "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
+        "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")}
+    with serve_run(REPO / "configs" / "tiny.yaml", tmp_path, env=env) as run:
         haproxies = [c for c in psutil.Process().children(recursive=True) if _is_haproxy(c)]
         assert haproxies, "no HAProxy among this cluster's processes"
         listening = {c.laddr.port for h in haproxies for c in h.net_connections() if c.status == "LISTEN"}
@@ -105,7 +110,7 @@ def test_haproxy_ingress_serves_the_colocated_replica(servax_cache, tmp_path):
         with pytest.raises(openai.BadRequestError) as bad:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=1, temperature=-1)
         assert bad.value.body["param"] == "temperature"
-    assert not any(h.is_running() for h in haproxies)
+    assert not any(_is_haproxy(h) and h.status() != psutil.STATUS_ZOMBIE for h in haproxies)  # gone with the cluster
 
 
 @pytest.fixture(scope="module")
