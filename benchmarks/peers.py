@@ -11,8 +11,10 @@ Three measures, each printed as one table and appended to RESULTS.md:
   LLM's `build_openai_app`, and with `--gguf` llama.cpp's `llama-server --parallel C`, started
   once a concurrency C), loaded by
   vLLM's own client, `vllm bench serve`, on its random dataset (64 prompts, input 100±80,
-  output 80±64 tokens, ignore_eos) at each `--concurrency`; output tokens/s, median TPOT and
-  TTFT from its result file. `--gguf FILE` serves that GGUF file (servax with
+  output 80±64 tokens, ignore_eos) at each `--concurrency`, every run with prompts of its own
+  (a seed a run: servax's prefix cache and llama-server's prompt cache would otherwise answer a
+  repeated run's prompts without their prefill); output tokens/s, median TPOT and TTFT from its
+  result file. `--gguf FILE` serves that GGUF file (servax with
   `quantization: gguf`, llama-server as it is; `--llamacpp-bin` from
   ../shared/tools/llamacpp-reference); `--dtype bfloat16` serves bfloat16 weights (servax and vLLM).
 - **startup**: `LLM(...)` to ready in a fresh process, with an empty then a warm
@@ -446,14 +448,23 @@ def server(name: str, args, folder: str, work: Path, slots: int = 0):
         log.close()
 
 
-def bench_serve(args, base: str, folder: str, concurrency: int, work: Path, tag: str) -> dict:
-    """vLLM's client on vLLM's random dataset; its saved result as a dict."""
+def run_seed(concurrency: int, run: int) -> int:
+    """vllm bench's dataset seed for run `run` at `concurrency`: a seed of its own, so that no run
+    sends prompts an earlier run of the same server start sent (a server with a prefix cache would
+    answer those without their prefill; the warmup's seed is 0)."""
+    return 1000 * concurrency + run + 1
+
+
+def bench_serve(args, base: str, folder: str, concurrency: int, work: Path, tag: str, seed: int = 0,
+                prompts: int = 0) -> dict:
+    """vLLM's client on vLLM's random dataset (`prompts` of them, default --num-prompts, drawn with
+    `seed`); its saved result as a dict."""
     bench = Path(args.vllm_python).parent / "vllm"
     name = f"{tag}-c{concurrency}.json"
     cmd = [str(bench), "bench", "serve", "--backend", "openai", "--base-url", base, "--model", SERVED,
-           "--tokenizer", folder, "--dataset-name", "random", "--num-prompts", str(args.num_prompts),
+           "--tokenizer", folder, "--dataset-name", "random", "--num-prompts", str(prompts or args.num_prompts),
            "--random-input-len", "100", "--random-output-len", "80", "--random-range-ratio", "0.8",
-           "--ignore-eos", "--max-concurrency", str(concurrency), "--seed", "0", "--disable-tqdm",
+           "--ignore-eos", "--max-concurrency", str(concurrency), "--seed", str(seed), "--disable-tqdm",
            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
            "--save-result", "--save-detailed", "--result-dir", str(work), "--result-filename", name]
     done = subprocess.run(cmd, cwd=work, capture_output=True, text=True, env={**os.environ, **VLLM_ENV},
@@ -490,10 +501,11 @@ def http(args, folder: str) -> None:
             groups = [[c] for c in args.concurrency] if name == "llama-server" else [args.concurrency]
             for group in groups:
                 with server(name, args, folder, work, slots=max(group)) as (base, ready[name]):
-                    bench_serve(args, base, folder, 2, work, "warmup")  # first-request costs out of the way
+                    bench_serve(args, base, folder, 2, work, "warmup", prompts=8)  # first-request costs out of the way
                     for c in group:
                         # Each round a fresh client run; the median run by output rate stands for the server.
-                        runs = sorted((bench_serve(args, base, folder, c, work, f"{name.replace(' ', '_')}-r{i}")
+                        runs = sorted((bench_serve(args, base, folder, c, work, f"{name.replace(' ', '_')}-r{i}",
+                                                   seed=run_seed(c, i))
                                        for i in range(args.http_rounds)), key=lambda r: r.get("output_throughput") or 0)
                         r = results[name, c] = runs[len(runs) // 2]
                         per_run[name, c] = [x.get("output_throughput") or 0 for x in runs]
@@ -522,8 +534,10 @@ def http(args, folder: str) -> None:
                    "p99 TPOT ms", "completed"], rows)
             + f"\n\n- `vllm bench serve --backend openai --dataset-name random --num-prompts {args.num_prompts} "
             "--random-input-len 100 --random-output-len 80 --random-range-ratio 0.8 --ignore-eos "
-            f"--max-concurrency C` (vLLM's client) against each server in turn, after 2-concurrent warmup, "
-            f"{args.http_rounds} run(s) each"
+            f"--max-concurrency C --seed S` (vLLM's client) against each server in turn, after a warmup "
+            f"(8 prompts, 2 at a time), {args.http_rounds} run(s) each; every run its own prompts "
+            "(S = 1000 C + 1, 2, ...), the same for every server, so no run finds an earlier run's prompts "
+            "in a prefix cache"
             "\n- seconds from start to the first answered completion: "
             + ", ".join(f"{n} {s:.0f}" for n, s in ready.items())
             + "".join(f"\n- failed in the median run, {n} at {c}: {why}"
