@@ -455,14 +455,13 @@ def run_seed(concurrency: int, run: int) -> int:
     return 1000 * concurrency + run + 1
 
 
-def bench_serve(args, base: str, folder: str, concurrency: int, work: Path, tag: str, seed: int = 0,
-                prompts: int = 0) -> dict:
-    """vLLM's client on vLLM's random dataset (`prompts` of them, default --num-prompts, drawn with
-    `seed`); its saved result as a dict."""
+def bench_serve(args, base: str, folder: str, concurrency: int, work: Path, tag: str, seed: int = 0) -> dict:
+    """vLLM's client on vLLM's random dataset (--num-prompts prompts drawn with `seed`); its saved
+    result as a dict."""
     bench = Path(args.vllm_python).parent / "vllm"
     name = f"{tag}-c{concurrency}.json"
     cmd = [str(bench), "bench", "serve", "--backend", "openai", "--base-url", base, "--model", SERVED,
-           "--tokenizer", folder, "--dataset-name", "random", "--num-prompts", str(prompts or args.num_prompts),
+           "--tokenizer", folder, "--dataset-name", "random", "--num-prompts", str(args.num_prompts),
            "--random-input-len", "100", "--random-output-len", "80", "--random-range-ratio", "0.8",
            "--ignore-eos", "--max-concurrency", str(concurrency), "--seed", str(seed), "--disable-tqdm",
            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
@@ -501,7 +500,7 @@ def http(args, folder: str) -> None:
             groups = [[c] for c in args.concurrency] if name == "llama-server" else [args.concurrency]
             for group in groups:
                 with server(name, args, folder, work, slots=max(group)) as (base, ready[name]):
-                    bench_serve(args, base, folder, 2, work, "warmup", prompts=8)  # first-request costs out of the way
+                    bench_serve(args, base, folder, 2, work, "warmup")  # first-request costs out of the way
                     for c in group:
                         # Each round a fresh client run; the median run by output rate stands for the server.
                         runs = sorted((bench_serve(args, base, folder, c, work, f"{name.replace(' ', '_')}-r{i}",
@@ -535,9 +534,9 @@ def http(args, folder: str) -> None:
             + f"\n\n- `vllm bench serve --backend openai --dataset-name random --num-prompts {args.num_prompts} "
             "--random-input-len 100 --random-output-len 80 --random-range-ratio 0.8 --ignore-eos "
             f"--max-concurrency C --seed S` (vLLM's client) against each server in turn, after a warmup "
-            f"(8 prompts, 2 at a time), {args.http_rounds} run(s) each; every run its own prompts "
-            "(S = 1000 C + 1, 2, ...), the same for every server, so no run finds an earlier run's prompts "
-            "in a prefix cache"
+            f"(the {args.num_prompts} prompts of seed 0, 2 at a time), {args.http_rounds} run(s) each; every "
+            "run its own prompts (S = 1000 C + 1, 2, ...), the same for every server, so no run finds an "
+            "earlier run's prompts in a prefix cache"
             "\n- seconds from start to the first answered completion: "
             + ", ".join(f"{n} {s:.0f}" for n, s in ready.items())
             + "".join(f"\n- failed in the median run, {n} at {c}: {why}"
