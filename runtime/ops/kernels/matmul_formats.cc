@@ -335,10 +335,14 @@ void RoundRows(const float* x, int64_t M, int64_t K, int64_t ld, uint16_t* out) 
 }
 
 // c[r, 0:16] = sum_k a[r, k] * w[k, 0:16] for MR rows of a (bfloat16, rows of lda elements)
-// and one bfloat16 panel [K, 16].
+// and one bfloat16 panel [K, 16]. kPrefetch: the block fetches its own panel ahead of its loads;
+// else, given `next`, it fetches a cache line of it into L2 every `every` pairs of k (one line of
+// its own panel a pair), as matmul.cc's row blocks do.
 template <int MR, bool kPrefetch>
-void PairRowBlock(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t K, float* c, int64_t ldc) {
+void PairRowBlock(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t K, float* c, int64_t ldc,
+                  const uint16_t* next, int64_t every) {
   constexpr int64_t ahead = kPrefetchBytes / sizeof(uint16_t);
+  int64_t due = 0;  // the next k at which this block fetches a line of `next`
   // As RowBlock: few rows split each accumulator's chain over S accumulators.
   constexpr int S = MR == 1 ? 4 : MR == 2 ? 2 : 1;
   __m256 lo[S][MR], hi[S][MR];  // lo: columns 0-3, 8-11; hi: 4-7, 12-15
@@ -347,7 +351,12 @@ void PairRowBlock(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t
 #pragma GCC unroll 12
     for (int r = 0; r < MR; ++r) lo[s][r] = hi[s][r] = _mm256_setzero_ps();
   auto step = [&](int64_t k, int s, __m256i r1) __attribute__((always_inline)) {
-    if (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(panel + k * kPanel + ahead), _MM_HINT_T0);
+    if (kPrefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(panel + k * kPanel + ahead), _MM_HINT_T0);
+    } else if (next != nullptr && k == due) {
+      _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
+      next += every * 2 * kPanel, due += every * 2;
+    }
     const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kPanel));
     const __m256bh w0 = (__m256bh)_mm256_unpacklo_epi16(r0, r1), w1 = (__m256bh)_mm256_unpackhi_epi16(r0, r1);
 #pragma GCC unroll 12
@@ -378,7 +387,8 @@ void PairRowBlock(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t
   }
 }
 
-using PairRowBlockFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t);
+using PairRowBlockFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t,
+                                const uint16_t*, int64_t);
 
 // fns[kPrefetch][rows], rows 1..kPairRows.
 struct PairRowBlocks {
@@ -410,7 +420,13 @@ ffi::Error MultiplyBf16Pairs(ffi::ThreadPool& pool, const float* x, int64_t rows
       const uint16_t* panel = packed + p * K * kPanel;
       for (int64_t blk = 0, r0 = 0; blk < blocks; ++blk) {
         const int64_t n = M / blocks + (blk < M % blocks);
-        form.fns[blk == 0][n](a + r0 * ld, ld, panel, K, c + r0 * N + p * kPanel, N);
+        // Rows in several blocks: each panel is fetched into L2 while the previous one is
+        // multiplied, a share by each block (as matmul.cc's MultiplyPanels); the thread's first
+        // panel, or a single block's, is fetched by its first block as it goes.
+        const bool fetch_own = blocks == 1 || p == first;
+        const int64_t fetchers = blocks - fetch_own, j = blk - fetch_own;
+        const uint16_t* next = j >= 0 && p + 1 < last ? panel + (K + 2 * j) * kPanel : nullptr;
+        form.fns[blk == 0 && fetch_own][n](a + r0 * ld, ld, panel, K, c + r0 * N + p * kPanel, N, next, fetchers);
         r0 += n;
       }
     }
