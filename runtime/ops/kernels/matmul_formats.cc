@@ -316,6 +316,10 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
 // widens both rows and takes four multiply-adds. Every step's products take this form (one
 // arithmetic whatever the batch), batch 1 included: it is bound by reading the weights either way.
 constexpr int kPairRows = 12;  // 24 accumulators of AVX-512's 32 vector registers
+// A single row block of at least this many rows also fetches the thread's next panel into L2 as it
+// multiplies (it computes long enough per panel to wait on memory otherwise); fewer rows are bound
+// by reading their own panel, which the next one's lines would only compete with.
+constexpr int64_t kNextPanelRows = 9;
 
 // x [M, K] rounded to bfloat16 (nearest even) into rows of ld = K rounded up to even elements,
 // a last odd column padded with zero.
@@ -336,8 +340,8 @@ void RoundRows(const float* x, int64_t M, int64_t K, int64_t ld, uint16_t* out) 
 
 // c[r, 0:16] = sum_k a[r, k] * w[k, 0:16] for MR rows of a (bfloat16, rows of lda elements)
 // and one bfloat16 panel [K, 16]. kPrefetch: the block fetches its own panel ahead of its loads;
-// else, given `next`, it fetches a cache line of it into L2 every `every` pairs of k (one line of
-// its own panel a pair), as matmul.cc's row blocks do.
+// given `next`, it also fetches a cache line of that panel into L2 every `every` pairs of k (one
+// line of its own panel a pair), as matmul.cc's row blocks do.
 template <int MR, bool kPrefetch>
 void PairRowBlock(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t K, float* c, int64_t ldc,
                   const uint16_t* next, int64_t every) {
@@ -351,9 +355,8 @@ void PairRowBlock(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t
 #pragma GCC unroll 12
     for (int r = 0; r < MR; ++r) lo[s][r] = hi[s][r] = _mm256_setzero_ps();
   auto step = [&](int64_t k, int s, __m256i r1) __attribute__((always_inline)) {
-    if (kPrefetch) {
-      _mm_prefetch(reinterpret_cast<const char*>(panel + k * kPanel + ahead), _MM_HINT_T0);
-    } else if (next != nullptr && k == due) {
+    if (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(panel + k * kPanel + ahead), _MM_HINT_T0);
+    if (next != nullptr && k == due) {
       _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
       next += every * 2 * kPanel, due += every * 2;
     }
@@ -422,11 +425,16 @@ ffi::Error MultiplyBf16Pairs(ffi::ThreadPool& pool, const float* x, int64_t rows
         const int64_t n = M / blocks + (blk < M % blocks);
         // Rows in several blocks: each panel is fetched into L2 while the previous one is
         // multiplied, a share by each block (as matmul.cc's MultiplyPanels); the thread's first
-        // panel, or a single block's, is fetched by its first block as it goes.
+        // panel, or a single block's, is fetched by its first block as it goes, and a single
+        // block of kNextPanelRows or more fetches the next panel as well.
         const bool fetch_own = blocks == 1 || p == first;
         const int64_t fetchers = blocks - fetch_own, j = blk - fetch_own;
-        const uint16_t* next = j >= 0 && p + 1 < last ? panel + (K + 2 * j) * kPanel : nullptr;
-        form.fns[blk == 0 && fetch_own][n](a + r0 * ld, ld, panel, K, c + r0 * N + p * kPanel, N, next, fetchers);
+        const uint16_t* next = p + 1 == last                     ? nullptr
+                               : blocks == 1 && M >= kNextPanelRows ? panel + K * kPanel
+                               : j >= 0                             ? panel + (K + 2 * j) * kPanel
+                                                                    : nullptr;
+        form.fns[blk == 0 && fetch_own][n](a + r0 * ld, ld, panel, K, c + r0 * N + p * kPanel, N, next,
+                                            std::max<int64_t>(fetchers, 1));
         r0 += n;
       }
     }
