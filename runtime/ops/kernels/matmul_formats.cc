@@ -428,13 +428,11 @@ ffi::Error MultiplyBf16Pairs(ffi::ThreadPool& pool, const float* x, int64_t rows
         // panel, or a single block's, is fetched by its first block as it goes, and a single
         // block of kNextPanelRows or more fetches the next panel as well.
         const bool fetch_own = blocks == 1 || p == first;
-        const int64_t fetchers = blocks - fetch_own, j = blk - fetch_own;
-        const uint16_t* next = p + 1 == last                     ? nullptr
-                               : blocks == 1 && M >= kNextPanelRows ? panel + K * kPanel
-                               : j >= 0                             ? panel + (K + 2 * j) * kPanel
-                                                                    : nullptr;
-        form.fns[blk == 0 && fetch_own][n](a + r0 * ld, ld, panel, K, c + r0 * N + p * kPanel, N, next,
-                                            std::max<int64_t>(fetchers, 1));
+        // How many blocks fetch the next panel, and which of them this one is (it fetches for 0 <= j < fetchers).
+        const int64_t fetchers = blocks == 1 ? M >= kNextPanelRows : blocks - fetch_own;
+        const int64_t j = blocks == 1 ? 0 : blk - fetch_own;
+        const uint16_t* next = j >= 0 && j < fetchers && p + 1 < last ? panel + (K + 2 * j) * kPanel : nullptr;
+        form.fns[blk == 0 && fetch_own][n](a + r0 * ld, ld, panel, K, c + r0 * N + p * kPanel, N, next, fetchers);
         r0 += n;
       }
     }
