@@ -1,13 +1,15 @@
 """The C++ paged attention alone (runtime/ops/attention_cpu.py) at decode: time per layer by cache dtype.
 
 Decodes of `--batches` sequences, each over `--contexts` tokens of cached context, the demo
-model's heads (9 query heads over 3 KV heads of 64 dims) in blocks of 16 shuffled over the
-cache, as a serving engine's blocks lie. Each program attends through every layer of a
+model's heads (9 query heads over 3 KV heads of 64 dims) in blocks of 16 laid over the cache
+as `--layouts` says: shuffled; ascending (each sequence's blocks one after another, as a fresh
+engine hands them out); descending (as blocks a finished request freed are handed out again). Each program attends through every layer of a
 30-layer stacked cache (so the context is read from memory, not the caches of the CPU), best of
 5 runs; beside each time, the context's bytes read a layer and the rate they were read at.
 
     python benchmarks/attention.py
     python benchmarks/attention.py --dtypes float32,bfloat16,float16,int8 --contexts 256,2048 --batches 1,8
+    python benchmarks/attention.py --layouts shuffled,ascending,descending --batches 8,32 --contexts 160,512
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="cache dtypes: float32, bfloat16, float16, int8")
     parser.add_argument("--contexts", default="64,512,1024")
     parser.add_argument("--batches", default="1")
+    parser.add_argument("--layouts", default="shuffled", help="where each sequence's blocks lie: shuffled, "
+                        "ascending, descending")
     args = parser.parse_args()
 
     import jax.numpy as jnp
@@ -42,20 +46,34 @@ def main() -> None:
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         for context in [int(c) for c in args.contexts.split(",")]:
-            for dtype in args.dtypes.split(","):
-                seconds = _per_layer(batch, context, dtype)
-                stored = jnp.dtype(jnp.int8 if dtype == "int8" else dtype).itemsize
-                read = 2 * batch * context * KV_HEADS * (HEAD_DIM * stored + (4 if dtype == "int8" else 0))
-                rows.append([batch, context, dtype, f"{seconds * 1e6:.1f}", f"{read / 1e6:.3f}",
-                             f"{read / seconds / 1e9:.1f}"])
+            for layout in args.layouts.split(","):
+                for dtype in args.dtypes.split(","):
+                    seconds = _per_layer(batch, context, dtype, layout)
+                    stored = jnp.dtype(jnp.int8 if dtype == "int8" else dtype).itemsize
+                    read = 2 * batch * context * KV_HEADS * (HEAD_DIM * stored + (4 if dtype == "int8" else 0))
+                    rows.append([batch, context, layout, dtype, f"{seconds * 1e6:.1f}", f"{read / 1e6:.3f}",
+                                 f"{read / seconds / 1e9:.1f}"])
     body = (f"{HEADS} query heads over {KV_HEADS} KV heads of {HEAD_DIM}, blocks of {BLOCK}, {LAYERS} layers a "
             "program; best of 5\n\n"
-            + table(["batch", "context", "cache", "us a layer", "KV read MB a layer", "GB/s"], rows))
+            + table(["batch", "context", "blocks", "cache", "us a layer", "KV read MB a layer", "GB/s"], rows))
     record("CPU attention at decode, by cache dtype", body)
 
 
-def _per_layer(batch: int, context: int, dtype: str) -> float:
-    """Seconds a layer of `batch` decodes over `context` cached tokens takes, cache in `dtype`."""
+class _InOrder:
+    """Hands build_batch its block pool in order (it pops blocks from the pool's end)."""
+
+    def __init__(self, descending: bool):
+        self.descending = descending
+
+    def permutation(self, ids):
+        import numpy as np
+
+        return np.asarray(ids) if self.descending else np.asarray(ids)[::-1]
+
+
+def _per_layer(batch: int, context: int, dtype: str, layout: str = "shuffled") -> float:
+    """Seconds a layer of `batch` decodes over `context` cached tokens takes, cache in `dtype`,
+    blocks laid out as `layout` says (shuffled, ascending, descending)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -66,7 +84,10 @@ def _per_layer(batch: int, context: int, dtype: str) -> float:
 
     rng = np.random.default_rng(0)
     blocks = batch * (context // BLOCK + 2) + 8
-    step, _, _ = build_batch(rng, [(context - 1, 1)] * batch, block_size=BLOCK, num_blocks=blocks,
+    if layout not in ("shuffled", "ascending", "descending"):
+        raise SystemExit(f"unknown layout {layout!r}: shuffled, ascending or descending")
+    pool = rng if layout == "shuffled" else _InOrder(layout == "descending")
+    step, _, _ = build_batch(pool, [(context - 1, 1)] * batch, block_size=BLOCK, num_blocks=blocks,
                              max_blocks=context // BLOCK + 2, pad_tokens=batch, pad_seqs=batch)
     q = jnp.asarray(rng.standard_normal((batch, HEADS, HEAD_DIM)), jnp.float32)
     shape = (LAYERS, blocks, KV_HEADS, BLOCK, HEAD_DIM)

@@ -306,6 +306,40 @@ struct ItemContext {
     }
   }
 
+  // A block's keys and values (the item's heads) as 64-byte lines, fetched into L2 a share at a
+  // time; none (no lines) past the context.
+  struct NextBlock {
+    const char* k = nullptr;
+    const char* v = nullptr;
+    int64_t lines = 0;  // 64-byte lines of each
+
+    // Share `part` of `parts` of the block's key (value) lines into L2.
+    void FetchKeys(int64_t part, int64_t parts) const { Fetch(k, part, parts); }
+    void FetchValues(int64_t part, int64_t parts) const { Fetch(v, part, parts); }
+    void Fetch(const char* x, int64_t part, int64_t parts) const {
+      for (int64_t i = part * lines / parts, end = (part + 1) * lines / parts; i < end; ++i)
+        __builtin_prefetch(x + 64 * i, 0, 1);
+    }
+  };
+  // Block b + 1 where it lies right after block b in the cache (a sequence's blocks as a fresh
+  // cache hands them out): fetched whole now, as PrefetchNext does, since the CPU's own stride
+  // prefetcher is streaming it already. Anywhere else (blocks freed and handed out again, often in
+  // reverse or scattered): returned for the caller to fetch a share at a time as it reads block
+  // b, since a burst of a whole block's lines stalls the loads behind it until every line has
+  // been issued (benchmarks/RESULTS.md, stop 71).
+  NextBlock FetchNext(int64_t b, int64_t heads) const {
+    if ((b + 1) * BS >= hi) return {};
+    if (table[b + 1] == table[b] + 1) {
+      PrefetchNext(b, heads);
+      return {};
+    }
+    const int64_t next = Offset(b + 1) * p.bytes;
+    const bool f32 = p.stored == Stored::kF32;
+    return {reinterpret_cast<const char*>(f32 ? static_cast<const void*>(p.k_cache) : p.k_bytes) + next,
+            reinterpret_cast<const char*>(f32 ? static_cast<const void*>(p.v_cache) : p.v_bytes) + next,
+            heads * BS * D * p.bytes / 64};
+  }
+
   // Whether every token sees every key of the `n` keys from k0: no mask needed.
   bool Whole(int64_t k0, int64_t n) const {
     return k0 + n <= std::min<int64_t>(pmin + 1, ctx) && (p.window <= 0 || pmax - k0 < p.window);
@@ -418,11 +452,11 @@ struct ItemRows {
 // every row sees all of its keys) and each of the item's KV heads, with that head's keys and
 // values of the block, the next block prefetched: as float32 (Block), or with E a 16-bit cache's
 // own bits, read in place (uint16_t: bfloat16; Half: float16).
-template <class E = float, class Fn>
+template <class E = float, bool kFetchNext = true, class Fn>
 void ForEachBlock(const ItemContext& context, const ItemRows& rows, Fn&& fn) {
   for (int64_t b = context.lo / rows.BS; b * rows.BS < context.hi; ++b) {
     const int64_t offset = context.Offset(b);
-    context.PrefetchNext(b, rows.heads);
+    if (kFetchNext) context.PrefetchNext(b, rows.heads);
     const int64_t k0 = b * rows.BS;
     const bool whole = context.Whole(k0, rows.BS);
     for (int64_t hh = 0; hh < rows.heads; ++hh) {
@@ -499,11 +533,13 @@ inline __m512 Sum16(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
 
 // s[g * kBS + j] = q_g . k_j for kG rows (q: [kG, kD]) and a block's keys (k: [kBS, kD]), four
 // keys at a time: each key's 32 dims loaded once for all the rows.
-template <int kBS, int kD, int kG, class E>
-inline void DecodeScores(const float* __restrict q, const E* __restrict k, float* __restrict s) {
+template <int kBS, int kD, int kG, class E, bool kFetch>
+inline void DecodeScores(const float* __restrict q, const E* __restrict k, float* __restrict s,
+                         const ItemContext::NextBlock& next, int64_t part, int64_t parts) {
   for (int j0 = 0; j0 < kBS; j0 += 16) {
     __m512 quarters[4][kG];
     for (int jq = 0; jq < 4; ++jq) {
+      if constexpr (kFetch) next.FetchKeys((part * kBS + j0) / 4 + jq, parts * kBS / 4);
       __m512 acc[kG][4];
       for (int g = 0; g < kG; ++g)
         for (int jj = 0; jj < 4; ++jj) acc[g][jj] = _mm512_setzero_ps();
@@ -525,9 +561,9 @@ inline void DecodeScores(const float* __restrict q, const E* __restrict k, float
 
 // acc_g = acc_g * corr[g] + sum_j p[g, j] v_j for kG rows (acc, p: [kG, kD], [kG, kBS]), 64 dims
 // at a time: each value's dims loaded once for all the rows.
-template <int kBS, int kD, int kG, class E>
+template <int kBS, int kD, int kG, class E, bool kFetch>
 inline void DecodeValues(float* __restrict acc, const float* __restrict corr, const float* __restrict pr,
-                         const E* __restrict v) {
+                         const E* __restrict v, const ItemContext::NextBlock& next, int64_t part, int64_t parts) {
   for (int d0 = 0; d0 < kD; d0 += 64) {
     __m512 a[kG][4];
     for (int g = 0; g < kG; ++g) {
@@ -535,6 +571,8 @@ inline void DecodeValues(float* __restrict acc, const float* __restrict corr, co
       for (int w = 0; w < 4; ++w) a[g][w] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * kD + d0 + 16 * w), c);
     }
     for (int j = 0; j < kBS; ++j) {
+      if constexpr (kFetch)
+        if (d0 == 0) next.FetchValues(part * kBS + j, parts * kBS);
       __m512 x[4];
       Load32(v + j * kD + d0, x[0], x[1]);
       Load32(v + j * kD + d0 + 32, x[2], x[3]);
@@ -587,15 +625,25 @@ void RunDecode(const Problem& p, const Item& it, std::vector<float>& scratch) {
     for (int64_t r = 0; r < rows.R; ++r) Interleave32<true>(rows.q + r * kD, kD);
   const int64_t G = rows.G;
   const ItemContext context(p, it, kBS, kD);
-  auto block = [&](int64_t hh, const E* kb, const E* vb, int64_t k0, bool whole) {
+  ItemContext::NextBlock next;
+  auto passes = [&](int64_t hh, const E* kb, const E* vb, int64_t k0, bool whole, auto fetch) {
+    constexpr bool kFetch = decltype(fetch)::value;
+    const int64_t n = G / kG;  // passes a head
     for (int64_t r = hh * G; r < (hh + 1) * G; r += kG)
-      DecodeScores<kBS, kD, kG>(rows.q + r * kD, kb, rows.s + r * kBS);
+      DecodeScores<kBS, kD, kG, E, kFetch>(rows.q + r * kD, kb, rows.s + r * kBS, next, hh * n + (r - hh * G) / kG,
+                                           rows.heads * n);
     if (!whole) rows.Mask(rows.s + hh * G * kBS, k0, context.ctx);
     DecodeSoftmax<kBS>(rows, hh * G, (hh + 1) * G);
     for (int64_t r = hh * G; r < (hh + 1) * G; r += kG)
-      DecodeValues<kBS, kD, kG>(rows.acc + r * kD, rows.corr + r, rows.s + r * kBS, vb);
+      DecodeValues<kBS, kD, kG, E, kFetch>(rows.acc + r * kD, rows.corr + r, rows.s + r * kBS, vb, next,
+                                           hh * n + (r - hh * G) / kG, rows.heads * n);
   };
-  ForEachBlock<E>(context, rows, block);
+  auto block = [&](int64_t hh, const E* kb, const E* vb, int64_t k0, bool whole) {
+    if (hh == 0) next = context.FetchNext(k0 / kBS, rows.heads);
+    if (next.lines) passes(hh, kb, vb, k0, whole, std::true_type());
+    else passes(hh, kb, vb, k0, whole, std::false_type());
+  };
+  ForEachBlock<E, false>(context, rows, block);
   if constexpr (kPairs)
     for (int64_t r = 0; r < rows.R; ++r) Interleave32<false>(rows.acc + r * kD, kD);
   rows.Store();
