@@ -682,16 +682,22 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   ItemRows rows(p, it, D, DV, BS, scratch);
   const int64_t RH = rows.RH;
   const ItemContext context(p, it, BS, p.row);
+  ItemContext::NextBlock next;  // fetched a share a row (FetchNext)
   auto block = [&](int64_t hh, const auto* kb, const auto* vb, int64_t k0, bool whole) {
     using E = std::remove_cv_t<std::remove_pointer_t<decltype(kb)>>;
+    if (hh == 0) next = context.FetchNext(k0 / BS, rows.heads);
     float* __restrict sh = rows.s + hh * RH * BS;
-    for (int64_t r = 0; r < RH; ++r) Scores<kBS, kD, E>(rows.q + (hh * RH + r) * D, kb, sh + r * BS, BS, D, p.row);
+    for (int64_t r = 0; r < RH; ++r) {
+      Scores<kBS, kD, E>(rows.q + (hh * RH + r) * D, kb, sh + r * BS, BS, D, p.row);
+      next.FetchKeys(hh * RH + r, rows.R);
+    }
     if (p.soft_cap > 0)
       for (int64_t i = 0; i < RH * BS; ++i) sh[i] = p.soft_cap * std::tanh(sh[i] / p.soft_cap);
     if (!whole) rows.Mask(sh, k0, context.ctx);
     for (int64_t r = hh * RH; r < (hh + 1) * RH; ++r) {
       rows.template Softmax<kBS>(r);
       Accumulate<kBS, kD, E>(rows.acc + r * DV, rows.corr[r], rows.s + r * BS, vb, BS, DV, p.row);
+      next.FetchValues(r, rows.R);
     }
   };
   // A bfloat16 cache of the compile-time shapes is widened as its keys and values are multiplied
@@ -699,9 +705,9 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   // multiply-adds directly (benchmarks/RESULTS.md, stop 51). The same rule as RunDecodeAvx512's
   // (values kept in the keys are read from the keys' bits either way).
   if (kBS > 0 && kD > 0 && p.stored == Stored::kBF16)
-    ForEachBlock<uint16_t>(context, rows, block);
+    ForEachBlock<uint16_t, false>(context, rows, block);
   else
-    ForEachBlock(context, rows, block);
+    ForEachBlock<float, false>(context, rows, block);
   rows.Store();
 }
 
