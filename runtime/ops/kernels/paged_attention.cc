@@ -450,7 +450,8 @@ struct ItemRows {
 
 // fn(hh, kb, vb, k0, whole) for each block of the item's context (its first key k0; `whole`:
 // every row sees all of its keys) and each of the item's KV heads, with that head's keys and
-// values of the block, the next block prefetched: as float32 (Block), or with E a 16-bit cache's
+// values of the block, the next block prefetched whole (kFetchNext; a caller that fetches it
+// itself, ItemContext::FetchNext, passes false): as float32 (Block), or with E a 16-bit cache's
 // own bits, read in place (uint16_t: bfloat16; Half: float16).
 template <class E = float, bool kFetchNext = true, class Fn>
 void ForEachBlock(const ItemContext& context, const ItemRows& rows, Fn&& fn) {
