@@ -321,23 +321,30 @@ struct ItemContext {
         __builtin_prefetch(x + 64 * i, 0, 1);
     }
   };
-  // Block b + 1 where it lies right after block b in the cache (a sequence's blocks as a fresh
-  // cache hands them out): fetched whole now, as PrefetchNext does, since the CPU's own stride
-  // prefetcher is streaming it already. Anywhere else (blocks freed and handed out again, often in
-  // reverse or scattered): returned for the caller to fetch a share at a time as it reads block
-  // b, since a burst of a whole block's lines stalls the loads behind it until every line has
-  // been issued (benchmarks/RESULTS.md, stop 71).
-  NextBlock FetchNext(int64_t b, int64_t heads) const {
+  // Block b + 1's lines (none past the context), for the caller to fetch a share at a time as it
+  // reads block b: a burst of a whole block's lines (PrefetchNext) stalls the loads behind it
+  // until every line has been issued, where the block is not one the CPU's own prefetcher is
+  // already streaming (benchmarks/RESULTS.md, stop 71).
+  NextBlock Next(int64_t b, int64_t heads) const {
     if ((b + 1) * BS >= hi) return {};
-    if (table[b + 1] == table[b] + 1) {
-      PrefetchNext(b, heads);
-      return {};
-    }
     const int64_t next = Offset(b + 1) * p.bytes;
     const bool f32 = p.stored == Stored::kF32;
     return {reinterpret_cast<const char*>(f32 ? static_cast<const void*>(p.k_cache) : p.k_bytes) + next,
             reinterpret_cast<const char*>(f32 ? static_cast<const void*>(p.v_cache) : p.v_bytes) + next,
             heads * BS * D * p.bytes / 64};
+  }
+
+  // Next, but a block b + 1 that lies right after block b in the cache (a sequence's blocks as a
+  // fresh cache hands them out) is fetched whole now, as PrefetchNext does: the CPU's stride
+  // prefetcher is on it already, and the AVX-512 decode form reads a block faster than a share a
+  // pass would bring it in. Blocks handed out again after a request freed them (in reverse, or
+  // scattered) come back as Next's.
+  NextBlock FetchNext(int64_t b, int64_t heads) const {
+    if ((b + 1) * BS < hi && table[b + 1] == table[b] + 1) {
+      PrefetchNext(b, heads);
+      return {};
+    }
+    return Next(b, heads);
   }
 
   // Whether every token sees every key of the `n` keys from k0: no mask needed.
@@ -683,10 +690,10 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   ItemRows rows(p, it, D, DV, BS, scratch);
   const int64_t RH = rows.RH;
   const ItemContext context(p, it, BS, p.row);
-  ItemContext::NextBlock next;  // fetched a share a row (FetchNext)
+  ItemContext::NextBlock next;  // fetched a share a row, wherever it lies (faster here in either case)
   auto block = [&](int64_t hh, const auto* kb, const auto* vb, int64_t k0, bool whole) {
     using E = std::remove_cv_t<std::remove_pointer_t<decltype(kb)>>;
-    if (hh == 0) next = context.FetchNext(k0 / BS, rows.heads);
+    if (hh == 0) next = context.Next(k0 / BS, rows.heads);
     float* __restrict sh = rows.s + hh * RH * BS;
     for (int64_t r = 0; r < RH; ++r) {
       Scores<kBS, kD, E>(rows.q + (hh * RH + r) * D, kb, sh + r * BS, BS, D, p.row);
