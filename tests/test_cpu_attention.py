@@ -74,6 +74,40 @@ def test_kernel_matches_numpy_oracle(heads, kv_heads, block_size, head_dim, wind
     assert np.all(got[n:] == 0), "padding tokens must produce zeros"
 
 
+class _InOrder:
+    """A block pool in order for build_batch (which pops from its end): each sequence's blocks one
+    after another in the cache, or in reverse (as blocks a finished request freed come back)."""
+
+    def __init__(self, rng, descending: bool):
+        self.rng, self.descending = rng, descending
+
+    def permutation(self, ids):
+        return np.asarray(ids) if self.descending else np.asarray(ids)[::-1]
+
+    def __getattr__(self, name):
+        return getattr(self.rng, name)
+
+
+@pytest.mark.parametrize("layout", ["ascending", "descending"])
+@pytest.mark.parametrize("heads,kv_heads,block_size,head_dim,window,soft_cap",
+                         [CASES[0], CASES[5], CASES[6]], ids=["gqa-16x64", "softcap-generic", "mqa-tiled-16x72"])
+def test_decodes_over_blocks_in_and_out_of_memory_order(layout, heads, kv_heads, block_size, head_dim, window,
+                                                        soft_cap):
+    """A decode fetches its next block whole where it follows the current one in the cache and a share
+    at a time where it does not (the AVX-512 decode form, the generic one, the tiled one): either way
+    the oracle's results."""
+    rng = np.random.default_rng(7)
+    specs = [(80, 1), (60, 1), (40, 1), (17, 1)]
+    batch, seqs, n, q, k, v = _case(_InOrder(rng, layout == "descending"), specs, heads=heads, kv_heads=kv_heads,
+                                    block_size=block_size, head_dim=head_dim, pad_tokens=8)
+    got = np.asarray(jax.jit(lambda q, k, v, b: cpu_ragged_paged_attention(
+        q, k, v, 0, b, scale=0.35, sliding_window=window, logit_soft_cap=soft_cap))(q, k[None], v[None], batch))
+    want = oracle(q, k, v, seqs, scale=0.35, sliding_window=window, soft_cap=soft_cap)
+    np.testing.assert_allclose(got[:n], want[:n], atol=TOL, rtol=0)
+    tables = np.asarray(batch.block_tables)[0, :-(-81 // block_size)]  # the first sequence's blocks
+    assert np.all(np.diff(tables) == (-1 if layout == "descending" else 1)), tables
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("heads,kv_heads,block_size,head_dim,window,soft_cap",
                          [CASES[0], CASES[1], CASES[3], CASES[5], CASES[6], CASES[8]],
