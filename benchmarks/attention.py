@@ -3,9 +3,10 @@
 Decodes of `--batches` sequences, each over `--contexts` tokens of cached context, the demo
 model's heads (9 query heads over 3 KV heads of 64 dims) in blocks of 16 laid over the cache
 as `--layouts` says: shuffled; ascending (each sequence's blocks one after another, as a fresh
-engine hands them out); descending (as blocks a finished request freed are handed out again). Each program attends through every layer of a
-30-layer stacked cache (so the context is read from memory, not the caches of the CPU), best of
-5 runs; beside each time, the context's bytes read a layer and the rate they were read at.
+engine hands them out); descending (as blocks a finished request freed are handed out again).
+Each program attends through every layer of a 30-layer stacked cache (so the context is read
+from memory, not the caches of the CPU), best of 5 runs; beside each time, the context's bytes
+read a layer and the rate they were read at.
 
     python benchmarks/attention.py
     python benchmarks/attention.py --dtypes float32,bfloat16,float16,int8 --contexts 256,2048 --batches 1,8
@@ -35,6 +36,9 @@ def main() -> None:
     parser.add_argument("--layouts", default="shuffled", help="where each sequence's blocks lie: shuffled, "
                         "ascending, descending")
     args = parser.parse_args()
+    unknown = set(args.layouts.split(",")) - {"shuffled", "ascending", "descending"}
+    if unknown:
+        parser.error(f"unknown layouts {sorted(unknown)}: shuffled, ascending, descending")
 
     import jax.numpy as jnp
 
@@ -59,18 +63,6 @@ def main() -> None:
     record("CPU attention at decode, by cache dtype", body)
 
 
-class _InOrder:
-    """Hands build_batch its block pool in order (it pops blocks from the pool's end)."""
-
-    def __init__(self, descending: bool):
-        self.descending = descending
-
-    def permutation(self, ids):
-        import numpy as np
-
-        return np.asarray(ids) if self.descending else np.asarray(ids)[::-1]
-
-
 def _per_layer(batch: int, context: int, dtype: str, layout: str = "shuffled") -> float:
     """Seconds a layer of `batch` decodes over `context` cached tokens takes, cache in `dtype`,
     blocks laid out as `layout` says (shuffled, ascending, descending)."""
@@ -84,11 +76,8 @@ def _per_layer(batch: int, context: int, dtype: str, layout: str = "shuffled") -
 
     rng = np.random.default_rng(0)
     blocks = batch * (context // BLOCK + 2) + 8
-    if layout not in ("shuffled", "ascending", "descending"):
-        raise SystemExit(f"unknown layout {layout!r}: shuffled, ascending or descending")
-    pool = rng if layout == "shuffled" else _InOrder(layout == "descending")
-    step, _, _ = build_batch(pool, [(context - 1, 1)] * batch, block_size=BLOCK, num_blocks=blocks,
-                             max_blocks=context // BLOCK + 2, pad_tokens=batch, pad_seqs=batch)
+    step, _, _ = build_batch(rng, [(context - 1, 1)] * batch, block_size=BLOCK, num_blocks=blocks,
+                             max_blocks=context // BLOCK + 2, pad_tokens=batch, pad_seqs=batch, layout=layout)
     q = jnp.asarray(rng.standard_normal((batch, HEADS, HEAD_DIM)), jnp.float32)
     shape = (LAYERS, blocks, KV_HEADS, BLOCK, HEAD_DIM)
     scales = {}

@@ -41,9 +41,15 @@ def oracle(q, k_cache, v_cache, seqs, *, scale, sliding_window=None, soft_cap=No
     return out
 
 
-def build_batch(rng, specs, *, block_size, num_blocks, max_blocks, pad_tokens, pad_seqs):
-    """specs: list of (cached_len, new_len). Blocks are drawn from a shuffled pool."""
-    pool = list(rng.permutation(np.arange(1, num_blocks)))
+def build_batch(rng, specs, *, block_size, num_blocks, max_blocks, pad_tokens, pad_seqs, layout="shuffled"):
+    """specs: list of (cached_len, new_len). Blocks are drawn from a pool (its end first): shuffled;
+    ascending (each sequence's blocks one after another in the cache, as a fresh cache hands them
+    out); descending (in reverse, as blocks a finished request freed are handed out again)."""
+    ids = np.arange(1, num_blocks)
+    orders = {"shuffled": lambda: rng.permutation(ids), "ascending": lambda: ids[::-1], "descending": lambda: ids}
+    if layout not in orders:
+        raise ValueError(f"unknown layout {layout!r}: {', '.join(orders)}")
+    pool = list(orders[layout]())
     ids, positions, slots, seq_lens, qsl, logits_idx = [], [], [], [], [0], []
     tables = np.zeros((pad_seqs, max_blocks), np.int32)
     seqs = []

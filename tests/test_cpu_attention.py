@@ -45,10 +45,11 @@ def _kernel():
     assert status == "ok", f"the CPU attention kernel must build on the test machine: {status}"
 
 
-def _case(rng, specs, *, heads, kv_heads, block_size, head_dim, pad_tokens=128, pad_seqs=8, num_blocks=96):
+def _case(rng, specs, *, heads, kv_heads, block_size, head_dim, pad_tokens=128, pad_seqs=8, num_blocks=96,
+          layout="shuffled"):
     max_blocks = max(24, -(-64 // block_size) + 2)
     batch, seqs, n = build_batch(rng, specs, block_size=block_size, num_blocks=num_blocks, max_blocks=max_blocks,
-                                 pad_tokens=pad_tokens, pad_seqs=pad_seqs)
+                                 pad_tokens=pad_tokens, pad_seqs=pad_seqs, layout=layout)
     shape = (num_blocks, kv_heads, block_size, head_dim)
     k = rng.standard_normal(shape).astype(np.float32)
     v = rng.standard_normal(shape).astype(np.float32)
@@ -74,32 +75,18 @@ def test_kernel_matches_numpy_oracle(heads, kv_heads, block_size, head_dim, wind
     assert np.all(got[n:] == 0), "padding tokens must produce zeros"
 
 
-class _InOrder:
-    """A block pool in order for build_batch (which pops from its end): each sequence's blocks one
-    after another in the cache, or in reverse (as blocks a finished request freed come back)."""
-
-    def __init__(self, rng, descending: bool):
-        self.rng, self.descending = rng, descending
-
-    def permutation(self, ids):
-        return np.asarray(ids) if self.descending else np.asarray(ids)[::-1]
-
-    def __getattr__(self, name):
-        return getattr(self.rng, name)
-
-
 @pytest.mark.parametrize("layout", ["ascending", "descending"])
 @pytest.mark.parametrize("heads,kv_heads,block_size,head_dim,window,soft_cap",
                          [CASES[0], CASES[5], CASES[6]], ids=["gqa-16x64", "softcap-generic", "mqa-tiled-16x72"])
 def test_decodes_over_blocks_in_and_out_of_memory_order(layout, heads, kv_heads, block_size, head_dim, window,
                                                         soft_cap):
-    """A decode fetches its next block whole where it follows the current one in the cache and a share
-    at a time where it does not (the AVX-512 decode form, the generic one, the tiled one): either way
-    the oracle's results."""
+    """The AVX-512 decode form fetches its next block whole where it follows the current one in the
+    cache and a share at a time where it does not, the generic form a share at a time either way, the
+    tiled form whole either way: each gives the oracle's results over blocks in and out of order."""
     rng = np.random.default_rng(7)
     specs = [(80, 1), (60, 1), (40, 1), (17, 1)]
-    batch, seqs, n, q, k, v = _case(_InOrder(rng, layout == "descending"), specs, heads=heads, kv_heads=kv_heads,
-                                    block_size=block_size, head_dim=head_dim, pad_tokens=8)
+    batch, seqs, n, q, k, v = _case(rng, specs, heads=heads, kv_heads=kv_heads, block_size=block_size,
+                                    head_dim=head_dim, pad_tokens=8, layout=layout)
     got = np.asarray(jax.jit(lambda q, k, v, b: cpu_ragged_paged_attention(
         q, k, v, 0, b, scale=0.35, sliding_window=window, logit_soft_cap=soft_cap))(q, k[None], v[None], batch))
     want = oracle(q, k, v, seqs, scale=0.35, sliding_window=window, soft_cap=soft_cap)
